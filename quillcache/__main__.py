@@ -1,0 +1,3 @@
+from quillcache.cli import main
+
+raise SystemExit(main())

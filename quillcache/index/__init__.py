@@ -1,0 +1,27 @@
+"""Residency index backends and their registry."""
+
+from __future__ import annotations
+
+from quillcache.index.protocol import IndexBackend, KeyArray
+from quillcache.index.registry import (
+    ENTRY_POINT_GROUP,
+    available_backends,
+    create_backend,
+    register_backend,
+)
+from quillcache.index.types import ApplyStats, Entry, IndexStats, Match, Residency, SourceId
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "ApplyStats",
+    "Entry",
+    "IndexBackend",
+    "IndexStats",
+    "KeyArray",
+    "Match",
+    "Residency",
+    "SourceId",
+    "available_backends",
+    "create_backend",
+    "register_backend",
+]

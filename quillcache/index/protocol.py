@@ -1,0 +1,75 @@
+"""The `IndexBackend` protocol: what every residency index implements.
+
+Every call is batch-shaped (many event batches per `apply`, one request per
+`match`), so that a remote backend (Redis, a sidecar) costs one round trip where a
+local one costs a function call. Semantics are specified in `docs/index.md`; the
+conformance suite `tests/index/` runs against every registered backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from quillcache.index.types import ApplyStats, Entry, IndexStats, Match
+
+KeyArray = npt.NDArray[np.uint64]
+
+
+@runtime_checkable
+class IndexBackend(Protocol):
+    """Residency of KV blocks across engines, keyed by QuillCache content keys."""
+
+    name: str
+
+    def register_source(
+        self, worker: int, dp_rank: int = 0, *, model: str = "", tokenizer: str = ""
+    ) -> None:
+        """Declare the model/tokenizer a source serves: the base of its events' namespace.
+
+        A source that was never registered has model "" and tokenizer "".
+        """
+
+    def apply(self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0) -> ApplyStats:
+        """Decode and apply raw msgpack event batches from one source, in order.
+
+        A batch that fails to decode raises `quillcache.errors.EventDecodeError`; the
+        batches before it are applied, it and the ones after are not (the error says
+        which index failed), so a caller can resume exactly.
+        """
+        ...
+
+    def match(self, keys: KeyArray) -> list[Match]:
+        """Longest cached prefix of `keys` per (source, medium); sources with 0 omitted."""
+        ...
+
+    def remove_worker(self, worker: int) -> int:
+        """Drop every source of a worker (all dp ranks); returns resident pairs dropped."""
+        ...
+
+    def clear_source(self, worker: int, dp_rank: int = 0) -> int:
+        """AllBlocksCleared for one source; returns resident pairs dropped."""
+        ...
+
+    def scan(self, prefix: KeyArray) -> list[Entry]:
+        """Every block in the subtree under the block named by `prefix[-1]` (itself
+        included), sorted by key; the whole index for an empty prefix."""
+        ...
+
+    def pin(self, keys: KeyArray) -> None:
+        """Pin a prefix: its blocks stay in the index (and are reported) even with no holder."""
+
+    def unpin(self, keys: KeyArray) -> None:
+        """Undo one `pin` of the same prefix."""
+
+    def stats(self) -> IndexStats: ...
+
+    def entries(self) -> Iterator[Entry]:
+        """Every block with its holders, in no particular order."""
+        ...
+
+    def close(self) -> None:
+        """Release resources (files, handles). Idempotent."""

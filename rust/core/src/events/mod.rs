@@ -1,0 +1,9 @@
+//! KV-cache event batches as vLLM, SGLang and LMCache publish them
+//! (see `docs/kv-events.md`). Decoding never panics and never allocates more
+//! than the input can justify.
+
+mod decode;
+mod types;
+
+pub use decode::{decode_batch, DecodeError};
+pub use types::{BlockRemoved, BlockStored, EngineHash, Event, EventBatch, ExtraKey, Medium};

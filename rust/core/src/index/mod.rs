@@ -1,0 +1,1 @@
+//! The residency index. (Being written.)

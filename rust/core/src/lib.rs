@@ -1,0 +1,14 @@
+//! QuillCache core: everything on the hot path that does not need Python.
+//!
+//! * [`namespace`] and [`content_key`]: identity and QuillCache's own chained block key.
+//! * [`vllm_hash`]: byte-exact parity with vLLM's `sha256_cbor` block hashes.
+//! * [`events`]: decoding of the engines' KV-event batches (every wire shape we know).
+//! * [`index`]: the residency index (which source holds which block, in which medium).
+//!
+//! The binding crate (`rust/python`) only converts types and releases the GIL.
+
+pub mod content_key;
+pub mod events;
+pub mod index;
+pub mod namespace;
+pub mod vllm_hash;

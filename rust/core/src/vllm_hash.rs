@@ -1,0 +1,1 @@
+//! vLLM `sha256_cbor` block-hash parity. (Being written.)
