@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
 
@@ -21,12 +22,15 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package does not exist (yet)
+        return False
+
+
 def _available() -> dict[str, tuple[str, str]]:
-    return {
-        name: spec
-        for name, spec in SUBCOMMANDS.items()
-        if importlib.util.find_spec(spec[0]) is not None
-    }
+    return {name: spec for name, spec in SUBCOMMANDS.items() if _importable(spec[0])}
 
 
 def build_parser() -> argparse.ArgumentParser:
