@@ -1,0 +1,69 @@
+# Everyday loops. `make test` is what CI runs (via .ci/run); `make test-fast` skips the
+# slow RocksDB C++ build. Build outputs live outside the clone so they survive re-clones.
+SHELL := /bin/bash
+export CARGO_TARGET_DIR ?= $(HOME)/.cache/quillcache/target
+PYTHON ?= python3
+# Cargo features of the extension built by `make test` (CI) — the persistent backends.
+CI_FEATURES ?= rocksdb
+# Hypothesis profile: "ci" under CI, "dev" locally (see tests/conftest.py).
+
+.PHONY: help deps install build-dev build-release build-ci test test-fast test-rust \
+        test-python lint fmt bench bench-rust asv-quick clean
+
+help:
+	@echo "targets: install build-dev build-release test test-fast test-rust test-python lint fmt bench asv-quick"
+
+deps:  ## system packages (clang for the rocksdb crate's bindgen) and Python dev deps
+	@command -v clang >/dev/null && [ -n "$$(ls /usr/lib/llvm-*/lib/libclang*.so* 2>/dev/null)" ] \
+	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang libclang-dev >/dev/null; }
+	$(PYTHON) -m pip install -q --upgrade "maturin>=1.8,<2"
+	$(PYTHON) -m pip install -q -e '.[dev]'
+
+install: deps
+
+build-dev:
+	maturin develop -q
+
+build-release:
+	maturin develop --release -q
+
+build-ci:
+	maturin develop --release -q --features "$(CI_FEATURES)"
+
+test-rust:
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+	cargo nextest run -p quillcache-core --no-fail-fast
+	cargo test -p quillcache-core --doc -q
+
+lint:
+	ruff check quillcache tests benchmarks asv_bench
+	ruff format --check quillcache tests benchmarks asv_bench
+
+test-python:
+	$(PYTHON) -m pytest -q
+
+# The whole suite, as CI runs it: deps, release build with the persistent backends,
+# Rust tests + clippy + fmt, ruff, pytest.
+test: deps build-ci test-rust lint test-python
+
+# The quick loop: no RocksDB build.
+test-fast: build-dev test-rust lint test-python
+
+fmt:
+	cargo fmt --all
+	ruff format quillcache tests benchmarks asv_bench
+	ruff check --fix quillcache tests benchmarks asv_bench
+
+bench-rust:
+	cargo bench -p quillcache-core
+
+bench: build-release
+	$(PYTHON) benchmarks/bench_hashing.py
+	$(PYTHON) benchmarks/bench_index.py
+
+asv-quick:
+	cd asv_bench && asv machine --yes && asv run --quick --show-stderr --python=same
+
+clean:
+	cargo clean
