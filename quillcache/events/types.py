@@ -1,0 +1,89 @@
+"""Decoded KV events, as both decoders return them (`docs/kv-events.md`).
+
+The native decoder (`quillcache._native.decode_batch`) and the pure-Python reference
+(`quillcache.events.pyref.decode_batch`) both build these classes, so results compare
+with ``==``. Values are normalised, not raw:
+
+* engine hashes are ``int`` in ``0 .. 2**64-1``: uint64 as sent, int64 (SGLang) by its
+  two's-complement bits, digests (bytes mode) by their last 8 bytes big-endian -- the
+  value vLLM's default int mode would have sent;
+* ``medium`` is ``"GPU"`` (also when not sent), ``"CPU"`` (also ``CPU_PINNED``,
+  LMCache's ``cpu``), ``"DISK"`` (also ``STORAGE``), or the engine's string unchanged;
+* ``group_idx`` is 0 when not sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class MmKey:
+    """A multimodal item in a block's extra keys: ``[mm_hash, offset_in_block]``."""
+
+    hash: str
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class RawKey:
+    """An extra-key item we do not interpret, kept as its exact msgpack bytes."""
+
+    msgpack: bytes
+
+
+#: One item of a block's extra keys: a LoRA name or cache salt (str), an mm item, or raw.
+ExtraKey = str | MmKey | RawKey
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None
+    medium: str
+    lora_name: str | None
+    #: One entry per block (None = no extra keys); empty when the engine sent none.
+    extra_keys: tuple[tuple[ExtraKey, ...] | None, ...]
+    group_idx: int
+    #: SGLang sends the salt as a field; vLLM puts it in block 0's extra keys.
+    cache_salt: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[int, ...]
+    medium: str
+    group_idx: int
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    ts: float
+    events: tuple[Event, ...]
+    dp_rank: int | None
+
+
+def normalize_medium(medium: str | None) -> str:
+    """The engines' medium names reduced to GPU / CPU / DISK (others kept as sent)."""
+    if medium is None:
+        return "GPU"
+    # ASCII-only, as the Rust decoder: str.upper() maps some non-ASCII letters to ASCII.
+    upper = medium.upper() if medium.isascii() else medium
+    if upper == "GPU":
+        return "GPU"
+    if upper in ("CPU", "CPU_PINNED"):
+        return "CPU"
+    if upper in ("DISK", "STORAGE"):
+        return "DISK"
+    return medium
