@@ -1,0 +1,386 @@
+"""The event ingestor: receivers -> one bounded queue -> one applier thread -> a sink.
+
+Receivers (ZMQ, HTTP) only enqueue. The applier drains the queue in batches, tracks
+each source's sequence, replays gaps from the engine's ROUTER socket, and calls
+`sink.ingest` once per run of consecutive batches of a source (decode + apply in Rust
+with the GIL released). Nothing here runs on the request path, and when the queue is
+full new batches are dropped and counted: the gap they leave is replayed later, so a
+flood costs bounded memory and some replay work, never an unbounded backlog.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import re
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import zmq
+
+from quillcache.connectors.replay import ReplayError, fetch_replay
+from quillcache.connectors.sequence import SequenceTracker, Verdict
+from quillcache.connectors.sink import IngestSink
+from quillcache.connectors.zmq_source import ZmqReceiver, ZmqSourceConfig
+from quillcache.errors import EventDecodeError
+from quillcache.index.types import ApplyStats
+
+log = logging.getLogger(__name__)
+
+SourceKey = tuple[int, int]  # (worker, dp_rank)
+_SYNC = -1  # queue marker: replay everything after the last applied seq
+_UNSEQUENCED = -2  # HTTP ingest without a seq: applied as it comes
+
+
+@dataclass
+class SourceStatus:
+    """What one source did, for metrics, logs and the admin API."""
+
+    worker: int
+    dp_rank: int
+    endpoint: str = ""
+    replay_endpoint: str | None = None
+    tracker: SequenceTracker = field(default_factory=SequenceTracker)
+    stale: bool = False
+    stale_since: float = 0.0
+    received: int = 0
+    applied_batches: int = 0
+    duplicates: int = 0
+    dropped: int = 0
+    gaps: int = 0
+    replays: int = 0
+    replayed_batches: int = 0
+    replay_failures: int = 0
+    stale_marks: int = 0
+    restarts: int = 0
+    decode_errors: int = 0
+    apply: ApplyStats = field(default_factory=ApplyStats)
+
+    @property
+    def last_seq(self) -> int:
+        return self.tracker.last
+
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            k: v for k, v in vars(self).items() if k not in ("tracker", "apply")
+        }
+        out["last_seq"] = self.tracker.last
+        out.update({f"apply_{k}": v for k, v in vars(self.apply).items()})
+        return out
+
+
+@dataclass
+class IngestorStats:
+    """Totals over every source (a snapshot)."""
+
+    received: int = 0
+    dropped: int = 0
+    applied_batches: int = 0
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    gaps: int = 0
+    replays: int = 0
+    replay_failures: int = 0
+    stale_marks: int = 0
+    stale_sources: int = 0
+    restarts: int = 0
+    decode_errors: int = 0
+    queue_depth: int = 0
+
+
+def _failed_batch_index(exc: EventDecodeError, n: int) -> int | None:
+    """Which batch of the call failed: an attribute if the binding gives one, else the message."""
+    for attr in ("batch_index", "index"):
+        value = getattr(exc, attr, None)
+        if isinstance(value, int) and 0 <= value < n:
+            return value
+    found = re.search(r"batch(?:es)?\D{0,12}(\d+)", str(exc))
+    if found and int(found.group(1)) < n:
+        return int(found.group(1))
+    return 0 if n == 1 else None
+
+
+class EventIngestor:
+    """Owns the receivers, the bounded queue and the applier thread for one sink."""
+
+    def __init__(
+        self,
+        sink: IngestSink,
+        *,
+        queue_size: int = 10_000,
+        drain_batch: int = 512,
+        replay_timeout_s: float = 2.0,
+        stale_rebuild_s: float = 30.0,
+        ctx: zmq.Context | None = None,
+    ) -> None:
+        self.sink = sink
+        self.ctx = ctx or zmq.Context.instance()
+        self.replay_timeout_s = replay_timeout_s
+        self.stale_rebuild_s = stale_rebuild_s
+        self.drain_batch = drain_batch
+        self._queue: queue.Queue[tuple[SourceKey, int, bytes]] = queue.Queue(queue_size)
+        self.sources: dict[SourceKey, SourceStatus] = {}
+        self._receivers: dict[SourceKey, ZmqReceiver] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-ingest", daemon=True)
+        self._thread.start()
+
+    # -- sources -------------------------------------------------------------------------
+
+    def add_zmq_source(self, config: ZmqSourceConfig, resume_from: int = -1) -> SourceStatus:
+        """Subscribe to one engine rank; replay from `resume_from + 1` (a persisted seq)."""
+        status = self._status(config.key)
+        status.endpoint = config.endpoint
+        status.replay_endpoint = config.replay_endpoint
+        if resume_from > status.tracker.last:
+            status.tracker.last = resume_from
+        receiver = ZmqReceiver(self.ctx, config, self._deliver)
+        receiver.start()
+        with self._lock:
+            old = self._receivers.pop(config.key, None)
+            self._receivers[config.key] = receiver
+        if old is not None:
+            old.stop()
+        if config.replay_endpoint:
+            self._queue.put((config.key, _SYNC, b""))  # catch up on what we missed
+        return status
+
+    def bound_endpoint(self, worker: int, dp_rank: int = 0) -> str | None:
+        receiver = self._receivers.get((worker, dp_rank))
+        return receiver.bound_endpoint if receiver else None
+
+    def remove_worker(self, worker: int) -> None:
+        """Stop every receiver of a worker and forget its sequence state."""
+        with self._lock:
+            keys = [k for k in self._receivers if k[0] == worker]
+            receivers = [self._receivers.pop(k) for k in keys]
+        for r in receivers:
+            r.stop()
+        with self._lock:
+            for k in [k for k in self.sources if k[0] == worker]:
+                del self.sources[k]
+
+    def _status(self, key: SourceKey) -> SourceStatus:
+        with self._lock:
+            status = self.sources.get(key)
+            if status is None:
+                status = self.sources[key] = SourceStatus(worker=key[0], dp_rank=key[1])
+            return status
+
+    # -- receiving (any thread) ----------------------------------------------------------
+
+    def _deliver(self, key: SourceKey, seq: int, payload: bytes) -> None:
+        status = self.sources.get(key) or self._status(key)
+        status.received += 1
+        try:
+            self._queue.put_nowait((key, seq, payload))
+        except queue.Full:
+            status.dropped += 1  # the gap it leaves is replayed when the next batch arrives
+
+    def submit(
+        self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0, seq: int | None = None
+    ) -> int:
+        """HTTP ingest: enqueue batches (numbered from `seq` if given); returns how many fit."""
+        key = (worker, dp_rank)
+        accepted = 0
+        for i, payload in enumerate(payloads):
+            before = self._status(key).dropped
+            self._deliver(key, _UNSEQUENCED if seq is None else seq + i, payload)
+            accepted += self._status(key).dropped == before
+        return accepted
+
+    # -- applying (the applier thread) ---------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                first = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                self._idle.set()
+                self._expire_stale()
+                continue
+            self._idle.clear()
+            items = [first]
+            while len(items) < self.drain_batch:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            run_key, run = items[0][0], []
+            for key, seq, payload in items:
+                if key != run_key:
+                    self._process(run_key, run)
+                    run_key, run = key, []
+                run.append((seq, payload))
+            self._process(run_key, run)
+            self._expire_stale()
+
+    def _process(self, key: SourceKey, items: list[tuple[int, bytes]]) -> None:
+        try:
+            self._process_unsafe(key, items)
+        except Exception:  # the applier must survive anything a sink or a socket does
+            log.exception("kv events: failed to process %d batches of source %s", len(items), key)
+
+    def _process_unsafe(self, key: SourceKey, items: list[tuple[int, bytes]]) -> None:
+        status = self._status(key)
+        tracker = status.tracker
+        pending: list[bytes] = []
+        for seq, payload in items:
+            if seq == _UNSEQUENCED:
+                pending.append(payload)
+                continue
+            if seq == _SYNC:
+                self._apply(status, pending)
+                pending = []
+                self._replay(status, tracker.last + 1, trigger=None)
+                continue
+            verdict = tracker.classify(seq)
+            if verdict is Verdict.RESTART:
+                self._apply(status, pending)
+                pending = []
+                status.restarts += 1
+                log.warning(
+                    "kv events: worker %d rank %d restarted (seq %d after %d); clearing it",
+                    status.worker,
+                    status.dp_rank,
+                    seq,
+                    tracker.last,
+                )
+                self.sink.clear_source(status.worker, status.dp_rank)
+                tracker.restarted()
+                verdict = tracker.classify(seq)
+            if verdict is Verdict.DUPLICATE:
+                status.duplicates += 1
+            elif verdict is Verdict.APPLY:
+                pending.append(payload)
+                tracker.applied(seq)
+            elif verdict is Verdict.GAP:
+                self._apply(status, pending)
+                pending = []
+                status.gaps += 1
+                self._replay(status, tracker.last + 1, trigger=seq)
+                verdict = tracker.classify(seq)
+                if verdict is Verdict.APPLY or verdict is Verdict.GAP:  # GAP: stale, start over
+                    pending.append(payload)
+                    tracker.applied(seq)
+                else:
+                    status.duplicates += 1
+        self._apply(status, pending)
+
+    def _replay(self, status: SourceStatus, start: int, trigger: int | None) -> None:
+        """Fill [start, trigger) from the replay socket, or mark the source stale."""
+        if not status.replay_endpoint:
+            if trigger is not None:
+                self._mark_stale(status, f"gap before seq {trigger} and no replay socket")
+            return
+        status.replays += 1
+        try:
+            result = fetch_replay(self.ctx, status.replay_endpoint, start, self.replay_timeout_s)
+        except ReplayError as exc:
+            status.replay_failures += 1
+            if trigger is not None:
+                self._mark_stale(status, str(exc))
+            else:
+                log.warning("kv events: initial replay of worker %d failed: %s", status.worker, exc)
+            return
+        batches = [(s, p) for s, p in result.batches if s >= start]
+        covers = bool(batches) and batches[0][0] == start
+        if trigger is not None:
+            covers = covers and batches[-1][0] >= trigger - 1
+        elif not batches:
+            covers = True  # nothing new since `start`
+        contiguous = all(b[0] == a[0] + 1 for a, b in itertools.pairwise(batches))
+        if not (covers and contiguous):
+            status.replay_failures += 1
+            first = batches[0][0] if batches else None
+            why = f"replay from seq {start} starts at {first}: the engine's buffer is too short"
+            self._mark_stale(status, why)
+            status.tracker.restarted()
+        if batches:
+            self._apply(status, [p for _, p in batches])
+            status.replayed_batches += len(batches)
+            status.tracker.replayed(batches[0][0], batches[-1][0])
+
+    def _mark_stale(self, status: SourceStatus, why: str) -> None:
+        log.warning(
+            "kv events: worker %d rank %d is stale (%s); its residency is unknown until rebuilt",
+            status.worker,
+            status.dp_rank,
+            why,
+        )
+        status.stale_marks += 1
+        self.sink.clear_source(status.worker, status.dp_rank)
+        status.stale = True
+        status.stale_since = time.monotonic()
+        self.sink.set_stale(status.worker, status.dp_rank, True)
+
+    def _expire_stale(self) -> None:
+        now = time.monotonic()
+        for status in list(self.sources.values()):
+            if status.stale and now - status.stale_since >= self.stale_rebuild_s:
+                status.stale = False
+                self.sink.set_stale(status.worker, status.dp_rank, False)
+                log.info("kv events: worker %d rank %d rebuilt", status.worker, status.dp_rank)
+
+    def _apply(self, status: SourceStatus, payloads: list[bytes]) -> None:
+        while payloads:
+            try:
+                stats = self.sink.ingest(status.worker, payloads, status.dp_rank)
+            except EventDecodeError as exc:
+                bad = _failed_batch_index(exc, len(payloads))
+                status.decode_errors += 1
+                log.warning(
+                    "kv events: worker %d rank %d: undecodable batch skipped: %s",
+                    status.worker,
+                    status.dp_rank,
+                    exc,
+                )
+                if bad is None:
+                    return  # cannot tell what was applied; the rest is lost (counted)
+                status.applied_batches += bad
+                payloads = payloads[bad + 1 :]
+                continue
+            status.applied_batches += len(payloads)
+            status.apply += stats
+            return
+
+    # -- lifecycle and observation -------------------------------------------------------
+
+    def wait_idle(self, timeout_s: float = 5.0) -> bool:
+        """Block until the queue is drained (for tests and shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._queue.empty() and self._idle.wait(0.05) and self._queue.empty():
+                return True
+        return False
+
+    def stats(self) -> IngestorStats:
+        out = IngestorStats(queue_depth=self._queue.qsize())
+        for s in list(self.sources.values()):
+            out.received += s.received
+            out.dropped += s.dropped
+            out.applied_batches += s.applied_batches
+            out.blocks_stored += s.apply.blocks_stored
+            out.blocks_removed += s.apply.blocks_removed
+            out.gaps += s.gaps
+            out.replays += s.replays
+            out.replay_failures += s.replay_failures
+            out.stale_marks += s.stale_marks
+            out.stale_sources += s.stale
+            out.restarts += s.restarts
+            out.decode_errors += s.decode_errors
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            receivers = list(self._receivers.values())
+            self._receivers.clear()
+        for r in receivers:
+            r.stop()
+        self._stop.set()
+        self._thread.join(timeout=2.0)

@@ -1,0 +1,52 @@
+"""Where decoded-and-applied events go: the `IngestSink` interface.
+
+The connector only moves raw msgpack batches; decoding and apply happen behind
+`ingest` (in Rust for the native index). `ControlPlane` implements this shape; an
+`IndexSink` wraps a bare `IndexBackend` for tools and tests that need no routing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from quillcache.index.protocol import IndexBackend
+from quillcache.index.types import ApplyStats
+
+
+@runtime_checkable
+class IngestSink(Protocol):
+    def ingest(self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0) -> ApplyStats:
+        """Decode and apply raw event batches of one source, in order."""
+        ...
+
+    def clear_source(self, worker: int, dp_rank: int = 0) -> int:
+        """Forget everything one source holds (restart, unrecoverable gap)."""
+        ...
+
+    def set_stale(self, worker: int, dp_rank: int, stale: bool) -> None:
+        """Mark a source's residency as unknown (True) or trusted again (False)."""
+        ...
+
+
+class IndexSink:
+    """An `IngestSink` over one `IndexBackend`, remembering which sources are stale."""
+
+    def __init__(self, index: IndexBackend) -> None:
+        self.index = index
+        self._lock = threading.Lock()
+        self.stale: set[tuple[int, int]] = set()
+
+    def ingest(self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0) -> ApplyStats:
+        return self.index.apply(worker, payloads, dp_rank)
+
+    def clear_source(self, worker: int, dp_rank: int = 0) -> int:
+        return self.index.clear_source(worker, dp_rank)
+
+    def set_stale(self, worker: int, dp_rank: int, stale: bool) -> None:
+        with self._lock:
+            if stale:
+                self.stale.add((worker, dp_rank))
+            else:
+                self.stale.discard((worker, dp_rank))

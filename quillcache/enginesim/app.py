@@ -1,0 +1,408 @@
+"""vLLM's HTTP surface for the simulated engine (starlette).
+
+Only what a gateway relies on (docs/kv-events.md): completions and chat (streaming
+and not), /tokenize, /v1/models, /health, /metrics with vLLM's metric names,
+/kv_event_sources and /reset_prefix_cache; plus /debug/* fault injection for tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import xxhash
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from quillcache.enginesim.engine import Admission, EngineConfig, SimEngine
+from quillcache.enginesim.publisher import KvEventPublisher
+from quillcache.enginesim.tokenizer import ByteTokenizer, Tokenizer
+from quillcache.events.encode import Event, encode_batch
+
+
+def error_response(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
+    """OpenAI's error shape, which the `openai` client turns into typed exceptions."""
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}},
+        status_code=status,
+    )
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    cache_salt: str | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] | list[str]
+
+
+class ChatBody(_Body):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+
+
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+
+
+class _EngineCollector:
+    """Reads the engine's state at scrape time, under vLLM's metric names."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Any]:
+        e, labels = self.engine, ["model_name", "engine"]
+        values = [e.config.model, "0"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Requests in model execution.", e.running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", e.waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100%.", e.kv_usage)
+        yield counter(
+            "vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", e.prefix_queries
+        )
+        yield counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", e.prefix_hits)
+        yield counter("vllm:request_success", "Finished requests.", e.requests_total)
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the cache config.",
+            labels=[
+                "block_size",
+                "num_gpu_blocks",
+                "enable_prefix_caching",
+                "prefix_caching_hash_algo",
+            ],
+        )
+        info.add_metric(
+            [str(e.config.block_size), str(e.config.num_gpu_blocks), "True", "xxh3_64_sim"], 1
+        )
+        yield info
+
+
+class EngineApp:
+    """The simulated engine's state shared by the HTTP handlers."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer | None = None,
+        publisher: KvEventPublisher | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.publisher = publisher
+        self.engine = SimEngine(config, self._on_events)
+        self.healthy = True
+        self._pending: list[Event] = []
+        self._registry = CollectorRegistry(auto_describe=True)
+        self._registry.register(_EngineCollector(self.engine))  # type: ignore[arg-type]
+        self.models = [config.model, *config.lora_modules]
+
+    # -- events: every event produced in one loop tick goes out as one batch ------------
+
+    def _on_events(self, events: list[Event]) -> None:
+        if self.publisher is None:
+            return
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.extend(events)
+
+    def _flush(self) -> None:
+        events, self._pending = self._pending, []
+        if events and self.publisher is not None:
+            self.publisher.publish(encode_batch(events, ts=time.time(), dp_rank=0))
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _token_maker(self, prompt: list[int]) -> Callable[[int], int]:
+        seed = xxhash.xxh3_64_intdigest(bytes(str(prompt[-64:]), "utf8"))
+        if isinstance(self.tokenizer, ByteTokenizer):
+            return lambda i: 97 + (seed + i * 7919) % 26  # a..z
+        vocab = getattr(self.tokenizer, "vocab_size", 1000)
+        return lambda i: 3 + (seed + i * 7919) % max(vocab - 3, 1)
+
+    def _lora(self, model: str | None) -> tuple[str, JSONResponse | None]:
+        if model in (None, "", self.config.model):
+            return "", None
+        if model in self.config.lora_modules:
+            return model, None
+        known = ", ".join(self.models)
+        return "", error_response(
+            404, f"The model `{model}` does not exist; known: {known}", "NotFoundError"
+        )
+
+    # -- handlers ------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200 if self.healthy else 503)
+
+    async def models_list(self, request: Request) -> Response:
+        now = int(time.time())
+        data = [
+            {
+                "id": m,
+                "object": "model",
+                "created": now,
+                "owned_by": "quillcache-enginesim",
+                "root": self.config.model,
+                "parent": None if m == self.config.model else self.config.model,
+                "max_model_len": self.config.max_model_len,
+            }
+            for m in self.models
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self._registry), media_type="text/plain; version=0.0.4")
+
+    async def kv_event_sources(self, request: Request) -> Response:
+        p = self.publisher
+        sources = []
+        if p is not None:
+            sources.append(
+                {
+                    "dp_rank": 0,
+                    "endpoint": p.endpoint,
+                    "replay_endpoint": p.replay_endpoint,
+                    "topic": p.topic.decode(),
+                    "engine_binds": p.binds,
+                }
+            )
+        return JSONResponse({"block_size": self.config.block_size, "sources": sources})
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        self.engine.reset_prefix_cache()
+        return Response(status_code=200)
+
+    async def debug_drop_events(self, request: Request) -> Response:
+        body = await _json(request)
+        if isinstance(body, Response):
+            return body
+        if self.publisher is None:
+            return error_response(400, "this engine publishes no KV events")
+        count = body.get("count")
+        if not isinstance(count, int) or count < 0:
+            return error_response(400, "'count' must be a non-negative integer")
+        self.publisher.drop_next(count, forget=bool(body.get("forget", False)))
+        return JSONResponse({"dropping": count, "next_seq": self.publisher.seq})
+
+    async def debug_health(self, request: Request) -> Response:
+        body = await _json(request)
+        if isinstance(body, Response):
+            return body
+        self.healthy = bool(body.get("healthy", True))
+        return JSONResponse({"healthy": self.healthy})
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await _parse(request, TokenizeBody)
+        if isinstance(body, Response):
+            return body
+        if (body.prompt is None) == (body.messages is None):
+            return error_response(400, "give exactly one of 'prompt' or 'messages'")
+        try:
+            if body.messages is not None:
+                text = self.tokenizer.apply_chat_template(body.messages, body.add_generation_prompt)
+            else:
+                text = body.prompt or ""
+        except TypeError as exc:
+            return error_response(400, str(exc))
+        tokens = self.tokenizer.encode(text)
+        return JSONResponse(
+            {"count": len(tokens), "max_model_len": self.config.max_model_len, "tokens": tokens}
+        )
+
+    async def completions(self, request: Request) -> Response:
+        body = await _parse(request, CompletionBody)
+        if isinstance(body, Response):
+            return body
+        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
+            if len(body.prompt) != 1:
+                return error_response(400, "only one prompt per request is supported")
+            prompt_ids = self.tokenizer.encode(body.prompt[0])
+        elif isinstance(body.prompt, str):
+            prompt_ids = self.tokenizer.encode(body.prompt)
+        else:
+            prompt_ids = list(body.prompt)  # type: ignore[arg-type]
+        return await self._serve(body, prompt_ids, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        body = await _parse(request, ChatBody)
+        if isinstance(body, Response):
+            return body
+        try:
+            text = self.tokenizer.apply_chat_template(body.messages, True)
+        except TypeError as exc:
+            return error_response(400, str(exc))
+        return await self._serve(body, self.tokenizer.encode(text), chat=True)
+
+    async def _serve(self, body: _Body, prompt: list[int], *, chat: bool) -> Response:
+        lora, err = self._lora(body.model)
+        if err is not None:
+            return err
+        if not prompt:
+            return error_response(400, "the prompt is empty")
+        max_tokens = (
+            body.max_completion_tokens
+            if body.max_completion_tokens is not None
+            else body.max_tokens
+        )
+        max_tokens = 16 if max_tokens is None else max_tokens
+        if len(prompt) + max_tokens > self.config.max_model_len:
+            return error_response(
+                400,
+                f"This model's maximum context length is {self.config.max_model_len} tokens; "
+                f"the request has {len(prompt)} prompt tokens and asks for {max_tokens} more.",
+            )
+        model = body.model or self.config.model
+        salt = body.cache_salt or ""
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        admitted: list[Admission] = []
+        stream = self.engine.generate(
+            prompt,
+            max_tokens,
+            self._token_maker(prompt),
+            salt=salt,
+            lora=lora,
+            on_admitted=admitted.append,
+        )
+        usage = lambda n: {  # noqa: E731
+            "prompt_tokens": len(prompt),
+            "completion_tokens": n,
+            "total_tokens": len(prompt) + n,
+            "prompt_tokens_details": {
+                "cached_tokens": admitted[0].cached_tokens if admitted else 0
+            },
+        }
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            gen = _sse(self, stream, rid, created, model, chat, include_usage, usage)
+            return StreamingResponse(gen, media_type="text/event-stream")
+        ids = [t async for t in stream]
+        text = self.tokenizer.decode(ids)
+        if chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "length",
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+            obj = "text_completion"
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": model,
+                "choices": [choice],
+                "usage": usage(len(ids)),
+            }
+        )
+
+    def starlette(self) -> Starlette:
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models_list, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/kv_event_sources", self.kv_event_sources, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
+            Route("/debug/drop_events", self.debug_drop_events, methods=["POST"]),
+            Route("/debug/health", self.debug_health, methods=["POST"]),
+        ]
+        return Starlette(routes=routes)
+
+
+async def _sse(
+    app: EngineApp,
+    stream: AsyncIterator[int],
+    rid: str,
+    created: int,
+    model: str,
+    chat: bool,
+    include_usage: bool,
+    usage: Callable[[int], dict[str, Any]],
+) -> AsyncIterator[bytes]:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choice: dict[str, Any] | None, extra: dict[str, Any] | None = None) -> bytes:
+        data: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model}
+        data["choices"] = [] if choice is None else [choice]
+        data.update(extra or {})
+        return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+    def piece(text: str, finish: str | None) -> dict[str, Any]:
+        if chat:
+            return {"index": 0, "delta": {"content": text}, "finish_reason": finish}
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+    if chat:
+        yield chunk(
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        )
+    n = 0
+    try:
+        async for token in stream:
+            n += 1
+            yield chunk(piece(app.tokenizer.decode([token]), None))
+        yield chunk(piece("", "length"))
+        if include_usage:
+            yield chunk(None, {"usage": usage(n)})
+        yield b"data: [DONE]\n\n"
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]  # frees the engine slot at once
+
+
+async def _json(request: Request) -> dict[str, Any] | Response:
+    raw = await request.body()
+    try:
+        body = json.loads(raw or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return error_response(400, f"request body is not valid JSON: {exc}")
+    if not isinstance(body, dict):
+        return error_response(400, "request body must be a JSON object")
+    return body
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    body = await _json(request)
+    if isinstance(body, Response):
+        return body
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
+        )
+        return error_response(400, f"invalid request: {problems}")

@@ -1,0 +1,127 @@
+"""KV-event publishing as vLLM does it: a PUB socket plus a ROUTER replay socket.
+
+The PUB binds when the endpoint has `*`, `::` or is ipc/inproc, else it connects (the
+consumer binds), exactly vLLM's rule. Every batch is kept in a ring of `buffer_steps`
+for replay. The replay socket is served by its own thread, so a replay never waits
+for the event loop. Fault injection for tests: `drop_next(n)` skips sending the next
+n batches on the PUB (they stay replayable), `drop_next(n, forget=True)` also keeps
+them out of the replay buffer (an unreplayable gap).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+
+import zmq
+
+from quillcache.connectors.replay import END_SEQ
+from quillcache.connectors.zmq_source import engine_binds
+from quillcache.events.encode import frame
+
+log = logging.getLogger(__name__)
+
+
+class KvEventPublisher:
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        topic: str = "",
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        legacy_replay: bool = False,  # vLLM < 0.26 replies [b"", seq, payload]
+        ctx: zmq.Context | None = None,
+    ) -> None:
+        self.ctx = ctx or zmq.Context.instance()
+        self.topic = topic.encode()
+        self.legacy_replay = legacy_replay
+        self.seq = 0
+        self.published = 0
+        self.dropped = 0
+        self._drop_next = 0
+        self._forget = False
+        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
+        self._lock = threading.Lock()
+        self._pub = self.ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self.binds = engine_binds(endpoint)
+        if self.binds:
+            self._pub.bind(endpoint)
+            self.endpoint = self._resolved(self._pub)
+        else:
+            self._pub.connect(endpoint)
+            self.endpoint = endpoint
+        self.replay_endpoint: str | None = None
+        self._stop = threading.Event()
+        self._replay_thread: threading.Thread | None = None
+        if replay_endpoint:
+            router = self.ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.bind(replay_endpoint)  # the replay socket always binds
+            self.replay_endpoint = self._resolved(router)
+            self._replay_thread = threading.Thread(
+                target=self._serve_replay, args=(router,), name="kv-replay", daemon=True
+            )
+            self._replay_thread.start()
+
+    @staticmethod
+    def _resolved(sock: zmq.Socket) -> str:
+        """The concrete address (port 0 and `*` resolved) to advertise."""
+        addr = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        return addr.replace("0.0.0.0", "127.0.0.1")
+
+    def drop_next(self, count: int, *, forget: bool = False) -> None:
+        with self._lock:
+            self._drop_next = count
+            self._forget = forget
+
+    def publish(self, payload: bytes) -> int:
+        """Send one event batch; returns its seq. Call from one thread (the event loop)."""
+        with self._lock:
+            seq = self.seq
+            self.seq += 1
+            dropping = self._drop_next > 0
+            if dropping:
+                self._drop_next -= 1
+                self.dropped += 1
+            if not (dropping and self._forget):
+                self._buffer.append((seq, payload))
+        if not dropping:
+            try:
+                self._pub.send_multipart(frame(self.topic, seq, payload), zmq.NOBLOCK)
+                self.published += 1
+            except zmq.Again:  # HWM reached: the subscriber's gap logic replays it
+                self.dropped += 1
+        return seq
+
+    def _serve_replay(self, router: zmq.Socket) -> None:
+        try:
+            while not self._stop.is_set():
+                if not router.poll(50):
+                    continue
+                frames = router.recv_multipart()
+                if len(frames) < 3 or len(frames[2]) != 8:
+                    log.warning("replay: malformed request of %d frames ignored", len(frames))
+                    continue
+                identity, start = frames[0], int.from_bytes(frames[2], "big")
+                with self._lock:
+                    batches = [(s, p) for s, p in self._buffer if s >= start]
+                for seq, payload in batches:
+                    seq_b = seq.to_bytes(8, "big")
+                    if self.legacy_replay:
+                        router.send_multipart([identity, b"", seq_b, payload])
+                    else:
+                        router.send_multipart([identity, b"", self.topic, seq_b, payload])
+                router.send_multipart([identity, b"", b"", END_SEQ.to_bytes(8, "big"), b""])
+        finally:
+            router.close(0)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._replay_thread is not None:
+            self._replay_thread.join(timeout=1.0)
+        self._pub.close(0)
