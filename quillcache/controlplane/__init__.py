@@ -1,0 +1,7 @@
+"""The control plane: workers, event ingest, routing (see `plane.py` for the API)."""
+
+from __future__ import annotations
+
+from quillcache.controlplane.plane import ControlPlane, UnknownWorkerError, WorkerState
+
+__all__ = ["ControlPlane", "UnknownWorkerError", "WorkerState"]

@@ -1,0 +1,145 @@
+"""Time estimates for prefill, decode, KV transfer and queueing.
+
+A roofline model: prefill is compute-bound (linear FLOPs in new tokens plus attention
+FLOPs that grow with the context), decode is memory-bound (weights once per step plus
+every running sequence's KV). Parameters and their sources: `docs/simulator.md`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quillcache.costmodel.config import CostModelConfig
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class TtftEstimate:
+    """The parts of a time-to-first-token estimate, in seconds."""
+
+    queue_s: float
+    transfer_s: float
+    prefill_s: float
+    decode_s: float  # one decode step: the first token comes out of the prefill step's
+    # sampling, the second after a step shared with the worker's running decodes (TBT)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.transfer_s + self.prefill_s
+
+
+class CostModel:
+    """Estimates from a `CostModelConfig`; cheap enough to call per (request, worker)."""
+
+    def __init__(self, config: CostModelConfig | None = None) -> None:
+        self.config = config or CostModelConfig()
+        c = self.config
+        self._flops_per_s = c.gpu.peak_tflops * 1e12 * c.gpu.prefill_mfu
+        self._bytes_per_s = c.gpu.hbm_gbps * 1e9 * c.gpu.decode_mbu
+        self._linear_flops_per_token = 2.0 * c.model.params_billion * 1e9
+        # QK^T and AV: 2 matmuls x 2 FLOPs x hidden per (query, key) pair per layer.
+        self._attn_flops_per_pair = 4.0 * c.model.layers * c.model.hidden_size
+        self._weight_read_s = c.model.weight_bytes / self._bytes_per_s
+        self._kv_read_s_per_token = c.model.kv_bytes_per_token / self._bytes_per_s
+        self.overhead_s = c.gpu.step_overhead_s
+        self.block_size = c.engine.block_size
+        self.chunk_budget = c.engine.max_num_batched_tokens
+
+    # --- engine step -------------------------------------------------------------
+
+    def prefill_compute_s(self, new_tokens: int, context_tokens: int = 0) -> float:
+        """Pure compute time to prefill `new_tokens` after `context_tokens` cached ones."""
+        if new_tokens <= 0:
+            return 0.0
+        pairs = new_tokens * (context_tokens + (new_tokens + 1) / 2.0)
+        flops = self._linear_flops_per_token * new_tokens + self._attn_flops_per_pair * pairs
+        return flops / self._flops_per_s
+
+    def step_time(
+        self, prefill_flops_s: float, decode_batch: int, decode_context_tokens: int
+    ) -> float:
+        """One engine step: the weights are read once (decode is memory-bound, prefill
+        compute-bound, they overlap), every decoding sequence's KV is read, plus a fixed
+        scheduler/sampling overhead."""
+        if prefill_flops_s <= 0 and decode_batch <= 0:
+            return 0.0
+        return (
+            self.overhead_s
+            + max(prefill_flops_s, self._weight_read_s)
+            + decode_context_tokens * self._kv_read_s_per_token
+        )
+
+    def decode_step_time(self, batch: int, mean_context_tokens: float) -> float:
+        return self.step_time(0.0, batch, int(batch * mean_context_tokens))
+
+    def prefill_time(self, new_tokens: int, context_tokens: int = 0) -> float:
+        """Wall time to prefill alone, chunked by the engine's token budget."""
+        if new_tokens <= 0:
+            return 0.0
+        total = 0.0
+        done = 0
+        while done < new_tokens:
+            chunk = min(self.chunk_budget, new_tokens - done)
+            total += (
+                self.step_time(self.prefill_compute_s(chunk, context_tokens + done), 0, 0)
+                or self.overhead_s
+            )
+            done += chunk
+        return total
+
+    # --- transfer ----------------------------------------------------------------
+
+    def transfer_time(self, blocks: int, tier: str) -> float:
+        """Time to bring `blocks` KV blocks to the GPU from `tier` ("cpu", "disk", "peer")."""
+        if blocks <= 0:
+            return 0.0
+        t = self.config.transfer
+        gbps = {"cpu": t.cpu_to_gpu_gbps, "disk": t.disk_to_gpu_gbps, "peer": t.peer_gbps}[tier]
+        nbytes = blocks * self.block_size * self.config.model.kv_bytes_per_token
+        return t.latency_s + nbytes / (gbps * 1e9)
+
+    # --- capacity ----------------------------------------------------------------
+
+    def kv_capacity_blocks(self, block_size: int | None = None) -> int:
+        """GPU KV blocks a worker has (vLLM: memory x utilisation - weights - activations)."""
+        c = self.config
+        bs = block_size or c.engine.block_size
+        if c.engine.kv_capacity_blocks is not None:
+            return c.engine.kv_capacity_blocks
+        free = (
+            c.gpu.memory_gb * GIB * c.engine.gpu_memory_utilization
+            - c.model.weight_bytes
+            - c.engine.activation_reserve_gb * GIB
+        )
+        return max(1, int(free // (bs * c.model.kv_bytes_per_token)))
+
+    # --- router-facing estimate ----------------------------------------------------
+
+    def queue_time(self, queued_prefill_tokens: int) -> float:
+        """Time until a new request's prefill starts: the worker's queued prefill work
+        (assumed to run at full chunk budget, context ignored)."""
+        if queued_prefill_tokens <= 0:
+            return 0.0
+        steps = -(-queued_prefill_tokens // self.chunk_budget)
+        return self.prefill_compute_s(queued_prefill_tokens) + steps * self.overhead_s
+
+    def estimate_ttft(
+        self,
+        *,
+        prompt_tokens: int,
+        cached_tokens: int,
+        fetched_blocks: int = 0,
+        fetch_tier: str = "cpu",
+        queued_prefill_tokens: int = 0,
+        running_decodes: int = 0,
+        mean_context_tokens: float = 0.0,
+    ) -> TtftEstimate:
+        """Estimate TTFT on one worker. `cached_tokens` includes fetched blocks' tokens."""
+        new = max(prompt_tokens - cached_tokens, 1)  # the engine always computes >= 1 token
+        return TtftEstimate(
+            queue_s=self.queue_time(queued_prefill_tokens),
+            transfer_s=self.transfer_time(fetched_blocks, fetch_tier),
+            prefill_s=self.prefill_time(new, prompt_tokens - new),
+            decode_s=self.decode_step_time(running_decodes + 1, mean_context_tokens),
+        )

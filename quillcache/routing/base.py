@@ -1,0 +1,105 @@
+"""The `Router` base class a user subclasses, and the plan/estimate helper it offers.
+
+A router is a plain object: `route(request, view) -> Decision`. It may keep state
+(a round-robin counter, a random generator seeded at construction) but never reaches
+into the index or the engines; everything it may use is in the `View`.
+
+    class FewestRequests(Router):
+        name = "fewest-requests"
+        def route(self, request, view):
+            return self.decide(request, view, min(view.workers, key=lambda w: w.in_flight))
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, ClassVar
+
+from quillcache.routing.types import (
+    Action,
+    Decision,
+    Estimate,
+    PlanStep,
+    Request,
+    View,
+    WorkerView,
+)
+
+
+class Router:
+    """Base class of every router. Subclasses set `name` and implement `route`."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""  # one line for `quillcache simulate --list-routers`
+    source: ClassVar[str] = ""  # where the policy comes from (paper, project, file)
+
+    def __init__(self, *, seed: int = 0, **params: Any) -> None:
+        if params:
+            raise TypeError(
+                f"router {self.name or type(self).__name__!r} got unknown parameters: "
+                + ", ".join(sorted(params))
+            )
+        self.seed = seed
+        self.rng = random.Random(seed)
+
+    def route(self, request: Request, view: View) -> Decision:
+        raise NotImplementedError
+
+    def no_workers(self) -> Decision:
+        return Decision.reject("no routable worker (all removed or draining)")
+
+    # --- helpers for subclasses -------------------------------------------------
+
+    def decide(
+        self, request: Request, view: View, worker: WorkerView, reason: str = ""
+    ) -> Decision:
+        """A decision for `worker` with its per-block plan and cost estimate."""
+        plan, estimate = plan_and_estimate(request, view, worker)
+        return Decision(worker=worker.worker, plan=plan, estimate=estimate, reason=reason)
+
+
+def plan_and_estimate(
+    request: Request, view: View, worker: WorkerView
+) -> tuple[tuple[PlanStep, ...], Estimate]:
+    """Reuse the GPU prefix, fetch what a local tier (or, if allowed, a peer) holds
+    beyond it, recompute the rest; estimate TTFT and TBT with the view's cost model."""
+    cost = view.cost
+    n = len(request.content_keys)
+    bs = view.block_size
+    steps: list[PlanStep] = []
+    reuse = min(worker.gpu_blocks, n)
+    if reuse:
+        steps.append(PlanStep(Action.REUSE, 0, reuse))
+    covered = reuse
+    transfer_s = 0.0
+    for tier, blocks in (("cpu", worker.cpu_blocks), ("disk", worker.disk_blocks)):
+        blocks = min(blocks, n)
+        if blocks > covered:
+            steps.append(PlanStep(Action.FETCH_TIER, covered, blocks, tier))
+            transfer_s += cost.transfer_time(blocks - covered, tier)
+            covered = blocks
+    if cost.config.transfer.allow_peer_fetch:
+        peer, peer_blocks = view.best_peer_blocks(exclude=worker.worker)
+        peer_blocks = min(peer_blocks, n)
+        if peer is not None and peer_blocks > covered:
+            peer_s = cost.transfer_time(peer_blocks - covered, "peer")
+            # Fetch only when moving the blocks beats recomputing them.
+            if peer_s < cost.prefill_time((peer_blocks - covered) * bs, covered * bs):
+                steps.append(PlanStep(Action.FETCH_PEER, covered, peer_blocks, f"worker:{peer}"))
+                transfer_s += peer_s
+                covered = peer_blocks
+    if covered < n:
+        steps.append(PlanStep(Action.RECOMPUTE, covered, n))
+    cached_tokens = min(covered * bs, request.prompt_tokens)
+    new_tokens = max(request.prompt_tokens - cached_tokens, 1)
+    estimate = Estimate(
+        queue_s=cost.queue_time(worker.queued_prefill_tokens),
+        transfer_s=transfer_s,
+        prefill_s=cost.prefill_time(new_tokens, request.prompt_tokens - new_tokens),
+        tbt_s=cost.decode_step_time(
+            worker.running_decodes + 1,
+            (worker.mean_context_tokens * worker.running_decodes + request.prompt_tokens)
+            / (worker.running_decodes + 1),
+        ),
+    )
+    return tuple(steps), estimate

@@ -1,0 +1,110 @@
+"""Cache-blind baselines: round-robin, random, least-loaded, power of two, session affinity."""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+import xxhash
+
+from quillcache.routing.base import Router
+from quillcache.routing.types import Decision, Request, View, WorkerView
+
+
+def load_key(w: WorkerView) -> tuple[int, int, int]:
+    """Requests in flight first, then queued prefill tokens, then id (deterministic)."""
+    return (w.in_flight, w.queued_prefill_tokens, w.worker)
+
+
+class RoundRobin(Router):
+    name = "round-robin"
+    summary = "cycle through the workers in id order"
+    source = "classic; vLLM production-stack and Dynamo `--router-mode round-robin`"
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._next = 0
+
+    def route(self, request: Request, view: View) -> Decision:
+        if not view.workers:
+            return self.no_workers()
+        w = view.workers[self._next % len(view.workers)]
+        self._next += 1
+        return self.decide(request, view, w)
+
+
+class RandomRouter(Router):
+    name = "random"
+    summary = "a uniformly random worker (seeded)"
+    source = "Mooncake (FAST'25) baseline 'random'; Dynamo `--router-mode random`"
+
+    def route(self, request: Request, view: View) -> Decision:
+        if not view.workers:
+            return self.no_workers()
+        return self.decide(request, view, self.rng.choice(view.workers))
+
+
+class LeastLoaded(Router):
+    name = "least-loaded"
+    summary = "fewest requests in flight (then fewest queued prefill tokens)"
+    source = "Mooncake (FAST'25) baseline 'load balancing'"
+
+    def route(self, request: Request, view: View) -> Decision:
+        if not view.workers:
+            return self.no_workers()
+        return self.decide(request, view, min(view.workers, key=load_key))
+
+
+class PowerOfTwo(Router):
+    name = "power-of-two"
+    summary = "two random workers, the less loaded one"
+    source = "Mitzenmacher, 'The Power of Two Choices in Randomized Load Balancing' (2001)"
+
+    def route(self, request: Request, view: View) -> Decision:
+        if not view.workers:
+            return self.no_workers()
+        if len(view.workers) == 1:
+            return self.decide(request, view, view.workers[0])
+        a, b = self.rng.sample(view.workers, 2)
+        return self.decide(request, view, min(a, b, key=load_key))
+
+
+class SessionAffinity(Router):
+    """Consistent hashing (a ring with virtual nodes) on the session id; requests
+    without one hash their first block's content key, so shared prefixes stick."""
+
+    name = "session-affinity"
+    summary = "consistent hashing on the session id (else the first block)"
+    source = "Karger et al., consistent hashing (STOC'97); sticky sessions in every LB"
+
+    def __init__(self, *, vnodes: int = 64, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.vnodes = vnodes
+        self._ring_for: tuple[int, ...] = ()
+        self._points: list[int] = []
+        self._owners: list[int] = []
+
+    def _ring(self, workers: tuple[int, ...]) -> None:
+        if workers == self._ring_for:
+            return
+        ring = sorted(
+            (xxhash.xxh3_64_intdigest(f"{w}#{v}".encode()), w)
+            for w in workers
+            for v in range(self.vnodes)
+        )
+        self._points = [p for p, _ in ring]
+        self._owners = [w for _, w in ring]
+        self._ring_for = workers
+
+    def route(self, request: Request, view: View) -> Decision:
+        if not view.workers:
+            return self.no_workers()
+        self._ring(tuple(w.worker for w in view.workers))
+        if request.session_id is not None:
+            h = xxhash.xxh3_64_intdigest(str(request.session_id).encode())
+        elif len(request.content_keys):
+            h = int(request.content_keys[0])
+        else:
+            h = xxhash.xxh3_64_intdigest(str(request.request_id).encode())
+        i = bisect.bisect_left(self._points, h) % len(self._points)
+        return self.decide(request, view, view.by_id(self._owners[i]))

@@ -1,0 +1,50 @@
+"""SGLang router's cache-aware policy (sgl-router, `policies/cache_aware`).
+
+If the load is imbalanced (max - min > `balance_abs_threshold` AND max >
+`balance_rel_threshold` * min, load = requests in flight) route to the least-loaded
+worker. Otherwise route to the worker with the highest prefix match rate if it exceeds
+`cache_threshold`, else to the worker with the smallest cache tree (most free cache).
+SGLang approximates each worker's cache with a radix tree of the text it routed there;
+here the match and the tree size come from the event-driven index instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quillcache.routing.base import Router
+from quillcache.routing.types import Decision, Request, View
+
+
+class SglangCacheAware(Router):
+    name = "sglang"
+    summary = "SGLang cache-aware: match > 0.3 wins unless load is imbalanced (64 / 1.5x)"
+    source = "SGLang sgl-router cache_aware policy (defaults 0.3, 64, 1.5)"
+
+    def __init__(
+        self,
+        *,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        **kw: Any,
+    ) -> None:
+        super().__init__(**kw)
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+
+    def route(self, request: Request, view: View) -> Decision:
+        if not view.workers:
+            return self.no_workers()
+        loads = [w.in_flight for w in view.workers]
+        lo, hi = min(loads), max(loads)
+        if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
+            w = min(view.workers, key=lambda w: (w.in_flight, w.worker))
+            return self.decide(request, view, w, "load imbalanced: shortest queue")
+        best = max(view.workers, key=lambda w: (w.gpu_blocks, -w.in_flight, -w.worker))
+        rate = best.gpu_blocks * view.block_size / max(request.prompt_tokens, 1)
+        if rate > self.cache_threshold:
+            return self.decide(request, view, best, f"match rate {rate:.2f}")
+        w = min(view.workers, key=lambda w: (w.resident_blocks, w.in_flight, w.worker))
+        return self.decide(request, view, w, "low match: smallest cache")

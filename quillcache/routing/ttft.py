@@ -1,0 +1,72 @@
+"""TTFT-argmin routers: Mooncake's Conductor with SLO admission, and QuillCache's greedy one.
+
+Both estimate, for every worker, queue + KV transfer + prefill time with the cost
+model and pick the smallest; they differ in what they may reuse and in admission.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quillcache.routing.base import Router, plan_and_estimate
+from quillcache.routing.types import Decision, Request, View
+
+
+class MooncakeConductor(Router):
+    """Mooncake (FAST'25) Conductor: for each prefill instance, TTFT = queue time +
+    prefill time given its prefix match (or, if KV may move between instances, the
+    best instance's prefix fetched); pick the minimum; reject (HTTP 429 online) when
+    the estimated TTFT or TBT misses the SLO ("early rejection")."""
+
+    name = "mooncake"
+    summary = "Mooncake Conductor: argmin estimated TTFT, reject if the TTFT/TBT SLO is missed"
+    source = "Mooncake (FAST'25), section 5 'KVCache-centric scheduling' and 7 'overload'"
+
+    def __init__(
+        self, *, ttft_slo_s: float | None = None, tbt_slo_s: float | None = None, **kw: Any
+    ) -> None:
+        super().__init__(**kw)
+        self.ttft_slo_s = ttft_slo_s
+        self.tbt_slo_s = tbt_slo_s
+
+    def route(self, request: Request, view: View) -> Decision:
+        if not view.workers:
+            return self.no_workers()
+        best = None
+        for w in view.workers:
+            plan, est = plan_and_estimate(request, view, w)
+            if best is None or est.ttft_s < best[1].ttft_s:
+                best = (w, est, plan)
+        assert best is not None
+        w, est, plan = best
+        ttft_slo = request.slo.ttft_s if request.slo and request.slo.ttft_s else self.ttft_slo_s
+        tbt_slo = request.slo.tbt_s if request.slo and request.slo.tbt_s else self.tbt_slo_s
+        if ttft_slo is not None and est.ttft_s > ttft_slo:
+            return Decision.reject(
+                f"estimated TTFT {est.ttft_s:.3f}s exceeds the SLO {ttft_slo:.3f}s", est
+            )
+        if tbt_slo is not None and est.tbt_s > tbt_slo:
+            return Decision.reject(
+                f"estimated TBT {est.tbt_s:.3f}s exceeds the SLO {tbt_slo:.3f}s", est
+            )
+        return Decision(worker=w.worker, plan=plan, estimate=est)
+
+
+class QuillGreedy(Router):
+    """QuillCache's greedy state-plane router: argmin of estimated TTFT over every
+    worker, reusing GPU, CPU and disk tiers as the index reports them."""
+
+    name = "quillcache-greedy"
+    summary = "argmin estimated TTFT (queue + transfer + prefill) over all tiers"
+    source = "QuillCache (this project)"
+
+    def route(self, request: Request, view: View) -> Decision:
+        if not view.workers:
+            return self.no_workers()
+        best = None
+        for w in view.workers:
+            plan, est = plan_and_estimate(request, view, w)
+            if best is None or est.ttft_s < best[1].ttft_s:
+                best = (w, est, plan)
+        assert best is not None
+        return Decision(worker=best[0].worker, plan=best[2], estimate=best[1])
