@@ -4,6 +4,7 @@
 //! * [`vllm_hash`]: byte-exact parity with vLLM's `sha256_cbor` block hashes.
 //! * [`events`]: decoding of the engines' KV-event batches (every wire shape we know).
 //! * [`index`]: the residency index (which source holds which block, in which medium).
+//! * [`persist`]: write-ahead log, snapshots, the crash-safe index (docs/persistence.md).
 //!
 //! The binding crate (`rust/python`) only converts types and releases the GIL.
 
@@ -11,4 +12,5 @@ pub mod content_key;
 pub mod events;
 pub mod index;
 pub mod namespace;
+pub mod persist;
 pub mod vllm_hash;

@@ -1,0 +1,14 @@
+//! Persistence of the residency index: a write-ahead log of applied batches
+//! ([`wal`]), snapshots ([`snapshot`]) and the crash-safe native index built on both
+//! ([`durable`]). See `docs/persistence.md`.
+
+pub mod error;
+pub mod frame;
+pub mod wal;
+
+pub use error::PersistError;
+pub use frame::{LoggedRecord, Record};
+pub use wal::{Durability, RecoveryReport, TornTail, Wal, WalOptions};
+
+#[cfg(test)]
+mod wal_tests;
