@@ -1,0 +1,233 @@
+//! Applying decoded event batches: BlockStored, BlockRemoved, AllBlocksCleared.
+
+use crate::content_key::{chain_block, MmItem};
+use crate::events::{
+    decode_batch, BlockRemoved, BlockStored, DecodeError, Event, EventBatch, ExtraKey,
+};
+use crate::namespace::Namespace;
+
+use super::holders::{self, holder_id, HolderId, Removed};
+use super::tree::NIL;
+use super::{ApplyStats, Index, SourceKey};
+
+impl Index {
+    /// Decodes one raw msgpack batch and applies it. The batch's own dp rank wins;
+    /// `source.dp_rank` is used when the batch carries none (very old vLLM).
+    pub fn apply_payload(
+        &mut self,
+        source: SourceKey,
+        payload: &[u8],
+    ) -> Result<ApplyStats, DecodeError> {
+        let batch = decode_batch(payload)?;
+        let source = resolve_rank(source, &batch)?;
+        Ok(self.apply_batch(source, &batch))
+    }
+
+    /// Applies one decoded batch for `source` (its dp rank taken as given).
+    pub fn apply_batch(&mut self, source: SourceKey, batch: &EventBatch) -> ApplyStats {
+        let mut stats = ApplyStats {
+            batches: 1,
+            events: batch.events.len() as u64,
+            ..Default::default()
+        };
+        let Some(slot) = self.sources.slot_or_create(source, holders::MAX_SLOT) else {
+            // More than 16 M live sources: refuse rather than corrupt holder ids.
+            stats.invalid_events = stats.events;
+            return stats;
+        };
+        for event in &batch.events {
+            match event {
+                Event::BlockStored(ev) => self.store(slot, ev, &mut stats),
+                Event::BlockRemoved(ev) => self.remove(slot, ev, &mut stats),
+                Event::AllBlocksCleared => {
+                    stats.clears += 1;
+                    self.clear_slot(slot);
+                }
+            }
+        }
+        stats
+    }
+
+    /// One more reference of (source, medium) on a node; keeps the counters exact.
+    fn add_holder(&mut self, slot: u32, id: u32, hid: HolderId) {
+        let was_visible = self.visible(id);
+        let node = self.tree.node_mut(id);
+        let mut set = node.holders;
+        let new_pair = set.add(&mut self.tree.spills, hid, 1);
+        self.tree.node_mut(id).holders = set;
+        if new_pair {
+            self.resident_pairs += 1;
+            self.sources.get_mut(slot).pairs += 1;
+        }
+        if !was_visible {
+            self.blocks += 1;
+        }
+    }
+
+    /// After holders/pins of `id` shrank: fix `blocks` and collect what is now empty.
+    pub(super) fn after_shrink(&mut self, id: u32, was_visible: bool) {
+        if was_visible && !self.visible(id) {
+            self.blocks -= 1;
+        }
+        self.tree.collect(id);
+    }
+
+    fn store(&mut self, slot: u32, ev: &BlockStored, stats: &mut ApplyStats) {
+        let n = ev.block_hashes.len();
+        if n == 0 {
+            return;
+        }
+        let Some(medium) = self.media.intern(&ev.medium) else {
+            stats.invalid_events += 1;
+            return;
+        };
+        let hid = holder_id(slot, medium);
+        let group = ev.group_idx;
+        if ev.token_ids.is_empty() {
+            // An offload tier storing blocks it got from another medium: the source
+            // already knows these hashes (with their keys) from that medium.
+            for &h in &ev.block_hashes {
+                let known = self.sources.get(slot).engine.get(&(group, h)).copied();
+                match known.and_then(|key| self.tree.find(key)) {
+                    Some(id) => {
+                        self.add_holder(slot, id, hid);
+                        stats.blocks_stored += 1;
+                    }
+                    None => stats.orphan_blocks += 1,
+                }
+            }
+            return;
+        }
+        let bs = ev.block_size as usize;
+        let needed = (n as u64).saturating_mul(bs as u64);
+        if bs == 0 || (ev.token_ids.len() as u64) < needed {
+            stats.invalid_events += 1;
+            return;
+        }
+        let (mut parent_key, mut parent_id, mut depth) = match ev.parent_block_hash {
+            None => (self.namespace_of(slot, ev).id(), NIL, 0u32),
+            Some(ph) => {
+                let known = self.sources.get(slot).engine.get(&(group, ph)).copied();
+                match known.and_then(|key| self.tree.find(key)) {
+                    Some(pid) => {
+                        let p = self.tree.node(pid);
+                        (p.key, pid, p.depth.saturating_add(1))
+                    }
+                    None => {
+                        // Its prefix is unknown, so it could never be matched.
+                        stats.orphan_blocks += n as u64;
+                        return;
+                    }
+                }
+            }
+        };
+        for (i, (&h, tokens)) in ev
+            .block_hashes
+            .iter()
+            .zip(ev.token_ids.chunks_exact(bs))
+            .enumerate()
+        {
+            let mm = mm_items(ev, i);
+            let key = chain_block(parent_key, tokens, mm.as_deref());
+            let id = self.tree.get_or_insert(key, parent_key, parent_id, depth);
+            self.add_holder(slot, id, hid);
+            self.sources.get_mut(slot).engine.insert((group, h), key);
+            stats.blocks_stored += 1;
+            parent_key = key;
+            parent_id = id;
+            depth = depth.saturating_add(1);
+        }
+    }
+
+    /// The namespace of a BlockStored that starts at block 0 (`docs/index.md`).
+    fn namespace_of(&self, slot: u32, ev: &BlockStored) -> Namespace {
+        let src = self.sources.get(slot);
+        let lora = ev.lora_name.clone().unwrap_or_default();
+        let tenant = ev.cache_salt.clone().or_else(|| salt_in_extra_keys(ev));
+        Namespace {
+            model: src.model.clone(),
+            tokenizer: src.tokenizer.clone(),
+            lora,
+            tenant: tenant.unwrap_or_default(),
+            block_size: ev.block_size,
+            extra: vec![],
+        }
+    }
+
+    fn remove(&mut self, slot: u32, ev: &BlockRemoved, stats: &mut ApplyStats) {
+        let medium = self.media.find(&ev.medium);
+        for &h in &ev.block_hashes {
+            let map_key = (ev.group_idx, h);
+            let Some(key) = self.sources.get(slot).engine.get(&map_key).copied() else {
+                stats.unknown_removals += 1;
+                continue;
+            };
+            let Some(id) = self.tree.find(key) else {
+                // Stale mapping (another hash of the same content went first).
+                stats.unknown_removals += 1;
+                self.sources.get_mut(slot).engine.remove(&map_key);
+                continue;
+            };
+            let was_visible = self.visible(id);
+            let outcome = match medium {
+                Some(m) => {
+                    let mut set = self.tree.node(id).holders;
+                    let r = set.remove_one(&mut self.tree.spills, holder_id(slot, m));
+                    self.tree.node_mut(id).holders = set;
+                    r
+                }
+                None => Removed::NotHeld,
+            };
+            match outcome {
+                Removed::NotHeld => stats.unknown_removals += 1,
+                Removed::Decremented => stats.blocks_removed += 1,
+                Removed::Gone => {
+                    stats.blocks_removed += 1;
+                    self.resident_pairs -= 1;
+                    self.sources.get_mut(slot).pairs -= 1;
+                }
+            }
+            if !self.tree.node(id).holders.has_slot(&self.tree.spills, slot) {
+                self.sources.get_mut(slot).engine.remove(&map_key);
+            }
+            self.after_shrink(id, was_visible);
+        }
+    }
+}
+
+fn resolve_rank(source: SourceKey, batch: &EventBatch) -> Result<SourceKey, DecodeError> {
+    match batch.dp_rank {
+        None => Ok(source),
+        Some(r) => match u32::try_from(r) {
+            Ok(dp_rank) => Ok(SourceKey { dp_rank, ..source }),
+            Err(_) => Err(DecodeError {
+                message: format!("batch dp_rank {r} is not a valid rank (0 ..= 4294967295)"),
+                offset: 0,
+                event: None,
+                field: Some("dp_rank"),
+            }),
+        },
+    }
+}
+
+/// vLLM's cache salt: a string in block 0's extra keys that is not the LoRA name.
+fn salt_in_extra_keys(ev: &BlockStored) -> Option<String> {
+    let first = ev.extra_keys.first()?.as_ref()?;
+    first.iter().find_map(|k| match k {
+        ExtraKey::Str(s) if Some(s.as_str()) != ev.lora_name.as_deref() => Some(s.clone()),
+        _ => None,
+    })
+}
+
+/// The multimodal items of block `i`, in the engine's order; None if it has none.
+fn mm_items(ev: &BlockStored, i: usize) -> Option<Vec<MmItem>> {
+    let keys = ev.extra_keys.get(i)?.as_ref()?;
+    let items: Vec<MmItem> = keys
+        .iter()
+        .filter_map(|k| match k {
+            ExtraKey::Mm { hash, offset } => Some((hash.clone(), *offset)),
+            _ => None,
+        })
+        .collect();
+    (!items.is_empty()).then_some(items)
+}

@@ -1,0 +1,93 @@
+//! Longest cached prefix per (source, medium).
+//!
+//! Walk the request's keys; keep the still-alive holders (sorted ids) and intersect
+//! them with each block's sorted holder list; a holder that drops out at block `i`
+//! matched `i` blocks. Stops as soon as nobody is left. Only keys are used, never
+//! engine hashes.
+
+use super::holders::{id_of, medium_of, slot_of, HolderId};
+use super::Index;
+
+/// One (source, medium) and how many leading blocks of the request it holds (>= 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatchHit {
+    pub worker: u64,
+    pub dp_rank: u32,
+    /// Interned medium index; [`Index::medium_name`] gives its name.
+    pub medium: u8,
+    pub blocks: u32,
+}
+
+impl Index {
+    /// Sorted by (worker, dp rank, medium name).
+    pub fn match_keys(&self, keys: &[u64]) -> Vec<MatchHit> {
+        let mut done: Vec<(HolderId, u32)> = Vec::new();
+        self.match_into(keys, &mut done);
+        let mut hits: Vec<MatchHit> = done
+            .into_iter()
+            .map(|(id, blocks)| {
+                let src = self.sources.get(slot_of(id)).key;
+                MatchHit {
+                    worker: src.worker,
+                    dp_rank: src.dp_rank,
+                    medium: medium_of(id),
+                    blocks,
+                }
+            })
+            .collect();
+        hits.sort_unstable_by(|a, b| {
+            (a.worker, a.dp_rank, self.media.name(a.medium)).cmp(&(
+                b.worker,
+                b.dp_rank,
+                self.media.name(b.medium),
+            ))
+        });
+        hits
+    }
+
+    /// Appends `(holder id, matched blocks)` for every holder with a match >= 1.
+    fn match_into(&self, keys: &[u64], done: &mut Vec<(HolderId, u32)>) {
+        let spills = &self.tree.spills;
+        let Some(&first) = keys.first() else { return };
+        let Some(id0) = self.tree.find(first) else {
+            return;
+        };
+        let mut alive: Vec<HolderId> = self
+            .tree
+            .node(id0)
+            .holders
+            .as_slice(spills)
+            .iter()
+            .map(|&h| id_of(h))
+            .collect();
+        let mut next: Vec<HolderId> = Vec::with_capacity(alive.len());
+        for (i, &key) in keys.iter().enumerate().skip(1) {
+            if alive.is_empty() {
+                return;
+            }
+            let held = match self.tree.find(key) {
+                Some(id) => self.tree.node(id).holders.as_slice(spills),
+                None => &[],
+            };
+            // Fast path: same holder set as the previous block (a shared prefix).
+            if held.len() == alive.len() && held.iter().zip(&alive).all(|(&h, &a)| id_of(h) == a) {
+                continue;
+            }
+            next.clear();
+            let mut j = 0;
+            for &a in &alive {
+                while j < held.len() && id_of(held[j]) < a {
+                    j += 1;
+                }
+                if j < held.len() && id_of(held[j]) == a {
+                    next.push(a);
+                } else {
+                    done.push((a, i as u32));
+                }
+            }
+            std::mem::swap(&mut alive, &mut next);
+        }
+        let n = keys.len() as u32;
+        done.extend(alive.into_iter().map(|a| (a, n)));
+    }
+}

@@ -1,0 +1,266 @@
+//! Subtree scans, entries, pins, and dropping whole sources.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::holders::{id_of, medium_of, refcount_of, slot_of};
+use super::tree::NIL;
+use super::{Index, SourceKey};
+
+/// One (source, medium) holding a block, with its refcount.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct HolderOut {
+    pub worker: u64,
+    pub dp_rank: u32,
+    pub medium: String,
+    pub refcount: u32,
+}
+
+/// One block with its holders (sorted by worker, dp rank, medium).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryOut {
+    pub key: u64,
+    pub parent: u64,
+    pub depth: u32,
+    pub holders: Vec<HolderOut>,
+    pub pinned: bool,
+}
+
+/// The complete logical state, independent of slots and memory layout: two indexes
+/// are equivalent iff their `LogicalState`s are equal.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct LogicalState {
+    /// Every node (holder-less interior ones too): key → (parent, depth, pins, holders).
+    pub nodes: BTreeMap<u64, (u64, u32, u32, Vec<HolderOut>)>,
+    /// source → (model, tokenizer, engine map).
+    pub sources: BTreeMap<SourceKey, (String, String, BTreeMap<(u32, u64), u64>)>,
+}
+
+impl Index {
+    fn entry(&self, id: u32) -> EntryOut {
+        let n = self.tree.node(id);
+        let mut holders: Vec<HolderOut> = n
+            .holders
+            .as_slice(&self.tree.spills)
+            .iter()
+            .map(|&h| {
+                let hid = id_of(h);
+                let src = self.sources.get(slot_of(hid)).key;
+                HolderOut {
+                    worker: src.worker,
+                    dp_rank: src.dp_rank,
+                    medium: self.media.name(medium_of(hid)).to_string(),
+                    refcount: refcount_of(h),
+                }
+            })
+            .collect();
+        holders.sort();
+        EntryOut {
+            key: n.key,
+            parent: n.parent,
+            depth: n.depth,
+            holders,
+            pinned: n.pins > 0,
+        }
+    }
+
+    /// Every block under the block named by `prefix.last()` (itself included) with a
+    /// holder or a pin, sorted by key; every such block for an empty prefix.
+    pub fn scan(&self, prefix: &[u64]) -> Vec<EntryOut> {
+        let ids: Vec<u32> = match prefix.last() {
+            None => self.tree.ids().collect(),
+            Some(&k) => match self.tree.find(k) {
+                Some(root) => self.tree.subtree(root),
+                None => vec![],
+            },
+        };
+        let mut out: Vec<EntryOut> = ids
+            .into_iter()
+            .filter(|&id| self.visible(id))
+            .map(|id| self.entry(id))
+            .collect();
+        out.sort_unstable_by_key(|e| e.key);
+        out
+    }
+
+    /// Every block with a holder or a pin, in no particular order.
+    pub fn entries(&self) -> impl Iterator<Item = EntryOut> + '_ {
+        self.tree
+            .ids()
+            .filter(|&id| self.visible(id))
+            .map(|id| self.entry(id))
+    }
+
+    /// Pins every block of the path, creating unknown ones (parent = previous key,
+    /// 0 for the first; depth = position).
+    pub fn pin(&mut self, keys: &[u64]) {
+        let mut parent_key = 0;
+        let mut parent_id = NIL;
+        for (pos, &key) in keys.iter().enumerate() {
+            let id = self
+                .tree
+                .get_or_insert(key, parent_key, parent_id, pos as u32);
+            if !self.visible(id) {
+                self.blocks += 1;
+            }
+            let node = self.tree.node_mut(id);
+            if node.pins == 0 {
+                self.pinned += 1;
+            }
+            node.pins = node.pins.saturating_add(1);
+            parent_key = key;
+            parent_id = id;
+        }
+    }
+
+    /// Undoes one pin of each block of the path (a no-op for unpinned blocks).
+    pub fn unpin(&mut self, keys: &[u64]) {
+        // Deepest first, so a collected child frees its parent in the same pass.
+        for &key in keys.iter().rev() {
+            let Some(id) = self.tree.find(key) else {
+                continue;
+            };
+            let was_visible = self.visible(id);
+            let node = self.tree.node_mut(id);
+            if node.pins == 0 {
+                continue;
+            }
+            node.pins -= 1;
+            if node.pins == 0 {
+                self.pinned -= 1;
+            }
+            self.after_shrink(id, was_visible);
+        }
+    }
+
+    /// AllBlocksCleared: every residency of one source and its engine-hash map go; its
+    /// registration (model, tokenizer) stays. Returns the pairs dropped.
+    pub fn clear_source(&mut self, source: SourceKey) -> u64 {
+        match self.sources.slot(source) {
+            Some(slot) => self.clear_slot(slot),
+            None => 0,
+        }
+    }
+
+    /// Drops every source of a worker (all dp ranks), registration included.
+    pub fn remove_worker(&mut self, worker: u64) -> u64 {
+        let mut dropped = 0;
+        for slot in self.sources.slots_of_worker(worker) {
+            dropped += self.clear_slot(slot);
+            self.sources.remove(slot);
+        }
+        dropped
+    }
+
+    pub(super) fn clear_slot(&mut self, slot: u32) -> u64 {
+        let src = self.sources.get_mut(slot);
+        let engine = std::mem::take(&mut src.engine);
+        let before = src.pairs;
+        // The engine map names nearly every held block; a full pass catches the rest
+        // (residency whose hash was re-stored under another key).
+        let mut candidates: Vec<u32> = engine.values().filter_map(|&k| self.tree.find(k)).collect();
+        candidates.sort_unstable();
+        candidates.dedup();
+        self.drop_slot_from(slot, &candidates);
+        if self.sources.get(slot).pairs > 0 {
+            let all: Vec<u32> = self.tree.ids().collect();
+            self.drop_slot_from(slot, &all);
+        }
+        debug_assert_eq!(self.sources.get(slot).pairs, 0);
+        before
+    }
+
+    fn drop_slot_from(&mut self, slot: u32, ids: &[u32]) {
+        let mut emptied = vec![];
+        for &id in ids {
+            let mut set = self.tree.node(id).holders;
+            let was_visible = self.visible(id);
+            let gone = set.remove_slot(&mut self.tree.spills, slot) as u64;
+            if gone == 0 {
+                continue;
+            }
+            self.tree.node_mut(id).holders = set;
+            self.resident_pairs -= gone;
+            self.sources.get_mut(slot).pairs -= gone;
+            if was_visible && !self.visible(id) {
+                self.blocks -= 1;
+                emptied.push(id);
+            }
+        }
+        // Collect after all holders are gone; an id may already have been freed as
+        // the ancestor of another.
+        for id in emptied {
+            if self.tree.is_live(id) {
+                self.tree.collect(id);
+            }
+        }
+    }
+
+    /// The complete logical state (see [`LogicalState`]).
+    pub fn logical_state(&self) -> LogicalState {
+        let mut state = LogicalState::default();
+        for id in self.tree.ids() {
+            let n = self.tree.node(id);
+            let e = self.entry(id);
+            state
+                .nodes
+                .insert(n.key, (n.parent, n.depth, n.pins, e.holders));
+        }
+        for (_, s) in self.sources.iter() {
+            let engine = s.engine.iter().map(|(&k, &v)| (k, v)).collect();
+            state
+                .sources
+                .insert(s.key, (s.model.clone(), s.tokenizer.clone(), engine));
+        }
+        state
+    }
+
+    /// Same logical state (nodes, holders, pins, sources, engine maps), whatever the
+    /// slots and memory layout.
+    pub fn state_eq(&self, other: &Self) -> bool {
+        self.logical_state() == other.logical_state()
+    }
+
+    /// Internal consistency (tests): counters match a recount; links are coherent.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut pairs = 0u64;
+        let mut blocks = 0u64;
+        let mut pinned = 0u64;
+        let mut per_slot: BTreeMap<u32, u64> = BTreeMap::new();
+        let live: BTreeSet<u32> = self.tree.ids().collect();
+        for &id in &live {
+            let n = self.tree.node(id);
+            let hs = n.holders.as_slice(&self.tree.spills);
+            pairs += hs.len() as u64;
+            for &h in hs {
+                *per_slot.entry(slot_of(id_of(h))).or_default() += 1;
+                if refcount_of(h) == 0 {
+                    return Err(format!("node {:#x}: zero refcount", n.key));
+                }
+            }
+            if !hs.is_empty() || n.pins > 0 {
+                blocks += 1;
+            } else if n.first_child == NIL {
+                return Err(format!("node {:#x} should have been collected", n.key));
+            }
+            if n.pins > 0 {
+                pinned += 1;
+            }
+            if n.parent_id != NIL && !live.contains(&n.parent_id) {
+                return Err(format!("node {:#x}: dead parent", n.key));
+            }
+        }
+        if (pairs, blocks, pinned) != (self.resident_pairs, self.blocks, self.pinned) {
+            return Err(format!(
+                "counters {:?} != recount {:?}",
+                (self.resident_pairs, self.blocks, self.pinned),
+                (pairs, blocks, pinned)
+            ));
+        }
+        for (slot, s) in self.sources.iter() {
+            if per_slot.get(&slot).copied().unwrap_or(0) != s.pairs {
+                return Err(format!("source {:?}: pairs counter off", s.key));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,219 @@
+//! Sources (worker, dp rank): their namespace base, their engine-hash maps, and the
+//! interned media names.
+
+use std::hash::{BuildHasherDefault, Hasher};
+
+use hashbrown::HashMap;
+
+use crate::events::Medium;
+
+/// A publisher of KV events: an engine and its data-parallel rank.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SourceKey {
+    pub worker: u64,
+    pub dp_rank: u32,
+}
+
+/// Multiply-fold hasher for integer keys (engine hashes may be small test integers,
+/// so a pure pass-through would cluster).
+#[derive(Default, Clone, Copy)]
+pub struct MixHasher(u64);
+
+impl Hasher for MixHasher {
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(b as u64);
+        }
+    }
+    #[inline]
+    fn write_u32(&mut self, x: u32) {
+        self.write_u64(x as u64);
+    }
+    #[inline]
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0.rotate_left(26) ^ x).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0 ^ (self.0 >> 29)
+    }
+}
+
+pub type MixBuild = BuildHasherDefault<MixHasher>;
+
+/// `(group_idx, engine hash)` → content key.
+pub type EngineMap = HashMap<(u32, u64), u64, MixBuild>;
+
+#[derive(Debug, Clone, Default)]
+pub struct Source {
+    pub key: SourceKey,
+    pub model: String,
+    pub tokenizer: String,
+    pub engine: EngineMap,
+    /// Resident (block, medium) pairs this source holds.
+    pub pairs: u64,
+}
+
+impl Source {
+    fn heap_bytes(&self) -> usize {
+        self.model.capacity() + self.tokenizer.capacity() + self.engine.allocation_size()
+    }
+}
+
+/// Sources by slot (the slot goes into holder ids); freed slots are reused.
+#[derive(Debug, Clone, Default)]
+pub struct Sources {
+    pub slots: Vec<Option<Source>>,
+    by_key: HashMap<SourceKey, u32, MixBuild>,
+    free: Vec<u32>,
+}
+
+impl Sources {
+    pub fn len(&self) -> usize {
+        self.by_key.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_key.is_empty()
+    }
+
+    pub fn slot(&self, key: SourceKey) -> Option<u32> {
+        self.by_key.get(&key).copied()
+    }
+
+    /// The slot of `key`, created if absent; None if `max_slot` would be exceeded.
+    pub fn slot_or_create(&mut self, key: SourceKey, max_slot: u32) -> Option<u32> {
+        if let Some(&s) = self.by_key.get(&key) {
+            return Some(s);
+        }
+        let source = Source {
+            key,
+            ..Default::default()
+        };
+        let slot = match self.free.pop() {
+            Some(s) => {
+                self.slots[s as usize] = Some(source);
+                s
+            }
+            None => {
+                if self.slots.len() as u64 > max_slot as u64 {
+                    return None;
+                }
+                self.slots.push(Some(source));
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.by_key.insert(key, slot);
+        Some(slot)
+    }
+
+    /// Puts a source at a given slot (snapshot restore).
+    pub fn restore(&mut self, slot: u32, source: Source) {
+        let s = slot as usize;
+        if self.slots.len() <= s {
+            self.slots.resize_with(s + 1, || None);
+        }
+        self.by_key.insert(source.key, slot);
+        self.slots[s] = Some(source);
+    }
+
+    /// Rebuilds the free list after `restore` calls.
+    pub fn finish_restore(&mut self) {
+        self.free = (0..self.slots.len() as u32)
+            .rev()
+            .filter(|&s| self.slots[s as usize].is_none())
+            .collect();
+    }
+
+    #[inline]
+    pub fn get(&self, slot: u32) -> &Source {
+        self.slots[slot as usize]
+            .as_ref()
+            .expect("holder refers to a live source slot")
+    }
+
+    #[inline]
+    pub fn get_mut(&mut self, slot: u32) -> &mut Source {
+        self.slots[slot as usize]
+            .as_mut()
+            .expect("holder refers to a live source slot")
+    }
+
+    pub fn remove(&mut self, slot: u32) {
+        if let Some(src) = self.slots[slot as usize].take() {
+            self.by_key.remove(&src.key);
+            self.free.push(slot);
+        }
+    }
+
+    pub fn slots_of_worker(&self, worker: u64) -> Vec<u32> {
+        let mut slots: Vec<u32> = self
+            .by_key
+            .iter()
+            .filter(|(k, _)| k.worker == worker)
+            .map(|(_, &s)| s)
+            .collect();
+        slots.sort_unstable();
+        slots
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (u32, &Source)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_ref().map(|s| (i as u32, s)))
+    }
+
+    pub fn heap_bytes(&self) -> usize {
+        self.slots.capacity() * std::mem::size_of::<Option<Source>>()
+            + self.by_key.allocation_size()
+            + self.free.capacity() * 4
+            + self.iter().map(|(_, s)| s.heap_bytes()).sum::<usize>()
+    }
+}
+
+/// Interned media names: holder ids carry an 8-bit index.
+#[derive(Debug, Clone, Default)]
+pub struct Media {
+    names: Vec<Medium>,
+}
+
+impl Media {
+    pub fn find(&self, m: &Medium) -> Option<u8> {
+        self.names.iter().position(|x| x == m).map(|i| i as u8)
+    }
+
+    /// The index of `m`, interned if new; None once 256 distinct media exist.
+    pub fn intern(&mut self, m: &Medium) -> Option<u8> {
+        if let Some(i) = self.find(m) {
+            return Some(i);
+        }
+        if self.names.len() >= 256 {
+            return None;
+        }
+        self.names.push(m.clone());
+        Some((self.names.len() - 1) as u8)
+    }
+
+    #[inline]
+    pub fn name(&self, i: u8) -> &str {
+        self.names[i as usize].as_str()
+    }
+
+    pub fn all(&self) -> &[Medium] {
+        &self.names
+    }
+
+    pub fn heap_bytes(&self) -> usize {
+        self.names.capacity() * std::mem::size_of::<Medium>()
+            + self
+                .names
+                .iter()
+                .map(|m| match m {
+                    Medium::Other(s) => s.capacity(),
+                    _ => 0,
+                })
+                .sum::<usize>()
+    }
+}

@@ -1,0 +1,411 @@
+//! Unit tests and property tests of the index, driven by decoded `EventBatch`es.
+
+use proptest::prelude::*;
+
+use crate::content_key::chain_keys;
+use crate::events::{BlockRemoved, BlockStored, Event, EventBatch, ExtraKey, Medium};
+use crate::namespace::Namespace;
+
+use super::*;
+
+const BS: u32 = 4;
+
+fn src(worker: u64) -> SourceKey {
+    SourceKey { worker, dp_rank: 0 }
+}
+
+fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>, medium: Medium) -> Event {
+    Event::BlockStored(BlockStored {
+        block_hashes: hashes.to_vec(),
+        parent_block_hash: parent,
+        token_ids: tokens,
+        block_size: BS,
+        lora_id: None,
+        medium,
+        lora_name: None,
+        extra_keys: vec![],
+        group_idx: 0,
+        cache_salt: None,
+    })
+}
+
+fn removed(hashes: &[u64], medium: Medium) -> Event {
+    Event::BlockRemoved(BlockRemoved {
+        block_hashes: hashes.to_vec(),
+        medium,
+        group_idx: 0,
+    })
+}
+
+fn batch(events: Vec<Event>) -> EventBatch {
+    EventBatch {
+        ts: 0.0,
+        events,
+        dp_rank: None,
+    }
+}
+
+fn keys_of(tokens: &[u32]) -> Vec<u64> {
+    let ns = Namespace {
+        block_size: BS,
+        ..Default::default()
+    };
+    let mut out = vec![];
+    chain_keys(ns.id(), tokens, BS as usize, &mut out);
+    out
+}
+
+fn toks(n_blocks: u32, salt: u32) -> Vec<u32> {
+    (0..n_blocks * BS).map(|t| t + salt * 1000).collect()
+}
+
+#[test]
+fn store_match_remove_roundtrip() {
+    let mut idx = Index::new();
+    let t = toks(3, 0);
+    let s = idx.apply_batch(
+        src(1),
+        &batch(vec![stored(&[11, 12, 13], None, t.clone(), Medium::Gpu)]),
+    );
+    assert_eq!(s.blocks_stored, 3);
+    let keys = keys_of(&t);
+    let hits = idx.match_keys(&keys);
+    assert_eq!(hits.len(), 1);
+    assert_eq!((hits[0].worker, hits[0].blocks), (1, 3));
+    assert_eq!(idx.medium_name(hits[0].medium), "GPU");
+    let s = idx.apply_batch(src(1), &batch(vec![removed(&[13], Medium::Gpu)]));
+    assert_eq!(s.blocks_removed, 1);
+    assert_eq!(idx.match_keys(&keys)[0].blocks, 2);
+    idx.apply_batch(src(1), &batch(vec![removed(&[11, 12], Medium::Gpu)]));
+    assert!(idx.match_keys(&keys).is_empty());
+    assert_eq!(idx.stats().nodes, 0);
+    idx.check_invariants().unwrap();
+}
+
+#[test]
+fn parent_chain_duplicates_and_orphans() {
+    let mut idx = Index::new();
+    let t = toks(4, 0);
+    idx.apply_batch(
+        src(1),
+        &batch(vec![stored(&[1, 2], None, t[..8].to_vec(), Medium::Gpu)]),
+    );
+    // Continues from hash 2; stored twice (vLLM physical copies).
+    let cont = stored(&[3, 4], Some(2), t[8..].to_vec(), Medium::Gpu);
+    idx.apply_batch(src(1), &batch(vec![cont.clone(), cont]));
+    let keys = keys_of(&t);
+    assert_eq!(idx.match_keys(&keys)[0].blocks, 4);
+    idx.apply_batch(src(1), &batch(vec![removed(&[4], Medium::Gpu)]));
+    assert_eq!(idx.match_keys(&keys)[0].blocks, 4, "one copy left");
+    idx.apply_batch(src(1), &batch(vec![removed(&[4], Medium::Gpu)]));
+    assert_eq!(idx.match_keys(&keys)[0].blocks, 3);
+    let s = idx.apply_batch(src(1), &batch(vec![removed(&[4], Medium::Gpu)]));
+    assert_eq!(s.unknown_removals, 1);
+    // Unknown parent: orphans, not indexed.
+    let s = idx.apply_batch(
+        src(2),
+        &batch(vec![stored(&[7], Some(99), t[..4].to_vec(), Medium::Gpu)]),
+    );
+    assert_eq!((s.orphan_blocks, s.blocks_stored), (1, 0));
+    idx.check_invariants().unwrap();
+}
+
+#[test]
+fn tokenless_store_resolves_through_the_engine_map() {
+    let mut idx = Index::new();
+    let t = toks(2, 0);
+    idx.apply_batch(
+        src(1),
+        &batch(vec![stored(&[1, 2], None, t.clone(), Medium::Gpu)]),
+    );
+    let s = idx.apply_batch(
+        src(1),
+        &batch(vec![stored(&[1, 2, 3], None, vec![], Medium::Cpu)]),
+    );
+    assert_eq!((s.blocks_stored, s.orphan_blocks), (2, 1));
+    let hits = idx.match_keys(&keys_of(&t));
+    let media: Vec<&str> = hits.iter().map(|h| idx.medium_name(h.medium)).collect();
+    assert_eq!(media, vec!["CPU", "GPU"]);
+    // GPU copies evicted: the CPU tier still holds them, the hash mapping stays.
+    idx.apply_batch(src(1), &batch(vec![removed(&[1, 2], Medium::Gpu)]));
+    let hits = idx.match_keys(&keys_of(&t));
+    assert_eq!(hits.len(), 1);
+    assert_eq!(idx.medium_name(hits[0].medium), "CPU");
+    idx.apply_batch(src(1), &batch(vec![removed(&[1, 2], Medium::Cpu)]));
+    assert_eq!(idx.stats().nodes, 0);
+    idx.check_invariants().unwrap();
+}
+
+#[test]
+fn too_few_tokens_is_invalid() {
+    let mut idx = Index::new();
+    let s = idx.apply_batch(
+        src(1),
+        &batch(vec![stored(&[1, 2], None, toks(1, 0), Medium::Gpu)]),
+    );
+    assert_eq!((s.invalid_events, s.blocks_stored), (1, 0));
+}
+
+#[test]
+fn salt_lora_and_mm_change_the_keys() {
+    let mut idx = Index::new();
+    let t = toks(1, 0);
+    let mut ev = BlockStored {
+        block_hashes: vec![1],
+        parent_block_hash: None,
+        token_ids: t.clone(),
+        block_size: BS,
+        lora_id: None,
+        medium: Medium::Gpu,
+        lora_name: Some("l".into()),
+        extra_keys: vec![Some(vec![
+            ExtraKey::Str("l".into()),
+            ExtraKey::Str("salt".into()),
+        ])],
+        group_idx: 0,
+        cache_salt: None,
+    };
+    idx.apply_batch(src(1), &batch(vec![Event::BlockStored(ev.clone())]));
+    let ns = Namespace {
+        lora: "l".into(),
+        tenant: "salt".into(),
+        block_size: BS,
+        ..Default::default()
+    };
+    let mut keys = vec![];
+    chain_keys(ns.id(), &t, BS as usize, &mut keys);
+    assert_eq!(idx.match_keys(&keys).len(), 1);
+    assert!(idx.match_keys(&keys_of(&t)).is_empty());
+    ev.extra_keys = vec![Some(vec![ExtraKey::Mm {
+        hash: "img".into(),
+        offset: 1,
+    }])];
+    ev.block_hashes = vec![2];
+    idx.apply_batch(src(2), &batch(vec![Event::BlockStored(ev)]));
+    let ns = Namespace {
+        tenant: String::new(),
+        ..ns
+    };
+    let mm = [("img".to_string(), 1i64)];
+    let key = crate::content_key::chain_block(ns.id(), &t, Some(&mm));
+    assert_eq!(idx.match_keys(&[key])[0].worker, 2);
+}
+
+#[test]
+fn pins_keep_nodes_and_unpin_collects() {
+    let mut idx = Index::new();
+    idx.pin(&[5, 6, 7]);
+    assert_eq!(idx.stats().blocks, 3);
+    let all = idx.scan(&[]);
+    assert!(all.iter().all(|e| e.pinned && e.holders.is_empty()));
+    assert_eq!(
+        idx.scan(&[6]).iter().map(|e| e.key).collect::<Vec<_>>(),
+        vec![6, 7]
+    );
+    idx.unpin(&[5, 6, 7]);
+    idx.unpin(&[5, 6, 7]);
+    assert_eq!(idx.stats().nodes, 0);
+    idx.check_invariants().unwrap();
+}
+
+#[test]
+fn clear_and_remove_worker() {
+    let mut idx = Index::new();
+    for w in 0..3 {
+        for dp in 0..2 {
+            let s = SourceKey {
+                worker: w,
+                dp_rank: dp,
+            };
+            idx.apply_batch(
+                s,
+                &batch(vec![stored(&[1, 2], None, toks(2, w as u32), Medium::Gpu)]),
+            );
+        }
+    }
+    assert_eq!(idx.stats().resident_pairs, 12);
+    assert_eq!(
+        idx.clear_source(SourceKey {
+            worker: 0,
+            dp_rank: 1
+        }),
+        2
+    );
+    assert_eq!(idx.remove_worker(1), 4);
+    assert_eq!(idx.stats().sources, 4);
+    assert_eq!(idx.stats().resident_pairs, 6);
+    idx.apply_batch(src(2), &batch(vec![Event::AllBlocksCleared]));
+    assert_eq!(idx.stats().resident_pairs, 4);
+    idx.check_invariants().unwrap();
+}
+
+#[test]
+fn snapshot_roundtrip_and_corruption() {
+    let mut idx = Index::new();
+    idx.register_source(src(1), "m", "tok");
+    idx.apply_batch(
+        src(1),
+        &batch(vec![stored(&[1, 2], None, toks(2, 0), Medium::Gpu)]),
+    );
+    idx.apply_batch(
+        src(2),
+        &batch(vec![stored(&[1], None, toks(1, 0), Medium::Cpu)]),
+    );
+    idx.pin(&[42, 43]);
+    let mut buf = vec![];
+    idx.write_snapshot(&mut buf).unwrap();
+    let back = Index::read_snapshot(&mut buf.as_slice()).unwrap();
+    assert!(back.state_eq(&idx));
+    assert_eq!(back.stats().resident_pairs, idx.stats().resident_pairs);
+    for i in [0, 9, buf.len() / 2, buf.len() - 1] {
+        let mut bad = buf.clone();
+        bad[i] ^= 0x40;
+        assert!(
+            Index::read_snapshot(&mut bad.as_slice()).is_err(),
+            "flip at {i}"
+        );
+    }
+    assert!(Index::read_snapshot(&mut &buf[..buf.len() - 3]).is_err());
+}
+
+/// One random operation of a stream over 3 workers × 2 ranks, 2 media, a small
+/// token alphabet (so sequences share prefixes) and small hash space (collisions,
+/// re-stores, unknown parents).
+#[derive(Debug, Clone)]
+enum Op {
+    Store {
+        w: u64,
+        dp: u32,
+        blocks: u32,
+        start: Option<u64>,
+        hash0: u64,
+        alpha: u32,
+        cpu: bool,
+        tokenless: bool,
+    },
+    Remove {
+        w: u64,
+        dp: u32,
+        hash: u64,
+        cpu: bool,
+    },
+    Clear {
+        w: u64,
+        dp: u32,
+    },
+    RemoveWorker {
+        w: u64,
+    },
+    Pin {
+        alpha: u32,
+        blocks: u32,
+    },
+    Unpin {
+        alpha: u32,
+        blocks: u32,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0..3u64, 0..2u32, 1..4u32, proptest::option::of(0..12u64), 0..12u64, 0..3u32, any::<bool>(), proptest::bool::weighted(0.15))
+            .prop_map(|(w, dp, blocks, start, hash0, alpha, cpu, tokenless)| Op::Store { w, dp, blocks, start, hash0, alpha, cpu, tokenless }),
+        4 => (0..3u64, 0..2u32, 0..14u64, any::<bool>()).prop_map(|(w, dp, hash, cpu)| Op::Remove { w, dp, hash, cpu }),
+        1 => (0..3u64, 0..2u32).prop_map(|(w, dp)| Op::Clear { w, dp }),
+        1 => (0..3u64).prop_map(|w| Op::RemoveWorker { w }),
+        1 => (0..3u32, 1..4u32).prop_map(|(alpha, blocks)| Op::Pin { alpha, blocks }),
+        1 => (0..3u32, 1..4u32).prop_map(|(alpha, blocks)| Op::Unpin { alpha, blocks }),
+    ]
+}
+
+fn medium(cpu: bool) -> Medium {
+    if cpu {
+        Medium::Cpu
+    } else {
+        Medium::Gpu
+    }
+}
+
+fn run(idx: &mut Index, ops: &[Op]) {
+    for o in ops {
+        match *o {
+            Op::Store {
+                w,
+                dp,
+                blocks,
+                start,
+                hash0,
+                alpha,
+                cpu,
+                tokenless,
+            } => {
+                let hashes: Vec<u64> = (0..blocks as u64).map(|i| hash0 + i).collect();
+                let tokens = if tokenless {
+                    vec![]
+                } else {
+                    toks(blocks, alpha)
+                };
+                let ev = stored(&hashes, start, tokens, medium(cpu));
+                idx.apply_batch(
+                    SourceKey {
+                        worker: w,
+                        dp_rank: dp,
+                    },
+                    &batch(vec![ev]),
+                );
+            }
+            Op::Remove { w, dp, hash, cpu } => {
+                idx.apply_batch(
+                    SourceKey {
+                        worker: w,
+                        dp_rank: dp,
+                    },
+                    &batch(vec![removed(&[hash], medium(cpu))]),
+                );
+            }
+            Op::Clear { w, dp } => {
+                idx.clear_source(SourceKey {
+                    worker: w,
+                    dp_rank: dp,
+                });
+            }
+            Op::RemoveWorker { w } => {
+                idx.remove_worker(w);
+            }
+            Op::Pin { alpha, blocks } => idx.pin(&keys_of(&toks(blocks, alpha))),
+            Op::Unpin { alpha, blocks } => idx.unpin(&keys_of(&toks(blocks, alpha))),
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn invariants_hold_and_everything_goes_away(ops in proptest::collection::vec(op(), 1..60)) {
+        let mut idx = Index::new();
+        run(&mut idx, &ops);
+        idx.check_invariants().map_err(TestCaseError::fail)?;
+        let mut buf = vec![];
+        idx.write_snapshot(&mut buf).unwrap();
+        let back = Index::read_snapshot(&mut buf.as_slice()).unwrap();
+        prop_assert!(back.state_eq(&idx));
+        for alpha in 0..3 {
+            let keys = keys_of(&toks(3, alpha));
+            prop_assert_eq!(back.match_keys(&keys), idx.match_keys(&keys));
+        }
+        for w in 0..3 {
+            idx.remove_worker(w);
+        }
+        for alpha in 0..3 {
+            for blocks in 1..4 {
+                for _ in 0..ops.len() {
+                    idx.unpin(&keys_of(&toks(blocks, alpha)));
+                }
+            }
+        }
+        let st = idx.stats();
+        prop_assert_eq!((st.nodes, st.blocks, st.resident_pairs, st.sources), (0, 0, 0, 0));
+        idx.check_invariants().map_err(TestCaseError::fail)?;
+    }
+}
