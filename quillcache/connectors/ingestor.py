@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import xxhash
 import zmq
 
 from quillcache.connectors.replay import ReplayError, fetch_replay
@@ -57,6 +58,7 @@ class SourceStatus:
     stale_marks: int = 0
     restarts: int = 0
     decode_errors: int = 0
+    needs_sync: bool = False  # batches were dropped: replay the tail once the queue drains
     apply: ApplyStats = field(default_factory=ApplyStats)
 
     @property
@@ -180,7 +182,8 @@ class EventIngestor:
         try:
             self._queue.put_nowait((key, seq, payload))
         except queue.Full:
-            status.dropped += 1  # the gap it leaves is replayed when the next batch arrives
+            status.dropped += 1  # the gap it leaves is replayed (next batch, or when idle)
+            status.needs_sync = True
 
     def submit(
         self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0, seq: int | None = None
@@ -201,7 +204,8 @@ class EventIngestor:
             try:
                 first = self._queue.get(timeout=0.05)
             except queue.Empty:
-                self._idle.set()
+                if not self._sync_dropped_tails():
+                    self._idle.set()
                 self._expire_stale()
                 continue
             self._idle.clear()
@@ -219,6 +223,19 @@ class EventIngestor:
                 run.append((seq, payload))
             self._process(run_key, run)
             self._expire_stale()
+
+    def _sync_dropped_tails(self) -> bool:
+        """Replay after the last applied seq of every source that lost batches to a full
+        queue: the last batches of a burst may have been dropped with nothing after them
+        to reveal the gap. Returns whether there was anything to do."""
+        todo = [s for s in list(self.sources.values()) if s.needs_sync]
+        for status in todo:
+            status.needs_sync = False
+            try:
+                self._replay(status, status.tracker.last + 1, trigger=None)
+            except Exception:
+                log.exception("kv events: tail replay of worker %d failed", status.worker)
+        return bool(todo)
 
     def _process(self, key: SourceKey, items: list[tuple[int, bytes]]) -> None:
         try:
@@ -239,7 +256,8 @@ class EventIngestor:
                 pending = []
                 self._replay(status, tracker.last + 1, trigger=None)
                 continue
-            verdict = tracker.classify(seq)
+            digest = xxhash.xxh3_64_intdigest(payload)
+            verdict = tracker.classify(seq, digest)
             if verdict is Verdict.RESTART:
                 self._apply(status, pending)
                 pending = []
@@ -253,7 +271,7 @@ class EventIngestor:
                 )
                 self.sink.clear_source(status.worker, status.dp_rank)
                 tracker.restarted()
-                verdict = tracker.classify(seq)
+                verdict = tracker.classify(seq, digest)
             if verdict is Verdict.DUPLICATE:
                 status.duplicates += 1
             elif verdict is Verdict.APPLY:
@@ -264,7 +282,7 @@ class EventIngestor:
                 pending = []
                 status.gaps += 1
                 self._replay(status, tracker.last + 1, trigger=seq)
-                verdict = tracker.classify(seq)
+                verdict = tracker.classify(seq, digest)
                 if verdict is Verdict.APPLY or verdict is Verdict.GAP:  # GAP: stale, start over
                     pending.append(payload)
                     tracker.applied(seq)
@@ -304,7 +322,7 @@ class EventIngestor:
         if batches:
             self._apply(status, [p for _, p in batches])
             status.replayed_batches += len(batches)
-            status.tracker.replayed(batches[0][0], batches[-1][0])
+            status.tracker.replayed({s: xxhash.xxh3_64_intdigest(p) for s, p in batches})
 
     def _mark_stale(self, status: SourceStatus, why: str) -> None:
         log.warning(

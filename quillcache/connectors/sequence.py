@@ -5,15 +5,19 @@ classifies each received seq:
 
 - APPLY: the next expected one;
 - GAP: later than expected, the batches in between must be replayed first;
-- DUPLICATE: already applied (the live stream catching up after a replay);
-- RESTART: lower than anything this publisher process could send again, i.e. the
-  engine restarted and counts from 0.
+- DUPLICATE: already applied through a replay (the live stream catching up);
+- RESTART: not later than the last applied and not a copy of a replayed batch: a new
+  publisher process counting from 0 again.
+
+A replayed batch is remembered by a digest of its payload until the live stream moves
+past the replayed range, so "the same seq again" is told apart exactly: same bytes is
+a duplicate, other bytes is a restarted engine.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class Verdict(enum.Enum):
@@ -26,16 +30,15 @@ class Verdict(enum.Enum):
 @dataclass
 class SequenceTracker:
     last: int = -1  # last applied seq; -1 = nothing applied yet (a fresh publisher starts at 0)
-    # After a replay from `start`, the live stream may re-deliver start..last: those are
-    # duplicates; anything below `start` is a new publisher process counting from 0.
-    dup_floor: int | None = None
+    replayed_digests: dict[int, int] = field(default_factory=dict)  # seq -> payload digest
 
-    def classify(self, seq: int) -> Verdict:
+    def classify(self, seq: int, digest: int | None = None) -> Verdict:
         if seq == self.last + 1:
             return Verdict.APPLY
         if seq > self.last:
             return Verdict.GAP
-        if self.dup_floor is not None and seq >= self.dup_floor:
+        known = self.replayed_digests.get(seq)
+        if known is not None and (digest is None or digest == known):
             return Verdict.DUPLICATE
         return Verdict.RESTART
 
@@ -43,14 +46,14 @@ class SequenceTracker:
         """Record that `seq` is applied; moving past the replayed range ends the duplicates."""
         if seq > self.last:
             self.last = seq
-            self.dup_floor = None
+            self.replayed_digests.clear()
 
-    def replayed(self, start: int, last_replayed: int) -> None:
-        """A replay from `start` applied everything up to `last_replayed` (-1: nothing)."""
-        if last_replayed >= start:
-            self.applied(last_replayed)
-            self.dup_floor = start
+    def replayed(self, digests: dict[int, int]) -> None:
+        """A replay applied these contiguous batches (seq -> payload digest)."""
+        if digests:
+            self.applied(max(digests))
+            self.replayed_digests = dict(digests)
 
     def restarted(self) -> None:
         self.last = -1
-        self.dup_floor = None
+        self.replayed_digests.clear()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 
 import zmq
 
@@ -21,6 +22,20 @@ from quillcache.connectors.zmq_source import engine_binds
 from quillcache.events.encode import frame
 
 log = logging.getLogger(__name__)
+
+
+def _bind(sock: zmq.Socket, endpoint: str, retry_s: float = 2.0) -> None:
+    """Bind, retrying briefly: a restarted engine's old socket may still hold the port
+    for a moment (libzmq closes sockets asynchronously)."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 class KvEventPublisher:
@@ -50,7 +65,7 @@ class KvEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self.binds = engine_binds(endpoint)
         if self.binds:
-            self._pub.bind(endpoint)
+            _bind(self._pub, endpoint)
             self.endpoint = self._resolved(self._pub)
         else:
             self._pub.connect(endpoint)
@@ -61,7 +76,7 @@ class KvEventPublisher:
         if replay_endpoint:
             router = self.ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
-            router.bind(replay_endpoint)  # the replay socket always binds
+            _bind(router, replay_endpoint)  # the replay socket always binds
             self.replay_endpoint = self._resolved(router)
             self._replay_thread = threading.Thread(
                 target=self._serve_replay, args=(router,), name="kv-replay", daemon=True

@@ -1,0 +1,138 @@
+"""The ZMQ connector against the engine simulator's real publisher and replay socket."""
+
+from __future__ import annotations
+
+import collections.abc
+import contextlib
+import time
+
+import pytest
+import zmq
+
+from quillcache.connectors import EventIngestor, ZmqSourceConfig
+from quillcache.enginesim.publisher import KvEventPublisher
+from quillcache.events.encode import AllBlocksCleared, encode_batch
+from tests.online.helpers import RecordingSink, free_port, wait_for
+
+
+def batch(i: int) -> bytes:
+    return encode_batch([AllBlocksCleared()], ts=float(i), dp_rank=0)
+
+
+@contextlib.contextmanager
+def publisher(**kw: object) -> collections.abc.Iterator[KvEventPublisher]:
+    pub = KvEventPublisher(
+        kw.pop("endpoint", "tcp://127.0.0.1:*"),  # type: ignore[arg-type]
+        kw.pop("replay_endpoint", "tcp://127.0.0.1:*"),  # type: ignore[arg-type]
+        **kw,  # type: ignore[arg-type]
+    )
+    try:
+        yield pub
+    finally:
+        pub.close()
+
+
+@contextlib.contextmanager
+def ingestor(sink: RecordingSink, **kw: object) -> collections.abc.Iterator[EventIngestor]:
+    ing = EventIngestor(sink, replay_timeout_s=1.0, **kw)  # type: ignore[arg-type]
+    try:
+        yield ing
+    finally:
+        ing.close()
+
+
+def publish(pub: KvEventPublisher, start: int, stop: int) -> None:
+    for i in range(start, stop):
+        pub.publish(batch(i))
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["topic-layout", "legacy-layout"])
+def test_late_subscriber_catches_up_and_dropped_batches_are_replayed(legacy: bool) -> None:
+    sink = RecordingSink()
+    with publisher(legacy_replay=legacy, topic="kv") as pub, ingestor(sink) as ing:
+        publish(pub, 0, 10)  # before anyone listens: only the replay has them
+        ing.add_zmq_source(ZmqSourceConfig(0, pub.endpoint, pub.replay_endpoint, topic="kv"))
+        wait_for(lambda: len(sink.seen()) == 10, what="initial replay")
+        wait_for(lambda: pub.published and ing.sources[(0, 0)].replays, what="sync")
+        time.sleep(0.2)  # the subscription must reach the PUB before live batches count
+        publish(pub, 10, 20)
+        pub.drop_next(5)  # 20..24 never go out live
+        publish(pub, 20, 40)
+        wait_for(lambda: len(sink.seen()) == 40, what="all 40 batches")
+        assert sink.seen() == [float(i) for i in range(40)]
+        status = ing.sources[(0, 0)]
+        assert status.gaps >= 1 and status.replays >= 2
+        assert not sink.clears and not status.stale
+
+
+def test_unreplayable_gap_marks_the_source_stale_then_rebuilt() -> None:
+    sink = RecordingSink()
+    with publisher() as pub, ingestor(sink, stale_rebuild_s=0.5) as ing:
+        ing.add_zmq_source(ZmqSourceConfig(3, pub.endpoint, pub.replay_endpoint))
+        wait_for(lambda: ing.sources[(3, 0)].replays, what="sync")
+        time.sleep(0.2)
+        publish(pub, 0, 5)
+        wait_for(lambda: len(sink.seen(3)) == 5, what="first batches")
+        pub.drop_next(3, forget=True)  # 5..7 are gone for good
+        publish(pub, 5, 12)
+        wait_for(lambda: sink.stale.get((3, 0)) is True, what="stale mark")
+        assert (3, 0) in sink.clears
+        wait_for(lambda: sink.seen(3) == [8.0, 9.0, 10.0, 11.0], what="rebuild from 8")
+        wait_for(lambda: sink.stale.get((3, 0)) is False, timeout=5, what="rebuilt")
+        assert ing.stats().stale_marks == 1
+
+
+def test_engine_restart_clears_the_source_and_starts_over() -> None:
+    sink = RecordingSink()
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    with ingestor(sink) as ing:
+        # The engine connects (no `*`): we bind, as with vLLM on a loopback endpoint.
+        ing.add_zmq_source(ZmqSourceConfig(1, addr, replay, bind=True))
+        with publisher(endpoint=addr, replay_endpoint=replay) as pub:
+            assert not pub.binds
+            publish(pub, 0, 30)
+            wait_for(lambda: len(sink.seen(1)) == 30, what="first life")
+        with publisher(endpoint=addr, replay_endpoint=replay) as pub2:
+            # seq 0.. again, new content; the first ones may be lost while it connects,
+            # which the replay fills in once a later one shows the restart.
+            publish(pub2, 100, 110)
+            time.sleep(0.3)
+            publish(pub2, 110, 115)
+            expected = [float(i) for i in range(100, 115)]
+            wait_for(lambda: sink.seen(1) == expected, what="second life")
+        assert ing.sources[(1, 0)].restarts == 1
+        assert sink.clears == [(1, 0)]
+
+
+def test_a_full_queue_drops_then_replays_without_losing_order() -> None:
+    sink = RecordingSink(delay_s=0.005)  # a slow index
+    with publisher() as pub, ingestor(sink, queue_size=4, drain_batch=2) as ing:
+        ing.add_zmq_source(ZmqSourceConfig(0, pub.endpoint, pub.replay_endpoint))
+        wait_for(lambda: ing.sources[(0, 0)].replays, what="sync")
+        time.sleep(0.2)
+        publish(pub, 0, 300)
+        wait_for(lambda: len(sink.seen()) == 300, timeout=20, what="all batches")
+        assert sink.seen() == [float(i) for i in range(300)]
+        assert ing.stats().dropped > 0  # the flood did overflow the bounded queue
+
+
+def test_malformed_messages_are_counted_not_fatal() -> None:
+    sink = RecordingSink()
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    with ingestor(sink) as ing:
+        ing.add_zmq_source(ZmqSourceConfig(0, addr, bind=True))
+        ctx = zmq.Context.instance()
+        rogue = ctx.socket(zmq.PUB)
+        rogue.connect(addr)
+        try:
+            time.sleep(0.3)
+            rogue.send_multipart([b"", b"\x00"])  # 2 frames
+            rogue.send_multipart([b"", (0).to_bytes(8, "big"), b"\xc1 not msgpack"])
+            rogue.send_multipart([b"", (1).to_bytes(8, "big"), batch(1)])
+            wait_for(lambda: sink.seen() == [1.0], what="the good batch")
+            status = ing.sources[(0, 0)]
+            assert status.decode_errors == 1
+            assert ing._receivers[(0, 0)].malformed == 1
+        finally:
+            rogue.close(0)
