@@ -3,7 +3,12 @@
 //! than the input can justify.
 
 mod decode;
+mod reader;
 mod types;
 
+#[cfg(test)]
+mod tests;
+
 pub use decode::{decode_batch, DecodeError};
+pub use reader::MAX_DEPTH;
 pub use types::{BlockRemoved, BlockStored, EngineHash, Event, EventBatch, ExtraKey, Medium};

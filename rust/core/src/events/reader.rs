@@ -1,0 +1,388 @@
+//! A bounds-checked msgpack cursor over a byte slice.
+//!
+//! Markers are classified by `rmp::Marker`; every length a value declares is checked
+//! against the bytes that are left *before* anything is sliced or allocated, so a
+//! 2 GiB length prefix in a 20-byte payload is an error, not an allocation.
+
+use rmp::Marker;
+
+use super::decode::DecodeError;
+
+/// Deepest container nesting accepted anywhere (the batch array is depth 1).
+pub const MAX_DEPTH: usize = 32;
+
+/// An integer as msgpack carries it: the union of the int64 and uint64 ranges.
+pub type WireInt = i128;
+
+pub struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    /// Where we are, for error messages: e.g. `events[3].token_ids`.
+    pub path: Path,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Path {
+    Batch,
+    BatchField(&'static str),
+    Event(usize),
+    EventField(usize, &'static str),
+}
+
+impl std::fmt::Display for Path {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Path::Batch => write!(f, "batch"),
+            Path::BatchField(name) => write!(f, "batch.{name}"),
+            Path::Event(i) => write!(f, "events[{i}]"),
+            Path::EventField(i, name) => write!(f, "events[{i}].{name}"),
+        }
+    }
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(buf: &'a [u8]) -> Self {
+        Reader {
+            buf,
+            pos: 0,
+            path: Path::Batch,
+        }
+    }
+
+    pub fn pos(&self) -> usize {
+        self.pos
+    }
+
+    pub fn remaining(&self) -> usize {
+        self.buf.len() - self.pos
+    }
+
+    pub fn slice(&self, start: usize, end: usize) -> &'a [u8] {
+        &self.buf[start..end]
+    }
+
+    /// An error at byte `offset`, prefixed with the current path.
+    pub fn error_at(&self, offset: usize, what: impl std::fmt::Display) -> DecodeError {
+        DecodeError {
+            message: format!("{}: {what}", self.path),
+            offset,
+        }
+    }
+
+    pub fn error(&self, what: impl std::fmt::Display) -> DecodeError {
+        self.error_at(self.pos, what)
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        if n > self.remaining() {
+            return Err(self.error(format_args!(
+                "truncated: a value needs {n} more bytes, {} left",
+                self.remaining()
+            )));
+        }
+        let out = &self.buf[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(out)
+    }
+
+    fn be<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.take(N)?);
+        Ok(out)
+    }
+
+    fn len_u8(&mut self) -> Result<usize, DecodeError> {
+        Ok(self.be::<1>()?[0] as usize)
+    }
+    fn len_u16(&mut self) -> Result<usize, DecodeError> {
+        Ok(u16::from_be_bytes(self.be()?) as usize)
+    }
+    fn len_u32(&mut self) -> Result<usize, DecodeError> {
+        Ok(u32::from_be_bytes(self.be()?) as usize)
+    }
+
+    pub fn peek(&self) -> Result<Marker, DecodeError> {
+        match self.buf.get(self.pos) {
+            Some(&b) => Ok(Marker::from_u8(b)),
+            None => Err(self.error("truncated: expected a value, found end of input")),
+        }
+    }
+
+    fn marker(&mut self) -> Result<Marker, DecodeError> {
+        let m = self.peek()?;
+        self.pos += 1;
+        Ok(m)
+    }
+
+    pub fn is_nil(&self) -> Result<bool, DecodeError> {
+        Ok(matches!(self.peek()?, Marker::Null))
+    }
+
+    /// Consumes a nil if there is one; true if it did.
+    pub fn eat_nil(&mut self) -> Result<bool, DecodeError> {
+        let nil = self.is_nil()?;
+        if nil {
+            self.pos += 1;
+        }
+        Ok(nil)
+    }
+
+    fn unexpected(&self, start: usize, expected: &str, found: Marker) -> DecodeError {
+        self.error_at(
+            start,
+            format_args!("expected {expected}, found {}", describe(found)),
+        )
+    }
+
+    /// An array header; the declared length is checked against the bytes left.
+    pub fn array_len(&mut self, what: &str) -> Result<usize, DecodeError> {
+        let start = self.pos;
+        let n = match self.marker()? {
+            Marker::FixArray(n) => n as usize,
+            Marker::Array16 => self.len_u16()?,
+            Marker::Array32 => self.len_u32()?,
+            m => return Err(self.unexpected(start, &format!("{what} (an array)"), m)),
+        };
+        if n > self.remaining() {
+            return Err(self.error_at(
+                start,
+                format_args!("array declares {n} elements, more than the bytes left"),
+            ));
+        }
+        Ok(n)
+    }
+
+    /// A map header (caller has peeked a map marker); 2 entries need >= 2 bytes each.
+    pub fn map_len(&mut self) -> Result<usize, DecodeError> {
+        let start = self.pos;
+        let n = match self.marker()? {
+            Marker::FixMap(n) => n as usize,
+            Marker::Map16 => self.len_u16()?,
+            Marker::Map32 => self.len_u32()?,
+            m => return Err(self.unexpected(start, "a map", m)),
+        };
+        if n.saturating_mul(2) > self.remaining() {
+            return Err(self.error_at(
+                start,
+                format_args!("map declares {n} entries, more than the bytes left"),
+            ));
+        }
+        Ok(n)
+    }
+
+    /// The raw bytes of a str value (not yet UTF-8 checked), or None if it is not a str.
+    fn str_bytes(&mut self) -> Result<Option<&'a [u8]>, DecodeError> {
+        let n = match self.peek()? {
+            Marker::FixStr(n) => {
+                self.pos += 1;
+                n as usize
+            }
+            Marker::Str8 => {
+                self.pos += 1;
+                self.len_u8()?
+            }
+            Marker::Str16 => {
+                self.pos += 1;
+                self.len_u16()?
+            }
+            Marker::Str32 => {
+                self.pos += 1;
+                self.len_u32()?
+            }
+            _ => return Ok(None),
+        };
+        self.take(n).map(Some)
+    }
+
+    pub fn str(&mut self, what: &str) -> Result<&'a str, DecodeError> {
+        let start = self.pos;
+        match self.str_bytes()? {
+            Some(bytes) => std::str::from_utf8(bytes)
+                .map_err(|e| self.error_at(start, format_args!("{what} is not valid UTF-8 ({e})"))),
+            None => Err(self.unexpected(start, &format!("{what} (a string)"), self.peek()?)),
+        }
+    }
+
+    /// A str that is valid UTF-8, or None (position unspecified) for anything else.
+    pub fn try_str(&mut self) -> Option<&'a str> {
+        match self.str_bytes() {
+            Ok(Some(bytes)) => std::str::from_utf8(bytes).ok(),
+            _ => None,
+        }
+    }
+
+    /// An int of any msgpack width, or None (nothing consumed) if the value is not an int.
+    pub fn try_int(&mut self) -> Result<Option<WireInt>, DecodeError> {
+        let v: WireInt = match self.peek()? {
+            Marker::FixPos(n) => {
+                self.pos += 1;
+                n as WireInt
+            }
+            Marker::FixNeg(n) => {
+                self.pos += 1;
+                n as WireInt
+            }
+            Marker::U8 => {
+                self.pos += 1;
+                u8::from_be_bytes(self.be()?) as WireInt
+            }
+            Marker::U16 => {
+                self.pos += 1;
+                u16::from_be_bytes(self.be()?) as WireInt
+            }
+            Marker::U32 => {
+                self.pos += 1;
+                u32::from_be_bytes(self.be()?) as WireInt
+            }
+            Marker::U64 => {
+                self.pos += 1;
+                u64::from_be_bytes(self.be()?) as WireInt
+            }
+            Marker::I8 => {
+                self.pos += 1;
+                i8::from_be_bytes(self.be()?) as WireInt
+            }
+            Marker::I16 => {
+                self.pos += 1;
+                i16::from_be_bytes(self.be()?) as WireInt
+            }
+            Marker::I32 => {
+                self.pos += 1;
+                i32::from_be_bytes(self.be()?) as WireInt
+            }
+            Marker::I64 => {
+                self.pos += 1;
+                i64::from_be_bytes(self.be()?) as WireInt
+            }
+            _ => return Ok(None),
+        };
+        Ok(Some(v))
+    }
+
+    /// An int within `lo..=hi`.
+    pub fn int_in(&mut self, what: &str, lo: WireInt, hi: WireInt) -> Result<WireInt, DecodeError> {
+        let start = self.pos;
+        match self.try_int()? {
+            Some(v) if (lo..=hi).contains(&v) => Ok(v),
+            Some(v) => Err(self.error_at(
+                start,
+                format_args!("expected {what} (an int in {lo}..{hi}), got {v}"),
+            )),
+            None => Err(self.unexpected(start, &format!("{what} (an int)"), self.peek()?)),
+        }
+    }
+
+    /// A float (f32 widened) or an int converted to f64.
+    pub fn number(&mut self, what: &str) -> Result<f64, DecodeError> {
+        let start = self.pos;
+        match self.peek()? {
+            Marker::F32 => {
+                self.pos += 1;
+                Ok(f32::from_be_bytes(self.be()?) as f64)
+            }
+            Marker::F64 => {
+                self.pos += 1;
+                Ok(f64::from_be_bytes(self.be()?))
+            }
+            m => match self.try_int()? {
+                Some(v) => Ok(v as f64),
+                None => Err(self.unexpected(start, &format!("{what} (a number)"), m)),
+            },
+        }
+    }
+
+    /// A bin value's bytes, or None (nothing consumed) if the value is not bin.
+    pub fn try_bin(&mut self) -> Result<Option<&'a [u8]>, DecodeError> {
+        let n = match self.peek()? {
+            Marker::Bin8 => {
+                self.pos += 1;
+                self.len_u8()?
+            }
+            Marker::Bin16 => {
+                self.pos += 1;
+                self.len_u16()?
+            }
+            Marker::Bin32 => {
+                self.pos += 1;
+                self.len_u32()?
+            }
+            _ => return Ok(None),
+        };
+        self.take(n).map(Some)
+    }
+
+    /// Skips one value of any type. `depth` is the depth the value sits at; a container
+    /// deeper than [`MAX_DEPTH`] is an error (bounded recursion, bounded work).
+    pub fn skip(&mut self, depth: usize) -> Result<(), DecodeError> {
+        let marker = self.peek()?;
+        let children = match marker {
+            Marker::FixArray(_) | Marker::Array16 | Marker::Array32 => {
+                if depth > MAX_DEPTH {
+                    return Err(self.error(format_args!("nesting deeper than {MAX_DEPTH} levels")));
+                }
+                self.array_len("")?
+            }
+            Marker::FixMap(_) | Marker::Map16 | Marker::Map32 => {
+                if depth > MAX_DEPTH {
+                    return Err(self.error(format_args!("nesting deeper than {MAX_DEPTH} levels")));
+                }
+                2 * self.map_len()?
+            }
+            Marker::Reserved => {
+                return Err(self.error("malformed msgpack: reserved marker 0xc1"));
+            }
+            _ => {
+                self.pos += 1;
+                let payload = match marker {
+                    Marker::FixPos(_)
+                    | Marker::FixNeg(_)
+                    | Marker::Null
+                    | Marker::True
+                    | Marker::False => 0,
+                    Marker::U8 | Marker::I8 => 1,
+                    Marker::U16 | Marker::I16 => 2,
+                    Marker::U32 | Marker::I32 | Marker::F32 => 4,
+                    Marker::U64 | Marker::I64 | Marker::F64 => 8,
+                    Marker::FixStr(n) => n as usize,
+                    Marker::Str8 | Marker::Bin8 => self.len_u8()?,
+                    Marker::Str16 | Marker::Bin16 => self.len_u16()?,
+                    Marker::Str32 | Marker::Bin32 => self.len_u32()?,
+                    Marker::FixExt1 => 2,
+                    Marker::FixExt2 => 3,
+                    Marker::FixExt4 => 5,
+                    Marker::FixExt8 => 9,
+                    Marker::FixExt16 => 17,
+                    Marker::Ext8 => self.len_u8()? + 1,
+                    Marker::Ext16 => self.len_u16()? + 1,
+                    Marker::Ext32 => self.len_u32()? + 1,
+                    // Containers and 0xc1 are handled above; keep the match total anyway.
+                    _ => return Err(self.error("malformed msgpack: unexpected marker")),
+                };
+                self.take(payload)?;
+                return Ok(());
+            }
+        };
+        for _ in 0..children {
+            self.skip(depth + 1)?;
+        }
+        Ok(())
+    }
+}
+
+fn describe(m: Marker) -> String {
+    let kind = match m {
+        Marker::FixPos(_) | Marker::FixNeg(_) => "an int",
+        Marker::U8 | Marker::U16 | Marker::U32 | Marker::U64 => "an int",
+        Marker::I8 | Marker::I16 | Marker::I32 | Marker::I64 => "an int",
+        Marker::Null => "nil",
+        Marker::True | Marker::False => "a bool",
+        Marker::F32 | Marker::F64 => "a float",
+        Marker::FixStr(_) | Marker::Str8 | Marker::Str16 | Marker::Str32 => "a string",
+        Marker::Bin8 | Marker::Bin16 | Marker::Bin32 => "bytes",
+        Marker::FixArray(_) | Marker::Array16 | Marker::Array32 => "an array",
+        Marker::FixMap(_) | Marker::Map16 | Marker::Map32 => "a map",
+        Marker::Reserved => "the reserved marker",
+        _ => "an ext value",
+    };
+    format!("{kind} (marker 0x{:02x})", m.to_u8())
+}

@@ -1,0 +1,570 @@
+//! Decoder tests: the golden frames of `specs/kv-events.md`, typed rejections, and
+//! proptests (arbitrary and mutated bytes never panic; encode → decode round trips).
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn hex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+const GOLDEN_0: &str = "93cb41d954fc4020000091de000aa474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392cfda7a5e7f00d5eed1cffeedfacecafebeefb1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f696473980102030405060708aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0aa65787472615f6b65797392c0c0a967726f75705f6964780000";
+const GOLDEN_1: &str = "93cb41d954fc405000009284a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368657391cffeedfacecafebeefa66d656469756da3475055a967726f75705f6964780081a474797065b0416c6c426c6f636b73436c656172656400";
+const GOLDEN_2: &str = "93cb41d954fc4080000091de000ca474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657391c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fb1706172656e745f626c6f636b5f68617368c4200000000000000000000000000000000000000000000000000000000000000000a9746f6b656e5f696473940708090aaa626c6f636b5f73697a6504a76c6f72615f696403a66d656469756da3475055a96c6f72615f6e616d65a76d792d6c6f7261aa65787472615f6b6579739193a76d792d6c6f726192a66d6d6861736800a473616c74a967726f75705f69647801aa73657373696f6e5f6964a27331b36c6f6f6b61686561645f746f6b656e5f69647391910b00";
+
+#[test]
+fn golden_frame_0_block_stored_with_int_hashes() {
+    let batch = decode_batch(&hex(GOLDEN_0)).unwrap();
+    let expected = EventBatch {
+        ts: 1700000000.5,
+        dp_rank: Some(0),
+        events: vec![Event::BlockStored(BlockStored {
+            block_hashes: vec![15742999346994867921, 18369614221190020847],
+            parent_block_hash: None,
+            token_ids: (1..=8).collect(),
+            block_size: 4,
+            lora_id: None,
+            medium: Medium::Gpu,
+            lora_name: None,
+            extra_keys: vec![None, None],
+            group_idx: 0,
+            cache_salt: None,
+        })],
+    };
+    assert_eq!(batch, expected);
+}
+
+#[test]
+fn golden_frame_1_removed_then_cleared() {
+    let batch = decode_batch(&hex(GOLDEN_1)).unwrap();
+    assert_eq!(batch.ts, 1700000001.25);
+    assert_eq!(batch.dp_rank, Some(0));
+    assert_eq!(
+        batch.events,
+        vec![
+            Event::BlockRemoved(BlockRemoved {
+                block_hashes: vec![18369614221190020847],
+                medium: Medium::Gpu,
+                group_idx: 0,
+            }),
+            Event::AllBlocksCleared,
+        ]
+    );
+}
+
+#[test]
+fn golden_frame_2_bytes_hashes_lora_extra_keys_group() {
+    let batch = decode_batch(&hex(GOLDEN_2)).unwrap();
+    assert_eq!(batch.ts, 1700000002.0);
+    let Event::BlockStored(ev) = &batch.events[0] else {
+        panic!("{batch:?}")
+    };
+    assert_eq!(batch.events.len(), 1);
+    // Last 8 bytes of 00 01 .. 1f, big-endian; the parent digest is all zeros.
+    assert_eq!(ev.block_hashes, vec![0x18191a1b1c1d1e1f]);
+    assert_eq!(ev.parent_block_hash, Some(0));
+    assert_eq!(ev.token_ids, vec![7, 8, 9, 10]);
+    assert_eq!((ev.block_size, ev.lora_id, ev.group_idx), (4, Some(3), 1));
+    assert_eq!(ev.lora_name.as_deref(), Some("my-lora"));
+    assert_eq!(
+        ev.extra_keys,
+        vec![Some(vec![
+            ExtraKey::Str("my-lora".into()),
+            ExtraKey::Mm {
+                hash: "mmhash".into(),
+                offset: 0
+            },
+            ExtraKey::Str("salt".into()),
+        ])]
+    );
+}
+
+#[test]
+fn every_truncation_of_a_golden_frame_is_an_error() {
+    for frame in [GOLDEN_0, GOLDEN_1, GOLDEN_2] {
+        let bytes = hex(frame);
+        for cut in 0..bytes.len() {
+            assert!(
+                decode_batch(&bytes[..cut]).is_err(),
+                "prefix of {cut} bytes accepted"
+            );
+        }
+    }
+}
+
+fn err(bytes: &[u8]) -> DecodeError {
+    decode_batch(bytes).expect_err("malformed input accepted")
+}
+
+#[test]
+fn absurd_length_prefixes_are_rejected_before_allocating() {
+    // [ts, [["BlockRemoved", [bin32 of 2 GiB ...]]]]
+    let mut two_gib = vec![0x92, 0xcb];
+    two_gib.extend_from_slice(&[0; 8]);
+    two_gib.extend_from_slice(&[0x91, 0x92, 0xac]);
+    two_gib.extend_from_slice(b"BlockRemoved");
+    two_gib.extend_from_slice(&[0x91, 0xc6, 0x80, 0, 0, 0, 1, 2, 3]);
+    let e = err(&two_gib);
+    assert!(
+        e.message.starts_with("events[0].block_hashes: truncated"),
+        "{e}"
+    );
+    // An events array that declares 4 G elements.
+    let mut huge = vec![0x92, 0xcb];
+    huge.extend_from_slice(&[0; 8]);
+    huge.extend_from_slice(&[0xdd, 0xff, 0xff, 0xff, 0xff]);
+    let e = err(&huge);
+    assert!(e.message.contains("4294967295"), "{e}");
+    assert_eq!(e.offset, 10);
+}
+
+#[test]
+fn errors_name_the_event_and_the_field() {
+    // [1.0, [["BlockStored", [1], nil, [1, -1], 2]], 0]
+    let mut b = vec![0x93, 0xcb];
+    b.extend_from_slice(&1.0f64.to_be_bytes());
+    b.extend_from_slice(&[0x91, 0x95, 0xab]);
+    b.extend_from_slice(b"BlockStored");
+    b.extend_from_slice(&[0x91, 0x01, 0xc0, 0x92, 0x01, 0xff, 0x02, 0x00]);
+    let e = err(&b);
+    assert!(
+        e.message.starts_with("events[0].token_ids: token_ids[1]"),
+        "{e}"
+    );
+    assert_eq!(e.offset, b.len() - 3);
+}
+
+fn nested(depth: usize) -> Vec<u8> {
+    let mut out = vec![0x91; depth];
+    out.push(0x00);
+    out
+}
+
+#[test]
+fn unknown_values_are_skipped_up_to_the_depth_limit() {
+    let event = |value: &[u8]| {
+        let mut b = vec![0x93, 0x00, 0x91, 0x82, 0xa4];
+        b.extend_from_slice(b"type");
+        b.push(0xb0);
+        b.extend_from_slice(b"AllBlocksCleared");
+        b.extend_from_slice(&[0xa6]);
+        b.extend_from_slice(b"future");
+        b.extend_from_slice(value);
+        b.push(0xc0);
+        b
+    };
+    // The value sits at depth 4; containers up to MAX_DEPTH are fine.
+    let ok = decode_batch(&event(&nested(MAX_DEPTH - 3))).unwrap();
+    assert_eq!(ok.events, vec![Event::AllBlocksCleared]);
+    assert_eq!(ok.dp_rank, None);
+    let e = err(&event(&nested(MAX_DEPTH - 2)));
+    assert!(e.message.contains("nesting deeper"), "{e}");
+}
+
+// ---- a small encoder for the round-trip property ------------------------------------
+
+#[derive(Debug, Clone)]
+enum WireHash {
+    U(u64),
+    I(i64),
+    B(Vec<u8>),
+}
+
+impl WireHash {
+    fn value(&self) -> u64 {
+        match self {
+            WireHash::U(v) => *v,
+            WireHash::I(v) => *v as u64,
+            WireHash::B(b) => u64::from_be_bytes(b[b.len() - 8..].try_into().unwrap()),
+        }
+    }
+    fn write(&self, out: &mut Vec<u8>) {
+        match self {
+            WireHash::U(v) => rmp::encode::write_uint(out, *v).map(|_| ()).unwrap(),
+            WireHash::I(v) => rmp::encode::write_sint(out, *v).map(|_| ()).unwrap(),
+            WireHash::B(b) => rmp::encode::write_bin(out, b).unwrap(),
+        }
+    }
+}
+
+/// Per block: nil, or items that are a str (`None` offset) or an `[mm_hash, offset]` pair.
+type WireExtra = Option<Vec<Option<Vec<(String, Option<i64>)>>>>;
+
+#[derive(Debug, Clone)]
+enum WireEvent {
+    Stored {
+        hashes: Vec<WireHash>,
+        parent: Option<WireHash>,
+        tokens: Vec<u32>,
+        block_size: u32,
+        lora_id: Option<i64>,
+        medium: Option<String>,
+        extra: WireExtra,
+        group: Option<u32>,
+    },
+    Removed {
+        hashes: Vec<WireHash>,
+        medium: Option<String>,
+        group: Option<u32>,
+    },
+    Cleared,
+}
+
+fn write_str(out: &mut Vec<u8>, s: &str) {
+    rmp::encode::write_str(out, s).unwrap();
+}
+
+fn write_opt_str(out: &mut Vec<u8>, s: &Option<String>) {
+    match s {
+        Some(s) => write_str(out, s),
+        None => rmp::encode::write_nil(out).unwrap(),
+    }
+}
+
+impl WireEvent {
+    /// (name, writer) pairs in declaration order; `None` writer = nil / absent.
+    fn write(&self, out: &mut Vec<u8>, positional: bool) {
+        type Field<'a> = (&'static str, Option<Box<dyn Fn(&mut Vec<u8>) + 'a>>);
+        let hashes = |hs: &[WireHash], out: &mut Vec<u8>| {
+            rmp::encode::write_array_len(out, hs.len() as u32).unwrap();
+            hs.iter().for_each(|h| h.write(out));
+        };
+        let (tag, fields, required): (&str, Vec<Field<'_>>, usize) = match self {
+            WireEvent::Stored {
+                hashes: hs,
+                parent,
+                tokens,
+                block_size,
+                lora_id,
+                medium,
+                extra,
+                group,
+            } => (
+                "BlockStored",
+                vec![
+                    (
+                        "block_hashes",
+                        Some(Box::new(move |o: &mut Vec<u8>| hashes(hs, o))),
+                    ),
+                    (
+                        "parent_block_hash",
+                        parent
+                            .as_ref()
+                            .map(|p| Box::new(move |o: &mut Vec<u8>| p.write(o)) as _),
+                    ),
+                    (
+                        "token_ids",
+                        Some(Box::new(move |o: &mut Vec<u8>| {
+                            rmp::encode::write_array_len(o, tokens.len() as u32).unwrap();
+                            tokens.iter().for_each(|t| {
+                                rmp::encode::write_uint(o, *t as u64).unwrap();
+                            });
+                        })),
+                    ),
+                    (
+                        "block_size",
+                        Some(Box::new(move |o: &mut Vec<u8>| {
+                            rmp::encode::write_uint(o, *block_size as u64).unwrap();
+                        })),
+                    ),
+                    (
+                        "lora_id",
+                        lora_id.map(|v| {
+                            Box::new(move |o: &mut Vec<u8>| {
+                                rmp::encode::write_sint(o, v).unwrap();
+                            }) as _
+                        }),
+                    ),
+                    (
+                        "medium",
+                        medium
+                            .as_ref()
+                            .map(|m| Box::new(move |o: &mut Vec<u8>| write_str(o, m)) as _),
+                    ),
+                    ("lora_name", None),
+                    (
+                        "extra_keys",
+                        extra.as_ref().map(|blocks| {
+                            Box::new(move |o: &mut Vec<u8>| {
+                                rmp::encode::write_array_len(o, blocks.len() as u32).unwrap();
+                                for block in blocks {
+                                    match block {
+                                        None => rmp::encode::write_nil(o).unwrap(),
+                                        Some(items) => {
+                                            rmp::encode::write_array_len(o, items.len() as u32)
+                                                .unwrap();
+                                            for (s, off) in items {
+                                                match off {
+                                                    None => write_str(o, s),
+                                                    Some(off) => {
+                                                        rmp::encode::write_array_len(o, 2).unwrap();
+                                                        write_str(o, s);
+                                                        rmp::encode::write_sint(o, *off).unwrap();
+                                                    }
+                                                }
+                                            }
+                                        }
+                                    }
+                                }
+                            }) as _
+                        }),
+                    ),
+                    (
+                        "group_idx",
+                        group.map(|g| {
+                            Box::new(move |o: &mut Vec<u8>| {
+                                rmp::encode::write_uint(o, g as u64).unwrap();
+                            }) as _
+                        }),
+                    ),
+                    (
+                        "session_id",
+                        Some(Box::new(|o: &mut Vec<u8>| {
+                            write_opt_str(o, &Some("s".into()))
+                        })),
+                    ),
+                ],
+                7,
+            ),
+            WireEvent::Removed {
+                hashes: hs,
+                medium,
+                group,
+            } => (
+                "BlockRemoved",
+                vec![
+                    (
+                        "block_hashes",
+                        Some(Box::new(move |o: &mut Vec<u8>| hashes(hs, o))),
+                    ),
+                    (
+                        "medium",
+                        medium
+                            .as_ref()
+                            .map(|m| Box::new(move |o: &mut Vec<u8>| write_str(o, m)) as _),
+                    ),
+                    (
+                        "group_idx",
+                        group.map(|g| {
+                            Box::new(move |o: &mut Vec<u8>| {
+                                rmp::encode::write_uint(o, g as u64).unwrap();
+                            }) as _
+                        }),
+                    ),
+                ],
+                2,
+            ),
+            WireEvent::Cleared => ("AllBlocksCleared", vec![], 0),
+        };
+        if positional {
+            let last = fields
+                .iter()
+                .rposition(|(_, w)| w.is_some())
+                .map_or(0, |i| i + 1);
+            let count = last.max(required);
+            rmp::encode::write_array_len(out, 1 + count as u32).unwrap();
+            write_str(out, tag);
+            for (_, w) in &fields[..count] {
+                match w {
+                    Some(w) => w(out),
+                    None => rmp::encode::write_nil(out).unwrap(),
+                }
+            }
+        } else {
+            let present: Vec<_> = fields
+                .iter()
+                .enumerate()
+                .filter(|(i, (_, w))| *i < required || w.is_some())
+                .map(|(_, f)| f)
+                .collect();
+            rmp::encode::write_map_len(out, 1 + present.len() as u32).unwrap();
+            write_str(out, "type");
+            write_str(out, tag);
+            for (name, w) in present {
+                write_str(out, name);
+                match w {
+                    Some(w) => w(out),
+                    None => rmp::encode::write_nil(out).unwrap(),
+                }
+            }
+        }
+    }
+
+    fn decoded(&self) -> Event {
+        match self {
+            WireEvent::Stored {
+                hashes,
+                parent,
+                tokens,
+                block_size,
+                lora_id,
+                medium,
+                extra,
+                group,
+            } => Event::BlockStored(BlockStored {
+                block_hashes: hashes.iter().map(WireHash::value).collect(),
+                parent_block_hash: parent.as_ref().map(WireHash::value),
+                token_ids: tokens.clone(),
+                block_size: *block_size,
+                lora_id: *lora_id,
+                medium: Medium::parse(medium.as_deref()),
+                lora_name: None,
+                extra_keys: extra
+                    .clone()
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|b| {
+                        b.map(|items| {
+                            items
+                                .into_iter()
+                                .map(|(s, off)| match off {
+                                    None => ExtraKey::Str(s),
+                                    Some(offset) => ExtraKey::Mm { hash: s, offset },
+                                })
+                                .collect()
+                        })
+                    })
+                    .collect(),
+                group_idx: group.unwrap_or(0),
+                cache_salt: None,
+            }),
+            WireEvent::Removed {
+                hashes,
+                medium,
+                group,
+            } => Event::BlockRemoved(BlockRemoved {
+                block_hashes: hashes.iter().map(WireHash::value).collect(),
+                medium: Medium::parse(medium.as_deref()),
+                group_idx: group.unwrap_or(0),
+            }),
+            WireEvent::Cleared => Event::AllBlocksCleared,
+        }
+    }
+}
+
+fn wire_hash() -> impl Strategy<Value = WireHash> {
+    prop_oneof![
+        any::<u64>().prop_map(WireHash::U),
+        (i64::MIN..0).prop_map(WireHash::I),
+        proptest::collection::vec(any::<u8>(), 8..=32).prop_map(WireHash::B),
+    ]
+}
+
+fn medium() -> impl Strategy<Value = Option<String>> {
+    proptest::option::of(prop_oneof![
+        Just("GPU".to_string()),
+        Just("cpu".to_string()),
+        Just("CPU_PINNED".to_string()),
+        Just("STORAGE".to_string()),
+        "[a-zA-Z_]{0,8}",
+    ])
+}
+
+fn wire_event() -> impl Strategy<Value = WireEvent> {
+    let item = ("\\PC{0,6}", proptest::option::of(any::<i64>()));
+    let extra = proptest::option::of(proptest::collection::vec(
+        proptest::option::of(proptest::collection::vec(item, 0..3)),
+        0..4,
+    ));
+    let stored = (
+        proptest::collection::vec(wire_hash(), 0..4),
+        proptest::option::of(wire_hash()),
+        proptest::collection::vec(any::<u32>(), 0..40),
+        1..=u32::MAX,
+        proptest::option::of(any::<i64>()),
+        medium(),
+        extra,
+        proptest::option::of(any::<u32>()),
+    )
+        .prop_map(
+            |(hashes, parent, tokens, block_size, lora_id, medium, extra, group)| {
+                WireEvent::Stored {
+                    hashes,
+                    parent,
+                    tokens,
+                    block_size,
+                    lora_id,
+                    medium,
+                    extra,
+                    group,
+                }
+            },
+        );
+    let removed = (
+        proptest::collection::vec(wire_hash(), 0..4),
+        medium(),
+        proptest::option::of(any::<u32>()),
+    )
+        .prop_map(|(hashes, medium, group)| WireEvent::Removed {
+            hashes,
+            medium,
+            group,
+        });
+    prop_oneof![stored, removed, Just(WireEvent::Cleared)]
+}
+
+fn encode(ts: f64, events: &[WireEvent], dp_rank: Option<i64>, positional: bool) -> Vec<u8> {
+    let mut out = Vec::new();
+    rmp::encode::write_array_len(&mut out, if dp_rank.is_some() { 3 } else { 2 }).unwrap();
+    rmp::encode::write_f64(&mut out, ts).unwrap();
+    rmp::encode::write_array_len(&mut out, events.len() as u32).unwrap();
+    for e in events {
+        e.write(&mut out, positional);
+    }
+    if let Some(rank) = dp_rank {
+        rmp::encode::write_sint(&mut out, rank).unwrap();
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+        let _ = decode_batch(&bytes);
+    }
+
+    #[test]
+    fn arbitrary_bytes_after_a_batch_header_never_panic(
+        tail in proptest::collection::vec(any::<u8>(), 0..256)
+    ) {
+        let mut bytes = vec![0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0];
+        bytes.extend_from_slice(&tail);
+        let _ = decode_batch(&bytes);
+    }
+
+    #[test]
+    fn round_trip(
+        ts in -1e12f64..1e12,
+        events in proptest::collection::vec(wire_event(), 0..5),
+        dp_rank in proptest::option::of(any::<i64>()),
+        positional in any::<bool>(),
+    ) {
+        let bytes = encode(ts, &events, dp_rank, positional);
+        let batch = decode_batch(&bytes).unwrap();
+        prop_assert_eq!(batch.ts, ts);
+        prop_assert_eq!(batch.dp_rank, dp_rank);
+        let expected: Vec<Event> = events.iter().map(WireEvent::decoded).collect();
+        prop_assert_eq!(batch.events, expected);
+    }
+
+    #[test]
+    fn mutated_valid_batches_never_panic(
+        events in proptest::collection::vec(wire_event(), 1..4),
+        flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..4),
+        cut in any::<prop::sample::Index>(),
+    ) {
+        let mut bytes = encode(1.0, &events, Some(0), false);
+        for (at, value) in flips {
+            let i = at.index(bytes.len());
+            bytes[i] = value;
+        }
+        let _ = decode_batch(&bytes);
+        let _ = decode_batch(&bytes[..cut.index(bytes.len())]);
+    }
+}
