@@ -2,13 +2,18 @@
 //! ([`wal`]), snapshots ([`snapshot`]) and the crash-safe native index built on both
 //! ([`durable`]). See `docs/persistence.md`.
 
+pub mod durable;
 pub mod error;
 pub mod frame;
+pub mod snapshot;
 pub mod wal;
 
+pub use durable::{ApplyError, DurableIndex, DurableOptions, RecoveryInfo};
 pub use error::PersistError;
 pub use frame::{LoggedRecord, Record};
 pub use wal::{Durability, RecoveryReport, TornTail, Wal, WalOptions};
 
+#[cfg(test)]
+mod durable_tests;
 #[cfg(test)]
 mod wal_tests;

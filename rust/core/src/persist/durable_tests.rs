@@ -1,0 +1,333 @@
+//! The durable index against a plain in-memory `Index` fed the same operations:
+//! random operation sequences with clean reopens and crashes (drop without close)
+//! in between must always recover exactly the reference state and sequence numbers.
+
+use std::collections::BTreeMap;
+use std::fs;
+
+use proptest::prelude::*;
+
+use crate::index::{Index, SourceKey};
+
+use super::durable::{ApplyError, DurableIndex, DurableOptions};
+use super::wal::{Durability, WalOptions};
+use super::wal_tests::TestDir;
+
+/// A test event, encoded in vLLM's map wire form.
+#[derive(Debug, Clone)]
+pub(crate) enum Ev {
+    Stored {
+        hashes: Vec<u64>,
+        parent: Option<u64>,
+        tokens: Vec<u32>,
+        medium: &'static str,
+    },
+    Removed {
+        hashes: Vec<u64>,
+        medium: &'static str,
+    },
+    Cleared,
+}
+
+pub(crate) const BS: u32 = 2;
+
+fn str_(out: &mut Vec<u8>, s: &str) {
+    rmp::encode::write_str(out, s).unwrap();
+}
+
+/// `[ts, [events...], dp_rank]` with map-form events, as vLLM >= 0.24 sends.
+pub(crate) fn encode(events: &[Ev], dp_rank: Option<u32>) -> Vec<u8> {
+    let mut o = Vec::new();
+    rmp::encode::write_array_len(&mut o, 3).unwrap();
+    rmp::encode::write_f64(&mut o, 1.5).unwrap();
+    rmp::encode::write_array_len(&mut o, events.len() as u32).unwrap();
+    for e in events {
+        match e {
+            Ev::Stored {
+                hashes,
+                parent,
+                tokens,
+                medium,
+            } => {
+                rmp::encode::write_map_len(&mut o, 7).unwrap();
+                str_(&mut o, "type");
+                str_(&mut o, "BlockStored");
+                str_(&mut o, "block_hashes");
+                rmp::encode::write_array_len(&mut o, hashes.len() as u32).unwrap();
+                for h in hashes {
+                    rmp::encode::write_uint(&mut o, *h).unwrap();
+                }
+                str_(&mut o, "parent_block_hash");
+                match parent {
+                    Some(p) => drop(rmp::encode::write_uint(&mut o, *p).unwrap()),
+                    None => rmp::encode::write_nil(&mut o).unwrap(),
+                }
+                str_(&mut o, "token_ids");
+                rmp::encode::write_array_len(&mut o, tokens.len() as u32).unwrap();
+                for t in tokens {
+                    rmp::encode::write_uint(&mut o, *t as u64).unwrap();
+                }
+                str_(&mut o, "block_size");
+                rmp::encode::write_uint(&mut o, BS as u64).unwrap();
+                str_(&mut o, "lora_id");
+                rmp::encode::write_nil(&mut o).unwrap();
+                str_(&mut o, "medium");
+                str_(&mut o, medium);
+            }
+            Ev::Removed { hashes, medium } => {
+                rmp::encode::write_map_len(&mut o, 3).unwrap();
+                str_(&mut o, "type");
+                str_(&mut o, "BlockRemoved");
+                str_(&mut o, "block_hashes");
+                rmp::encode::write_array_len(&mut o, hashes.len() as u32).unwrap();
+                for h in hashes {
+                    rmp::encode::write_uint(&mut o, *h).unwrap();
+                }
+                str_(&mut o, "medium");
+                str_(&mut o, medium);
+            }
+            Ev::Cleared => {
+                rmp::encode::write_map_len(&mut o, 1).unwrap();
+                str_(&mut o, "type");
+                str_(&mut o, "AllBlocksCleared");
+            }
+        }
+    }
+    match dp_rank {
+        Some(r) => drop(rmp::encode::write_uint(&mut o, r as u64).unwrap()),
+        None => rmp::encode::write_nil(&mut o).unwrap(),
+    }
+    o
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Apply {
+        worker: u64,
+        dp: u32,
+        events: Vec<Ev>,
+        seq: Option<u64>,
+    },
+    Register {
+        worker: u64,
+        model: String,
+    },
+    Pin(Vec<u64>),
+    Unpin(Vec<u64>),
+    Clear {
+        worker: u64,
+        dp: u32,
+    },
+    RemoveWorker(u64),
+    Snapshot,
+    Reopen,
+    Crash,
+}
+
+fn ev_strategy() -> impl Strategy<Value = Ev> {
+    let medium = prop::sample::select(vec!["GPU", "CPU"]);
+    prop_oneof![
+        6 => (1u64..12, prop::option::of(1u64..12), 1usize..4, medium.clone(), 0u32..3).prop_map(
+            |(h, parent, n, medium, salt)| Ev::Stored {
+                hashes: (0..n as u64).map(|i| h * 16 + i).collect(),
+                parent: parent.map(|p| p * 16),
+                tokens: (0..n as u32 * BS).map(|t| t % 5 + salt).collect(),
+                medium,
+            }
+        ),
+        3 => (prop::collection::vec(0u64..200, 1..3), medium).prop_map(|(hashes, medium)| Ev::Removed { hashes, medium }),
+        1 => Just(Ev::Cleared),
+    ]
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        12 => (0u64..3, 0u32..2, prop::collection::vec(ev_strategy(), 0..4), prop::option::of(0u64..1000))
+            .prop_map(|(worker, dp, events, seq)| Op::Apply { worker, dp, events, seq }),
+        1 => (0u64..3, prop::sample::select(vec!["m1", "m2"])).prop_map(|(worker, m)| Op::Register { worker, model: m.into() }),
+        1 => prop::collection::vec(0u64..u64::MAX, 1..3).prop_map(Op::Pin),
+        1 => prop::collection::vec(0u64..u64::MAX, 1..3).prop_map(Op::Unpin),
+        1 => (0u64..3, 0u32..2).prop_map(|(worker, dp)| Op::Clear { worker, dp }),
+        1 => (0u64..3).prop_map(Op::RemoveWorker),
+        1 => Just(Op::Snapshot),
+        1 => Just(Op::Reopen),
+        1 => Just(Op::Crash),
+    ]
+}
+
+fn options(snapshot_every_bytes: u64, segment_bytes: u64) -> DurableOptions {
+    DurableOptions {
+        wal: WalOptions {
+            durability: Durability::None,
+            segment_bytes,
+        },
+        snapshot_every_bytes,
+        snapshot_on_close: true,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn recovers_exactly_the_reference_state(
+        ops in prop::collection::vec(op_strategy(), 1..60),
+        snapshot_every_bytes in prop::sample::select(vec![0u64, 300, 5000]),
+        segment_bytes in prop::sample::select(vec![128u64, 1 << 20]),
+    ) {
+        let d = TestDir::new("durable-prop");
+        let opts = options(snapshot_every_bytes, segment_bytes);
+        let mut dur = Some(DurableIndex::open(&d.0, opts.clone()).unwrap());
+        let mut reference = Index::new();
+        let mut ref_seqs: BTreeMap<SourceKey, u64> = BTreeMap::new();
+        for op in ops {
+            let di = dur.as_mut().unwrap();
+            match op {
+                Op::Apply { worker, dp, events, seq } => {
+                    let src = SourceKey { worker, dp_rank: dp };
+                    let payload = encode(&events, Some(dp));
+                    let seqs = seq.map(|s| vec![s]);
+                    di.apply(src, &[&payload], seqs.as_deref()).unwrap();
+                    reference.apply_payload(src, &payload).unwrap();
+                    if let Some(s) = seq { ref_seqs.insert(src, s); }
+                }
+                Op::Register { worker, model } => {
+                    let src = SourceKey { worker, dp_rank: 0 };
+                    di.register_source(src, &model, "tok").unwrap();
+                    reference.register_source(src, &model, "tok");
+                }
+                Op::Pin(keys) => { di.pin(&keys).unwrap(); reference.pin(&keys); }
+                Op::Unpin(keys) => { di.unpin(&keys).unwrap(); reference.unpin(&keys); }
+                Op::Clear { worker, dp } => {
+                    let src = SourceKey { worker, dp_rank: dp };
+                    prop_assert_eq!(di.clear_source(src).unwrap(), reference.clear_source(src));
+                }
+                Op::RemoveWorker(w) => {
+                    prop_assert_eq!(di.remove_worker(w).unwrap(), reference.remove_worker(w));
+                    ref_seqs.retain(|s, _| s.worker != w);
+                }
+                Op::Snapshot => { di.snapshot().unwrap(); }
+                Op::Reopen => {
+                    dur.take().unwrap().close().unwrap();
+                    dur = Some(DurableIndex::open(&d.0, opts.clone()).unwrap());
+                }
+                Op::Crash => {
+                    drop(dur.take());
+                    dur = Some(DurableIndex::open(&d.0, opts.clone()).unwrap());
+                }
+            }
+            let di = dur.as_ref().unwrap();
+            prop_assert!(di.index().state_eq(&reference));
+            prop_assert_eq!(di.last_seqs(), &ref_seqs);
+        }
+        // And once more from disk alone.
+        drop(dur.take());
+        let di = DurableIndex::open(&d.0, opts).unwrap();
+        prop_assert!(di.index().state_eq(&reference));
+        prop_assert_eq!(di.last_seqs(), &ref_seqs);
+    }
+}
+
+fn stored(h: u64, parent: Option<u64>, t: u32) -> Ev {
+    Ev::Stored {
+        hashes: vec![h],
+        parent,
+        tokens: vec![t, t + 1],
+        medium: "GPU",
+    }
+}
+
+#[test]
+fn a_bad_batch_stops_the_call_and_nothing_after_it_is_logged() {
+    let d = TestDir::new("durable-bad");
+    let src = SourceKey {
+        worker: 1,
+        dp_rank: 0,
+    };
+    let good1 = encode(&[stored(1, None, 0)], None);
+    let good2 = encode(&[stored(2, Some(1), 5)], None);
+    let mut di = DurableIndex::open(&d.0, options(0, 1 << 20)).unwrap();
+    let err = di
+        .apply(src, &[&good1, b"\x93garbage", &good2], Some(&[10, 11, 12]))
+        .unwrap_err();
+    match err {
+        ApplyError::Decode { index, applied, .. } => {
+            assert_eq!(index, 1);
+            assert_eq!(applied.blocks_stored, 1);
+        }
+        other => panic!("expected a decode error, got {other}"),
+    }
+    let mut reference = Index::new();
+    reference.apply_payload(src, &good1).unwrap();
+    assert!(di.index().state_eq(&reference));
+    assert_eq!(di.last_seqs().get(&src), Some(&10));
+    drop(di);
+    let di = DurableIndex::open(&d.0, options(0, 1 << 20)).unwrap();
+    assert!(di.index().state_eq(&reference));
+    assert_eq!(di.last_seqs().get(&src), Some(&10));
+    assert_eq!(di.recovery().wal.records_replayed, 1);
+}
+
+#[test]
+fn snapshot_prunes_the_log_and_recovery_uses_it() {
+    let d = TestDir::new("durable-snap");
+    let src = SourceKey {
+        worker: 3,
+        dp_rank: 0,
+    };
+    let mut di = DurableIndex::open(&d.0, options(0, 256)).unwrap();
+    for i in 0..50u64 {
+        let p = encode(&[stored(i + 1, (i > 0).then_some(i), i as u32)], None);
+        di.apply(src, &[&p], Some(&[i])).unwrap();
+    }
+    let segments_before = fs::read_dir(d.0.join("wal")).unwrap().count();
+    let lsn = di.snapshot().unwrap();
+    assert_eq!(lsn, 50);
+    let segments_after = fs::read_dir(d.0.join("wal")).unwrap().count();
+    assert!(
+        segments_after < segments_before,
+        "{segments_after} >= {segments_before}"
+    );
+    let p = encode(&[stored(99, Some(50), 7)], None);
+    di.apply(src, &[&p], Some(&[50])).unwrap();
+    let expected = di.index().logical_state();
+    drop(di); // crash: the last batch is only in the log
+    let di = DurableIndex::open(&d.0, options(0, 256)).unwrap();
+    assert_eq!(di.recovery().snapshot_lsn, Some(50));
+    assert_eq!(di.recovery().wal.records_replayed, 1);
+    assert_eq!(di.index().logical_state(), expected);
+    assert_eq!(di.last_seqs().get(&src), Some(&50));
+}
+
+#[test]
+fn a_damaged_snapshot_is_a_clear_error() {
+    let d = TestDir::new("durable-badsnap");
+    let mut di = DurableIndex::open(&d.0, options(0, 1 << 20)).unwrap();
+    let p = encode(&[stored(1, None, 0)], None);
+    di.apply(
+        SourceKey {
+            worker: 1,
+            dp_rank: 0,
+        },
+        &[&p],
+        None,
+    )
+    .unwrap();
+    di.close().unwrap();
+    let snap = fs::read_dir(&d.0)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "qcsnap"))
+        .unwrap();
+    let mut bytes = fs::read(&snap).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 1;
+    fs::write(&snap, bytes).unwrap();
+    match DurableIndex::open(&d.0, options(0, 1 << 20)) {
+        Err(super::PersistError::CorruptSnapshot { reason, .. }) => {
+            assert!(reason.contains("checksum"), "{reason}")
+        }
+        Err(e) => panic!("wrong error {e}"),
+        Ok(_) => panic!("a damaged snapshot was accepted"),
+    }
+}
