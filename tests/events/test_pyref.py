@@ -134,7 +134,10 @@ MALFORMED = {
     "short positional": (_bad([1.0, [["BlockStored", [1], None]], 0]), "at least 4"),
     "trailing bytes": (_bad([1.0, [], 0]) + b"\x00", "trailing"),
     "truncated": (_bad([1.0, [GOOD_EVENT], 0])[:-3], "truncated"),
-    "2 GiB bin prefix": (b"\x93\xcb" + b"\x00" * 8 + b"\x91\xc6\x80\x00\x00\x00", "batch"),
+    "2 GiB bin prefix": (
+        b"\x92\xcb" + b"\x00" * 8 + b"\x91\x92\xacBlockRemoved\x91\xc6\x80\x00\x00\x00\x01",
+        "events[0].block_hashes: truncated",
+    ),
     "4G array prefix": (b"\x93\xcb" + b"\x00" * 8 + b"\xdd\xff\xff\xff\xff", "4294967295"),
     "reserved marker": (b"\x93\xcb" + b"\x00" * 8 + b"\x91\xc1", "batch"),
     "invalid utf-8 type": (b"\x93\x00\x91\x81\xa4type\xa2\xff\xfe\x00", "events[0]"),
