@@ -1,0 +1,109 @@
+"""`NativeIndex`: the Rust residency index behind the `IndexBackend` protocol.
+
+A thin wrapper: input validation and conversion of the binding's tuples into the
+protocol's dataclasses. The work (decode, apply, match, scan) runs in Rust with the
+GIL released; see `docs/index.md` for the data structure and its numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from quillcache import _native
+from quillcache.errors import EventDecodeError
+from quillcache.index.inputs import as_key_array, check_source
+from quillcache.index.protocol import KeyArray
+from quillcache.index.types import ApplyStats, Entry, IndexStats, Match, Residency
+
+_new = object.__new__
+
+
+def _match(t: tuple[int, int, str, int]) -> Match:
+    # Match is a frozen dataclass; filling __dict__ directly skips its slow __setattr__.
+    m = _new(Match)
+    m.__dict__.update(worker=t[0], dp_rank=t[1], medium=t[2], blocks=t[3])
+    return m
+
+
+def _entry(t: tuple[int, int, int, list[tuple[int, int, str, int]], bool]) -> Entry:
+    key, parent, depth, holders, pinned = t
+    return Entry(key, parent, depth, tuple(Residency(*h) for h in holders), pinned)
+
+
+class NativeIndex:
+    """`IndexBackend` over `quillcache._native.NativeIndex`."""
+
+    name = "native"
+
+    def __init__(self, *, _inner: _native.NativeIndex | None = None) -> None:
+        self._inner = _inner if _inner is not None else _native.NativeIndex()
+
+    def register_source(
+        self, worker: int, dp_rank: int = 0, *, model: str = "", tokenizer: str = ""
+    ) -> None:
+        check_source(worker, dp_rank)
+        self._inner.register_source(worker, dp_rank, model=model, tokenizer=tokenizer)
+
+    def apply(self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0) -> ApplyStats:
+        check_source(worker, dp_rank)
+        batch = [p if type(p) is bytes else bytes(p) for p in payloads]
+        try:
+            return ApplyStats(*self._inner.apply(worker, batch, dp_rank))
+        except EventDecodeError as err:
+            err.stats = ApplyStats(*err.stats)  # type: ignore[attr-defined]
+            raise
+
+    def match(self, keys: KeyArray) -> list[Match]:
+        return [_match(t) for t in self._inner.match(as_key_array(keys))]
+
+    def match_many(self, requests: Sequence[KeyArray]) -> list[list[Match]]:
+        """`match` for many requests in one call (one GIL release)."""
+        raw = self._inner.match_many([as_key_array(k) for k in requests])
+        return [[_match(t) for t in hits] for hits in raw]
+
+    def remove_worker(self, worker: int) -> int:
+        check_source(worker, 0)
+        return self._inner.remove_worker(worker)
+
+    def clear_source(self, worker: int, dp_rank: int = 0) -> int:
+        check_source(worker, dp_rank)
+        return self._inner.clear_source(worker, dp_rank)
+
+    def scan(self, prefix: KeyArray) -> list[Entry]:
+        return [_entry(t) for t in self._inner.scan(as_key_array(prefix))]
+
+    def entries(self) -> Iterator[Entry]:
+        return (_entry(t) for t in self._inner.entries())
+
+    def pin(self, keys: KeyArray) -> None:
+        self._inner.pin(as_key_array(keys))
+
+    def unpin(self, keys: KeyArray) -> None:
+        self._inner.unpin(as_key_array(keys))
+
+    def stats(self) -> IndexStats:
+        blocks, nodes, pairs, sources, pinned, spilled, memory = self._inner.stats()
+        return IndexStats(
+            blocks=blocks,
+            resident_pairs=pairs,
+            sources=sources,
+            memory_bytes=memory,
+            extra={"nodes": nodes, "pinned": pinned, "spilled": spilled},
+        )
+
+    # --- persistence hooks -----------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        """The whole state as a versioned, checksummed binary snapshot."""
+        return self._inner.snapshot()
+
+    @classmethod
+    def from_snapshot(cls, data: bytes) -> NativeIndex:
+        """Restore from `snapshot()` bytes; corrupt data raises QuillCacheError."""
+        return cls(_inner=_native.NativeIndex.from_snapshot(data))
+
+    def state_eq(self, other: NativeIndex) -> bool:
+        return self._inner.state_eq(other._inner)
+
+    def close(self) -> None:
+        """Nothing to release (the Rust index is freed with this object)."""
