@@ -13,7 +13,11 @@ pub type MmItem = (String, i64);
 
 /// Key of one block given its parent key (the namespace id for block 0).
 #[inline]
+///
+/// An empty item list is the same as none: `mm_i` is empty for a block without
+/// multimodal items (`docs/content-key.md`).
 pub fn chain_block(parent: u64, tokens: &[u32], mm: Option<&[MmItem]>) -> u64 {
+    let mm = mm.filter(|items| !items.is_empty());
     // Stack buffer for the common case (blocks up to 128 tokens, no mm items).
     const STACK_TOKENS: usize = 128;
     if mm.is_none() && tokens.len() <= STACK_TOKENS {
@@ -51,6 +55,43 @@ pub fn chain_keys(parent: u64, tokens: &[u32], block_size: usize, out: &mut Vec<
     }
 }
 
+/// Like [`chain_keys`], with block i's multimodal items in `mm[i]` (missing = none).
+pub fn chain_keys_mm(
+    parent: u64,
+    tokens: &[u32],
+    block_size: usize,
+    mm: &[Option<Vec<MmItem>>],
+    out: &mut Vec<u64>,
+) {
+    assert!(block_size > 0, "block_size must be positive");
+    out.reserve(tokens.len() / block_size);
+    let mut key = parent;
+    for (i, block) in tokens.chunks_exact(block_size).enumerate() {
+        key = chain_block(key, block, mm.get(i).and_then(|m| m.as_deref()));
+        out.push(key);
+    }
+}
+
+/// Keys of many sequences at once: sequence j is `tokens[offsets[j]..offsets[j+1]]`,
+/// chained from `parents[j]`. Appends its keys to `out` and returns, per sequence, the
+/// end of its keys in `out` (so sequence j's keys are `out[ends[j-1]..ends[j]]`).
+///
+/// `offsets` must be non-decreasing and within `tokens`; callers validate.
+pub fn chain_keys_batch(
+    parents: impl Fn(usize) -> u64,
+    tokens: &[u32],
+    offsets: &[usize],
+    block_size: usize,
+    out: &mut Vec<u64>,
+) -> Vec<usize> {
+    let mut ends = Vec::with_capacity(offsets.len().saturating_sub(1));
+    for (j, w) in offsets.windows(2).enumerate() {
+        chain_keys(parents(j), &tokens[w[0]..w[1]], block_size, out);
+        ends.push(out.len());
+    }
+    ends
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -70,6 +111,30 @@ mod tests {
         chain_keys(1, &toks[..32], 16, &mut b);
         assert_eq!(&a[..2], &b[..]);
         assert_eq!(a[1], chain_block(a[0], &toks[16..32], None));
+    }
+
+    #[test]
+    fn batch_equals_one_call_per_sequence() {
+        let toks: Vec<u32> = (0..100).collect();
+        let offsets = [0, 10, 10, 47, 100];
+        let mut flat = Vec::new();
+        let ends = chain_keys_batch(|j| j as u64, &toks, &offsets, 4, &mut flat);
+        let mut start = 0;
+        for (j, w) in offsets.windows(2).enumerate() {
+            let mut one = Vec::new();
+            chain_keys(j as u64, &toks[w[0]..w[1]], 4, &mut one);
+            assert_eq!(&flat[start..ends[j]], &one[..]);
+            start = ends[j];
+        }
+    }
+
+    #[test]
+    fn mm_chain_without_items_equals_plain_chain() {
+        let toks: Vec<u32> = (0..33).collect();
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        chain_keys(5, &toks, 8, &mut a);
+        chain_keys_mm(5, &toks, 8, &[None, Some(vec![])], &mut b);
+        assert_eq!(a, b, "no items and an empty item list are the same block");
     }
 
     #[test]

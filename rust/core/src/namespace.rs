@@ -60,12 +60,30 @@ mod tests {
     fn every_field_changes_the_id() {
         let base = ns().id();
         let variants = [
-            Namespace { model: "m2".into(), ..ns() },
-            Namespace { tokenizer: "t".into(), ..ns() },
-            Namespace { lora: "l".into(), ..ns() },
-            Namespace { tenant: "a".into(), ..ns() },
-            Namespace { block_size: 32, ..ns() },
-            Namespace { extra: vec!["x".into()], ..ns() },
+            Namespace {
+                model: "m2".into(),
+                ..ns()
+            },
+            Namespace {
+                tokenizer: "t".into(),
+                ..ns()
+            },
+            Namespace {
+                lora: "l".into(),
+                ..ns()
+            },
+            Namespace {
+                tenant: "a".into(),
+                ..ns()
+            },
+            Namespace {
+                block_size: 32,
+                ..ns()
+            },
+            Namespace {
+                extra: vec!["x".into()],
+                ..ns()
+            },
         ];
         for v in variants {
             assert_ne!(v.id(), base, "{v:?}");
@@ -74,8 +92,16 @@ mod tests {
 
     #[test]
     fn fields_do_not_run_into_each_other() {
-        let a = Namespace { model: "ab".into(), tokenizer: "".into(), ..ns() };
-        let b = Namespace { model: "a".into(), tokenizer: "b".into(), ..ns() };
+        let a = Namespace {
+            model: "ab".into(),
+            tokenizer: "".into(),
+            ..ns()
+        };
+        let b = Namespace {
+            model: "a".into(),
+            tokenizer: "b".into(),
+            ..ns()
+        };
         assert_ne!(a.id(), b.id());
     }
 }
