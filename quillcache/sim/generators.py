@@ -1,0 +1,238 @@
+"""Workload generators. Each returns a `Workload` with token ids, seeded and deterministic.
+
+- `shared_prefix`: the original QuillCache synthetic workload: groups of requests share
+  a system prompt of `shared_prefix_blocks` blocks, then add unique blocks.
+- `sglang_gsp`: SGLang's bench_serving "generated-shared-prefix" dataset (groups of
+  questions after one long system prompt per group; defaults as in SGLang: 64 groups x
+  16 prompts, 2048-token system prompt, 128-token question, 256 output tokens).
+- `multi_turn`: chat sessions; each turn resends the history plus the model's answer.
+- `agent_fanout`: agent tasks: a planner call, N parallel tool/sub-agent calls sharing
+  the planner's context, then a join call over everything.
+
+Arrivals are Poisson at `rate` requests/s (sessions and tasks start Poisson; later turns
+and fan-out calls follow with think / step delays).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from quillcache.errors import ConfigError
+from quillcache.sim.requests import TOKEN_HI, TOKEN_LO, SimRequest, make_request
+from quillcache.sim.workload import DEFAULT_MODEL, Workload, sim_namespace
+
+Tokens = npt.NDArray[np.uint32]
+
+
+def _tokens(rng: np.random.Generator, n: int) -> Tokens:
+    return rng.integers(TOKEN_LO, TOKEN_HI, size=max(n, 0), dtype=np.uint32)
+
+
+def _poisson_arrivals(rng: np.random.Generator, n: int, rate: float) -> npt.NDArray[np.float64]:
+    if rate <= 0:
+        raise ConfigError(f"arrival rate must be positive, got {rate}")
+    return np.cumsum(rng.exponential(1.0 / rate, size=n))
+
+
+def _finish(
+    name: str,
+    items: list[tuple[float, Tokens, int, str | None]],
+    block_size: int,
+    model: str,
+    params: dict[str, Any],
+) -> Workload:
+    """Sort (arrival, tokens, output, session) by arrival (stable) and build requests."""
+    ns = sim_namespace(block_size, model)
+    order = sorted(range(len(items)), key=lambda i: items[i][0])
+    reqs: list[SimRequest] = []
+    for rid, i in enumerate(order):
+        t, toks, out, session = items[i]
+        reqs.append(
+            make_request(rid, float(t), out, block_size, ns, tokens=toks, session_id=session)
+        )
+    return Workload(name=name, requests=reqs, block_size=block_size, model=model, params=params)
+
+
+def shared_prefix(
+    *,
+    requests: int = 2000,
+    prefix_groups: int = 8,
+    shared_prefix_blocks: int = 32,
+    unique_blocks: int = 8,
+    output_tokens: int = 128,
+    block_size: int = 16,
+    rate: float = 40.0,
+    zipf: float = 0.0,
+    seed: int = 0,
+    model: str = DEFAULT_MODEL,
+) -> Workload:
+    """Requests = one of `prefix_groups` shared prefixes + `unique_blocks` of their own
+    (+ a partial block). Groups are drawn uniformly, or Zipf-like with exponent `zipf`."""
+    if min(requests, prefix_groups, block_size) <= 0 or shared_prefix_blocks < 0:
+        raise ConfigError("requests, prefix groups and block size must be positive")
+    rng = np.random.default_rng(seed)
+    prefixes = [_tokens(rng, shared_prefix_blocks * block_size) for _ in range(prefix_groups)]
+    if zipf > 0:
+        w = 1.0 / np.arange(1, prefix_groups + 1) ** zipf
+        groups = rng.choice(prefix_groups, size=requests, p=w / w.sum())
+    else:
+        groups = rng.integers(0, prefix_groups, size=requests)
+    arrivals = _poisson_arrivals(rng, requests, rate)
+    tail = unique_blocks * block_size + block_size // 2
+    items = [
+        (
+            arrivals[i],
+            np.concatenate([prefixes[g], _tokens(rng, tail)]),
+            output_tokens,
+            f"group-{g}",
+        )
+        for i, g in enumerate(groups.tolist())
+    ]
+    params = dict(
+        requests=requests,
+        prefix_groups=prefix_groups,
+        shared_prefix_blocks=shared_prefix_blocks,
+        unique_blocks=unique_blocks,
+        output_tokens=output_tokens,
+        block_size=block_size,
+        rate=rate,
+        zipf=zipf,
+        seed=seed,
+    )
+    return _finish("shared-prefix", items, block_size, model, params)
+
+
+def sglang_gsp(
+    *,
+    num_groups: int = 64,
+    prompts_per_group: int = 16,
+    system_prompt_len: int = 2048,
+    question_len: int = 128,
+    output_len: int = 256,
+    block_size: int = 16,
+    rate: float = 20.0,
+    seed: int = 0,
+    model: str = DEFAULT_MODEL,
+) -> Workload:
+    """SGLang's generated-shared-prefix dataset, shuffled, with Poisson arrivals."""
+    rng = np.random.default_rng(seed)
+    items_toks = []
+    for g in range(num_groups):
+        system = _tokens(rng, system_prompt_len)
+        for _ in range(prompts_per_group):
+            items_toks.append((np.concatenate([system, _tokens(rng, question_len)]), g))
+    perm = rng.permutation(len(items_toks))
+    arrivals = _poisson_arrivals(rng, len(items_toks), rate)
+    items = [
+        (arrivals[j], items_toks[i][0], output_len, f"group-{items_toks[i][1]}")
+        for j, i in enumerate(perm.tolist())
+    ]
+    params = dict(
+        num_groups=num_groups,
+        prompts_per_group=prompts_per_group,
+        system_prompt_len=system_prompt_len,
+        question_len=question_len,
+        output_len=output_len,
+        block_size=block_size,
+        rate=rate,
+        seed=seed,
+    )
+    return _finish("sglang-gsp", items, block_size, model, params)
+
+
+def multi_turn(
+    *,
+    sessions: int = 200,
+    turns: int = 6,
+    system_prompt_len: int = 1024,
+    user_len: int = 96,
+    output_len: int = 192,
+    think_time_s: float = 8.0,
+    block_size: int = 16,
+    rate: float = 4.0,
+    seed: int = 0,
+    model: str = DEFAULT_MODEL,
+) -> Workload:
+    """Chat sessions: turn k's prompt = system + (user, answer) x k + user. Sessions share
+    one system prompt; session starts are Poisson at `rate`, turns follow after an
+    exponential think time."""
+    rng = np.random.default_rng(seed)
+    system = _tokens(rng, system_prompt_len)
+    starts = _poisson_arrivals(rng, sessions, rate)
+    items = []
+    for s in range(sessions):
+        t = float(starts[s])
+        history = system
+        for _ in range(turns):
+            history = np.concatenate([history, _tokens(rng, user_len)])
+            items.append((t, history, output_len, f"session-{s}"))
+            history = np.concatenate([history, _tokens(rng, output_len)])
+            t += float(rng.exponential(think_time_s))
+    params = dict(
+        sessions=sessions,
+        turns=turns,
+        system_prompt_len=system_prompt_len,
+        user_len=user_len,
+        output_len=output_len,
+        think_time_s=think_time_s,
+        block_size=block_size,
+        rate=rate,
+        seed=seed,
+    )
+    return _finish("multi-turn", items, block_size, model, params)
+
+
+def agent_fanout(
+    *,
+    tasks: int = 100,
+    fanout: int = 6,
+    context_len: int = 4096,
+    step_len: int = 128,
+    output_len: int = 256,
+    step_delay_s: float = 2.0,
+    block_size: int = 16,
+    rate: float = 2.0,
+    seed: int = 0,
+    model: str = DEFAULT_MODEL,
+) -> Workload:
+    """Agent DAGs: planner(context) -> `fanout` calls (context + plan + own instruction)
+    -> join(context + plan + every call's result)."""
+    rng = np.random.default_rng(seed)
+    tool_prompt = _tokens(rng, 512)  # the same tool definitions for every task
+    starts = _poisson_arrivals(rng, tasks, rate)
+    items = []
+    for k in range(tasks):
+        t = float(starts[k])
+        context = np.concatenate([tool_prompt, _tokens(rng, context_len)])
+        items.append((t, context, output_len, f"task-{k}"))
+        plan = np.concatenate([context, _tokens(rng, output_len)])
+        results = []
+        for _ in range(fanout):
+            call = np.concatenate([plan, _tokens(rng, step_len)])
+            items.append((t + step_delay_s, call, output_len, f"task-{k}"))
+            results.append(_tokens(rng, output_len))
+        join = np.concatenate([plan, *results, _tokens(rng, step_len)])
+        items.append((t + 2 * step_delay_s, join, output_len, f"task-{k}"))
+    params = dict(
+        tasks=tasks,
+        fanout=fanout,
+        context_len=context_len,
+        step_len=step_len,
+        output_len=output_len,
+        step_delay_s=step_delay_s,
+        block_size=block_size,
+        rate=rate,
+        seed=seed,
+    )
+    return _finish("agent-fanout", items, block_size, model, params)
+
+
+GENERATORS = {
+    "shared-prefix": shared_prefix,
+    "sglang-gsp": sglang_gsp,
+    "multi-turn": multi_turn,
+    "agent-fanout": agent_fanout,
+}

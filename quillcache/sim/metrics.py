@@ -1,0 +1,120 @@
+"""Per-request records and the summary of one simulated run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class Record:
+    """What happened to one request."""
+
+    rid: int
+    worker: int  # -1 when rejected
+    arrival_s: float
+    prompt_tokens: int
+    prompt_blocks: int
+    output_tokens: int
+    hit_blocks: int = 0  # prefix blocks not recomputed (GPU hit + tier/peer loads)
+    first_token_s: float = float("nan")
+    finish_s: float = float("nan")
+    rejected: str = ""
+
+
+def _pct(a: np.ndarray, q: float) -> float:
+    return float(np.percentile(a, q)) if len(a) else float("nan")
+
+
+def _mean(a: np.ndarray) -> float:
+    return float(a.mean()) if len(a) else float("nan")
+
+
+def _r(x: float, nd: int = 6) -> float | None:
+    return None if x != x else round(x, nd)  # NaN -> None (JSON null)
+
+
+@dataclass
+class RunResult:
+    """The summary of one (router, backend[, sweep point]) run."""
+
+    router: str
+    backend: str
+    timing: str
+    workers: int
+    capacity_blocks: int
+    block_size: int
+    records: list[Record]
+    index_blocks: int = 0
+    events_applied: int = 0
+    match_ns: list[int] = field(default_factory=list)
+    apply_ns: list[int] = field(default_factory=list)
+    wall_s: float = 0.0
+    sweep: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self, *, perf: bool = False) -> dict[str, Any]:
+        """Deterministic metrics (same inputs and seed, same values); wall-clock ones
+        (index latencies, wall time) only with `perf=True`."""
+        recs = self.records
+        served = [r for r in recs if not r.rejected]
+        bs = self.block_size
+        prompt_blocks = sum(r.prompt_blocks for r in served)
+        hit_blocks = sum(r.hit_blocks for r in served)
+        prompt_tokens = sum(r.prompt_tokens for r in served)
+        hit_tokens = sum(min(r.hit_blocks * bs, r.prompt_tokens) for r in served)
+        share = np.bincount(
+            np.array([r.worker for r in served], dtype=np.int64), minlength=self.workers
+        )[: self.workers]
+        share_frac = share / max(len(served), 1)
+        cv = float(share.std() / share.mean()) if share.mean() > 0 else 0.0
+        out: dict[str, Any] = {
+            "router": self.router,
+            "backend": self.backend,
+            "timing": self.timing,
+            "workers": self.workers,
+            "capacity_blocks": self.capacity_blocks,
+            **self.sweep,
+            "requests": len(recs),
+            "rejected": len(recs) - len(served),
+            "block_hit_rate": _r(hit_blocks / prompt_blocks if prompt_blocks else 0.0),
+            "token_hit_rate": _r(hit_tokens / prompt_tokens if prompt_tokens else 0.0),
+            "prefill_tokens_computed": prompt_tokens - hit_tokens,
+            "prefill_tokens_saved": hit_tokens,
+            "worker_share": [_r(float(x), 4) for x in share_frac],
+            "worker_share_cv": _r(cv, 4),
+            "index_blocks": self.index_blocks,
+            "events_applied": self.events_applied,
+        }
+        if self.timing == "full":
+            ttft = np.array([r.first_token_s - r.arrival_s for r in served])
+            e2e = np.array([r.finish_s - r.arrival_s for r in served])
+            span = (
+                max(r.finish_s for r in served) - min(r.arrival_s for r in served)
+                if served
+                else 0.0
+            )
+            out.update(
+                ttft_mean_s=_r(_mean(ttft)),
+                ttft_p50_s=_r(_pct(ttft, 50)),
+                ttft_p99_s=_r(_pct(ttft, 99)),
+                e2e_mean_s=_r(_mean(e2e)),
+                e2e_p50_s=_r(_pct(e2e, 50)),
+                e2e_p99_s=_r(_pct(e2e, 99)),
+                throughput_rps=_r(len(served) / span if span > 0 else 0.0),
+                output_tokens_per_s=_r(
+                    sum(r.output_tokens for r in served) / span if span > 0 else 0.0
+                ),
+            )
+        if perf:
+            m = np.array(self.match_ns, dtype=np.float64) / 1e3
+            a = np.array(self.apply_ns, dtype=np.float64) / 1e3
+            out.update(
+                match_us_mean=_r(_mean(m), 2),
+                match_us_p99=_r(_pct(m, 99), 2),
+                apply_us_mean=_r(_mean(a), 2),
+                apply_us_p99=_r(_pct(a, 99), 2),
+                wall_s=_r(self.wall_s, 3),
+            )
+        return out

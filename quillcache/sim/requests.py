@@ -1,0 +1,226 @@
+"""Simulated requests: their content keys and, on demand, their token ids.
+
+Workloads built from token ids keep them. Traces that only carry block ids (Mooncake)
+get deterministic synthetic tokens: block `b`'s `block_size` tokens are a fixed
+function of its id (`synthetic_block_tokens`), so real content keys and real
+BlockStored token_ids flow through the real event path. Two blocks with the same id
+get the same tokens; the content key still chains from the whole prefix, so for
+per-block (non-chained) ids equal blocks under different prefixes stay different.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from quillcache.hashing.reference import SEED
+
+U64 = np.uint64
+_MASK = (1 << 64) - 1
+# Synthetic token ids lie in [256, 65536): a plausible vocabulary range whose msgpack
+# encoding has one width (uint16), which lets the simulator encode events fast.
+TOKEN_LO, TOKEN_HI = 256, 65536
+
+
+_TABLE_BITS = 22
+_TABLE_LEN = 1 << _TABLE_BITS
+_table_cache: dict[int, tuple[npt.NDArray[np.uint32], bytes]] = {}
+
+
+def _table(block_size: int) -> tuple[npt.NDArray[np.uint32], bytes]:
+    """A fixed pseudo-random token table (seeded, so every run sees the same tokens)
+    and its msgpack encoding (uint16: 0xcd + 2 bytes big-endian per token)."""
+    cached = _table_cache.get(block_size)
+    if cached is None:
+        rng = np.random.default_rng(0x71756C6C)
+        table = rng.integers(TOKEN_LO, TOKEN_HI, size=_TABLE_LEN + block_size, dtype=np.uint32)
+        enc = np.empty((len(table), 3), dtype=np.uint8)
+        enc[:, 0] = 0xCD
+        enc[:, 1:] = table.astype(">u2").view(np.uint8).reshape(-1, 2)
+        cached = (table, enc.tobytes())
+        _table_cache[block_size] = cached
+    return cached
+
+
+def _offset(block_id: int) -> int:
+    x = (block_id + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (x ^ (x >> 31)) & (_TABLE_LEN - 1)
+
+
+def _id_tokens(block_id: int) -> tuple[int, int]:
+    """The first two tokens spell the id itself, so distinct ids never share tokens."""
+    span = TOKEN_HI - TOKEN_LO
+    return TOKEN_LO + block_id % span, TOKEN_LO + (block_id // span) % span
+
+
+def synthetic_block_tokens(block_ids: Sequence[int], block_size: int) -> npt.NDArray[np.uint32]:
+    """Tokens of blocks named by trace ids: a window of a fixed random table chosen by
+    a hash of the id, its first two tokens replaced by the id (ids < 2**32 distinct)."""
+    table, _ = _table(block_size)
+    out = np.empty(len(block_ids) * block_size, dtype=np.uint32)
+    for j, bid in enumerate(block_ids):
+        bid = int(bid)
+        o = _offset(bid)
+        seg = out[j * block_size : (j + 1) * block_size]
+        seg[:] = table[o : o + block_size]
+        seg[:2] = _id_tokens(bid)[: min(2, block_size)]
+    return out
+
+
+def packed_synthetic_tokens(block_ids: Sequence[int], block_size: int) -> bytes:
+    """msgpack array of `synthetic_block_tokens(block_ids, block_size)`, built by slicing
+    the pre-encoded table (the simulator's hot path)."""
+    _, enc = _table(block_size)
+    n = len(block_ids) * block_size
+    parts = [_array_header(n)]
+    for bid in block_ids:
+        bid = int(bid)
+        o = _offset(bid) * 3
+        a, b = _id_tokens(bid)
+        head = bytes((0xCD, a >> 8, a & 0xFF, 0xCD, b >> 8, b & 0xFF))
+        if block_size >= 2:
+            parts.append(head)
+            parts.append(enc[o + 6 : o + 3 * block_size])
+        else:
+            parts.append(head[:3])
+    return b"".join(parts)
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes([0x90 | n])
+    if n < 1 << 16:
+        return b"\xdc" + struct.pack(">H", n)
+    return b"\xdd" + struct.pack(">I", n)
+
+
+def block_key(parent: int, tokens: npt.NDArray[np.uint32]) -> int:
+    """One chained content key (docs/content-key.md), numpy fast path of the reference."""
+    return xxhash.xxh3_64_intdigest(
+        struct.pack("<Q", parent) + tokens.astype("<u4", copy=False).tobytes(), seed=SEED
+    )
+
+
+def content_keys(tokens: npt.NDArray[np.uint32], block_size: int, parent: int) -> list[int]:
+    out = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = block_key(parent, tokens[start : start + block_size])
+        out.append(parent)
+    return out
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """One request of a workload. Exactly one of `tokens` / `block_ids` is set."""
+
+    rid: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    keys: npt.NDArray[np.uint64]  # content keys of the full blocks
+    block_size: int
+    session_id: str | None = None
+    tokens: npt.NDArray[np.uint32] | None = None
+    block_ids: Sequence[int] | None = None
+    keys_list: list[int] = field(default_factory=list)  # keys as Python ints (engine side)
+
+    @property
+    def full_blocks(self) -> int:
+        return len(self.keys)
+
+    @property
+    def prompt_blocks(self) -> int:
+        """Blocks including a trailing partial one (the trace convention for hit rates)."""
+        return -(-self.prompt_tokens // self.block_size)
+
+    def block_tokens(self, start: int, end: int) -> npt.NDArray[np.uint32]:
+        """Token ids of full blocks [start, end)."""
+        bs = self.block_size
+        if self.tokens is not None:
+            return self.tokens[start * bs : end * bs]
+        assert self.block_ids is not None
+        return synthetic_block_tokens(self.block_ids[start:end], bs)
+
+    def packed_block_tokens(self, start: int, end: int) -> bytes:
+        """msgpack array of `block_tokens(start, end)` (what BlockStored carries)."""
+        if self.tokens is not None:
+            from quillcache.sim.wire import pack_tokens
+
+            return pack_tokens(self.block_tokens(start, end))
+        assert self.block_ids is not None
+        return packed_synthetic_tokens(self.block_ids[start:end], self.block_size)
+
+
+class KeyChainer:
+    """Content keys for block-id sequences, memoised on (parent key, block id)."""
+
+    def __init__(self, namespace: int, block_size: int) -> None:
+        self.namespace = namespace
+        self.block_size = block_size
+        self._memo: dict[tuple[int, int], int] = {}
+
+    def keys_for_ids(self, ids: Sequence[int], full_blocks: int) -> list[int]:
+        parent = self.namespace
+        out: list[int] = []
+        memo = self._memo
+        missing: list[int] = []
+        for i in range(full_blocks):
+            k = memo.get((parent, ids[i]))
+            if k is None:
+                missing = list(ids[i:full_blocks])
+                break
+            out.append(k)
+            parent = k
+        if missing:
+            toks = synthetic_block_tokens(missing, self.block_size)
+            bs = self.block_size
+            for j, bid in enumerate(missing):
+                k = block_key(parent, toks[j * bs : (j + 1) * bs])
+                memo[(parent, bid)] = k
+                out.append(k)
+                parent = k
+        return out
+
+
+def make_request(
+    rid: int,
+    arrival_s: float,
+    output_tokens: int,
+    block_size: int,
+    namespace: int,
+    *,
+    tokens: npt.NDArray[np.uint32] | None = None,
+    block_ids: Sequence[int] | None = None,
+    prompt_tokens: int | None = None,
+    chainer: KeyChainer | None = None,
+    session_id: str | None = None,
+) -> SimRequest:
+    """Build a request from token ids, or from block ids (+ prompt length) and a chainer."""
+    if tokens is not None:
+        toks = np.asarray(tokens, dtype=np.uint32)
+        keys = content_keys(toks, block_size, namespace)
+        n_prompt = len(toks)
+    else:
+        assert block_ids is not None and prompt_tokens is not None and chainer is not None
+        n_prompt = prompt_tokens
+        keys = chainer.keys_for_ids(block_ids, prompt_tokens // block_size)
+        toks = None
+    return SimRequest(
+        rid=rid,
+        arrival_s=arrival_s,
+        prompt_tokens=n_prompt,
+        output_tokens=output_tokens,
+        keys=np.array(keys, dtype=U64),
+        block_size=block_size,
+        session_id=session_id,
+        tokens=toks,
+        block_ids=block_ids,
+        keys_list=keys,
+    )

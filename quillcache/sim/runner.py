@@ -1,0 +1,298 @@
+"""Run one workload through one router and one index backend.
+
+Both modes drive the real `ControlPlane`: requests are routed through a `View` built
+from `index.match`, and engines' cache changes reach the index only as vLLM
+wire-format event batches through `ControlPlane.ingest`.
+
+- `timing="none"` (order-only replay): each request is routed, then served at once;
+  its blocks are cached (and their events applied) before the next one arrives. An
+  exact cache analysis, no cost model. Load-aware routers see a load proxy: the
+  requests (and prefill tokens) each worker received among the last
+  `load_window` requests.
+- `timing="full"`: a discrete-event simulation of every engine's continuous batching
+  with the cost model's step times; requests wait, prefill in chunks, decode.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from quillcache.controlplane import ControlPlane
+from quillcache.costmodel import CostModel
+from quillcache.errors import ConfigError
+from quillcache.routing import Action, Decision, Request, Router, create_router
+from quillcache.sim.engine import EngineModel, Running
+from quillcache.sim.metrics import Record, RunResult
+from quillcache.sim.workload import Workload
+
+Timing = Literal["full", "none"]
+Progress = Callable[[int], None]
+
+
+@dataclass
+class SimConfig:
+    """Cluster shape for one run."""
+
+    workers: int = 4
+    capacity_blocks: int | None = None  # per worker; None: from the cost model
+    cpu_blocks: int = 0  # per worker CPU tier; 0 disables it
+    timing: Timing = "full"
+    seed: int = 0
+    speculative: bool = True
+    load_window: int | None = None  # timing none: None -> 4 x workers
+
+    def capacity_for(self, cost: CostModel, block_size: int) -> int:
+        if self.capacity_blocks is not None:
+            if self.capacity_blocks <= 0:
+                raise ConfigError(f"capacity must be positive, got {self.capacity_blocks}")
+            return self.capacity_blocks
+        return cost.kv_capacity_blocks(block_size)
+
+
+def _peer_end(decision: Decision) -> int:
+    for step in decision.plan:
+        if step.action == Action.FETCH_PEER:
+            return step.end
+    return 0
+
+
+def run(
+    workload: Workload,
+    router: str | Router,
+    backend: str,
+    config: SimConfig,
+    cost: CostModel,
+    *,
+    router_options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> RunResult:
+    if config.workers <= 0:
+        raise ConfigError(f"workers must be positive, got {config.workers}")
+    bs = workload.block_size
+    capacity = config.capacity_for(cost, bs)
+    router_obj = (
+        create_router(router, seed=config.seed, **(router_options or {}))
+        if isinstance(router, str)
+        else router
+    )
+    cp = ControlPlane(
+        index=backend,
+        router=router_obj,
+        cost=cost,
+        block_size=bs,
+        speculative=config.speculative and config.timing == "full",
+    )
+    engines = [
+        EngineModel(
+            w, capacity_blocks=capacity, block_size=bs, cost=cost, cpu_blocks=config.cpu_blocks
+        )
+        for w in range(config.workers)
+    ]
+    for w, eng in enumerate(engines):
+        cp.add_worker(w, capacity_blocks=capacity, model=workload.model)
+        for pre in workload.pinned:
+            eng.pin(pre)
+        payload = eng.drain_events(0.0)
+        if payload:
+            cp.ingest(w, [payload])
+    t0 = time.perf_counter()
+    try:
+        if config.timing == "none":
+            records = _order_only(workload, cp, engines, config, progress)
+        elif config.timing == "full":
+            records = _timed(workload, cp, engines, progress)
+        else:
+            raise ConfigError(f"timing must be 'full' or 'none', got {config.timing!r}")
+        wall = time.perf_counter() - t0
+        stats = cp.index.stats()
+    finally:
+        cp.close()
+    return RunResult(
+        router=router_obj.name or type(router_obj).__name__,
+        backend=backend,
+        timing=config.timing,
+        workers=config.workers,
+        capacity_blocks=capacity,
+        block_size=bs,
+        records=records,
+        index_blocks=stats.blocks,
+        events_applied=cp.apply_stats.events,
+        match_ns=cp.latencies.match_ns,
+        apply_ns=cp.latencies.apply_ns,
+        wall_s=wall,
+    )
+
+
+def _request(r: Any) -> Request:
+    return Request(
+        request_id=r.rid,
+        content_keys=r.keys,
+        prompt_tokens=r.prompt_tokens,
+        session_id=r.session_id,
+        expected_output_tokens=r.output_tokens,
+        arrival_s=r.arrival_s,
+    )
+
+
+def _order_only(
+    workload: Workload,
+    cp: ControlPlane,
+    engines: list[EngineModel],
+    config: SimConfig,
+    progress: Progress | None,
+) -> list[Record]:
+    window = config.load_window or 4 * len(engines)
+    recent: deque[tuple[int, int]] = deque()
+    in_flight = [0] * len(engines)
+    queued = [0] * len(engines)
+    records: list[Record] = []
+    bs = workload.block_size
+    for n, r in enumerate(workload.requests):
+        rec = Record(r.rid, -1, r.arrival_s, r.prompt_tokens, r.prompt_blocks, r.output_tokens)
+        records.append(rec)
+        decision = cp.route(_request(r), r.arrival_s)
+        w = decision.worker
+        if w is None:
+            rec.rejected = decision.reason or "rejected"
+            continue
+        run, payload = engines[w].serve_instantly(r, _peer_end(decision))
+        if payload:
+            cp.ingest(w, [payload])
+        rec.worker = w
+        rec.hit_blocks = run.hit_blocks
+        rec.first_token_s = rec.finish_s = r.arrival_s
+        # load proxy: what each worker received among the last `window` requests
+        work = max(r.prompt_tokens - run.hit_blocks * bs, 1)
+        recent.append((w, work))
+        in_flight[w] += 1
+        queued[w] += work
+        cp.update_load(w, in_flight=in_flight[w], queued_prefill_tokens=queued[w])
+        if len(recent) > window:
+            ow, owork = recent.popleft()
+            in_flight[ow] -= 1
+            queued[ow] -= owork
+            cp.update_load(ow, in_flight=in_flight[ow], queued_prefill_tokens=queued[ow])
+        if progress is not None and n % 256 == 0:
+            progress(n)
+    return records
+
+
+@dataclass(slots=True)
+class _Step:
+    start_s: float
+    step_s: float
+    steps: int
+    chunks: list[tuple[Running, int]]
+    decoders: list[Running]
+    version: int
+
+
+def _timed(
+    workload: Workload,
+    cp: ControlPlane,
+    engines: list[EngineModel],
+    progress: Progress | None,
+) -> list[Record]:
+    records: dict[int, Record] = {}
+    order: list[Record] = []
+    heap: list[tuple[float, int, int, int]] = []  # (end time, seq, worker, version)
+    steps: list[_Step | None] = [None] * len(engines)
+    versions = [0] * len(engines)
+    seq = 0
+
+    def start_step(w: int, now: float) -> None:
+        nonlocal seq
+        eng = engines[w]
+        if not eng.has_work():
+            steps[w] = None
+            return
+        step_s, k, chunks, decoders = eng.plan_step()
+        if not chunks and not decoders:  # nothing admissible and nothing running
+            steps[w] = None
+            return
+        # Admission may have taken cached blocks / loaded tiers: publish now.
+        payload = eng.drain_events(now)
+        if payload:
+            cp.ingest(w, [payload])
+        versions[w] += 1
+        steps[w] = _Step(now, step_s, k, chunks, decoders, versions[w])
+        seq += 1
+        heapq.heappush(heap, (now + step_s * k, seq, w, versions[w]))
+        cp.update_load(w, **eng.load())
+
+    def end_step(w: int, end: float, k: int) -> None:
+        st = steps[w]
+        assert st is not None
+        eng = engines[w]
+        finished = eng.apply_step(end, k, st.chunks, st.decoders, st.step_s)
+        payload = eng.drain_events(end)
+        if payload:
+            cp.ingest(w, [payload])
+        for run, _ in st.chunks:
+            if run.first_token_s >= 0:
+                cp.prefill_done(run.req.rid)
+        for run in finished:
+            rec = records[run.req.rid]
+            rec.hit_blocks = run.hit_blocks
+            rec.first_token_s = run.first_token_s
+            rec.finish_s = end
+            if run in st.decoders:  # inside a macro step it finished at its own step
+                own = run.req.output_tokens - (run.output_done - k)
+                rec.finish_s = st.start_s + st.step_s * min(own, k)
+            cp.finish(run.req.rid)
+        start_step(w, end)
+
+    reqs = workload.requests
+    i = 0
+    n = len(reqs)
+    while i < n or heap:
+        next_arrival = reqs[i].arrival_s if i < n else math.inf
+        if heap and heap[0][0] <= next_arrival:
+            end, _, w, ver = heapq.heappop(heap)
+            if ver != versions[w]:
+                continue  # superseded by a truncated macro step
+            st = steps[w]
+            assert st is not None
+            end_step(w, end, st.steps)
+            continue
+        r = reqs[i]
+        i += 1
+        now = r.arrival_s
+        rec = Record(r.rid, -1, now, r.prompt_tokens, r.prompt_blocks, r.output_tokens)
+        records[r.rid] = rec
+        order.append(rec)
+        decision = cp.route(_request(r), now)
+        w = decision.worker
+        if w is None:
+            rec.rejected = decision.reason or "rejected"
+            continue
+        eng = engines[w]
+        if not eng.fits_ever(r):
+            rec.rejected = "prompt + output exceed the worker's KV capacity"
+            cp.finish(r.rid)
+            continue
+        rec.worker = w
+        eng.enqueue(r, _peer_end(decision))
+        cp.update_load(w, **eng.load())
+        st = steps[w]
+        if st is None:
+            start_step(w, now)
+        elif st.steps > 1:
+            # A macro decode step is cut at the step boundary after `now`, so the new
+            # request joins the next step.
+            done = min(max(math.ceil((now - st.start_s) / st.step_s), 1), st.steps)
+            if done < st.steps:
+                st.steps = done
+                versions[w] += 1
+                st.version = versions[w]
+                seq += 1
+                heapq.heappush(heap, (st.start_s + st.step_s * done, seq, w, versions[w]))
+        if progress is not None and i % 256 == 0:
+            progress(i)
+    return order
