@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from quillcache.index.protocol import IndexBackend
 from quillcache.index.types import ApplyStats
@@ -43,6 +43,33 @@ class IndexSink:
 
     def clear_source(self, worker: int, dp_rank: int = 0) -> int:
         return self.index.clear_source(worker, dp_rank)
+
+    def set_stale(self, worker: int, dp_rank: int, stale: bool) -> None:
+        with self._lock:
+            if stale:
+                self.stale.add((worker, dp_rank))
+            else:
+                self.stale.discard((worker, dp_rank))
+
+
+class ControlPlaneSink:
+    """An `IngestSink` over a `ControlPlane` (`ingest`, `clear`), remembering stale sources.
+
+    Called from the ingestor's thread while the gateway routes on its event loop: the
+    native index serialises its own readers and writers (an RwLock, GIL released), and
+    ingest only touches per-worker counters of the plane besides the index.
+    """
+
+    def __init__(self, plane: Any) -> None:
+        self.plane = plane
+        self._lock = threading.Lock()
+        self.stale: set[tuple[int, int]] = set()
+
+    def ingest(self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0) -> ApplyStats:
+        return self.plane.ingest(worker, payloads, dp_rank)
+
+    def clear_source(self, worker: int, dp_rank: int = 0) -> int:
+        return self.plane.clear(worker, dp_rank)
 
     def set_stale(self, worker: int, dp_rank: int, stale: bool) -> None:
         with self._lock:

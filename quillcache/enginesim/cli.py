@@ -55,8 +55,6 @@ def _kv_config(raw: str | None) -> dict[str, Any] | None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    import uvicorn
-
     from quillcache.enginesim.app import EngineApp
     from quillcache.enginesim.engine import EngineConfig
     from quillcache.enginesim.publisher import KvEventPublisher
@@ -91,37 +89,17 @@ def run(args: argparse.Namespace) -> int:
             legacy_replay=args.legacy_replay,
         )
     app = EngineApp(config, tokenizer, publisher)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app.starlette(),
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            access_log=False,
-            lifespan="off",
-        )
-    )
 
     async def serve() -> None:
-        task = asyncio.create_task(server.serve())
-        while not server.started and not task.done():
-            await asyncio.sleep(0.01)
-        if server.started:
-            port = server.servers[0].sockets[0].getsockname()[1]
-            ready = {
-                "url": f"http://{args.host}:{port}",
-                "port": port,
-                "kv_endpoint": publisher.endpoint if publisher else None,
-                "replay_endpoint": publisher.replay_endpoint if publisher else None,
-            }
-            if args.ready_file:
-                with open(args.ready_file + ".tmp", "w") as f:
-                    json.dump(ready, f)
-                import os
+        from quillcache.gateway.serve import serve_app
 
-                os.replace(args.ready_file + ".tmp", args.ready_file)
-            print("READY " + json.dumps(ready), flush=True)
-        await task
+        extra = {
+            "kv_endpoint": publisher.endpoint if publisher else None,
+            "replay_endpoint": publisher.replay_endpoint if publisher else None,
+        }
+        await serve_app(
+            app.starlette(), args.host, args.port, args.log_level, extra, args.ready_file
+        )
 
     try:
         asyncio.run(serve())

@@ -1,0 +1,66 @@
+"""`quillcache gateway`: run the OpenAI-compatible routing gateway."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--config", default=None, help="YAML / TOML / JSON config file (flags override it)")
+    a("--host", default=None)
+    a("--port", type=int, default=None, help="0: any free port (see --ready-file)")
+    a(
+        "--worker",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="an engine's base URL (repeatable); its KV events are discovered",
+    )
+    a("--router", default=None, help="a registered router name or 'pkg.module:Class'")
+    a("--index", default=None, help="index backend name (native, memory, ...)")
+    a("--tokenizer", default=None, help="'engine', 'builtin' or a tokenizer.json path")
+    a("--block-size", type=int, default=None)
+    a("--admin-token", default=None)
+    a("--api-key", action="append", default=None, dest="api_keys")
+    a("--no-parity-check", action="store_true")
+    a("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    a("--ready-file", default=None, help="write the resolved URL here as JSON when up")
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    from quillcache.errors import ConfigError
+    from quillcache.gateway.config import load_config
+
+    try:
+        config = load_config(
+            args.config,
+            host=args.host,
+            port=args.port,
+            workers=[{"url": u} for u in args.worker] if args.worker else None,
+            router=args.router,
+            index=args.index,
+            tokenizer=args.tokenizer,
+            block_size=args.block_size,
+            admin_token=args.admin_token,
+            api_keys=args.api_keys,
+            parity_check=False if args.no_parity_check else None,
+            log_level=args.log_level,
+        )
+    except ConfigError as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from quillcache.gateway.serve import serve_gateway
+
+    try:
+        serve_gateway(config, ready_file=args.ready_file)
+    except ConfigError as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        return 2
+    return 0

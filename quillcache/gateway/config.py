@@ -1,0 +1,116 @@
+"""Gateway configuration: one pydantic model, from a YAML/TOML file and/or flags.
+
+workers:
+  - url: http://127.0.0.1:8100          # its /kv_event_sources tells where events are
+  - url: http://127.0.0.1:8101
+    kv_endpoint: tcp://127.0.0.1:5557   # or explicit; bind when the engine connects
+    kv_bind: true
+router: quillcache                      # a registered name or "pkg.module:Class"
+index: native
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from quillcache.errors import ConfigError
+
+
+class WorkerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(description="base URL of the engine's HTTP server")
+    kv_endpoint: str | None = Field(
+        default=None, description="ZMQ endpoint of its KV events; None = ask /kv_event_sources"
+    )
+    replay_endpoint: str | None = None
+    kv_bind: bool = Field(default=False, description="bind (the engine's PUB connects to us)")
+    topic: str = ""
+    dp_ranks: int = Field(default=1, ge=1)
+    events: bool = Field(default=True, description="subscribe to its KV events at all")
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"worker url must start with http:// or https://, got {v!r}")
+        return v.rstrip("/")
+
+
+class GatewayConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    workers: list[WorkerConfig] = Field(default_factory=list)
+    router: str = "quillcache"
+    router_options: dict[str, Any] = Field(default_factory=dict)
+    index: str = "native"
+    index_options: dict[str, Any] = Field(default_factory=dict)
+    block_size: int | None = Field(default=None, ge=1, description="None = ask the engines")
+    tokenizer: str = Field(
+        default="engine",
+        description="'engine' (its /tokenize), 'builtin' (engine-sim's), or a tokenizer.json",
+    )
+    tokenizer_id: str = Field(default="", description="tokenizer identity in the namespace")
+    tenant_header: str = "x-tenant-id"
+    session_header: str = "x-session-id"
+    admin_token: str | None = None
+    api_keys: list[str] = Field(default_factory=list)
+    speculative_ttl_s: float = Field(default=5.0, gt=0)
+    health_interval_s: float = Field(default=1.0, gt=0)
+    scrape_interval_s: float = Field(default=1.0, gt=0)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    max_connections: int = Field(default=1024, ge=1)
+    event_queue_size: int = Field(default=10_000, ge=1)
+    replay_timeout_s: float = Field(default=2.0, gt=0)
+    stale_rebuild_s: float = Field(default=30.0, ge=0)
+    parity_check: bool = True
+    log_level: Literal["debug", "info", "warning", "error"] = "warning"
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data: Any = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"config file {path}: use .yaml, .yml, .toml or .json")
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid: {exc}") from exc
+    except Exception as exc:
+        if type(exc).__module__.startswith("yaml"):
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        raise
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return data
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConfig:
+    """The file's settings, then every override that is not None; errors say which field."""
+    data = _read_file(Path(path)) if path else {}
+    for key, value in overrides.items():
+        if value is not None:
+            data[key] = value
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(f"invalid gateway config: {problems}") from None

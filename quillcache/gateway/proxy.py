@@ -1,0 +1,109 @@
+"""Forwarding one request to an engine and streaming the answer back unbuffered.
+
+Upstream status codes and error bodies pass through unchanged. A streamed answer is
+relayed chunk by chunk as the engine sends it; when the client goes away the
+upstream response is closed (the engine sees the disconnect and aborts). If the
+engine breaks mid-stream, the client gets an SSE `error` event instead of a silent
+truncation (the `openai` client raises it as an APIError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
+
+
+def error_json(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
+    """OpenAI's error shape (the `openai` client maps it to typed exceptions)."""
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}},
+        status_code=status,
+    )
+
+
+def sse_error(message: str) -> bytes:
+    err = {"error": {"message": message, "type": "UpstreamError", "code": 502}}
+    return b"data: " + json.dumps(err).encode() + b"\n\n"
+
+
+async def relay_stream(
+    resp: httpx.Response,
+    *,
+    on_first_byte: Callable[[], None],
+    on_end: Callable[[BaseException | None], None],
+) -> AsyncIterator[bytes]:
+    """Yield the upstream body as it arrives; always close upstream and call `on_end`."""
+    first = True
+    failure: BaseException | None = None
+    try:
+        async for chunk in resp.aiter_raw():
+            if first:
+                first = False
+                on_first_byte()
+            yield chunk
+    except httpx.HTTPError as exc:  # the engine died or the connection broke mid-stream
+        failure = exc
+        yield sse_error(f"upstream engine failed mid-stream: {type(exc).__name__}")
+    except BaseException as exc:  # client went away (cancelled / generator closed)
+        failure = exc
+        raise
+    finally:
+        await resp.aclose()
+        on_end(failure)
+
+
+async def until_disconnect(request: Request) -> None:
+    """Return when the client disconnects (the body must have been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def read_or_cancel(request: Request, resp: httpx.Response) -> bytes | None:
+    """The whole upstream body, or None (upstream closed) if the client left first."""
+    body_task = asyncio.ensure_future(resp.aread())
+    watch = asyncio.ensure_future(until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({body_task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if body_task in done:
+            return body_task.result()
+        body_task.cancel()
+        return None
+    finally:
+        watch.cancel()
+        if not body_task.done():
+            body_task.cancel()
+        await resp.aclose()
+
+
+def passthrough_response(resp: httpx.Response, content: bytes, extra: dict[str, str]) -> Response:
+    headers = {"content-type": resp.headers.get("content-type", "application/json"), **extra}
+    return Response(content, status_code=resp.status_code, headers=headers)
+
+
+def streaming_response(
+    resp: httpx.Response, stream: AsyncIterator[bytes], extra: dict[str, str]
+) -> StreamingResponse:
+    headers = {"cache-control": "no-cache", **extra}
+    media = resp.headers.get("content-type", "text/event-stream")
+    return StreamingResponse(
+        stream, status_code=resp.status_code, headers=headers, media_type=media
+    )
+
+
+def usage_cached_tokens(content: bytes) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens of a JSON completion, if present."""
+    try:
+        data: Any = json.loads(content)
+        return int(data["usage"]["prompt_tokens_details"]["cached_tokens"])
+    except (ValueError, KeyError, TypeError):
+        return None

@@ -1,0 +1,54 @@
+"""Running a starlette app under uvicorn and announcing where it listens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any
+
+from quillcache.gateway.config import GatewayConfig
+
+
+def announce(ready: dict[str, Any], ready_file: str | None) -> None:
+    """Print `READY {json}` and write it atomically to `ready_file` (for launchers)."""
+    if ready_file:
+        with open(ready_file + ".tmp", "w") as f:
+            json.dump(ready, f)
+        os.replace(ready_file + ".tmp", ready_file)
+    print("READY " + json.dumps(ready), flush=True)
+
+
+async def serve_app(
+    app: Any, host: str, port: int, log_level: str, extra: dict[str, Any], ready_file: str | None
+) -> None:
+    import uvicorn
+
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=2,
+        )
+    )
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.01)
+    if server.started:
+        bound = server.servers[0].sockets[0].getsockname()[1]
+        announce({"url": f"http://{host}:{bound}", "port": bound, **extra}, ready_file)
+    await task
+
+
+def serve_gateway(config: GatewayConfig, ready_file: str | None = None) -> None:
+    from quillcache.gateway.app import Gateway
+
+    gateway = Gateway(config)
+    app = gateway.starlette()
+    asyncio.run(serve_app(app, config.host, config.port, config.log_level, {}, ready_file))
+    if gateway.startup_error is not None:
+        raise gateway.startup_error

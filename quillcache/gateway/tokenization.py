@@ -1,0 +1,71 @@
+"""Token ids of a request, for routing: exactly the ids the engine will hash.
+
+- "engine": the engine's own `POST /tokenize` (with `messages` for chat, so its chat
+  template is used). One extra local round trip per request; always faithful.
+- "builtin" or a tokenizer.json path: a local tokenizer (chat template applied
+  locally); no round trip, faithful when it is the engine's tokenizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from quillcache.enginesim.tokenizer import Tokenizer, load_tokenizer
+from quillcache.errors import QuillCacheError
+
+
+class TokenizationError(QuillCacheError):
+    """The request's prompt could not be tokenized (bad shape, or the engine refused)."""
+
+
+class RequestTokenizer:
+    def __init__(self, spec: str, client: httpx.AsyncClient) -> None:
+        self.spec = spec
+        self.client = client
+        self.local: Tokenizer | None = None if spec == "engine" else load_tokenizer(spec)
+
+    async def tokens(self, body: dict[str, Any], chat: bool, engine_url: str | None) -> list[int]:
+        if self.local is not None:
+            return self._local(body, chat)
+        if engine_url is None:
+            raise TokenizationError("no healthy engine to tokenize with")
+        return await self._engine(body, chat, engine_url)
+
+    def _local(self, body: dict[str, Any], chat: bool) -> list[int]:
+        assert self.local is not None
+        try:
+            if chat:
+                text = self.local.apply_chat_template(body["messages"], True)
+                return self.local.encode(text)
+            prompt = body["prompt"]
+        except (KeyError, TypeError) as exc:
+            raise TokenizationError(f"cannot read the prompt: {exc}") from exc
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.local.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise TokenizationError("'prompt' must be a string, one string in a list, or token ids")
+
+    async def _engine(self, body: dict[str, Any], chat: bool, url: str) -> list[int]:
+        if chat:
+            payload: dict[str, Any] = {"messages": body["messages"], "add_generation_prompt": True}
+        else:
+            prompt = body["prompt"]
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return list(prompt)
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]
+            payload = {"prompt": prompt}
+        if "model" in body:
+            payload["model"] = body["model"]
+        resp = await self.client.post(f"{url}/tokenize", json=payload)
+        if resp.status_code != 200:
+            raise TokenizationError(f"engine /tokenize answered {resp.status_code}: {resp.text}")
+        tokens = resp.json().get("tokens")
+        if not isinstance(tokens, list):
+            raise TokenizationError("engine /tokenize returned no 'tokens'")
+        return tokens

@@ -1,0 +1,272 @@
+"""The engines behind the gateway: discovery, lifecycle, health and load.
+
+Each engine is a worker of the `ControlPlane`. Adding one asks the engine what it
+serves (`/v1/models`), where it publishes KV events (`/kv_event_sources`) and its
+block size, then subscribes to its events. A worker is routable when it is healthy
+and not draining; a worker that fails its health check (or a connect) gets no traffic
+and its residency is dropped: its cache will be relearned from its events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from quillcache.connectors import EventIngestor, ZmqSourceConfig
+from quillcache.connectors.engine_metrics import EngineLoad, parse_engine_metrics
+from quillcache.connectors.zmq_source import with_rank
+from quillcache.controlplane import ControlPlane
+from quillcache.errors import ConfigError
+from quillcache.gateway.config import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Worker:
+    id: int
+    config: WorkerConfig
+    base_model: str = ""
+    models: dict[str, str] = field(default_factory=dict)  # served name -> LoRA ("" = base)
+    block_size: int | None = None
+    healthy: bool = True
+    draining: bool = False
+    load: EngineLoad = field(default_factory=EngineLoad)
+    last_health_s: float = 0.0
+    failures: int = 0
+    parity: str = "unchecked"  # "ok", "mismatch: ...", "unchecked", "skipped: ..."
+    sources: list[ZmqSourceConfig] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "base_model": self.base_model,
+            "models": sorted(self.models),
+            "block_size": self.block_size,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "parity": self.parity,
+            "load": vars(self.load),
+            "kv_sources": [
+                {"endpoint": s.endpoint, "replay_endpoint": s.replay_endpoint, "bind": s.bind}
+                for s in self.sources
+            ],
+        }
+
+
+class DiscoveryError(ConfigError):
+    """An engine could not be reached or described itself in a way we cannot use."""
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        cp: ControlPlane,
+        ingestor: EventIngestor,
+        client: httpx.AsyncClient,
+        *,
+        tokenizer_id: str = "",
+    ) -> None:
+        self.cp = cp
+        self.ingestor = ingestor
+        self.client = client
+        self.tokenizer_id = tokenizer_id
+        self.workers: dict[int, Worker] = {}
+        self._next_id = 0
+
+    # -- discovery -----------------------------------------------------------------------
+
+    @staticmethod
+    async def describe(client: httpx.AsyncClient, cfg: WorkerConfig) -> Worker:
+        """Ask an engine what it serves and where its events are (no side effects)."""
+        w = Worker(id=-1, config=cfg)
+        try:
+            models = (await client.get(f"{cfg.url}/v1/models")).json()["data"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            raise DiscoveryError(f"engine {cfg.url}: cannot list /v1/models: {exc}") from exc
+        for m in models:
+            parent = m.get("parent")
+            w.models[m["id"]] = m["id"] if parent else ""
+            if not parent:
+                w.base_model = w.base_model or m["id"]
+        if not w.base_model and models:
+            w.base_model = models[0].get("root") or models[0]["id"]
+        try:
+            w.load = parse_engine_metrics((await client.get(f"{cfg.url}/metrics")).text)
+            w.block_size = w.load.block_size
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning(
+                "engine %s: /metrics unreadable (%s); load from in-flight only", cfg.url, exc
+            )
+        if cfg.events and cfg.kv_endpoint is None:
+            try:
+                resp = await client.get(f"{cfg.url}/kv_event_sources")
+                info = resp.json() if resp.status_code == 200 else {}
+            except (httpx.HTTPError, ValueError):
+                info = {}
+            w.block_size = info.get("block_size") or w.block_size
+            for src in info.get("sources", []):
+                rank = int(src.get("dp_rank", 0))
+                w.sources.append(
+                    ZmqSourceConfig(
+                        worker=-1,
+                        endpoint=src["endpoint"].replace("*", "127.0.0.1"),
+                        replay_endpoint=(src.get("replay_endpoint") or "").replace("*", "127.0.0.1")
+                        or None,
+                        dp_rank=rank,
+                        topic=src.get("topic", ""),
+                        bind=not src.get("engine_binds", True),
+                    )
+                )
+            if not w.sources:
+                log.warning(
+                    "engine %s: no KV event source found; routing without its cache", cfg.url
+                )
+        elif cfg.events and cfg.kv_endpoint is not None:
+            for rank in range(cfg.dp_ranks):
+                replay = cfg.replay_endpoint
+                w.sources.append(
+                    ZmqSourceConfig(
+                        worker=-1,
+                        endpoint=with_rank(cfg.kv_endpoint, rank),
+                        replay_endpoint=with_rank(replay, rank) if replay else None,
+                        dp_rank=rank,
+                        topic=cfg.topic,
+                        bind=cfg.kv_bind,
+                    )
+                )
+        return w
+
+    async def add(self, cfg: WorkerConfig) -> Worker:
+        w = await self.describe(self.client, cfg)
+        if w.block_size is not None and w.block_size != self.cp.block_size:
+            raise DiscoveryError(
+                f"engine {cfg.url} uses block size {w.block_size}, the gateway {self.cp.block_size}"
+            )
+        return self.attach(w)
+
+    def attach(self, w: Worker) -> Worker:
+        """Register a described engine with the control plane and subscribe to its events."""
+        w.id = self._next_id
+        self._next_id += 1
+        ranks = max(len(w.sources), w.config.dp_ranks, 1)
+        self.cp.add_worker(w.id, dp_ranks=ranks, model=w.base_model, tokenizer=self.tokenizer_id)
+        self.workers[w.id] = w
+        subscribed = []
+        for src in w.sources:
+            src = ZmqSourceConfig(
+                worker=w.id,
+                endpoint=src.endpoint,
+                replay_endpoint=src.replay_endpoint,
+                dp_rank=src.dp_rank,
+                topic=src.topic,
+                bind=src.bind,
+            )
+            self.ingestor.add_zmq_source(src)
+            subscribed.append(src)
+        w.sources = subscribed
+        log.info("worker %d: %s serving %s", w.id, w.url, sorted(w.models))
+        return w
+
+    def remove(self, worker_id: int) -> Worker:
+        w = self.get(worker_id)
+        self.ingestor.remove_worker(worker_id)
+        self.cp.remove_worker(worker_id)
+        del self.workers[worker_id]
+        return w
+
+    def get(self, worker_id: int) -> Worker:
+        try:
+            return self.workers[worker_id]
+        except KeyError:
+            from quillcache.controlplane import UnknownWorkerError
+
+            raise UnknownWorkerError(
+                f"unknown worker {worker_id}; known: {sorted(self.workers)}"
+            ) from None
+
+    def set_draining(self, worker_id: int, draining: bool) -> None:
+        w = self.get(worker_id)
+        w.draining = draining
+        self.cp.set_draining(worker_id, not w.routable)
+
+    def mark_down(self, worker_id: int, why: str) -> None:
+        """No traffic, and forget its cache: it will be relearned from its events."""
+        w = self.workers.get(worker_id)
+        if w is None or not w.healthy:
+            return
+        log.warning("worker %d (%s) is down: %s; its residency is dropped", w.id, w.url, why)
+        w.healthy = False
+        self.cp.set_draining(worker_id, True)
+        for rank in range(self.cp.worker(worker_id).dp_ranks):
+            self.cp.clear(worker_id, rank)
+
+    def mark_up(self, worker_id: int) -> None:
+        w = self.workers.get(worker_id)
+        if w is None or w.healthy:
+            return
+        log.warning("worker %d (%s) is healthy again", w.id, w.url)
+        w.healthy = True
+        w.failures = 0
+        self.cp.set_draining(worker_id, not w.routable)
+
+    # -- models --------------------------------------------------------------------------
+
+    def models(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for w in self.workers.values():
+            out.update(w.models)
+        return out
+
+    def any_routable(self) -> Worker | None:
+        for w in self.workers.values():
+            if w.routable:
+                return w
+        return None
+
+    # -- background loops ----------------------------------------------------------------
+
+    async def check_health(self) -> None:
+        async def one(w: Worker) -> None:
+            try:
+                resp = await self.client.get(f"{w.url}/health", timeout=2.0)
+                ok = resp.status_code == 200
+                why = f"/health answered {resp.status_code}"
+            except httpx.HTTPError as exc:
+                ok, why = False, f"/health failed: {type(exc).__name__}"
+            w.last_health_s = time.monotonic()
+            if ok:
+                self.mark_up(w.id)
+            else:
+                w.failures += 1
+                self.mark_down(w.id, why)
+
+        await asyncio.gather(*(one(w) for w in list(self.workers.values())))
+
+    async def scrape(self) -> None:
+        async def one(w: Worker) -> None:
+            if not w.healthy:
+                return
+            try:
+                text = (await self.client.get(f"{w.url}/metrics", timeout=2.0)).text
+                w.load = parse_engine_metrics(text)
+            except (httpx.HTTPError, ValueError):
+                return
+            if w.id in self.workers:
+                self.cp.update_load(w.id, kv_usage=w.load.kv_usage)
+
+        await asyncio.gather(*(one(w) for w in list(self.workers.values())))
