@@ -282,6 +282,7 @@ def _check_kind(r: _Reader, kind: str, start: int) -> None:
 
 def _event(r: _Reader, index: int) -> Event:
     start = r.unpacker.tell()
+    r.path = f"events[{index}]"
     marker = r.peek()
     fields: dict[str, Any] = {}
     if _is_map(marker):

@@ -1,8 +1,11 @@
-"""The pure-Python reference decoder: golden frames, every shape, typed rejections."""
+"""Both decoders (native Rust, pure-Python reference): golden frames, every shape,
+typed rejections, and agreement with each other on generated and mutated bytes."""
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import struct
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -10,9 +13,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from quillcache import _native
 from quillcache.errors import EventDecodeError
 from quillcache.events import encode as enc
-from quillcache.events.pyref import MAX_DEPTH, decode_batch
+from quillcache.events import pyref
+from quillcache.events.pyref import MAX_DEPTH
 from quillcache.events.types import (
     AllBlocksCleared,
     BlockRemoved,
@@ -23,6 +28,14 @@ from quillcache.events.types import (
 )
 from tests.events.golden import FRAMES
 from tests.events.strategies import batches
+
+DECODERS = {"native": _native.decode_batch, "pyref": pyref.decode_batch}
+Decoder = Callable[[bytes], EventBatch]
+
+
+@pytest.fixture(params=sorted(DECODERS))
+def decode_batch(request: pytest.FixtureRequest) -> Decoder:
+    return DECODERS[request.param]
 
 
 def _extra_key_from_json(item: dict[str, Any]) -> Any:
@@ -64,7 +77,7 @@ def batch_from_golden(expected: dict[str, Any]) -> EventBatch:
 
 @pytest.mark.parametrize(("seq", "payload", "expected"), FRAMES)
 def test_golden_frames_decode_to_the_documented_values(
-    seq: int, payload: bytes, expected: dict[str, Any]
+    decode_batch: Decoder, seq: int, payload: bytes, expected: dict[str, Any]
 ) -> None:
     assert decode_batch(payload) == batch_from_golden(expected)
 
@@ -72,10 +85,11 @@ def test_golden_frames_decode_to_the_documented_values(
 @given(batches())
 def test_round_trip_of_generated_batches(case: tuple[bytes, EventBatch]) -> None:
     payload, expected = case
-    assert decode_batch(payload) == expected
+    assert _native.decode_batch(payload) == expected
+    assert pyref.decode_batch(payload) == expected
 
 
-def test_signed_and_bytes_hashes_normalise_to_u64() -> None:
+def test_signed_and_bytes_hashes_normalise_to_u64(decode_batch: Decoder) -> None:
     payload = enc.encode_batch(
         [enc.BlockRemoved(block_hashes=[-1, -(2**63), 5, b"\x00" * 8 + b"\x01" * 8])], 0.0, 0
     )
@@ -83,7 +97,7 @@ def test_signed_and_bytes_hashes_normalise_to_u64() -> None:
     assert removed.block_hashes == (2**64 - 1, 2**63, 5, 0x0101010101010101)
 
 
-def test_sglang_style_fields_and_media() -> None:
+def test_sglang_style_fields_and_media(decode_batch: Decoder) -> None:
     stored = enc.BlockStored(
         block_hashes=[1],
         parent_block_hash=None,
@@ -139,14 +153,16 @@ MALFORMED = {
         "events[0].block_hashes: truncated",
     ),
     "4G array prefix": (b"\x93\xcb" + b"\x00" * 8 + b"\xdd\xff\xff\xff\xff", "4294967295"),
-    "reserved marker": (b"\x93\xcb" + b"\x00" * 8 + b"\x91\xc1", "batch"),
+    "reserved marker": (b"\x93\xcb" + b"\x00" * 8 + b"\x91\xc1", "events[0]"),
     "invalid utf-8 type": (b"\x93\x00\x91\x81\xa4type\xa2\xff\xfe\x00", "events[0]"),
     "dp_rank is a float": (_bad([1.0, [], 1.5]), "dp_rank"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(MALFORMED))
-def test_malformed_input_raises_a_typed_error_naming_where(name: str) -> None:
+def test_malformed_input_raises_a_typed_error_naming_where(
+    decode_batch: Decoder, name: str
+) -> None:
     payload, needle = MALFORMED[name]
     with pytest.raises(EventDecodeError, match="at byte") as info:
         decode_batch(payload)
@@ -160,7 +176,7 @@ def _nested(depth: int) -> Any:
     return value
 
 
-def test_unknown_fields_are_skipped_up_to_the_depth_limit() -> None:
+def test_unknown_fields_are_skipped_up_to_the_depth_limit(decode_batch: Decoder) -> None:
     # The unknown value sits at depth 4 (batch > events > event > value).
     ok = _bad([1.0, [{"type": "AllBlocksCleared", "future": _nested(MAX_DEPTH - 3)}], 0])
     assert decode_batch(ok).events == (AllBlocksCleared(),)
@@ -169,7 +185,7 @@ def test_unknown_fields_are_skipped_up_to_the_depth_limit() -> None:
         decode_batch(deep)
 
 
-def test_extra_key_items_are_classified() -> None:
+def test_extra_key_items_are_classified(decode_batch: Decoder) -> None:
     item_raw = _bad({"k": 1})
     payload = _bad(
         [
@@ -197,7 +213,45 @@ def test_extra_key_items_are_classified() -> None:
     )
 
 
+def _outcome(decode: Decoder, data: bytes) -> EventBatch | str:
+    try:
+        batch = decode(data)
+    except EventDecodeError:
+        return "rejected"
+    # NaN != NaN: compare timestamps by their bits.
+    return dataclasses.replace(batch, ts=struct.pack(">d", batch.ts))  # type: ignore[arg-type]
+
+
+def _agree(data: bytes) -> None:
+    native, reference = _outcome(_native.decode_batch, data), _outcome(pyref.decode_batch, data)
+    assert native == reference, data.hex()
+
+
 @given(st.binary(max_size=64))
-def test_arbitrary_bytes_never_escape_as_another_exception(data: bytes) -> None:
-    with contextlib.suppress(EventDecodeError):
-        decode_batch(data)
+def test_decoders_agree_on_arbitrary_bytes(data: bytes) -> None:
+    _agree(data)
+
+
+@given(batches(), st.data())
+def test_decoders_agree_on_mutated_and_truncated_batches(
+    case: tuple[bytes, EventBatch], data: st.DataObject
+) -> None:
+    payload = bytearray(case[0])
+    if payload:
+        for _ in range(data.draw(st.integers(0, 3))):
+            payload[data.draw(st.integers(0, len(payload) - 1))] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(payload)))
+    _agree(bytes(payload))
+    _agree(bytes(payload[:cut]))
+
+
+def test_native_error_carries_the_offset() -> None:
+    payload = _bad([1.0, [["BlockStored", [1], None, [1, -1], 2]], 0])
+    with pytest.raises(EventDecodeError) as info:
+        _native.decode_batch(payload)
+    assert info.value.offset == payload.index(b"\xff")
+    assert str(info.value).startswith("events[0].token_ids")
+
+
+def test_exceptions_report_the_native_module() -> None:
+    assert EventDecodeError.__module__ == "quillcache._native"

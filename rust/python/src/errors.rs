@@ -5,19 +5,19 @@ use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
 
 create_exception!(
-    _native,
+    quillcache._native,
     QuillCacheError,
     PyException,
     "Base class of every QuillCache error."
 );
 create_exception!(
-    _native,
+    quillcache._native,
     EventDecodeError,
     QuillCacheError,
     "A KV-event payload could not be decoded; the message says what and at which byte."
 );
 create_exception!(
-    _native,
+    quillcache._native,
     HashingError,
     QuillCacheError,
     "Invalid input to block hashing (e.g. a token id that does not fit in 32 bits)."
