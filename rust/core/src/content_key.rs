@@ -113,6 +113,71 @@ mod tests {
         assert_eq!(a[1], chain_block(a[0], &toks[16..32], None));
     }
 
+    /// `tests/vectors/content_key.json`, generated from the Python reference.
+    #[test]
+    fn reference_vectors() {
+        use crate::namespace::Namespace;
+        let doc: serde_json::Value =
+            serde_json::from_str(include_str!("../../../tests/vectors/content_key.json")).unwrap();
+        assert_eq!(doc["seed"].as_u64(), Some(SEED));
+        let str_of = |v: &serde_json::Value| v.as_str().unwrap().to_string();
+        let namespaces: Vec<(Namespace, u64)> = doc["namespaces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| {
+                let ns = Namespace {
+                    model: str_of(&n["model"]),
+                    tokenizer: str_of(&n["tokenizer"]),
+                    lora: str_of(&n["lora"]),
+                    tenant: str_of(&n["tenant"]),
+                    block_size: n["block_size"].as_u64().unwrap() as u32,
+                    extra: n["extra"].as_array().unwrap().iter().map(str_of).collect(),
+                };
+                (ns, n["id"].as_u64().unwrap())
+            })
+            .collect();
+        for (ns, id) in &namespaces {
+            assert_eq!(ns.id(), *id, "{ns:?}");
+        }
+        let chains = doc["chains"].as_array().unwrap();
+        assert!(chains.len() >= 5);
+        for chain in chains {
+            let (ns, id) = &namespaces[chain["namespace"].as_u64().unwrap() as usize];
+            let tokens: Vec<u32> = chain["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect();
+            let mm: Vec<Option<Vec<MmItem>>> = chain["mm"]
+                .as_array()
+                .map(|blocks| {
+                    blocks
+                        .iter()
+                        .map(|b| {
+                            b.as_array().map(|items| {
+                                items
+                                    .iter()
+                                    .map(|i| (str_of(&i[0]), i[1].as_i64().unwrap()))
+                                    .collect()
+                            })
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            let expected: Vec<u64> = chain["keys"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|k| k.as_u64().unwrap())
+                .collect();
+            let mut got = Vec::new();
+            chain_keys_mm(*id, &tokens, ns.block_size as usize, &mm, &mut got);
+            assert_eq!(got, expected, "{chain}");
+        }
+    }
+
     #[test]
     fn batch_equals_one_call_per_sequence() {
         let toks: Vec<u32> = (0..100).collect();
