@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import aiohttp
 import httpx
 import msgpack
 import numpy as np
@@ -42,7 +43,8 @@ from quillcache.routing import Request as RouteRequest
 
 log = logging.getLogger(__name__)
 
-_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError)
+_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
 def resolve_router(spec: str, options: dict[str, Any]) -> Router | str:
@@ -70,7 +72,8 @@ class Gateway:
         self.cp: ControlPlane
         self.ingestor: EventIngestor
         self.pool: WorkerPool
-        self.client: httpx.AsyncClient
+        self.client: httpx.AsyncClient  # control calls: discovery, health, metrics, tokenize
+        self.upstream: aiohttp.ClientSession  # the proxied requests
         self.tokenizer: RequestTokenizer
         self.router_name = config.router
         self._tasks: list[asyncio.Task[None]] = []
@@ -87,6 +90,13 @@ class Gateway:
                 max_connections=cfg.max_connections,
                 max_keepalive_connections=cfg.max_connections,
             ),
+        )
+        self.upstream = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=cfg.max_connections, limit_per_host=0),
+            timeout=aiohttp.ClientTimeout(
+                total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s
+            ),
+            auto_decompress=False,
         )
         described = await asyncio.gather(
             *(WorkerPool.describe(self.client, w) for w in cfg.workers)
@@ -140,6 +150,8 @@ class Gateway:
             self.ingestor.close()
         if hasattr(self, "client"):
             await self.client.aclose()
+        if hasattr(self, "upstream"):
+            await self.upstream.close()
         if hasattr(self, "cp"):
             self.cp.close()
 
@@ -286,11 +298,10 @@ class Gateway:
                 min(cached_blocks * self.cp.block_size, prompt_tokens)
             )
             self.metrics.prompt_tokens.inc(prompt_tokens)
-            upstream = self.client.build_request(
-                "POST", worker.url + path, content=raw, headers=_forward_headers(request)
-            )
             try:
-                resp = await self.client.send(upstream, stream=True)
+                resp = await self.upstream.post(
+                    worker.url + path, data=raw, headers=_forward_headers(request)
+                )
             except _CONNECT_ERRORS as exc:
                 self.cp.finish(route_request.request_id)
                 self.pool.mark_down(worker.id, f"connect failed: {type(exc).__name__}")
@@ -304,7 +315,7 @@ class Gateway:
                         502, f"engine {worker.url} unreachable: {exc}", "APIConnectionError"
                     ),
                 )
-            except httpx.HTTPError as exc:
+            except _UPSTREAM_ERRORS as exc:
                 self.cp.finish(route_request.request_id)
                 return self._count(
                     path,
@@ -319,7 +330,7 @@ class Gateway:
         self,
         request: Request,
         path: str,
-        resp: httpx.Response,
+        resp: aiohttp.ClientResponse,
         worker: Worker,
         route_request: RouteRequest,
         started: float,
@@ -327,7 +338,7 @@ class Gateway:
         rid = route_request.request_id
         extra = {"x-quillcache-worker": str(worker.id)}
         streaming = "text/event-stream" in resp.headers.get("content-type", "")
-        if streaming and resp.status_code == 200:
+        if streaming and resp.status == 200:
 
             def first_byte() -> None:
                 self.metrics.ttft.labels(path).observe(time.perf_counter() - started)
@@ -335,7 +346,7 @@ class Gateway:
 
             def end(failure: BaseException | None) -> None:
                 self.cp.finish(rid)
-                if isinstance(failure, httpx.TransportError):
+                if isinstance(failure, _UPSTREAM_ERRORS):
                     self.pool.mark_down(worker.id, f"broke mid-stream: {type(failure).__name__}")
                 self.metrics.latency.labels(path).observe(time.perf_counter() - started)
 
@@ -344,7 +355,7 @@ class Gateway:
             return proxy.streaming_response(resp, stream, extra)
         try:
             content = await proxy.read_or_cancel(request, resp)
-        except httpx.HTTPError as exc:
+        except _UPSTREAM_ERRORS as exc:
             self.cp.finish(rid)
             self.pool.mark_down(worker.id, f"broke mid-response: {type(exc).__name__}")
             return self._count(
@@ -356,11 +367,11 @@ class Gateway:
             return Response(status_code=499)
         self.metrics.ttft.labels(path).observe(time.perf_counter() - started)
         self.metrics.latency.labels(path).observe(time.perf_counter() - started)
-        if resp.status_code == 200:
+        if resp.status == 200:
             cached = proxy.usage_cached_tokens(content)
             if cached is not None:
                 self.metrics.actual_hit_tokens.inc(cached)
-        self.metrics.requests.labels(path, str(resp.status_code)).inc()
+        self.metrics.requests.labels(path, str(resp.status)).inc()
         return proxy.passthrough_response(resp, content, extra)
 
     def _count(self, path: str, response: Response) -> Response:

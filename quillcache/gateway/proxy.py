@@ -1,5 +1,9 @@
 """Forwarding one request to an engine and streaming the answer back unbuffered.
 
+The upstream data path uses aiohttp: with 64+ concurrent streams, httpx's connection
+pool spent ~45% of the gateway's CPU scanning idle connections (py-spy, see
+docs/online.md); control calls (health, metrics, discovery) stay on httpx.
+
 Upstream status codes and error bodies pass through unchanged. A streamed answer is
 relayed chunk by chunk as the engine sends it; when the client goes away the
 upstream response is closed (the engine sees the disconnect and aborts). If the
@@ -14,7 +18,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import httpx
+import aiohttp
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -35,7 +39,7 @@ def sse_error(message: str) -> bytes:
 
 
 async def relay_stream(
-    resp: httpx.Response,
+    resp: aiohttp.ClientResponse,
     *,
     on_first_byte: Callable[[], None],
     on_end: Callable[[BaseException | None], None],
@@ -44,19 +48,19 @@ async def relay_stream(
     first = True
     failure: BaseException | None = None
     try:
-        async for chunk in resp.aiter_raw():
+        async for chunk in resp.content.iter_any():
             if first:
                 first = False
                 on_first_byte()
             yield chunk
-    except httpx.HTTPError as exc:  # the engine died or the connection broke mid-stream
+    except (TimeoutError, aiohttp.ClientError) as exc:  # engine died mid-stream
         failure = exc
         yield sse_error(f"upstream engine failed mid-stream: {type(exc).__name__}")
     except BaseException as exc:  # client went away (cancelled / generator closed)
         failure = exc
         raise
     finally:
-        await resp.aclose()
+        resp.close()  # drops the connection if unfinished: the engine sees the disconnect
         on_end(failure)
 
 
@@ -68,36 +72,37 @@ async def until_disconnect(request: Request) -> None:
             return
 
 
-async def read_or_cancel(request: Request, resp: httpx.Response) -> bytes | None:
+async def read_or_cancel(request: Request, resp: aiohttp.ClientResponse) -> bytes | None:
     """The whole upstream body, or None (upstream closed) if the client left first."""
-    body_task = asyncio.ensure_future(resp.aread())
+    body_task = asyncio.ensure_future(resp.read())
     watch = asyncio.ensure_future(until_disconnect(request))
     try:
         done, _ = await asyncio.wait({body_task, watch}, return_when=asyncio.FIRST_COMPLETED)
         if body_task in done:
             return body_task.result()
         body_task.cancel()
+        resp.close()
         return None
     finally:
         watch.cancel()
         if not body_task.done():
             body_task.cancel()
-        await resp.aclose()
+        resp.release()
 
 
-def passthrough_response(resp: httpx.Response, content: bytes, extra: dict[str, str]) -> Response:
+def passthrough_response(
+    resp: aiohttp.ClientResponse, content: bytes, extra: dict[str, str]
+) -> Response:
     headers = {"content-type": resp.headers.get("content-type", "application/json"), **extra}
-    return Response(content, status_code=resp.status_code, headers=headers)
+    return Response(content, status_code=resp.status, headers=headers)
 
 
 def streaming_response(
-    resp: httpx.Response, stream: AsyncIterator[bytes], extra: dict[str, str]
+    resp: aiohttp.ClientResponse, stream: AsyncIterator[bytes], extra: dict[str, str]
 ) -> StreamingResponse:
     headers = {"cache-control": "no-cache", **extra}
     media = resp.headers.get("content-type", "text/event-stream")
-    return StreamingResponse(
-        stream, status_code=resp.status_code, headers=headers, media_type=media
-    )
+    return StreamingResponse(stream, status_code=resp.status, headers=headers, media_type=media)
 
 
 def usage_cached_tokens(content: bytes) -> int | None:

@@ -33,6 +33,10 @@ async def serve_app(
             access_log=False,
             lifespan="on",
             timeout_graceful_shutdown=2,
+            # uvloop + httptools when installed (uvicorn's "standard" extras): less CPU per
+            # request; "auto" falls back to asyncio + h11.
+            loop="auto",
+            http="auto",
         )
     )
     task = asyncio.create_task(server.serve())

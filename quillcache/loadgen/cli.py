@@ -1,0 +1,117 @@
+"""`quillcache loadgen`: load an OpenAI endpoint (or several, side by side)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a(
+        "--url",
+        action="append",
+        required=True,
+        help="base URL of an OpenAI endpoint; repeat to compare targets side by side",
+    )
+    a("--name", action="append", default=None, help="label per --url (default: the URL)")
+    a("--model", default=None)
+    a("--chat", action="store_true", help="use /v1/chat/completions")
+    a("--no-stream", action="store_true", help="non-streaming requests")
+    a("--concurrency", type=int, default=16)
+    a("--rate", type=float, default=None, help="requests/s (Poisson) instead of closed loop")
+    a("--requests", type=int, default=200)
+    a("--warmup", type=int, default=0, help="requests sent first and not measured")
+    a("--max-tokens", type=int, default=16)
+    a("--prefixes", type=int, default=8, help="synthetic: shared prefixes")
+    a("--prefix-chars", type=int, default=1024)
+    a("--suffix-chars", type=int, default=64)
+    a("--trace", default=None, help="a Mooncake-format JSONL trace instead of synthetic")
+    a("--trace-block-chars", type=int, default=64, help="text per trace hash id")
+    a("--trace-timing", action="store_true", help="send at the trace's timestamps")
+    a("--trace-time-scale", type=float, default=1.0)
+    a("--api-key", default=None)
+    a("--seed", type=int, default=0)
+    a("--json", default=None, metavar="PATH", help="write the results as JSON ('-' = stdout)")
+    a("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from quillcache.errors import ConfigError
+    from quillcache.loadgen.report import render_table, summarize
+    from quillcache.loadgen.runner import RunConfig, run_load
+    from quillcache.loadgen.workload import mooncake_trace, synthetic
+
+    console = Console(stderr=args.json == "-")
+    names = args.name or []
+    if len(names) not in (0, len(args.url)):
+        print("loadgen: give one --name per --url", file=sys.stderr)
+        return 2
+    if args.concurrency < 1:
+        print("loadgen: --concurrency must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        total = args.requests + args.warmup
+        if args.trace:
+            reqs = mooncake_trace(
+                args.trace,
+                requests=total,
+                block_chars=args.trace_block_chars,
+                max_tokens=args.max_tokens,
+                time_scale=args.trace_time_scale,
+            )
+        else:
+            reqs = synthetic(
+                total,
+                prefixes=args.prefixes,
+                prefix_chars=args.prefix_chars,
+                suffix_chars=args.suffix_chars,
+                max_tokens=args.max_tokens,
+                seed=args.seed,
+            )
+    except ConfigError as exc:
+        print(f"loadgen: {exc}", file=sys.stderr)
+        return 2
+    warm, measured = reqs[: args.warmup], reqs[args.warmup :]
+    results: dict[str, dict[str, object]] = {}
+    for i, url in enumerate(args.url):
+        name = names[i] if names else url
+        cfg = RunConfig(
+            url=url.rstrip("/"),
+            model=args.model,
+            chat=args.chat,
+            stream=not args.no_stream,
+            concurrency=args.concurrency,
+            rate=args.rate,
+            use_arrivals=args.trace_timing,
+            api_key=args.api_key,
+            seed=args.seed,
+        )
+        if warm:
+            asyncio.run(
+                run_load(RunConfig(**{**vars(cfg), "rate": None, "use_arrivals": False}), warm)
+            )
+        with Progress(console=console, transient=True, disable=args.no_progress) as progress:
+            task = progress.add_task(f"{name}", total=len(measured))
+            samples, wall = asyncio.run(
+                run_load(cfg, measured, lambda s, t=task: progress.advance(t))
+            )
+        results[name] = summarize(samples, wall)
+    if args.json:
+        text = json.dumps(results, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    if args.json != "-":
+        mode = f"rate {args.rate}/s" if args.rate else f"concurrency {args.concurrency}"
+        stream = "non-streaming" if args.no_stream else "streaming"
+        console.print(render_table(results, f"loadgen: {len(measured)} requests, {mode}, {stream}"))
+    return 1 if any(r["ok"] == 0 for r in results.values()) else 0
