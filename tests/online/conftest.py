@@ -1,0 +1,87 @@
+"""Fixtures that start real engine simulators and gateways as processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from quillcache.up import Proc, engine_args, gateway_args, launch
+
+ADMIN = "test-admin-token"
+
+
+class Stack:
+    """Processes of one test; every one is SIGKILLed at teardown."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[Proc] = []
+        self.engines: list[Proc] = []
+        self.gateway: Proc | None = None
+
+    def engine(self, name: str | None = None, extra: list[str] | None = None, **kw: object) -> Proc:
+        name = name or f"engine{len(self.engines)}"
+        proc = launch(name, engine_args(extra=extra or [], **kw), self.workdir)  # type: ignore[arg-type]
+        self.procs.append(proc)
+        self.engines.append(proc)
+        return proc
+
+    def start_gateway(self, config: dict[str, object] | None = None, extra: list[str] = ()) -> Proc:  # type: ignore[assignment]
+        cfg = {"admin_token": ADMIN, "tokenizer": "builtin", **(config or {})}
+        path = self.workdir / f"gateway{len(self.procs)}.json"
+        path.write_text(json.dumps(cfg))
+        args = gateway_args(
+            [e.url for e in self.engines if e.alive()], extra=["--config", str(path), *extra]
+        )
+        proc = launch(f"gateway{len(self.procs)}", args, self.workdir)
+        self.procs.append(proc)
+        self.gateway = proc
+        return proc
+
+    def admin(self) -> httpx.Client:
+        assert self.gateway is not None
+        return httpx.Client(
+            base_url=self.gateway.url, timeout=10.0, headers={"authorization": f"Bearer {ADMIN}"}
+        )
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            p.kill()
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    s = Stack(tmp_path)
+    try:
+        yield s
+    finally:
+        s.kill_all()
+
+
+@pytest.fixture(scope="module")
+def shared_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Two engines and a gateway (cache-aware router), shared by non-destructive tests."""
+    s = Stack(tmp_path_factory.mktemp("online"))
+    try:
+        s.engine()
+        s.engine()
+        s.start_gateway({"router": "quillcache"})
+        yield s
+    finally:
+        s.kill_all()
+
+
+def metric(text: str, name: str) -> float:
+    """Sum of every sample of one metric in a Prometheus text page."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+Metric = Callable[[str, str], float]

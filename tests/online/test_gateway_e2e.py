@@ -1,0 +1,223 @@
+"""End to end: engine simulators (processes) + the gateway, the official `openai` client."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import msgpack
+import openai
+import pytest
+
+from quillcache.enginesim.tokenizer import ByteTokenizer
+from tests.online.conftest import Stack, metric
+from tests.online.helpers import wait_for
+
+
+def long_prompt(tag: str, blocks: int = 12) -> str:
+    """A prompt of `blocks` full 16-token blocks (one token per byte, builtin tokenizer)."""
+    text = (f"[{tag}] " + "shared context about caching " * 40)[: blocks * 16]
+    assert len(text.encode()) == blocks * 16
+    return text
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=20)
+
+
+def test_openai_client_streams_through_the_gateway(shared_stack: Stack) -> None:
+    gw = shared_stack.gateway
+    assert gw is not None
+    oa = client(gw.url)
+    chunks = list(
+        oa.completions.create(model="sim-model", prompt="Hello gateway", max_tokens=12, stream=True)
+    )
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert sum(1 for t in texts if t) == 12
+    # the engine's answer, byte for byte, as the engine gives it directly
+    direct = client(shared_stack.engines[0].url).completions.create(
+        model="sim-model", prompt="Hello gateway", max_tokens=12
+    )
+    assert "".join(texts) == direct.choices[0].text
+
+    chat_chunks = list(
+        oa.chat.completions.create(
+            model="sim-model",
+            messages=[{"role": "user", "content": "hi there"}],
+            max_tokens=5,
+            stream=True,
+        )
+    )
+    deltas = [c.choices[0].delta.content for c in chat_chunks if c.choices]
+    assert sum(1 for d in deltas if d) == 5
+    assert chat_chunks[-1].choices[0].finish_reason == "length"
+    full = oa.chat.completions.create(
+        model="sim-model", messages=[{"role": "user", "content": "hi there"}], max_tokens=5
+    )
+    assert full.choices[0].message.content == "".join(d or "" for d in deltas)
+    models = oa.models.list()
+    assert [m.id for m in models.data] == ["sim-model"]
+
+
+def test_streaming_is_relayed_chunk_by_chunk(shared_stack: Stack) -> None:
+    """Chunks arrive spread over time (not buffered into one write at the end)."""
+    import time
+
+    gw = shared_stack.gateway
+    assert gw is not None
+    arrivals = []
+    with httpx.stream(
+        "POST",
+        gw.url + "/v1/completions",
+        json={"prompt": "spread " + uuid.uuid4().hex, "max_tokens": 40, "stream": True},
+        timeout=20,
+    ) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                arrivals.append(time.perf_counter())
+    assert len(arrivals) == 41  # 40 tokens + the finish chunk
+    # 40 tokens at 5 ms each: the first and the last chunk are >= 100 ms apart
+    assert arrivals[-1] - arrivals[0] > 0.1
+
+
+def test_shared_prefixes_go_to_the_worker_that_holds_them(shared_stack: Stack) -> None:
+    gw = shared_stack.gateway
+    assert gw is not None
+    admin = shared_stack.admin()
+    for i in range(4):
+        prefix = long_prompt(f"doc-{i}-{uuid.uuid4().hex[:6]}")
+        first = httpx.post(gw.url + "/v1/completions", json={"prompt": prefix, "max_tokens": 2})
+        assert first.status_code == 200
+        holder = first.headers["x-quillcache-worker"]
+        keys_blocks = len(ByteTokenizer().encode(prefix)) // 16
+        wait_for(
+            lambda p=prefix, h=holder, n=keys_blocks: any(
+                str(m["worker"]) == h and m["blocks"] == n
+                for m in admin.post("/admin/lookup", json={"prompt": p}).json()["matches"]
+            ),
+            what="the index to learn the prefix from the engine's events",
+        )
+        follow = httpx.post(
+            gw.url + "/v1/completions",
+            json={"prompt": prefix + " and a follow-up question", "max_tokens": 2},
+        )
+        assert follow.headers["x-quillcache-worker"] == holder
+        cached = follow.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == keys_blocks * 16  # the engine confirms the hit
+    text = httpx.get(gw.url + "/metrics").text
+    assert metric(text, "quillcache_kv_blocks_stored_total") > 0
+    assert metric(text, "quillcache_worker_parity_ok") == 2
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/v1/completions", b"{not json", 400),
+        ("/v1/completions", b"[1, 2]", 400),
+        ("/v1/completions", b'{"max_tokens": 3}', 400),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": -1}', 400),
+        ("/v1/completions", b'{"prompt": "x", "stream": "yes"}', 400),
+        ("/v1/completions", b'{"prompt": "x", "model": "nope"}', 404),
+        ("/v1/chat/completions", b'{"messages": []}', 400),
+        ("/v1/chat/completions", b'{"messages": ["hi"]}', 400),
+        ("/v1/chat/completions", b"\xff\xfe", 400),
+        ("/v1/nothing", b"{}", 404),
+    ],
+)
+def test_malformed_requests_get_a_4xx_json_error(
+    shared_stack: Stack, path: str, body: bytes, status: int
+) -> None:
+    gw = shared_stack.gateway
+    assert gw is not None
+    resp = httpx.post(gw.url + path, content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == status
+    error = resp.json()["error"]
+    assert error["message"] and error["code"] == status
+
+
+def test_admin_needs_the_token(shared_stack: Stack) -> None:
+    gw = shared_stack.gateway
+    assert gw is not None
+    assert httpx.get(gw.url + "/admin/workers").status_code == 401
+    bad = httpx.get(gw.url + "/admin/workers", headers={"authorization": "Bearer wrong"})
+    assert bad.status_code == 401 and "admin token" in bad.json()["error"]["message"]
+    workers = shared_stack.admin().get("/admin/workers").json()["workers"]
+    assert [w["healthy"] for w in workers] == [True, True]
+
+
+def test_http_ingest_json_and_msgpack(shared_stack: Stack) -> None:
+    gw = shared_stack.gateway
+    assert gw is not None
+    admin = shared_stack.admin()
+    prompt = long_prompt("ingested-" + uuid.uuid4().hex[:8], blocks=3)
+    tokens = ByteTokenizer().encode(prompt)
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [11, 12, 13],
+        "parent_block_hash": None,
+        "token_ids": tokens,
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "CPU",
+        "lora_name": None,
+    }
+    resp = admin.post("/ingest/kv_events", json={"worker": 1, "batches": [[1.0, [stored], 0]]})
+    assert resp.status_code == 202, resp.text
+
+    def cpu_match() -> bool:
+        matches = admin.post("/admin/lookup", json={"prompt": prompt}).json()["matches"]
+        return any(m["worker"] == 1 and m["medium"] == "CPU" and m["blocks"] == 3 for m in matches)
+
+    wait_for(cpu_match, what="the HTTP-ingested blocks")
+    removed = msgpack.packb(
+        [2.0, [{"type": "BlockRemoved", "block_hashes": [11, 12, 13], "medium": "CPU"}], 0]
+    )
+    resp = admin.post(
+        "/ingest/kv_events?worker=1",
+        content=removed,
+        headers={"content-type": "application/msgpack"},
+    )
+    assert resp.status_code == 202
+    wait_for(lambda: not cpu_match(), what="the removal")
+    # malformed events: 400 with the decoder's message, nothing applied
+    bad = admin.post(
+        "/ingest/kv_events?worker=1",
+        content=b"\x93\xcb\x00",
+        headers={"content-type": "application/msgpack"},
+    )
+    assert bad.status_code == 400 and "not a valid KV event batch" in bad.json()["error"]["message"]
+    bad_json = admin.post("/ingest/kv_events", json={"worker": 1, "batches": [["nonsense"]]})
+    assert bad_json.status_code == 400
+    unknown = admin.post("/ingest/kv_events", json={"worker": 99, "batches": []})
+    assert unknown.status_code == 404
+
+
+def test_dropped_events_are_replayed(shared_stack: Stack) -> None:
+    gw = shared_stack.gateway
+    assert gw is not None
+    admin = shared_stack.admin()
+    before = metric(httpx.get(gw.url + "/metrics").text, "quillcache_kv_event_replays_total")
+    # each engine loses its next 3 batches on the PUB socket (still in its replay buffer)
+    for e in shared_stack.engines:
+        assert httpx.post(e.url + "/debug/drop_events", json={"count": 3}).status_code == 200
+    prompts = [long_prompt(f"gap-{i}-{uuid.uuid4().hex[:6]}", blocks=4) for i in range(10)]
+    for p in prompts:
+        assert httpx.post(
+            gw.url + "/v1/completions", json={"prompt": p, "max_tokens": 1}
+        ).is_success
+
+    def all_known() -> bool:
+        return all(
+            any(
+                m["blocks"] == 4
+                for m in admin.post("/admin/lookup", json={"prompt": p}).json()["matches"]
+            )
+            for p in prompts
+        )
+
+    wait_for(all_known, what="every prompt's blocks, dropped batches included")
+    text = httpx.get(gw.url + "/metrics").text
+    assert metric(text, "quillcache_kv_event_gaps_total") >= 1
+    assert metric(text, "quillcache_kv_event_replays_total") > before
+    assert metric(text, "quillcache_kv_stale_sources") == 0
