@@ -7,6 +7,7 @@ mod errors;
 mod events;
 mod hashing;
 mod index;
+mod persist;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -15,5 +16,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     hashing::register(m)?;
     events::register(m)?;
     index::register(m)?;
+    persist::register(m)?;
     Ok(())
 }

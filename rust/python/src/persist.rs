@@ -1,0 +1,430 @@
+//! `DurableIndex`: the crash-safe native index (`quillcache_core::persist`) for Python.
+//!
+//! Same method names and tuple shapes as `NativeIndex` (so the Python wrapper reuses
+//! its conversions), plus `apply(..., seqs=)`, `last_seqs`, `snapshot`, `sync`,
+//! `recovery`, `close`. Conversion and GIL release only; every call that touches the
+//! index or the disk runs with the GIL released.
+
+use std::path::PathBuf;
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::Duration;
+
+use numpy::PyReadonlyArray1;
+use pyo3::create_exception;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use quillcache_core::events::Medium;
+use quillcache_core::index::{ApplyStats, EntryOut, SourceKey};
+use quillcache_core::persist::{
+    ApplyError, Durability, DurableIndex as CoreDurable, DurableOptions, PersistError, WalOptions,
+};
+
+use crate::errors::{EventDecodeError, QuillCacheError};
+
+create_exception!(
+    _native,
+    PersistenceError,
+    QuillCacheError,
+    "The durable index could not read or write its directory (the message names the file)."
+);
+create_exception!(
+    _native,
+    CorruptIndexError,
+    PersistenceError,
+    "The write-ahead log or a snapshot is damaged in a way that is not a torn tail."
+);
+create_exception!(
+    _native,
+    IngestRefusedError,
+    PersistenceError,
+    "A write failed earlier (e.g. disk full): the index keeps its logged state and refuses changes."
+);
+create_exception!(
+    _native,
+    IndexLockedError,
+    PersistenceError,
+    "Another process holds the index directory."
+);
+
+fn to_py(e: PersistError, failed: bool) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        PersistError::CorruptLog { .. }
+        | PersistError::CorruptSnapshot { .. }
+        | PersistError::Replay { .. } => CorruptIndexError::new_err(msg),
+        PersistError::Locked { .. } => IndexLockedError::new_err(msg),
+        PersistError::Failed { .. } => IngestRefusedError::new_err(msg),
+        PersistError::InvalidOption(_) => QuillCacheError::new_err(msg),
+        PersistError::Io { .. } if failed => IngestRefusedError::new_err(format!(
+            "{msg}; nothing of this call was applied and the index refuses further \
+             changes (reopen once the cause is fixed)"
+        )),
+        PersistError::Io { .. } => PersistenceError::new_err(msg),
+    }
+}
+
+type StatsTuple = (u64, u64, u64, u64, u64, u64, u64, u64);
+
+fn stats_tuple(s: &ApplyStats) -> StatsTuple {
+    (
+        s.batches,
+        s.events,
+        s.blocks_stored,
+        s.blocks_removed,
+        s.clears,
+        s.orphan_blocks,
+        s.unknown_removals,
+        s.invalid_events,
+    )
+}
+
+fn keys_slice<'a>(keys: &'a PyReadonlyArray1<'_, u64>) -> PyResult<&'a [u64]> {
+    keys.as_slice()
+        .map_err(|_| QuillCacheError::new_err("keys must be a contiguous 1-D uint64 array"))
+}
+
+fn entries_list<'py>(py: Python<'py>, entries: &[EntryOut]) -> PyResult<Bound<'py, PyList>> {
+    let out = PyList::empty(py);
+    for e in entries {
+        let holders = PyList::empty(py);
+        for h in &e.holders {
+            holders.append((h.worker, h.dp_rank, h.medium.as_str(), h.refcount))?;
+        }
+        out.append((e.key, e.parent, e.depth, holders, e.pinned))?;
+    }
+    Ok(out)
+}
+
+#[pyclass(frozen, module = "quillcache._native", name = "DurableIndex")]
+pub struct DurableIndex {
+    inner: RwLock<Option<CoreDurable>>,
+    path: PathBuf,
+    durability: String,
+}
+
+impl DurableIndex {
+    fn read(&self) -> PyResult<RwLockReadGuard<'_, Option<CoreDurable>>> {
+        let g = self.inner.read().unwrap_or_else(|e| e.into_inner());
+        if g.is_none() {
+            return Err(closed());
+        }
+        Ok(g)
+    }
+
+    fn write(&self) -> PyResult<RwLockWriteGuard<'_, Option<CoreDurable>>> {
+        let g = self.inner.write().unwrap_or_else(|e| e.into_inner());
+        if g.is_none() {
+            return Err(closed());
+        }
+        Ok(g)
+    }
+
+    /// Runs a mutation with the GIL released; maps persistence errors.
+    fn mutate<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut CoreDurable) -> Result<T, PersistError> + Send,
+    ) -> PyResult<T> {
+        let mut g = self.write()?;
+        let d = g.as_mut().expect("checked open");
+        py.detach(|| f(d).map_err(|e| (e, d.failure().is_some())))
+            .map_err(|(e, failed)| to_py(e, failed))
+    }
+}
+
+fn closed() -> PyErr {
+    QuillCacheError::new_err("the durable index is closed")
+}
+
+#[pymethods]
+impl DurableIndex {
+    /// Opens (or creates) the index in `path` and recovers it (snapshot + log tail).
+    #[new]
+    #[pyo3(signature = (path, *, durability="interval:10", segment_bytes=64 << 20,
+                        snapshot_every_bytes=64 << 20, snapshot_on_close=true))]
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        durability: &str,
+        segment_bytes: u64,
+        snapshot_every_bytes: u64,
+        snapshot_on_close: bool,
+    ) -> PyResult<Self> {
+        let durability = Durability::parse(durability).map_err(|e| to_py(e, false))?;
+        let opts = DurableOptions {
+            wal: WalOptions {
+                durability,
+                segment_bytes,
+            },
+            snapshot_every_bytes,
+            snapshot_on_close,
+        };
+        let p = path.clone();
+        let d = py
+            .detach(|| CoreDurable::open(&p, opts))
+            .map_err(|e| to_py(e, false))?;
+        Ok(Self {
+            inner: RwLock::new(Some(d)),
+            path,
+            durability: durability.describe(),
+        })
+    }
+
+    #[getter]
+    fn path(&self) -> PathBuf {
+        self.path.clone()
+    }
+
+    /// `none`, `per-batch` or `interval:<ms>`.
+    #[getter]
+    fn durability(&self) -> String {
+        self.durability.clone()
+    }
+
+    #[pyo3(signature = (worker, dp_rank=0, *, model="", tokenizer=""))]
+    fn register_source(
+        &self,
+        py: Python<'_>,
+        worker: u64,
+        dp_rank: u32,
+        model: &str,
+        tokenizer: &str,
+    ) -> PyResult<()> {
+        let source = SourceKey { worker, dp_rank };
+        self.mutate(py, |d| d.register_source(source, model, tokenizer))
+    }
+
+    /// Decodes, logs (one write) and applies raw msgpack batches in order. `seqs`: the
+    /// engine's sequence number of each batch. On a decode error the earlier batches
+    /// stay applied (and logged); `EventDecodeError` carries `payload_index` and `stats`.
+    #[pyo3(signature = (worker, payloads, dp_rank=0, seqs=None))]
+    fn apply(
+        &self,
+        py: Python<'_>,
+        worker: u64,
+        payloads: Vec<Bound<'_, PyBytes>>,
+        dp_rank: u32,
+        seqs: Option<Vec<u64>>,
+    ) -> PyResult<StatsTuple> {
+        let slices: Vec<&[u8]> = payloads.iter().map(|b| b.as_bytes()).collect();
+        let source = SourceKey { worker, dp_rank };
+        let mut g = self.write()?;
+        let d = g.as_mut().expect("checked open");
+        let result = py.detach(|| {
+            d.apply(source, &slices, seqs.as_deref())
+                .map_err(|e| (e, d.failure().is_some()))
+        });
+        match result {
+            Ok(stats) => Ok(stats_tuple(&stats)),
+            Err((ApplyError::Persist(e), failed)) => Err(to_py(e, failed)),
+            Err((
+                ApplyError::Decode {
+                    index,
+                    message,
+                    applied,
+                },
+                _,
+            )) => {
+                let err = EventDecodeError::new_err(format!(
+                    "payload {index} of {} from worker {worker}: {message}",
+                    slices.len()
+                ));
+                let value = err.value(py);
+                value.setattr("payload_index", index)?;
+                value.setattr("stats", stats_tuple(&applied))?;
+                Err(err)
+            }
+        }
+    }
+
+    /// `[(worker, dp_rank, medium, blocks), ...]` sorted by (worker, dp_rank, medium).
+    #[pyo3(name = "match")]
+    fn match_keys<'py>(
+        &self,
+        py: Python<'py>,
+        keys: PyReadonlyArray1<'py, u64>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let keys = keys_slice(&keys)?;
+        let g = self.read()?;
+        let idx = g.as_ref().expect("checked open").index();
+        let hits: Vec<(u64, u32, Medium, u32)> = py.detach(|| {
+            idx.match_keys(keys)
+                .into_iter()
+                .map(|h| (h.worker, h.dp_rank, idx.medium(h.medium).clone(), h.blocks))
+                .collect()
+        });
+        let out = PyList::empty(py);
+        for (worker, dp_rank, medium, blocks) in &hits {
+            out.append((*worker, *dp_rank, medium.as_str(), *blocks))?;
+        }
+        Ok(out)
+    }
+
+    fn match_many<'py>(
+        &self,
+        py: Python<'py>,
+        requests: Vec<PyReadonlyArray1<'py, u64>>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for r in requests {
+            out.append(self.match_keys(py, r)?)?;
+        }
+        Ok(out)
+    }
+
+    fn remove_worker(&self, py: Python<'_>, worker: u64) -> PyResult<u64> {
+        self.mutate(py, |d| d.remove_worker(worker))
+    }
+
+    #[pyo3(signature = (worker, dp_rank=0))]
+    fn clear_source(&self, py: Python<'_>, worker: u64, dp_rank: u32) -> PyResult<u64> {
+        self.mutate(py, |d| d.clear_source(SourceKey { worker, dp_rank }))
+    }
+
+    fn scan<'py>(
+        &self,
+        py: Python<'py>,
+        prefix: PyReadonlyArray1<'py, u64>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let prefix = keys_slice(&prefix)?;
+        let g = self.read()?;
+        let idx = g.as_ref().expect("checked open").index();
+        let entries = py.detach(|| idx.scan(prefix));
+        entries_list(py, &entries)
+    }
+
+    fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let g = self.read()?;
+        let idx = g.as_ref().expect("checked open").index();
+        let entries: Vec<EntryOut> = py.detach(|| idx.entries().collect());
+        entries_list(py, &entries)
+    }
+
+    fn pin(&self, py: Python<'_>, keys: PyReadonlyArray1<'_, u64>) -> PyResult<()> {
+        let keys = keys_slice(&keys)?;
+        self.mutate(py, |d| d.pin(keys))
+    }
+
+    fn unpin(&self, py: Python<'_>, keys: PyReadonlyArray1<'_, u64>) -> PyResult<()> {
+        let keys = keys_slice(&keys)?;
+        self.mutate(py, |d| d.unpin(keys))
+    }
+
+    /// `(blocks, nodes, resident_pairs, sources, pinned, spilled, memory_bytes)`.
+    fn stats(&self, py: Python<'_>) -> PyResult<(u64, u64, u64, u64, u64, u64, u64)> {
+        let g = self.read()?;
+        let s = py.detach(|| g.as_ref().expect("checked open").index().stats());
+        Ok((
+            s.blocks,
+            s.nodes,
+            s.resident_pairs,
+            s.sources,
+            s.pinned,
+            s.spilled,
+            s.memory_bytes,
+        ))
+    }
+
+    /// `{(worker, dp_rank): seq}`: the last engine sequence number applied per source.
+    fn last_seqs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let g = self.read()?;
+        let out = PyDict::new(py);
+        for (s, seq) in g.as_ref().expect("checked open").last_seqs() {
+            out.set_item((s.worker, s.dp_rank), *seq)?;
+        }
+        Ok(out)
+    }
+
+    /// Writes a snapshot now and prunes the log it covers; returns the lsn covered.
+    fn snapshot(&self, py: Python<'_>) -> PyResult<u64> {
+        self.mutate(py, |d| d.snapshot())
+    }
+
+    /// fsyncs the log now; returns the lsn now durable.
+    fn sync(&self, py: Python<'_>) -> PyResult<u64> {
+        self.mutate(py, |d| d.sync())
+    }
+
+    /// The in-memory index image (`NativeIndex.from_snapshot` reads it): for checks.
+    fn index_image<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let g = self.read()?;
+        let idx = g.as_ref().expect("checked open").index();
+        let buf = py
+            .detach(|| {
+                let mut buf = Vec::new();
+                idx.write_snapshot(&mut buf).map(|_| buf)
+            })
+            .map_err(|e| PersistenceError::new_err(e.to_string()))?;
+        Ok(PyBytes::new(py, &buf))
+    }
+
+    /// What recovery did: snapshot lsn and bytes, records replayed, torn tail, timings.
+    fn recovery<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let g = self.read()?;
+        let r = g.as_ref().expect("checked open").recovery();
+        let secs = |d: Duration| d.as_secs_f64();
+        let out = PyDict::new(py);
+        out.set_item("snapshot_lsn", r.snapshot_lsn)?;
+        out.set_item("snapshot_bytes", r.snapshot_bytes)?;
+        out.set_item("snapshot_load_s", secs(r.snapshot_load))?;
+        out.set_item("wal_segments", r.wal.segments)?;
+        out.set_item("wal_records_read", r.wal.records_read)?;
+        out.set_item("wal_records_replayed", r.wal.records_replayed)?;
+        out.set_item("wal_bytes_read", r.wal.bytes_read)?;
+        out.set_item("wal_replay_s", secs(r.wal_replay))?;
+        out.set_item("last_lsn", r.wal.last_lsn)?;
+        out.set_item("total_s", secs(r.total))?;
+        match &r.wal.torn_tail {
+            Some(t) => {
+                let torn = PyDict::new(py);
+                torn.set_item("path", &t.path)?;
+                torn.set_item("offset", t.offset)?;
+                torn.set_item("bytes_dropped", t.bytes_dropped)?;
+                torn.set_item("reason", t.reason)?;
+                out.set_item("torn_tail", torn)?;
+            }
+            None => out.set_item("torn_tail", py.None())?,
+        }
+        Ok(out)
+    }
+
+    /// `{last_lsn, synced_lsn, snapshot_lsn, disk_bytes, failure}`.
+    fn wal_status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let g = self.read()?;
+        let d = g.as_ref().expect("checked open");
+        let out = PyDict::new(py);
+        out.set_item("last_lsn", d.last_lsn())?;
+        out.set_item("synced_lsn", d.synced_lsn())?;
+        out.set_item("snapshot_lsn", d.snapshot_lsn())?;
+        out.set_item("disk_bytes", py.detach(|| d.disk_bytes()))?;
+        out.set_item("failure", d.failure())?;
+        Ok(out)
+    }
+
+    /// Snapshot (unless disabled), fsync, release the directory. Idempotent.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let mut g = self.inner.write().unwrap_or_else(|e| e.into_inner());
+        match g.take() {
+            None => Ok(()),
+            Some(d) => py.detach(|| d.close()).map_err(|e| to_py(e, false)),
+        }
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("PersistenceError", py.get_type::<PersistenceError>())?;
+    m.add("CorruptIndexError", py.get_type::<CorruptIndexError>())?;
+    m.add("IngestRefusedError", py.get_type::<IngestRefusedError>())?;
+    m.add("IndexLockedError", py.get_type::<IndexLockedError>())?;
+    m.add_class::<DurableIndex>()
+}
