@@ -730,7 +730,8 @@ class Gateway:
 
     # -- assembly ------------------------------------------------------------------------
 
-    def starlette(self) -> Starlette:
+    def starlette(self, *, with_lifespan: bool = True) -> Starlette:
+        """The ASGI app; without lifespan the caller runs `startup`/`shutdown` itself."""
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -745,7 +746,7 @@ class Gateway:
             Route("/admin/pins", self.admin_pins, methods=["POST", "DELETE"]),
             Route("/ingest/kv_events", self.ingest, methods=["POST"]),
         ]
-        app = Starlette(routes=routes, lifespan=self.lifespan)
+        app = Starlette(routes=routes, lifespan=self.lifespan if with_lifespan else None)
         app.add_exception_handler(404, _not_found)  # type: ignore[arg-type]
         app.add_exception_handler(405, _not_allowed)  # type: ignore[arg-type]
         app.add_exception_handler(Exception, _internal)

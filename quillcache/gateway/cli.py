@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from quillcache.errors import ConfigError
+    from quillcache.errors import ConfigError, QuillCacheError
     from quillcache.gateway.config import load_config
 
     try:
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         serve_gateway(config, ready_file=args.ready_file)
-    except ConfigError as exc:
+    except QuillCacheError as exc:  # config, unknown router/backend, engine discovery
         print(f"gateway: {exc}", file=sys.stderr)
         return 2
     return 0

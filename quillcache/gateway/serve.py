@@ -31,7 +31,7 @@ async def serve_app(
             port=port,
             log_level=log_level,
             access_log=False,
-            lifespan="on",
+            lifespan="auto",
             timeout_graceful_shutdown=2,
             # uvloop + httptools when installed (uvicorn's "standard" extras): less CPU per
             # request; "auto" falls back to asyncio + h11.
@@ -49,10 +49,18 @@ async def serve_app(
 
 
 def serve_gateway(config: GatewayConfig, ready_file: str | None = None) -> None:
+    """Start the gateway (discovery, subscriptions) before listening, so a bad config or
+    an unreachable engine fails with its own error instead of a server exit code."""
     from quillcache.gateway.app import Gateway
 
     gateway = Gateway(config)
-    app = gateway.starlette()
-    asyncio.run(serve_app(app, config.host, config.port, config.log_level, {}, ready_file))
-    if gateway.startup_error is not None:
-        raise gateway.startup_error
+
+    async def main() -> None:
+        await gateway.startup()
+        try:
+            app = gateway.starlette(with_lifespan=False)
+            await serve_app(app, config.host, config.port, config.log_level, {}, ready_file)
+        finally:
+            await gateway.shutdown()
+
+    asyncio.run(main())

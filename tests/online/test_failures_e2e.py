@@ -1,0 +1,191 @@
+"""Failures end to end: engines killed (SIGKILL) mid-stream or before a connect, engine
+restarts (seq back to 0), client disconnects, API keys and bad configuration."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from quillcache.errors import ConfigError
+from quillcache.gateway.config import load_config
+from quillcache.up import launch
+from tests.online.conftest import Stack, metric
+from tests.online.helpers import free_port, wait_for
+
+
+def prompt(tag: str) -> str:
+    return (f"[{tag}] " + "a long shared document " * 20)[:160]
+
+
+def test_engine_killed_mid_stream(stack: Stack) -> None:
+    stack.engine()
+    stack.engine()
+    gw = stack.start_gateway({"router": "round-robin", "health_interval_s": 0.2})
+    admin = stack.admin()
+    oa = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=20)
+    raw = oa.completions.with_raw_response.create(
+        model="sim-model", prompt=prompt("victim"), max_tokens=400, stream=True
+    )
+    victim = int(raw.headers["x-quillcache-worker"])
+    stream = raw.parse()
+    got = 0
+    with pytest.raises(openai.APIError, match="mid-stream"):
+        for _chunk in stream:
+            got += 1
+            if got == 3:
+                stack.engines[victim].kill()  # SIGKILL while it streams
+    assert got >= 3
+    # the dead engine gets no traffic; every new request is served by the survivor
+    for i in range(6):
+        r = oa.completions.with_raw_response.create(
+            model="sim-model", prompt=prompt(f"after-{i}"), max_tokens=2
+        )
+        assert int(r.headers["x-quillcache-worker"]) == 1 - victim
+        assert r.parse().choices[0].text
+    workers = {w["id"]: w for w in admin.get("/admin/workers").json()["workers"]}
+    assert workers[victim]["healthy"] is False and workers[1 - victim]["healthy"] is True
+    # and its residency is gone from the index
+    matches = admin.post("/admin/lookup", json={"prompt": prompt("victim")}).json()["matches"]
+    assert all(m["worker"] != victim for m in matches)
+
+
+def test_failed_connect_is_retried_on_another_worker(stack: Stack) -> None:
+    stack.engine()
+    stack.engine()
+    # health checks far apart: only the failed connect can reveal the dead engine
+    gw = stack.start_gateway({"router": "round-robin", "health_interval_s": 60})
+    stack.engines[0].kill()
+    for i in range(4):
+        r = httpx.post(gw.url + "/v1/completions", json={"prompt": f"retry {i}", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-quillcache-worker"] == "1"
+    text = httpx.get(gw.url + "/metrics").text
+    assert metric(text, "quillcache_upstream_retries_total") == 1  # then it is known down
+    assert metric(text, "quillcache_worker_healthy") == 1
+
+
+def test_engine_restart_resets_its_sequence_and_cache(stack: Stack) -> None:
+    http_port, kv_port, replay_port = free_port(), free_port(), free_port()
+    kv = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        # no `*`: the engine connects and the gateway binds, as vLLM on a loopback address
+        "endpoint": f"tcp://127.0.0.1:{kv_port}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+    }
+    args = ["engine-sim", "--port", str(http_port), "--kv-events-config", json.dumps(kv)]
+    engine = launch("restartable", args, stack.workdir)
+    stack.procs.append(engine)
+    stack.engines.append(engine)
+    gw = stack.start_gateway({"health_interval_s": 0.2})
+    admin = stack.admin()
+    old = [prompt(f"before-{i}-{uuid.uuid4().hex[:6]}") for i in range(8)]
+    for p in old:
+        assert httpx.post(
+            gw.url + "/v1/completions", json={"prompt": p, "max_tokens": 1}
+        ).is_success
+
+    def holds(p: str) -> bool:
+        matches = admin.post("/admin/lookup", json={"prompt": p}).json()["matches"]
+        return any(m["worker"] == 0 and m["blocks"] == 10 for m in matches)
+
+    wait_for(lambda: all(holds(p) for p in old), what="residency before the restart")
+    engine.kill()
+    wait_for(
+        lambda: not admin.get("/admin/workers").json()["workers"][0]["healthy"],
+        what="the gateway to see the engine die",
+    )
+    engine = launch("restartable2", args, stack.workdir)  # same ports, seq from 0 again
+    stack.procs.append(engine)
+    wait_for(
+        lambda: admin.get("/admin/workers").json()["workers"][0]["healthy"],
+        what="the engine back",
+    )
+    new = prompt("after-" + uuid.uuid4().hex[:6])
+    for _ in range(3):  # a few batches, fewer than before: seq goes backwards
+        assert httpx.post(
+            gw.url + "/v1/completions", json={"prompt": new, "max_tokens": 1}
+        ).is_success
+        time.sleep(0.2)
+    wait_for(lambda: holds(new), what="residency learned from the new engine")
+    assert not any(holds(p) for p in old)  # the old cache did not survive the restart
+    text = httpx.get(gw.url + "/metrics").text
+    assert metric(text, "quillcache_kv_engine_restarts_total") >= 1
+
+
+def test_client_disconnect_cancels_the_upstream_request(stack: Stack) -> None:
+    engine = stack.engine()
+    gw = stack.start_gateway({"api_keys": ["k1"]})
+    body = {"prompt": "a long answer please", "max_tokens": 2000, "stream": True}
+    denied = httpx.post(gw.url + "/v1/completions", json=body)
+    assert denied.status_code == 401 and denied.json()["error"]["type"] == "AuthenticationError"
+    headers = {"authorization": "Bearer k1"}
+    with httpx.stream("POST", gw.url + "/v1/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        running = metric(httpx.get(engine.url + "/metrics").text, "vllm:num_requests_running")
+        assert running == 1
+    # the client is gone: the engine stops generating long before its 10 s answer ends
+    wait_for(
+        lambda: metric(httpx.get(engine.url + "/metrics").text, "vllm:num_requests_running") == 0,
+        timeout=3,
+        what="the engine to abort the request",
+    )
+
+
+def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "gw.yaml"
+    bad.write_text("workers:\n  - url: localhost:8000\nrouter: 3\nbogus: 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    message = str(info.value)
+    assert "workers.0.url" in message and "bogus" in message
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    broken = tmp_path / "gw.toml"
+    broken.write_text("port = [")
+    with pytest.raises(ConfigError, match="not valid"):
+        load_config(broken)
+    proc = subprocess.run(
+        [sys.executable, "-m", "quillcache", "gateway", "--config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert "invalid gateway config" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_unknown_router_fails_startup_clearly(stack: Stack) -> None:
+    stack.engine()
+    path = stack.workdir / "gw.json"
+    path.write_text(json.dumps({"router": "no-such-router", "tokenizer": "builtin"}))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "quillcache",
+            "gateway",
+            "--port",
+            "0",
+            "--config",
+            str(path),
+            "--worker",
+            stack.engines[0].url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert "unknown router 'no-such-router'" in proc.stderr
