@@ -559,13 +559,24 @@ impl Wal {
         let durable = self.opts.durability != Durability::None;
         if durable {
             let path = segment_path(&self.dir, *self.segments.last().expect("a segment"));
-            self.file.sync_data().map_err(io_err(&path))?;
+            self.file
+                .sync_data()
+                .map_err(|e| self.fail(io_err(&path)(e)))?;
             self.shared
                 .synced_lsn
                 .fetch_max(self.last_lsn(), Ordering::AcqRel);
         }
         let base = self.next_lsn;
-        let file = Arc::new(create_segment(&self.dir, base, durable)?);
+        let file = match create_segment(&self.dir, base, durable) {
+            Ok(f) => Arc::new(f),
+            Err(e) => {
+                // A half-created segment must not stay behind the records still to come
+                // in the current one (recovery would see a gap): remove it, and stop
+                // accepting writes so that nothing lands after it if removal failed too.
+                let _ = fs::remove_file(segment_path(&self.dir, base));
+                return Err(self.fail(e));
+            }
+        };
         *self.shared.file.lock().expect("wal file lock") = file.clone();
         self.file = file;
         self.file_len = SEGMENT_HEADER as u64;
