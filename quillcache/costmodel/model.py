@@ -74,19 +74,14 @@ class CostModel:
         return self.step_time(0.0, batch, int(batch * mean_context_tokens))
 
     def prefill_time(self, new_tokens: int, context_tokens: int = 0) -> float:
-        """Wall time to prefill alone, chunked by the engine's token budget."""
+        """Wall time to prefill alone, in chunks of the engine's token budget: each chunk
+        step pays the overhead and at least one read of the weights."""
         if new_tokens <= 0:
             return 0.0
-        total = 0.0
-        done = 0
-        while done < new_tokens:
-            chunk = min(self.chunk_budget, new_tokens - done)
-            total += (
-                self.step_time(self.prefill_compute_s(chunk, context_tokens + done), 0, 0)
-                or self.overhead_s
-            )
-            done += chunk
-        return total
+        steps = -(-new_tokens // self.chunk_budget)
+        return steps * self.overhead_s + max(
+            self.prefill_compute_s(new_tokens, context_tokens), steps * self._weight_read_s
+        )
 
     # --- transfer ----------------------------------------------------------------
 

@@ -58,6 +58,34 @@ class Router:
         return Decision(worker=worker.worker, plan=plan, estimate=estimate, reason=reason)
 
 
+def estimate_ttft_s(request: Request, view: View, worker: WorkerView) -> float:
+    """`plan_and_estimate(...)[1].ttft_s` without building the plan (for argmin loops)."""
+    cost = view.cost
+    n = len(request.content_keys)
+    bs = view.block_size
+    covered = min(worker.gpu_blocks, n)
+    transfer_s = 0.0
+    for tier, blocks in (("cpu", worker.cpu_blocks), ("disk", worker.disk_blocks)):
+        blocks = min(blocks, n)
+        if blocks > covered:
+            transfer_s += cost.transfer_time(blocks - covered, tier)
+            covered = blocks
+    if cost.config.transfer.allow_peer_fetch:
+        _, peer_blocks = view.best_peer_blocks(exclude=worker.worker)
+        peer_blocks = min(peer_blocks, n)
+        if peer_blocks > covered:
+            peer_s = cost.transfer_time(peer_blocks - covered, "peer")
+            if peer_s < cost.prefill_time((peer_blocks - covered) * bs, covered * bs):
+                transfer_s += peer_s
+                covered = peer_blocks
+    new_tokens = max(request.prompt_tokens - min(covered * bs, request.prompt_tokens), 1)
+    return (
+        cost.queue_time(worker.queued_prefill_tokens)
+        + transfer_s
+        + cost.prefill_time(new_tokens, request.prompt_tokens - new_tokens)
+    )
+
+
 def plan_and_estimate(
     request: Request, view: View, worker: WorkerView
 ) -> tuple[tuple[PlanStep, ...], Estimate]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from quillcache.routing.base import Router, plan_and_estimate
+from quillcache.routing.base import Router, estimate_ttft_s
 from quillcache.routing.types import Decision, Request, View
 
 
@@ -28,10 +28,13 @@ class QuillCacheRouter(Router):
         for w in view.workers:
             if w.pending_blocks > w.gpu_blocks:
                 w = replace(w, gpu_blocks=w.pending_blocks)
-            plan, est = plan_and_estimate(request, view, w)
-            score = est.ttft_s + self.decode_weight * est.tbt_s
+            score = estimate_ttft_s(request, view, w)
+            if self.decode_weight:
+                score += self.decode_weight * view.cost.decode_step_time(
+                    w.running_decodes + 1, w.mean_context_tokens
+                )
+            score = (score, -w.local_blocks, w.in_flight, w.worker)
             if best is None or score < best[0]:
-                best = (score, w, est, plan)
+                best = (score, w)
         assert best is not None
-        _, w, est, plan = best
-        return Decision(worker=w.worker, plan=plan, estimate=est)
+        return self.decide(request, view, best[1])

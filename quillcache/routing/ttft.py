@@ -8,8 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from quillcache.routing.base import Router, plan_and_estimate
-from quillcache.routing.types import Decision, Request, View
+from quillcache.routing.base import Router, estimate_ttft_s, plan_and_estimate
+from quillcache.routing.types import Decision, Request, View, WorkerView
+
+
+def ttft_key(request: Request, view: View, w: WorkerView) -> tuple[float, int, int, int]:
+    """Sort key: estimated TTFT; ties (short prompts cost one weight read wherever they
+    go) go to the longer cached prefix, then the fewer requests in flight."""
+    return (estimate_ttft_s(request, view, w), -w.local_blocks, w.in_flight, w.worker)
 
 
 class MooncakeConductor(Router):
@@ -32,13 +38,8 @@ class MooncakeConductor(Router):
     def route(self, request: Request, view: View) -> Decision:
         if not view.workers:
             return self.no_workers()
-        best = None
-        for w in view.workers:
-            plan, est = plan_and_estimate(request, view, w)
-            if best is None or est.ttft_s < best[1].ttft_s:
-                best = (w, est, plan)
-        assert best is not None
-        w, est, plan = best
+        w = min(view.workers, key=lambda w: ttft_key(request, view, w))
+        plan, est = plan_and_estimate(request, view, w)
         ttft_slo = request.slo.ttft_s if request.slo and request.slo.ttft_s else self.ttft_slo_s
         tbt_slo = request.slo.tbt_s if request.slo and request.slo.tbt_s else self.tbt_slo_s
         if ttft_slo is not None and est.ttft_s > ttft_slo:
@@ -63,10 +64,5 @@ class QuillGreedy(Router):
     def route(self, request: Request, view: View) -> Decision:
         if not view.workers:
             return self.no_workers()
-        best = None
-        for w in view.workers:
-            plan, est = plan_and_estimate(request, view, w)
-            if best is None or est.ttft_s < best[1].ttft_s:
-                best = (w, est, plan)
-        assert best is not None
-        return Decision(worker=best[0].worker, plan=best[2], estimate=best[1])
+        w = min(view.workers, key=lambda w: ttft_key(request, view, w))
+        return self.decide(request, view, w)

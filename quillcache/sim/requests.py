@@ -29,12 +29,13 @@ TOKEN_LO, TOKEN_HI = 256, 65536
 
 _TABLE_BITS = 22
 _TABLE_LEN = 1 << _TABLE_BITS
-_table_cache: dict[int, tuple[npt.NDArray[np.uint32], bytes]] = {}
+_table_cache: dict[int, tuple[npt.NDArray[np.uint32], bytes, bytes]] = {}
 
 
-def _table(block_size: int) -> tuple[npt.NDArray[np.uint32], bytes]:
-    """A fixed pseudo-random token table (seeded, so every run sees the same tokens)
-    and its msgpack encoding (uint16: 0xcd + 2 bytes big-endian per token)."""
+def _table(block_size: int) -> tuple[npt.NDArray[np.uint32], bytes, bytes]:
+    """A fixed pseudo-random token table (seeded, so every run sees the same tokens),
+    its msgpack encoding (uint16: 0xcd + 2 bytes big-endian per token) and its
+    little-endian u32 bytes (what the content key hashes)."""
     cached = _table_cache.get(block_size)
     if cached is None:
         rng = np.random.default_rng(0x71756C6C)
@@ -42,7 +43,7 @@ def _table(block_size: int) -> tuple[npt.NDArray[np.uint32], bytes]:
         enc = np.empty((len(table), 3), dtype=np.uint8)
         enc[:, 0] = 0xCD
         enc[:, 1:] = table.astype(">u2").view(np.uint8).reshape(-1, 2)
-        cached = (table, enc.tobytes())
+        cached = (table, enc.tobytes(), table.astype("<u4").tobytes())
         _table_cache[block_size] = cached
     return cached
 
@@ -63,7 +64,7 @@ def _id_tokens(block_id: int) -> tuple[int, int]:
 def synthetic_block_tokens(block_ids: Sequence[int], block_size: int) -> npt.NDArray[np.uint32]:
     """Tokens of blocks named by trace ids: a window of a fixed random table chosen by
     a hash of the id, its first two tokens replaced by the id (ids < 2**32 distinct)."""
-    table, _ = _table(block_size)
+    table, _, _ = _table(block_size)
     out = np.empty(len(block_ids) * block_size, dtype=np.uint32)
     for j, bid in enumerate(block_ids):
         bid = int(bid)
@@ -77,7 +78,7 @@ def synthetic_block_tokens(block_ids: Sequence[int], block_size: int) -> npt.NDA
 def packed_synthetic_tokens(block_ids: Sequence[int], block_size: int) -> bytes:
     """msgpack array of `synthetic_block_tokens(block_ids, block_size)`, built by slicing
     the pre-encoded table (the simulator's hot path)."""
-    _, enc = _table(block_size)
+    _, enc, _ = _table(block_size)
     n = len(block_ids) * block_size
     parts = [_array_header(n)]
     for bid in block_ids:
@@ -179,10 +180,23 @@ class KeyChainer:
             out.append(k)
             parent = k
         if missing:
-            toks = synthetic_block_tokens(missing, self.block_size)
             bs = self.block_size
-            for j, bid in enumerate(missing):
-                k = block_key(parent, toks[j * bs : (j + 1) * bs])
+            if bs < 2:
+                toks = synthetic_block_tokens(missing, bs)
+                for j, bid in enumerate(missing):
+                    k = block_key(parent, toks[j * bs : (j + 1) * bs])
+                    memo[(parent, bid)] = k
+                    out.append(k)
+                    parent = k
+                return out
+            # Hash straight from the table's bytes: same input as block_key(parent,
+            # synthetic_block_tokens([bid])), without building token arrays.
+            _, _, le = _table(bs)
+            pack, digest = struct.pack, xxhash.xxh3_64_intdigest
+            for bid in missing:
+                o = _offset(bid) * 4
+                a, b = _id_tokens(bid)
+                k = digest(pack("<QII", parent, a, b) + le[o + 8 : o + 4 * bs], seed=SEED)
                 memo[(parent, bid)] = k
                 out.append(k)
                 parent = k

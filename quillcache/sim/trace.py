@@ -8,6 +8,7 @@ deterministic tokens so that content keys and BlockStored token_ids are real.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -85,7 +86,7 @@ def load_trace(
                     chainer=chainer,
                 )
             )
-    if reqs and any(b.arrival_s < a.arrival_s for a, b in zip(reqs, reqs[1:], strict=False)):
+    if reqs and any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(reqs)):
         reqs.sort(key=lambda r: r.arrival_s)  # stable: ties keep file order
     return Workload(
         name=p.stem,

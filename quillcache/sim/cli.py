@@ -1,0 +1,346 @@
+"""`quillcache simulate`: replay a workload over routers x index backends [x sweep].
+
+With no arguments: the synthetic shared-prefix workload, every built-in router, the
+native index, 4 workers, full timing; prints a comparison table. See
+`docs/simulator.md` for every flag and the published results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from typing import Any
+
+UNBOUNDED = 1 << 31  # blocks: more than any run can fill
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    wl = p.add_argument_group("workload")
+    wl.add_argument("--trace", metavar="JSONL", help="replay a Mooncake-format trace")
+    wl.add_argument(
+        "--trace-block-size", type=int, default=512, help="tokens per trace block id (512)"
+    )
+    wl.add_argument(
+        "--per-block-ids",
+        action="store_true",
+        help="trace ids name one block's content, not a chained prefix",
+    )
+    wl.add_argument("--limit", type=int, help="only the first N trace requests")
+    wl.add_argument(
+        "--workload",
+        default="shared-prefix",
+        choices=["shared-prefix", "sglang-gsp", "multi-turn", "agent-fanout"],
+        help="generator when no --trace is given (default shared-prefix)",
+    )
+    wl.add_argument("--requests", type=int, default=2000, help="shared-prefix: requests")
+    wl.add_argument("--prefix-groups", type=int, default=48, help="shared-prefix: groups")
+    wl.add_argument(
+        "--shared-prefix-blocks", type=int, default=64, help="shared-prefix: blocks per prefix"
+    )
+    wl.add_argument("--unique-blocks", type=int, default=16, help="shared-prefix: own blocks")
+    wl.add_argument("--output-tokens", type=int, default=128, help="shared-prefix: output")
+    wl.add_argument("--rate", type=float, help="arrivals per second (generator default)")
+    wl.add_argument("--zipf", type=float, default=1.0, help="shared-prefix: group skew")
+    wl.add_argument("--block-size", type=int, default=16, help="generated workloads' block size")
+    wl.add_argument(
+        "--gen",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other generator parameter (e.g. --gen turns=8)",
+    )
+    wl.add_argument(
+        "--time-scale", type=float, default=1.0, help="multiply arrival times (<1: faster)"
+    )
+
+    cl = p.add_argument_group("cluster")
+    cl.add_argument("--workers", default="4", help="workers, or a sweep: 2,4,8")
+    cl.add_argument(
+        "--capacity",
+        default=None,
+        help="KV blocks per worker, a sweep (1000,5000,unbounded); default: cost model",
+    )
+    cl.add_argument(
+        "--capacity-tokens", default=None, help="like --capacity, in tokens (rounded down)"
+    )
+    cl.add_argument("--cpu-blocks", type=int, default=0, help="CPU tier blocks per worker")
+    cl.add_argument("--routers", default="all", help="comma-separated routers, or 'all'")
+    cl.add_argument("--backends", default="native", help="comma-separated index backends")
+    cl.add_argument(
+        "--router-opt",
+        action="append",
+        default=[],
+        metavar="ROUTER.KEY=VALUE",
+        help="router parameter, e.g. mooncake.ttft_slo_s=2",
+    )
+    cl.add_argument("--no-speculative", action="store_true", help="no speculative residency")
+
+    cm = p.add_argument_group("cost model and timing")
+    cm.add_argument("--cost-config", metavar="FILE", help="cost-model JSON/YAML")
+    cm.add_argument(
+        "--cost",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="cost-model override, e.g. gpu.prefill_mfu=0.5",
+    )
+    cm.add_argument("--timing", choices=["full", "none"], default="full")
+    cm.add_argument("--seed", type=int, default=0)
+
+    out = p.add_argument_group("output")
+    out.add_argument("--json", metavar="FILE", help="write results as JSON ('-' for stdout)")
+    out.add_argument("--perf", action="store_true", help="add wall times and index latencies")
+    out.add_argument("--plot", metavar="FILE.png", help="plot hit rate and TTFT per router")
+    out.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
+    out.add_argument("--no-progress", action="store_true")
+    out.add_argument("--list-routers", action="store_true", help="list routers and exit")
+
+
+def _kv(items: list[str], what: str) -> dict[str, Any]:
+    from quillcache.errors import ConfigError
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{what} must look like KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def _int_list(raw: str, what: str, *, allow_unbounded: bool = False) -> list[int]:
+    from quillcache.errors import ConfigError
+
+    out = []
+    for part in raw.split(","):
+        part = part.strip().lower()
+        if allow_unbounded and part in ("unbounded", "inf", "none"):
+            out.append(UNBOUNDED)
+            continue
+        try:
+            value = int(float(part))
+        except ValueError:
+            raise ConfigError(f"{what}: {part!r} is not a number") from None
+        if value <= 0:
+            raise ConfigError(f"{what} must be positive, got {value}")
+        out.append(value)
+    return out
+
+
+def _workload(args: argparse.Namespace) -> Any:
+    from quillcache.sim.generators import GENERATORS
+    from quillcache.sim.trace import load_trace
+
+    if args.trace:
+        return load_trace(
+            args.trace,
+            block_size=args.trace_block_size,
+            chained=not args.per_block_ids,
+            limit=args.limit,
+        )
+    gen = GENERATORS[args.workload]
+    params: dict[str, Any] = {"seed": args.seed, "block_size": args.block_size}
+    if args.rate is not None:
+        params["rate"] = args.rate
+    if args.workload == "shared-prefix":
+        params.update(
+            requests=args.requests,
+            prefix_groups=args.prefix_groups,
+            shared_prefix_blocks=args.shared_prefix_blocks,
+            unique_blocks=args.unique_blocks,
+            output_tokens=args.output_tokens,
+            zipf=args.zipf,
+        )
+    params.update(_kv(args.gen, "--gen"))
+    try:
+        return gen(**params)
+    except TypeError as exc:
+        from quillcache.errors import ConfigError
+
+        raise ConfigError(f"workload {args.workload}: {exc}") from None
+
+
+# Forked workers read the workload from here instead of pickling it.
+_SHARED: dict[str, Any] = {}
+
+
+def _run_point(point: tuple[str, str, int, int]) -> dict[str, Any]:
+    from quillcache.sim.runner import SimConfig, run
+
+    router, backend, workers, capacity = point
+    s = _SHARED
+    config = SimConfig(
+        workers=workers,
+        capacity_blocks=capacity or None,
+        cpu_blocks=s["cpu_blocks"],
+        timing=s["timing"],
+        seed=s["seed"],
+        speculative=s["speculative"],
+    )
+    res = run(
+        s["workload"],
+        router,
+        backend,
+        config,
+        s["cost"],
+        router_options=s["router_opts"].get(router),
+    )
+    if s["capacity_sweep"]:
+        res.sweep["capacity_point"] = "unbounded" if capacity == UNBOUNDED else capacity
+    return res.summary(perf=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from quillcache.errors import QuillCacheError
+
+    err = Console(stderr=True)
+    try:
+        return _run(args, err)
+    except QuillCacheError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        return 2
+
+
+def _run(args: argparse.Namespace, err: Any) -> int:
+    from quillcache.costmodel import CostModel, CostModelConfig
+    from quillcache.errors import ConfigError
+    from quillcache.index import available_backends
+    from quillcache.routing import BUILTIN_ORDER, available_routers, create_router
+
+    if args.list_routers:
+        for name in available_routers():
+            r = create_router(name)
+            print(f"{name:20s} {r.summary}  [{r.source}]")
+        return 0
+    routers = list(BUILTIN_ORDER) if args.routers == "all" else args.routers.split(",")
+    known = set(available_routers())
+    for r in routers:
+        if r not in known:
+            raise ConfigError(f"unknown router {r!r}; known: {', '.join(sorted(known))}")
+    backends = args.backends.split(",")
+    for b in backends:
+        if b not in available_backends():
+            raise ConfigError(
+                f"unknown index backend {b!r}; known: {', '.join(available_backends())}"
+            )
+    router_opts: dict[str, dict[str, Any]] = {}
+    for key, value in _kv(args.router_opt, "--router-opt").items():
+        rname, dot, param = key.rpartition(".")
+        if not dot or rname not in known:
+            raise ConfigError(f"--router-opt needs ROUTER.KEY=VALUE with a known router: {key}")
+        router_opts.setdefault(rname, {})[param] = value
+
+    config = CostModelConfig.load(args.cost_config) if args.cost_config else CostModelConfig()
+    if args.cost:
+        config = config.with_overrides(_kv(args.cost, "--cost"))
+    workload = _workload(args)
+    if not workload.requests:
+        raise ConfigError("the workload has no requests")
+    if args.time_scale != 1.0:
+        if args.time_scale <= 0:
+            raise ConfigError(f"--time-scale must be positive, got {args.time_scale}")
+        workload = workload.scaled(args.time_scale)
+    bs = workload.block_size
+    config = config.with_overrides({"engine.block_size": bs})
+    cost = CostModel(config)
+
+    workers_list = _int_list(args.workers, "--workers")
+    if args.capacity and args.capacity_tokens:
+        raise ConfigError("give --capacity or --capacity-tokens, not both")
+    if args.capacity:
+        capacities = _int_list(args.capacity, "--capacity", allow_unbounded=True)
+    elif args.capacity_tokens:
+        capacities = [
+            c if c == UNBOUNDED else max(c // bs, 1)
+            for c in _int_list(args.capacity_tokens, "--capacity-tokens", allow_unbounded=True)
+        ]
+    else:
+        capacities = [0]  # from the cost model
+    _SHARED.update(
+        workload=workload,
+        cost=cost,
+        cpu_blocks=args.cpu_blocks,
+        timing=args.timing,
+        seed=args.seed,
+        speculative=not args.no_speculative,
+        router_opts=router_opts,
+        capacity_sweep=len(capacities) > 1,
+    )
+    points = [
+        (r, b, w, c)
+        for c, w, b, r in itertools.product(capacities, workers_list, backends, routers)
+    ]
+    results = _execute(points, args, err, len(workload.requests))
+
+    meta = {
+        "workload": workload.name,
+        "workload_params": workload.params,
+        "requests": len(workload.requests),
+        "block_size": bs,
+        "timing": args.timing,
+        "seed": args.seed,
+        "cost_model": config.model_dump(),
+    }
+    if args.json:
+        shown = results if args.perf else [_deterministic(r) for r in results]
+        text = json.dumps({"meta": meta, "results": shown}, indent=2, sort_keys=True)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as fh:
+                fh.write(text + "\n")
+    if args.json != "-":
+        from quillcache.sim.report import table
+
+        table(results, meta, sweep_workers=len(workers_list) > 1)
+    if args.plot:
+        from quillcache.sim.report import plot
+
+        plot(results, args.plot, title=f"{workload.name}, {args.timing} timing")
+        err.print(f"plot written to {args.plot}")
+    return 0
+
+
+_PERF_KEYS = ("match_us_mean", "match_us_p99", "apply_us_mean", "apply_us_p99", "wall_s")
+
+
+def _deterministic(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in summary.items() if k not in _PERF_KEYS}
+
+
+def _execute(
+    points: list[tuple[str, str, int, int]], args: argparse.Namespace, err: Any, n_req: int
+) -> list[dict[str, Any]]:
+    from rich.progress import Progress
+
+    show = not args.no_progress and err.is_terminal
+    results: list[dict[str, Any]] = []
+    with Progress(console=err, disable=not show, transient=True) as bar:
+        task = bar.add_task("simulating", total=len(points))
+        if args.jobs > 1 and len(points) > 1:
+            import multiprocessing as mp
+
+            ctx = mp.get_context("fork")
+            with ctx.Pool(min(args.jobs, len(points))) as pool:
+                for res in pool.imap(_run_point, points):
+                    results.append(res)
+                    bar.advance(task)
+        else:
+            for point in points:
+                bar.update(task, description=f"{point[0]} / {point[1]}")
+                results.append(_run_point(point))
+                bar.advance(task)
+    return results
+
+
+if __name__ == "__main__":  # pragma: no cover
+    parser = argparse.ArgumentParser(prog="quillcache simulate")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

@@ -1,0 +1,186 @@
+"""Each built-in policy behaves as its source describes (docs/routing.md)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quillcache.costmodel import CostModel, CostModelConfig
+from quillcache.routing import (
+    SLO,
+    Action,
+    Request,
+    View,
+    WorkerView,
+    create_router,
+    plan_and_estimate,
+)
+from quillcache.routing.base import estimate_ttft_s
+from tests.routing.strategies import BLOCK, COST, request_and_view
+
+
+def _req(blocks: int, extra: int = 3, rid: int = 0, session: str | None = None) -> Request:
+    keys = np.arange(1, blocks + 1, dtype=np.uint64)
+    return Request(rid, keys, blocks * BLOCK + extra, session_id=session)
+
+
+def _view(*workers: WorkerView, cost: CostModel = COST) -> View:
+    return View(workers=list(workers), block_size=BLOCK, cost=cost)
+
+
+@settings(max_examples=80)
+@given(rv=request_and_view())
+def test_fast_ttft_estimate_agrees_with_the_plan(rv: tuple[Request, View]) -> None:
+    request, view = rv
+    for w in view.workers:
+        _, est = plan_and_estimate(request, view, w)
+        assert math.isclose(estimate_ttft_s(request, view, w), est.ttft_s, rel_tol=1e-12)
+
+
+def test_plan_reuses_gpu_fetches_cpu_recomputes_rest() -> None:
+    w = WorkerView(0, gpu_blocks=3, cpu_blocks=7)
+    plan, est = plan_and_estimate(_req(10), _view(w), w)
+    assert [(s.action, s.start, s.end, s.source) for s in plan] == [
+        (Action.REUSE, 0, 3, ""),
+        (Action.FETCH_TIER, 3, 7, "cpu"),
+        (Action.RECOMPUTE, 7, 10, ""),
+    ]
+    assert est.transfer_s == pytest.approx(COST.transfer_time(4, "cpu"))
+
+
+def test_peer_fetch_only_when_allowed() -> None:
+    allowed = CostModel(CostModelConfig.parse({"transfer": {"allow_peer_fetch": True}}))
+    a, b = WorkerView(0), WorkerView(1, gpu_blocks=200)
+    req = _req(200)
+    plan, _ = plan_and_estimate(req, _view(a, b), a)
+    assert [s.action for s in plan] == [Action.RECOMPUTE]
+    plan, _ = plan_and_estimate(req, _view(a, b, cost=allowed), a)
+    assert plan[0].action == Action.FETCH_PEER and plan[0].source == "worker:1"
+
+
+def test_round_robin_cycles_in_id_order() -> None:
+    r = create_router("round-robin")
+    v = _view(WorkerView(3), WorkerView(5), WorkerView(9))
+    assert [r.route(_req(1), v).worker for _ in range(7)] == [3, 5, 9, 3, 5, 9, 3]
+
+
+def test_least_loaded_and_power_of_two_avoid_the_busy_worker() -> None:
+    v = _view(WorkerView(0, in_flight=9), WorkerView(1, in_flight=2), WorkerView(2, in_flight=5))
+    assert create_router("least-loaded").route(_req(1), v).worker == 1
+    p2 = create_router("power-of-two", seed=3)
+    chosen = {p2.route(_req(1), v).worker for _ in range(50)}
+    assert 0 not in chosen  # the busiest can never win a pair
+
+
+def test_session_affinity_is_consistent_hashing() -> None:
+    r = create_router("session-affinity")
+    full = _view(*(WorkerView(w) for w in range(8)))
+    sessions = [f"s{i}" for i in range(400)]
+    before = {s: r.route(_req(1, session=s), full).worker for s in sessions}
+    assert len(set(before.values())) == 8
+    shrunk = _view(*(WorkerView(w) for w in range(8) if w != 3))
+    after = {s: r.route(_req(1, session=s), shrunk).worker for s in sessions}
+    moved = [s for s in sessions if before[s] != after[s]]
+    # only the sessions of the removed worker move
+    assert moved and all(before[s] == 3 for s in moved)
+
+
+def test_dynamo_cost_formula() -> None:
+    r = create_router("dynamo")
+    req = _req(20, extra=0)  # 20 request blocks
+    a = WorkerView(
+        0, gpu_blocks=15, queued_prefill_tokens=10 * BLOCK, kv_usage=0.5, capacity_blocks=100
+    )  # 1*max(10+20-15,0) + 50 = 65
+    b = WorkerView(
+        1, gpu_blocks=0, queued_prefill_tokens=0, kv_usage=0.2, capacity_blocks=100
+    )  # 20 + 20 = 40
+    assert r.route(req, _view(a, b)).worker == 1
+    b.kv_usage = 0.5  # 20 + 50 = 70 > 65
+    assert r.route(req, _view(a, b)).worker == 0
+    # prefill_load_scale 3 weighs prefill more: a = 45 + 50, b = 60 + 20
+    assert (
+        create_router("dynamo", prefill_load_scale=3.0)
+        .route(req, _view(a, WorkerView(1, kv_usage=0.2, capacity_blocks=100)))
+        .worker
+        == 1
+    )
+
+
+def test_sglang_thresholds() -> None:
+    r = create_router("sglang")
+    hot = WorkerView(0, gpu_blocks=8, in_flight=10, resident_blocks=500)
+    cold = WorkerView(1, gpu_blocks=0, in_flight=0, resident_blocks=10)
+    # match rate 8*16/(10*16+3) = 0.79 > 0.3 and balanced: cache wins
+    assert r.route(_req(10), _view(hot, cold)).worker == 0
+    # match 2 blocks of 10 = 0.2 < 0.3: smallest tree
+    hot.gpu_blocks = 2
+    assert r.route(_req(10), _view(hot, cold)).worker == 1
+    # imbalance needs BOTH > 64 absolute and > 1.5x relative
+    hot.gpu_blocks = 8
+    hot.in_flight, cold.in_flight = 100, 30  # diff 70 > 64, 100 > 45
+    assert r.route(_req(10), _view(hot, cold)).worker == 1
+    hot.in_flight, cold.in_flight = 160, 100  # diff 60: balanced
+    assert r.route(_req(10), _view(hot, cold)).worker == 0
+    hot.in_flight, cold.in_flight = 170, 120  # diff 70 but 170 < 180
+    assert r.route(_req(10), _view(hot, cold)).worker == 0
+
+
+def test_llmd_tier_weights() -> None:
+    r = create_router("llm-d", queue_weight=0.0, kv_weight=0.0)
+    gpu = WorkerView(0, gpu_blocks=5)
+    cpu = WorkerView(1, cpu_blocks=6)  # 6 * 0.8 = 4.8 < 5
+    assert r.route(_req(10), _view(gpu, cpu)).worker == 0
+    cpu.cpu_blocks = 7  # 5.6 > 5
+    assert r.route(_req(10), _view(gpu, cpu)).worker == 1
+
+
+def test_preble_exploits_long_matches_and_explores_otherwise() -> None:
+    r = create_router("preble")
+    cached = WorkerView(0, gpu_blocks=6, queued_prefill_tokens=50_000)
+    idle = WorkerView(1)
+    d = r.route(_req(10), _view(cached, idle))  # 96 cached > 67 missing: exploit
+    assert d.worker == 0 and d.reason == "exploit"
+    cached.gpu_blocks = 3  # 48 < 115: explore -> the idle one
+    d = r.route(_req(10), _view(cached, idle))
+    assert d.worker == 1 and d.reason == "explore"
+
+
+@given(slo=st.floats(0.001, 5.0))
+@settings(max_examples=30)
+def test_mooncake_rejects_exactly_when_the_best_estimate_misses_the_slo(slo: float) -> None:
+    r = create_router("mooncake", ttft_slo_s=slo)
+    v = _view(
+        WorkerView(0, queued_prefill_tokens=40_000), WorkerView(1, queued_prefill_tokens=9_000)
+    )
+    req = _req(100)
+    best = min(estimate_ttft_s(req, v, w) for w in v.workers)
+    d = r.route(req, v)
+    assert d.rejected == (best > slo)
+    if d.rejected:
+        assert "SLO" in d.reason
+    # a request's own SLO takes precedence
+    req.slo = SLO(ttft_s=best * 2)
+    assert not r.route(req, v).rejected
+
+
+def test_ttft_routers_trade_cache_against_queue() -> None:
+    req = _req(400)
+    for name in ("quillcache-greedy", "mooncake", "quillcache"):
+        r = create_router(name)
+        cached = WorkerView(0, gpu_blocks=380, queued_prefill_tokens=2_000)
+        idle = WorkerView(1)
+        assert r.route(req, _view(cached, idle)).worker == 0
+        cached.queued_prefill_tokens = 400_000  # far longer than recomputing
+        assert r.route(req, _view(cached, idle)).worker == 1
+
+
+def test_quillcache_counts_prefixes_being_computed() -> None:
+    req = _req(400)
+    computing = WorkerView(0, pending_blocks=390, queued_prefill_tokens=2_000)
+    idle = WorkerView(1)
+    assert create_router("quillcache").route(req, _view(computing, idle)).worker == 0
+    assert create_router("quillcache-greedy").route(req, _view(computing, idle)).worker == 1
