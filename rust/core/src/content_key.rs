@@ -49,8 +49,22 @@ pub fn chain_keys(parent: u64, tokens: &[u32], block_size: usize, out: &mut Vec<
     assert!(block_size > 0, "block_size must be positive");
     out.reserve(tokens.len() / block_size);
     let mut key = parent;
+    if block_size <= 128 {
+        for block in tokens.chunks_exact(block_size) {
+            key = chain_block(key, block, None);
+            out.push(key);
+        }
+        return;
+    }
+    // Large blocks: one reused buffer instead of an allocation per block.
+    let mut buf = Vec::with_capacity(8 + 4 * block_size);
     for block in tokens.chunks_exact(block_size) {
-        key = chain_block(key, block, None);
+        buf.clear();
+        buf.extend_from_slice(&key.to_le_bytes());
+        for t in block {
+            buf.extend_from_slice(&t.to_le_bytes());
+        }
+        key = xxh3_64_with_seed(&buf, SEED);
         out.push(key);
     }
 }
@@ -95,6 +109,16 @@ pub fn chain_keys_batch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn large_blocks_use_the_same_bytes() {
+        let toks: Vec<u32> = (0..1000).collect();
+        let mut out = Vec::new();
+        chain_keys(3, &toks, 300, &mut out);
+        assert_eq!(out.len(), 3);
+        assert_eq!(out[0], chain_block(3, &toks[..300], None));
+        assert_eq!(out[2], chain_block(out[1], &toks[600..900], None));
+    }
 
     #[test]
     fn partial_tail_gets_no_key() {
