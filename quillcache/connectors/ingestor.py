@@ -95,7 +95,7 @@ class IngestorStats:
 
 def _failed_batch_index(exc: EventDecodeError, n: int) -> int | None:
     """Which batch of the call failed: an attribute if the binding gives one, else the message."""
-    for attr in ("batch_index", "index"):
+    for attr in ("payload_index", "batch_index", "index"):
         value = getattr(exc, attr, None)
         if isinstance(value, int) and 0 <= value < n:
             return value
@@ -116,8 +116,10 @@ class EventIngestor:
         drain_batch: int = 512,
         replay_timeout_s: float = 2.0,
         stale_rebuild_s: float = 30.0,
+        apply_bytes: int = 32 * 1024,
         ctx: zmq.Context | None = None,
     ) -> None:
+        self.apply_bytes = apply_bytes
         self.sink = sink
         self.ctx = ctx or zmq.Context.instance()
         self.replay_timeout_s = replay_timeout_s
@@ -346,6 +348,20 @@ class EventIngestor:
                 log.info("kv events: worker %d rank %d rebuilt", status.worker, status.dp_rank)
 
     def _apply(self, status: SourceStatus, payloads: list[bytes]) -> None:
+        """Apply in slices of at most `apply_bytes`: the native index holds its write lock
+        for a whole call, and a request's match must never wait behind a long one."""
+        start = 0
+        while start < len(payloads):
+            end, size = start, 0
+            while end < len(payloads) and (
+                end == start or size + len(payloads[end]) <= self.apply_bytes
+            ):
+                size += len(payloads[end])
+                end += 1
+            self._apply_slice(status, payloads[start:end])
+            start = end
+
+    def _apply_slice(self, status: SourceStatus, payloads: list[bytes]) -> None:
         while payloads:
             try:
                 stats = self.sink.ingest(status.worker, payloads, status.dp_rank)
@@ -361,6 +377,9 @@ class EventIngestor:
                 if bad is None:
                     return  # cannot tell what was applied; the rest is lost (counted)
                 status.applied_batches += bad
+                partial = getattr(exc, "stats", None)
+                if isinstance(partial, ApplyStats):
+                    status.apply += partial
                 payloads = payloads[bad + 1 :]
                 continue
             status.applied_batches += len(payloads)

@@ -26,7 +26,7 @@ from starlette.routing import Route
 from quillcache.enginesim.engine import Admission, EngineConfig, SimEngine
 from quillcache.enginesim.publisher import KvEventPublisher
 from quillcache.enginesim.tokenizer import ByteTokenizer, Tokenizer
-from quillcache.events.encode import Event, encode_batch
+from quillcache.events.encode import BlockRemoved, BlockStored, Event, encode_batch
 
 
 def error_response(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
@@ -120,6 +120,8 @@ class EngineApp:
         self.publisher = publisher
         self.engine = SimEngine(config, self._on_events)
         self.healthy = True
+        self.flood_blocks = 0
+        self._flooding = False
         self._pending: list[Event] = []
         self._registry = CollectorRegistry(auto_describe=True)
         self._registry.register(_EngineCollector(self.engine))  # type: ignore[arg-type]
@@ -212,6 +214,62 @@ class EngineApp:
             return error_response(400, "'count' must be a non-negative integer")
         self.publisher.drop_next(count, forget=bool(body.get("forget", False)))
         return JSONResponse({"dropping": count, "next_seq": self.publisher.seq})
+
+    async def debug_flood(self, request: Request) -> Response:
+        """Publish synthetic BlockStored/BlockRemoved batches at `blocks_per_s` for
+        `seconds` (an ingest load test of whoever subscribes; not part of vLLM)."""
+        if request.method == "GET":
+            return JSONResponse({"published_blocks": self.flood_blocks, "running": self._flooding})
+        body = await _json(request)
+        if isinstance(body, Response):
+            return body
+        if self.publisher is None:
+            return error_response(400, "this engine publishes no KV events")
+        try:
+            rate = float(body["blocks_per_s"])
+            seconds = float(body.get("seconds", 10))
+            batch = int(body.get("batch_blocks", 256))
+        except (KeyError, TypeError, ValueError):
+            return error_response(400, "need 'blocks_per_s' (and optional seconds, batch_blocks)")
+        if rate <= 0 or seconds <= 0 or not 1 <= batch <= 4096 or self._flooding:
+            return error_response(400, "bad flood parameters, or a flood is already running")
+        self._flooding = True
+        asyncio.get_running_loop().create_task(self._flood(rate, seconds, batch))
+        return JSONResponse({"started": True}, status_code=202)
+
+    async def _flood(self, rate: float, seconds: float, batch: int) -> None:
+        assert self.publisher is not None
+        bs = self.config.block_size
+        pairs = []
+        for j in range(32):  # distinct runs of blocks; half of them resident at any time
+            hashes = [(1 << 62) + j * batch + i for i in range(batch)]
+            tokens = [(j * 7919 + i) % 50_000 for i in range(batch * bs)]
+            store = encode_batch(
+                [
+                    BlockStored(
+                        block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=bs
+                    )
+                ],
+                ts=time.time(),
+            )
+            remove = encode_batch([BlockRemoved(block_hashes=hashes)], ts=time.time())
+            pairs.append((store, remove))
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        sent = 0
+        try:
+            while loop.time() - start < seconds:
+                due = int((loop.time() - start) * rate / batch)
+                while sent < due:
+                    j = sent % len(pairs)
+                    self.publisher.publish(pairs[j][0])
+                    if sent >= len(pairs) // 2:
+                        self.publisher.publish(pairs[(sent - len(pairs) // 2) % len(pairs)][1])
+                    sent += 1
+                    self.flood_blocks += batch
+                await asyncio.sleep(0.005)
+        finally:
+            self._flooding = False
 
     async def debug_health(self, request: Request) -> Response:
         body = await _json(request)
@@ -340,6 +398,7 @@ class EngineApp:
             Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
             Route("/debug/drop_events", self.debug_drop_events, methods=["POST"]),
             Route("/debug/health", self.debug_health, methods=["POST"]),
+            Route("/debug/flood", self.debug_flood, methods=["GET", "POST"]),
         ]
         return Starlette(routes=routes)
 

@@ -8,6 +8,7 @@ stream back. Event path (other thread): ZMQ/HTTP -> bounded queue -> index.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import importlib
@@ -79,6 +80,8 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self.started = False
         self.startup_error: QuillCacheError | None = None
+        # tokenize + hash + route time of recent requests, for /admin/index
+        self.route_samples: collections.deque[float] = collections.deque(maxlen=20_000)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -273,15 +276,19 @@ class Gateway:
             body["cache_salt"] = tenant_header  # the engine must isolate it too
             raw = json.dumps(body).encode()
         try:
+            routing_started = time.perf_counter()
             route_request, prompt_tokens = await self._route_request(body, chat, request.headers)
         except TokenizationError as exc:
             return self._count(path, error_json(400, f"cannot tokenize the request: {exc}"))
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, QuillCacheError) as exc:  # e.g. HashingError
             return self._count(path, error_json(400, f"invalid prompt: {exc}"))
         excluded: set[int] = set()
         for attempt in range(2):
             decision = self.cp.route(route_request, now_s=time.monotonic())
-            self.metrics.route_time.observe(time.perf_counter() - started)
+            # tokenize (local: no await; engine: one round trip) + hash + route
+            routed_s = time.perf_counter() - routing_started
+            self.metrics.route_time.observe(routed_s)
+            self.route_samples.append(routed_s)
             if decision.rejected:
                 self.cp.finish(route_request.request_id)
                 reason = decision.reason or "rejected"
@@ -647,7 +654,7 @@ class Gateway:
             return denied
         stats = self.cp.index.stats()
         sources = [s.as_dict() for s in self.ingestor.sources.values()]
-        return JSONResponse(
+        response = JSONResponse(
             {
                 "index": self.config.index,
                 "blocks": stats.blocks,
@@ -657,8 +664,12 @@ class Gateway:
                 "extra": stats.extra,
                 "event_sources": sources,
                 "ingest": vars(self.ingestor.stats()),
+                "route_latency_us": _percentiles_us(self.route_samples),
             }
         )
+        if request.query_params.get("reset_latency"):
+            self.route_samples.clear()
+        return response
 
     async def admin_pins(self, request: Request) -> Response:
         denied = self._check_admin(request)
@@ -751,6 +762,14 @@ class Gateway:
         app.add_exception_handler(405, _not_allowed)  # type: ignore[arg-type]
         app.add_exception_handler(Exception, _internal)
         return app
+
+
+def _percentiles_us(samples: collections.deque[float]) -> dict[str, float]:
+    if not samples:
+        return {}
+    values = np.fromiter(samples, dtype=np.float64) * 1e6
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "n": float(len(values))}
 
 
 def _bearer(request: Request) -> str | None:

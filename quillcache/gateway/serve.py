@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 from typing import Any
 
 from quillcache.gateway.config import GatewayConfig
@@ -53,6 +54,9 @@ def serve_gateway(config: GatewayConfig, ready_file: str | None = None) -> None:
     an unreachable engine fails with its own error instead of a server exit code."""
     from quillcache.gateway.app import Gateway
 
+    # The event ingestor is a thread: let the request loop take the GIL back within
+    # 0.5 ms instead of the default 5 ms (routing p99 under an event flood).
+    sys.setswitchinterval(0.0005)
     gateway = Gateway(config)
 
     async def main() -> None:

@@ -1,0 +1,221 @@
+"""The online-mode numbers of docs/online.md, side by side in one run:
+
+    python -m quillcache.loadgen.bench_online [--json out.json]
+
+1. overhead: one engine simulator called directly vs through the gateway (the same
+   engine behind it), 64 concurrent streams: the added TTFT / end-to-end latency;
+2. throughput: routed non-streaming requests/s through the gateway (2 engines with
+   `--time-scale 0`), next to one engine called directly;
+3. ingest while serving: the gateway's routing latency (parse + tokenize + hash +
+   route, measured inside the gateway) with and without a third engine flooding it
+   with KV events, and the blocks/s it applied meanwhile.
+
+Every process is real (engine-sim, gateway) and on 127.0.0.1; the load generator is
+this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from quillcache.loadgen.report import summarize
+from quillcache.loadgen.runner import RunConfig, run_load
+from quillcache.loadgen.workload import synthetic
+from quillcache.up import Proc, engine_args, gateway_args, launch
+
+ADMIN = "bench"
+
+
+def _load(
+    url: str,
+    n: int,
+    *,
+    concurrency: int,
+    stream: bool,
+    max_tokens: int,
+    warmup: int = 100,
+    seed: int = 0,
+) -> dict[str, Any]:
+    reqs = synthetic(
+        n + warmup, prefixes=16, prefix_chars=512, suffix_chars=64, max_tokens=max_tokens, seed=seed
+    )
+    cfg = RunConfig(url=url, concurrency=concurrency, stream=stream)
+    asyncio.run(run_load(cfg, reqs[:warmup]))
+    samples, wall = asyncio.run(run_load(cfg, reqs[warmup:]))
+    return summarize(samples, wall)
+
+
+def _gateway(engines: list[Proc], workdir: Path, name: str, router: str) -> Proc:
+    cfg = workdir / f"{name}.json"
+    cfg.write_text(
+        json.dumps(
+            {"tokenizer": "builtin", "admin_token": ADMIN, "router": router, "log_level": "error"}
+        )
+    )
+    return launch(
+        name, gateway_args([e.url for e in engines], extra=["--config", str(cfg)]), workdir
+    )
+
+
+def _metric(url: str, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def overhead(workdir: Path, n: int, router: str) -> dict[str, Any]:
+    procs: list[Proc] = []
+    try:
+        engine = launch("ov-engine", engine_args(extra=["--log-level", "error"]), workdir)
+        procs.append(engine)
+        gw = _gateway([engine], workdir, "ov-gateway", router)
+        procs.append(gw)
+        direct = _load(engine.url, n, concurrency=64, stream=True, max_tokens=16)
+        via = _load(gw.url, n, concurrency=64, stream=True, max_tokens=16)
+        return {"direct": direct, "gateway": via}
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def throughput(workdir: Path, n: int, router: str) -> dict[str, Any]:
+    procs: list[Proc] = []
+    try:
+        engines = [launch(f"tp-engine{i}", engine_args(time_scale=0.0), workdir) for i in range(2)]
+        procs += engines
+        gw = _gateway(engines, workdir, "tp-gateway", router)
+        procs.append(gw)
+        direct = _load(engines[0].url, n, concurrency=64, stream=False, max_tokens=1)
+        via = _load(gw.url, n, concurrency=64, stream=False, max_tokens=1)
+        return {"direct (1 engine)": direct, "gateway (2 engines)": via}
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def ingest_while_serving(workdir: Path, n: int, router: str, blocks_per_s: float) -> dict[str, Any]:
+    procs: list[Proc] = []
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    try:
+        engines = [launch(f"in-engine{i}", engine_args(), workdir) for i in range(2)]
+        flooder = launch("in-flooder", engine_args(), workdir)
+        procs += [*engines, flooder]
+        gw = _gateway([*engines, flooder], workdir, "in-gateway", router)
+        procs.append(gw)
+        # the flooder only publishes events: no traffic for it
+        httpx.post(gw.url + "/admin/workers/2/drain", headers=admin, json={"draining": True})
+
+        def phase(flood: bool) -> dict[str, Any]:
+            httpx.get(gw.url + "/admin/index?reset_latency=1", headers=admin)
+            stored0 = _metric(gw.url, "quillcache_kv_blocks_stored_total")
+            t0 = time.perf_counter()
+            if flood:
+                r = httpx.post(
+                    flooder.url + "/debug/flood",
+                    json={"blocks_per_s": blocks_per_s, "seconds": 600},
+                )
+                r.raise_for_status()
+            result = _load(gw.url, n, concurrency=16, stream=False, max_tokens=4, warmup=20)
+            wall = time.perf_counter() - t0
+            stored = _metric(gw.url, "quillcache_kv_blocks_stored_total") - stored0
+            info = httpx.get(gw.url + "/admin/index", headers=admin).json()
+            result["route_latency_us"] = info["route_latency_us"]
+            result["blocks_applied_per_s"] = stored / wall
+            result["ingest"] = info["ingest"]
+            return result
+
+        quiet = phase(False)
+        flooded = phase(True)
+        return {"no flood": quiet, "flood": flooded}
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--router", default="quillcache")
+    parser.add_argument("--flood-blocks-per-s", type=float, default=150_000)
+    parser.add_argument("--only", choices=["overhead", "throughput", "ingest"], default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    from rich.console import Console
+    from rich.table import Table
+
+    out: dict[str, Any] = {"router": args.router, "requests": args.requests}
+    with tempfile.TemporaryDirectory(prefix="qc-bench-") as tmp:
+        wd = Path(tmp)
+        if args.only in (None, "overhead"):
+            out["overhead"] = overhead(wd, args.requests, args.router)
+        if args.only in (None, "throughput"):
+            out["throughput"] = throughput(wd, args.requests, args.router)
+        if args.only in (None, "ingest"):
+            out["ingest"] = ingest_while_serving(
+                wd, args.requests // 2, args.router, args.flood_blocks_per_s
+            )
+    console = Console()
+    if "overhead" in out:
+        d, g = out["overhead"]["direct"], out["overhead"]["gateway"]
+        t = Table(title="1. gateway overhead, 64 concurrent streams, 16 tokens each")
+        for c in ("metric", "direct", "gateway", "added"):
+            t.add_column(c, justify="right")
+        for k in ("ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p50", "e2e_ms_p99", "req_per_s"):
+            t.add_row(k, f"{d[k]:.2f}", f"{g[k]:.2f}", f"{g[k] - d[k]:+.2f}")
+        t.add_row("errors", str(d["errors"]), str(g["errors"]), "")
+        console.print(t)
+    if "throughput" in out:
+        t = Table(title="2. non-streaming requests/s (max_tokens 1, concurrency 64)")
+        for c in ("target", "req/s", "e2e p50 ms", "e2e p99 ms", "errors"):
+            t.add_column(c, justify="right")
+        for name, r in out["throughput"].items():
+            t.add_row(
+                name,
+                f"{r['req_per_s']:.0f}",
+                f"{r['e2e_ms_p50']:.2f}",
+                f"{r['e2e_ms_p99']:.2f}",
+                str(r["errors"]),
+            )
+        console.print(t)
+    if "ingest" in out:
+        t = Table(title="3. routing latency in the gateway while ingesting KV events")
+        for c in (
+            "phase",
+            "blocks applied/s",
+            "route p50 us",
+            "route p99 us",
+            "req/s",
+            "dropped",
+            "errors",
+        ):
+            t.add_column(c, justify="right")
+        for name, r in out["ingest"].items():
+            lat = r["route_latency_us"]
+            t.add_row(
+                name,
+                f"{r['blocks_applied_per_s']:.0f}",
+                f"{lat.get('p50', 0):.0f}",
+                f"{lat.get('p99', 0):.0f}",
+                f"{r['req_per_s']:.0f}",
+                str(r["ingest"]["dropped"]),
+                str(r["errors"]),
+            )
+        console.print(t)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
