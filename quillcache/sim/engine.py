@@ -242,14 +242,21 @@ class EngineModel:
             return False
         for k in keys[:gpu]:
             self._acquire(k)
+        for k in keys[gpu : gpu + cpu]:  # most recently used in the CPU tier
+            self.cpu.move_to_end(k)
         self._make_room(total - gpu)
         self.uncached_held += total - gpu
         run.hit_blocks = gpu
         run.stored_blocks = gpu
         run.computed = gpu * bs
+        # Offloads made by _make_room may have pushed some of them out of a small tier.
+        still = 0
+        for k in keys[gpu : gpu + cpu]:
+            if k not in self.cpu:
+                break
+            still += 1
+        cpu = still
         if cpu:
-            for k in keys[gpu : gpu + cpu]:
-                self.cpu.move_to_end(k)
             run.cpu_blocks = cpu
             run.extra_s += self.cost.transfer_time(cpu, "cpu")
             self._store(run, gpu + cpu)
