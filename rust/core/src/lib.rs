@@ -4,10 +4,12 @@
 //! * [`vllm_hash`]: byte-exact parity with vLLM's `sha256_cbor` block hashes.
 //! * [`events`]: decoding of the engines' KV-event batches (every wire shape we know).
 //! * [`index`]: the residency index (which source holds which block, in which medium).
+//! * [`backends`]: the index over key-value stores (RocksDB, Holt) for the ART-vs-LSM study.
 //! * [`persist`]: write-ahead log, snapshots, the crash-safe index (docs/persistence.md).
 //!
 //! The binding crate (`rust/python`) only converts types and releases the GIL.
 
+pub mod backends;
 pub mod content_key;
 pub mod events;
 pub mod index;

@@ -14,6 +14,6 @@ pub use frame::{LoggedRecord, Record};
 pub use wal::{Durability, RecoveryReport, TornTail, Wal, WalOptions};
 
 #[cfg(test)]
-mod durable_tests;
+pub(crate) mod durable_tests;
 #[cfg(test)]
-mod wal_tests;
+pub(crate) mod wal_tests;
