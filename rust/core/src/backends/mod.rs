@@ -10,9 +10,7 @@
 pub mod kv_index;
 pub mod layout;
 pub mod mem_kv;
-// Enabled once its build is verified (the C++ build is slow): see the rocksdb feature.
-#[cfg(all(feature = "rocksdb", rocks_verified))]
-pub mod rocks;
+// `rocks` (feature `rocksdb`) is wired in once its C++ build is verified here.
 
 pub use kv_index::KvIndex;
 
@@ -93,8 +91,6 @@ pub fn open_store(
     let _ = (&need_path, sync);
     match kind {
         "memory" => Ok(Box::new(mem_kv::MemKv::new())),
-        #[cfg(all(feature = "rocksdb", rocks_verified))]
-        "rocksdb" => Ok(Box::new(rocks::RocksKv::open(need_path("rocksdb")?, sync)?)),
         other => Err(KvError {
             store: "backend",
             message: format!(
