@@ -1,1 +1,242 @@
-fn main() {}
+//! Residency-index benchmarks on a serving-shaped workload (docs/index.md, "Numbers").
+//!
+//! Workload: 64 workers, block size 16; 256 system prompts of 8 blocks, each served
+//! by a home set of 4 workers (prefix-affine routing); sessions of 8 turns x 8 blocks
+//! on one worker of their prompt's home set, published as vLLM would (a turn stores
+//! only its new blocks, chained to the previous turn's last hash; the first session
+//! of a prompt on a worker also stores the prompt). Sessions are added until the
+//! index holds 1 M blocks. Requests: the first 64 blocks of a random session.
+//!
+//!     cargo bench -p quillcache-core --bench index
+//!
+//! Besides criterion's means it prints p50/p99 of single matches and the memory per
+//! resident (block, worker) pair.
+
+use std::collections::HashSet;
+use std::hint::black_box;
+use std::time::Instant;
+
+use criterion::{criterion_group, BatchSize, Criterion, Throughput};
+use quillcache_core::content_key::chain_block;
+use quillcache_core::index::{Index, SourceKey};
+use quillcache_core::namespace::Namespace;
+
+const WORKERS: u64 = 64;
+const BS: usize = 16;
+const PROMPTS: u64 = 256;
+const SYS_BLOCKS: usize = 8;
+const TURNS: usize = 8;
+const TURN_BLOCKS: usize = 8;
+const HOME: u64 = 4;
+const TARGET_BLOCKS: usize = 1_000_000;
+const REQUEST_BLOCKS: usize = 64;
+
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d049bb133111eb);
+    x ^ (x >> 31)
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e3779b97f4a7c15);
+        mix(self.0)
+    }
+}
+
+/// A BlockStored batch in vLLM's map form: `[ts, [event], 0]`.
+fn encode_stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> Vec<u8> {
+    use rmp::encode::*;
+    let mut w = Vec::with_capacity(64 + tokens.len() * 3 + hashes.len() * 9);
+    write_array_len(&mut w, 3).unwrap();
+    write_f64(&mut w, 1.0).unwrap();
+    write_array_len(&mut w, 1).unwrap();
+    write_map_len(&mut w, 8).unwrap();
+    write_str(&mut w, "type").unwrap();
+    write_str(&mut w, "BlockStored").unwrap();
+    write_str(&mut w, "block_hashes").unwrap();
+    write_array_len(&mut w, hashes.len() as u32).unwrap();
+    for &h in hashes {
+        write_u64(&mut w, h).unwrap();
+    }
+    write_str(&mut w, "parent_block_hash").unwrap();
+    match parent {
+        Some(p) => write_u64(&mut w, p).unwrap(),
+        None => write_nil(&mut w).unwrap(),
+    }
+    write_str(&mut w, "token_ids").unwrap();
+    write_array_len(&mut w, tokens.len() as u32).unwrap();
+    for &t in tokens {
+        write_uint(&mut w, t as u64).unwrap();
+    }
+    write_str(&mut w, "block_size").unwrap();
+    write_uint(&mut w, BS as u64).unwrap();
+    write_str(&mut w, "lora_id").unwrap();
+    write_nil(&mut w).unwrap();
+    write_str(&mut w, "medium").unwrap();
+    write_str(&mut w, "GPU").unwrap();
+    write_str(&mut w, "lora_name").unwrap();
+    write_nil(&mut w).unwrap();
+    write_uint(&mut w, 0).unwrap(); // dp_rank
+    w
+}
+
+struct Workload {
+    payloads: Vec<(SourceKey, Vec<u8>)>,
+    blocks_stored: u64,
+    requests: Vec<Vec<u64>>,
+}
+
+fn tokens_of(seed: u64, n_blocks: usize) -> Vec<u32> {
+    (0..(n_blocks * BS) as u64)
+        .map(|i| (mix(seed ^ (i << 40)) % 50_000) as u32)
+        .collect()
+}
+
+fn workload() -> Workload {
+    let mut rng = Rng(42);
+    let root = Namespace {
+        block_size: BS as u32,
+        ..Default::default()
+    }
+    .id();
+    // Keys of each system prompt (chained from the namespace).
+    let sys: Vec<(Vec<u32>, Vec<u64>)> = (0..PROMPTS)
+        .map(|p| {
+            let toks = tokens_of(p, SYS_BLOCKS);
+            let mut keys = vec![];
+            let mut parent = root;
+            for b in toks.chunks_exact(BS) {
+                parent = chain_block(parent, b, None);
+                keys.push(parent);
+            }
+            (toks, keys)
+        })
+        .collect();
+    let engine_hash = |key: u64| mix(key ^ 0x5555);
+    let mut has_prompt: HashSet<(u64, u64)> = HashSet::new();
+    let mut payloads = vec![];
+    let mut sessions: Vec<Vec<u64>> = vec![];
+    let mut distinct = PROMPTS as usize * SYS_BLOCKS;
+    let mut blocks_stored = 0u64;
+    let mut s = 0u64;
+    while distinct < TARGET_BLOCKS {
+        let p = rng.next() % PROMPTS;
+        let worker = (p * HOME + rng.next() % HOME) % WORKERS;
+        let source = SourceKey { worker, dp_rank: 0 };
+        let (sys_toks, sys_keys) = &sys[p as usize];
+        let mut keys = sys_keys.clone();
+        let toks = tokens_of(1 << 32 | s, TURNS * TURN_BLOCKS);
+        for (t, turn) in toks.chunks_exact(TURN_BLOCKS * BS).enumerate() {
+            let mut parent = *keys.last().unwrap();
+            let mut new_keys = vec![];
+            for b in turn.chunks_exact(BS) {
+                parent = chain_block(parent, b, None);
+                new_keys.push(parent);
+            }
+            let (hashes, parent_hash, tokens): (Vec<u64>, Option<u64>, Vec<u32>) =
+                if t == 0 && has_prompt.insert((worker, p)) {
+                    let all: Vec<u64> = sys_keys
+                        .iter()
+                        .chain(&new_keys)
+                        .map(|&k| engine_hash(k))
+                        .collect();
+                    (all, None, [sys_toks.as_slice(), turn].concat())
+                } else {
+                    let parent_hash = engine_hash(*keys.last().unwrap());
+                    (
+                        new_keys.iter().map(|&k| engine_hash(k)).collect(),
+                        Some(parent_hash),
+                        turn.to_vec(),
+                    )
+                };
+            blocks_stored += hashes.len() as u64;
+            payloads.push((source, encode_stored(&hashes, parent_hash, &tokens)));
+            keys.extend(new_keys);
+        }
+        distinct += TURNS * TURN_BLOCKS;
+        sessions.push(keys);
+        s += 1;
+    }
+    let requests = (0..4096)
+        .map(|_| sessions[(rng.next() % sessions.len() as u64) as usize][..REQUEST_BLOCKS].to_vec())
+        .collect();
+    Workload {
+        payloads,
+        blocks_stored,
+        requests,
+    }
+}
+
+fn build(w: &Workload) -> Index {
+    let mut idx = Index::new();
+    for (source, payload) in &w.payloads {
+        idx.apply_payload(*source, payload).unwrap();
+    }
+    idx
+}
+
+fn benches(c: &mut Criterion) {
+    let w = workload();
+    let mut g = c.benchmark_group("index");
+    g.sample_size(10);
+    g.throughput(Throughput::Elements(w.blocks_stored));
+    g.bench_function("ingest_payloads_1M_blocks", |b| {
+        b.iter_batched(|| (), |_| build(&w), BatchSize::PerIteration)
+    });
+    g.finish();
+
+    let idx = build(&w);
+    let mut g = c.benchmark_group("index");
+    g.throughput(Throughput::Elements(1));
+    let mut i = 0;
+    g.bench_function("match_64_blocks_1M", |b| {
+        b.iter(|| {
+            i = (i + 1) % w.requests.len();
+            black_box(idx.match_keys(black_box(&w.requests[i])))
+        })
+    });
+    g.finish();
+}
+
+/// p50/p99 of single matches (each timed on its own; `Instant` costs ~20 ns) and memory.
+fn percentiles() {
+    let w = workload();
+    let idx = build(&w);
+    let st = idx.stats();
+    let mut samples: Vec<u64> = Vec::with_capacity(200_000);
+    for round in 0..200_000usize {
+        let req = &w.requests[(round * 7919) % w.requests.len()];
+        let t0 = Instant::now();
+        black_box(idx.match_keys(black_box(req)));
+        samples.push(t0.elapsed().as_nanos() as u64);
+    }
+    samples.sort_unstable();
+    let pct = |p: f64| samples[((samples.len() - 1) as f64 * p) as usize];
+    let hits: usize = w.requests.iter().map(|r| idx.match_keys(r).len()).sum();
+    println!(
+        "index/match_64_blocks_1M latency: p50 {} ns, p99 {} ns ({} samples, {:.1} holders matched per request)",
+        pct(0.50),
+        pct(0.99),
+        samples.len(),
+        hits as f64 / w.requests.len() as f64
+    );
+    println!(
+        "index memory: {} blocks, {} resident pairs, {} sources, {} bytes = {:.1} bytes/pair, {:.1} bytes/block",
+        st.blocks,
+        st.resident_pairs,
+        st.sources,
+        st.memory_bytes,
+        st.memory_bytes as f64 / st.resident_pairs as f64,
+        st.memory_bytes as f64 / st.blocks as f64
+    );
+}
+
+criterion_group!(index_benches, benches);
+
+fn main() {
+    index_benches();
+    percentiles();
+    Criterion::default().configure_from_args().final_summary();
+}

@@ -7,6 +7,7 @@ use crate::events::{
 use crate::namespace::Namespace;
 
 use super::holders::{self, holder_id, HolderId, Removed};
+use super::sources::engine_map_key;
 use super::tree::NIL;
 use super::{ApplyStats, Index, SourceKey};
 
@@ -87,7 +88,12 @@ impl Index {
             // An offload tier storing blocks it got from another medium: the source
             // already knows these hashes (with their keys) from that medium.
             for &h in &ev.block_hashes {
-                let known = self.sources.get(slot).engine.get(&(group, h)).copied();
+                let known = self
+                    .sources
+                    .get(slot)
+                    .engine
+                    .get(&engine_map_key(group, h))
+                    .copied();
                 match known.and_then(|key| self.tree.find(key)) {
                     Some(id) => {
                         self.add_holder(slot, id, hid);
@@ -107,7 +113,12 @@ impl Index {
         let (mut parent_key, mut parent_id, mut depth) = match ev.parent_block_hash {
             None => (self.namespace_of(slot, ev).id(), NIL, 0u32),
             Some(ph) => {
-                let known = self.sources.get(slot).engine.get(&(group, ph)).copied();
+                let known = self
+                    .sources
+                    .get(slot)
+                    .engine
+                    .get(&engine_map_key(group, ph))
+                    .copied();
                 match known.and_then(|key| self.tree.find(key)) {
                     Some(pid) => {
                         let p = self.tree.node(pid);
@@ -131,7 +142,10 @@ impl Index {
             let key = chain_block(parent_key, tokens, mm.as_deref());
             let id = self.tree.get_or_insert(key, parent_key, parent_id, depth);
             self.add_holder(slot, id, hid);
-            self.sources.get_mut(slot).engine.insert((group, h), key);
+            self.sources
+                .get_mut(slot)
+                .engine
+                .insert(engine_map_key(group, h), key);
             stats.blocks_stored += 1;
             parent_key = key;
             parent_id = id;
@@ -157,7 +171,7 @@ impl Index {
     fn remove(&mut self, slot: u32, ev: &BlockRemoved, stats: &mut ApplyStats) {
         let medium = self.media.find(&ev.medium);
         for &h in &ev.block_hashes {
-            let map_key = (ev.group_idx, h);
+            let map_key = engine_map_key(ev.group_idx, h);
             let Some(key) = self.sources.get(slot).engine.get(&map_key).copied() else {
                 stats.unknown_removals += 1;
                 continue;
@@ -203,8 +217,6 @@ fn resolve_rank(source: SourceKey, batch: &EventBatch) -> Result<SourceKey, Deco
             Err(_) => Err(DecodeError {
                 message: format!("batch dp_rank {r} is not a valid rank (0 ..= 4294967295)"),
                 offset: 0,
-                event: None,
-                field: Some("dp_rank"),
             }),
         },
     }

@@ -31,8 +31,8 @@ pub struct EntryOut {
 pub struct LogicalState {
     /// Every node (holder-less interior ones too): key → (parent, depth, pins, holders).
     pub nodes: BTreeMap<u64, (u64, u32, u32, Vec<HolderOut>)>,
-    /// source → (model, tokenizer, engine map).
-    pub sources: BTreeMap<SourceKey, (String, String, BTreeMap<(u32, u64), u64>)>,
+    /// source → (model, tokenizer, engine map keyed by `engine_map_key(group, hash)`).
+    pub sources: BTreeMap<SourceKey, (String, String, BTreeMap<u64, u64>)>,
 }
 
 impl Index {
@@ -56,7 +56,7 @@ impl Index {
         holders.sort();
         EntryOut {
             key: n.key,
-            parent: n.parent,
+            parent: self.tree.parent_key(id),
             depth: n.depth,
             holders,
             pinned: n.pins > 0,
@@ -203,7 +203,7 @@ impl Index {
             let e = self.entry(id);
             state
                 .nodes
-                .insert(n.key, (n.parent, n.depth, n.pins, e.holders));
+                .insert(n.key, (e.parent, n.depth, n.pins, e.holders));
         }
         for (_, s) in self.sources.iter() {
             let engine = s.engine.iter().map(|(&k, &v)| (k, v)).collect();
@@ -227,6 +227,13 @@ impl Index {
         let mut pinned = 0u64;
         let mut per_slot: BTreeMap<u32, u64> = BTreeMap::new();
         let live: BTreeSet<u32> = self.tree.ids().collect();
+        let mut children: BTreeMap<u32, u32> = BTreeMap::new();
+        for &id in &live {
+            let p = self.tree.node(id).parent_id;
+            if p != NIL {
+                *children.entry(p).or_default() += 1;
+            }
+        }
         for &id in &live {
             let n = self.tree.node(id);
             let hs = n.holders.as_slice(&self.tree.spills);
@@ -239,7 +246,7 @@ impl Index {
             }
             if !hs.is_empty() || n.pins > 0 {
                 blocks += 1;
-            } else if n.first_child == NIL {
+            } else if n.children == 0 {
                 return Err(format!("node {:#x} should have been collected", n.key));
             }
             if n.pins > 0 {
@@ -247,6 +254,9 @@ impl Index {
             }
             if n.parent_id != NIL && !live.contains(&n.parent_id) {
                 return Err(format!("node {:#x}: dead parent", n.key));
+            }
+            if children.get(&id).copied().unwrap_or(0) != n.children {
+                return Err(format!("node {:#x}: child count off", n.key));
             }
         }
         if (pairs, blocks, pinned) != (self.resident_pairs, self.blocks, self.pinned) {

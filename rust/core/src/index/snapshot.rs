@@ -1,7 +1,8 @@
 //! A compact binary image of the complete index state, for the persistence layer.
 //!
 //! Layout (little-endian): magic `QCIDXSNP`, u32 version, the media names, the
-//! sources (slot, worker, dp rank, model, tokenizer, engine-hash map), the nodes
+//! sources (slot, worker, dp rank, model, tokenizer, engine-hash map keyed by
+//! `engine_map_key(group, hash)`), the nodes
 //! (key, parent, linked flag, depth, pins, packed holders), then a CRC-32 of every
 //! byte before it. Any corruption is an error, never a silently different index.
 
@@ -15,7 +16,7 @@ use super::tree::NIL;
 use super::Index;
 
 const MAGIC: &[u8; 8] = b"QCIDXSNP";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
@@ -113,9 +114,8 @@ impl Index {
             o.str(&s.model);
             o.str(&s.tokenizer);
             o.u64(s.engine.len() as u64);
-            for (&(group, hash), &key) in &s.engine {
-                o.u32(group);
-                o.u64(hash);
+            for (&folded, &key) in &s.engine {
+                o.u64(folded);
                 o.u64(key);
             }
         }
@@ -123,7 +123,7 @@ impl Index {
         for id in self.tree.ids() {
             let n = self.tree.node(id);
             o.u64(n.key);
-            o.u64(n.parent);
+            o.u64(self.tree.parent_key(id));
             o.u8((n.parent_id != NIL) as u8);
             o.u32(n.depth);
             o.u32(n.pins);
@@ -183,9 +183,9 @@ impl Index {
                 tokenizer: i.str()?,
                 ..Default::default()
             };
-            let n_engine = i.count(20)?;
+            let n_engine = i.count(16)?;
             for _ in 0..n_engine {
-                let k = (i.u32()?, i.u64()?);
+                let k = i.u64()?;
                 src.engine.insert(k, i.u64()?);
             }
             if index

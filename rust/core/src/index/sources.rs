@@ -42,8 +42,22 @@ impl Hasher for MixHasher {
 
 pub type MixBuild = BuildHasherDefault<MixHasher>;
 
-/// `(group_idx, engine hash)` → content key.
-pub type EngineMap = HashMap<(u32, u64), u64, MixBuild>;
+/// `engine_map_key(group_idx, engine hash)` → content key.
+pub type EngineMap = HashMap<u64, u64, MixBuild>;
+
+/// One u64 for `(group_idx, hash)`: the hash itself in group 0 (every non-hybrid
+/// model), else the hash xor a strong mix of the group. Two pairs share a value
+/// only by a 64-bit collision, the same odds as the engine hashes themselves.
+#[inline]
+pub fn engine_map_key(group: u32, hash: u64) -> u64 {
+    if group == 0 {
+        return hash;
+    }
+    let mut x = (group as u64).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    hash ^ x ^ (x >> 31)
+}
 
 #[derive(Debug, Clone, Default)]
 pub struct Source {

@@ -1,29 +1,28 @@
 //! The block tree: nodes in a slab, found by content key through a hash table.
 //!
 //! Content keys are chained (one key names a whole prefix), so a flat table
-//! `key → node` *is* a radix tree over block paths whose edge labels are the keys;
-//! parent/child links are kept only for subtree scans and garbage collection.
+//! `key → node` *is* a radix tree over block paths whose edge labels are the keys.
+//! A node keeps only its parent id and a child count (enough for garbage
+//! collection); subtree scans walk parent links instead of child lists, which keeps
+//! a node at 32 bytes.
 
-use hashbrown::HashTable;
+use hashbrown::{HashMap, HashTable};
 
 use super::holders::{HolderSet, Spills};
+use super::sources::MixBuild;
 
-/// "No node" in parent/child/sibling links.
+/// "No node" in parent links and the free list.
 pub const NIL: u32 = u32::MAX;
 
 #[derive(Debug, Clone)]
 pub struct Node {
     pub key: u64,
-    /// The parent's content key; the namespace id at depth 0 (0 if unknown: a pinned root).
-    pub parent: u64,
     pub holders: HolderSet,
-    pub depth: u32,
-    pub pins: u32,
     /// The parent node, or NIL for a root. Doubles as the free-list link of a freed slot.
     pub parent_id: u32,
-    pub first_child: u32,
-    pub next_sibling: u32,
-    pub prev_sibling: u32,
+    pub depth: u32,
+    pub children: u32,
+    pub pins: u32,
 }
 
 /// Keys are xxh3 outputs; one multiply-fold keeps arbitrary caller keys (pins,
@@ -38,6 +37,8 @@ fn table_hash(key: u64) -> u64 {
 pub struct Tree {
     nodes: Vec<Node>,
     table: HashTable<u32>,
+    /// Parent key of each root: the namespace id (absent = 0, a pinned root).
+    root_parent: HashMap<u32, u64, MixBuild>,
     free_head: Option<u32>,
     pub spills: Spills,
 }
@@ -45,10 +46,6 @@ pub struct Tree {
 impl Tree {
     pub fn len(&self) -> usize {
         self.table.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.table.is_empty()
     }
 
     #[inline]
@@ -69,22 +66,28 @@ impl Tree {
         &mut self.nodes[id as usize]
     }
 
-    /// The node for `key`, created (linked under `parent_id`) if absent. An existing
-    /// node keeps its parent and depth.
+    /// The parent's content key; the namespace id for a root (0 if unknown).
+    pub fn parent_key(&self, id: u32) -> u64 {
+        match self.nodes[id as usize].parent_id {
+            NIL => self.root_parent.get(&id).copied().unwrap_or(0),
+            p => self.nodes[p as usize].key,
+        }
+    }
+
+    /// The node for `key`, created if absent: under `parent_id`, or as a root whose
+    /// parent key is `parent` when `parent_id` is NIL. An existing node keeps its
+    /// parent and depth.
     pub fn get_or_insert(&mut self, key: u64, parent: u64, parent_id: u32, depth: u32) -> u32 {
         if let Some(id) = self.find(key) {
             return id;
         }
         let node = Node {
             key,
-            parent,
             holders: HolderSet::default(),
-            depth,
-            pins: 0,
             parent_id,
-            first_child: NIL,
-            next_sibling: NIL,
-            prev_sibling: NIL,
+            depth,
+            children: 0,
+            pins: 0,
         };
         let id = match self.free_head {
             Some(id) => {
@@ -99,7 +102,9 @@ impl Tree {
             }
         };
         if parent_id != NIL {
-            self.link(id, parent_id);
+            self.nodes[parent_id as usize].children += 1;
+        } else if parent != 0 {
+            self.root_parent.insert(id, parent);
         }
         let nodes = &self.nodes;
         self.table
@@ -107,22 +112,17 @@ impl Tree {
         id
     }
 
-    /// Links a root-created node under `parent_id` (snapshot restore).
+    /// Re-parents a node created as a root (snapshot restore).
     pub fn link(&mut self, id: u32, parent_id: u32) {
-        let old_first = self.nodes[parent_id as usize].first_child;
-        let n = &mut self.nodes[id as usize];
-        n.parent_id = parent_id;
-        n.next_sibling = old_first;
-        if old_first != NIL {
-            self.nodes[old_first as usize].prev_sibling = id;
-        }
-        self.nodes[parent_id as usize].first_child = id;
+        self.root_parent.remove(&id);
+        self.nodes[id as usize].parent_id = parent_id;
+        self.nodes[parent_id as usize].children += 1;
     }
 
     #[inline]
     fn collectable(&self, id: u32) -> bool {
         let n = &self.nodes[id as usize];
-        n.holders.is_empty() && n.pins == 0 && n.first_child == NIL
+        n.holders.is_empty() && n.pins == 0 && n.children == 0
     }
 
     /// True if `id` names a live node (not a freed slot).
@@ -135,20 +135,11 @@ impl Tree {
     pub fn collect(&mut self, mut id: u32) -> usize {
         let mut freed = 0;
         while id != NIL && self.collectable(id) {
-            let Node {
-                key,
-                parent_id,
-                prev_sibling,
-                next_sibling,
-                ..
-            } = self.nodes[id as usize];
-            if prev_sibling != NIL {
-                self.nodes[prev_sibling as usize].next_sibling = next_sibling;
-            } else if parent_id != NIL {
-                self.nodes[parent_id as usize].first_child = next_sibling;
-            }
-            if next_sibling != NIL {
-                self.nodes[next_sibling as usize].prev_sibling = prev_sibling;
+            let Node { key, parent_id, .. } = self.nodes[id as usize];
+            if parent_id != NIL {
+                self.nodes[parent_id as usize].children -= 1;
+            } else {
+                self.root_parent.remove(&id);
             }
             let nodes = &self.nodes;
             if let Ok(entry) = self
@@ -169,30 +160,51 @@ impl Tree {
         freed
     }
 
-    /// Live node ids, in slab order.
+    /// Live node ids, in table order.
     pub fn ids(&self) -> impl Iterator<Item = u32> + '_ {
         self.table.iter().copied()
     }
 
-    /// The ids of the subtree rooted at `root` (itself included).
+    /// The ids of the subtree rooted at `root` (itself included), in no order.
+    ///
+    /// One pass over every node, walking parent links with memoisation: O(nodes).
+    /// Scans are administrative (eviction planning, debugging), not per request.
     pub fn subtree(&self, root: u32) -> Vec<u32> {
+        const UNKNOWN: u8 = 0;
+        const INSIDE: u8 = 1;
+        const OUTSIDE: u8 = 2;
+        let mut state = vec![UNKNOWN; self.nodes.len()];
+        state[root as usize] = INSIDE;
+        let mut path = vec![];
         let mut out = vec![];
-        let mut stack = vec![root];
-        while let Some(id) = stack.pop() {
-            out.push(id);
-            let mut child = self.nodes[id as usize].first_child;
-            while child != NIL {
-                stack.push(child);
-                child = self.nodes[child as usize].next_sibling;
+        for id in self.ids() {
+            let mut cur = id;
+            let verdict = loop {
+                match state[cur as usize] {
+                    UNKNOWN => {}
+                    s => break s,
+                }
+                path.push(cur);
+                match self.nodes[cur as usize].parent_id {
+                    NIL => break OUTSIDE,
+                    p => cur = p,
+                }
+            };
+            for p in path.drain(..) {
+                state[p as usize] = verdict;
+            }
+            if state[id as usize] == INSIDE {
+                out.push(id);
             }
         }
         out
     }
 
-    /// Heap bytes of the slab, the table and the spill arena.
+    /// Heap bytes of the slab, the tables and the spill arena.
     pub fn heap_bytes(&self) -> usize {
         self.nodes.capacity() * std::mem::size_of::<Node>()
             + self.table.allocation_size()
+            + self.root_parent.allocation_size()
             + self.spills.heap_bytes()
     }
 }
@@ -203,7 +215,7 @@ mod tests {
 
     #[test]
     fn node_stays_compact() {
-        assert_eq!(std::mem::size_of::<Node>(), 48);
+        assert_eq!(std::mem::size_of::<Node>(), 32);
     }
 
     #[test]
@@ -212,12 +224,16 @@ mod tests {
         let a = t.get_or_insert(10, 1, NIL, 0);
         let b = t.get_or_insert(11, 10, a, 1);
         let c = t.get_or_insert(12, 10, a, 1);
+        assert_eq!(t.parent_key(a), 1);
+        assert_eq!(t.parent_key(c), 10);
         assert_eq!(t.len(), 3);
         assert_eq!(t.collect(a), 0, "a has children");
         assert_eq!(t.collect(b), 1);
-        assert_eq!(t.subtree(a), vec![a, c]);
+        let mut sub = t.subtree(a);
+        sub.sort();
+        assert_eq!(sub, vec![a, c]);
         assert_eq!(t.collect(c), 2, "c, then a");
-        assert!(t.is_empty());
+        assert_eq!(t.len(), 0);
         let d = t.get_or_insert(13, 1, NIL, 0);
         assert!(d == a || d == b || d == c, "slot reused");
         assert_eq!(t.find(13), Some(d));
