@@ -14,6 +14,8 @@ use pyo3::create_exception;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
+use quillcache_core::backends::kv_index::KvIndexError;
+use quillcache_core::backends::{open_store, KvIndex as CoreKvIndex, KvStore};
 use quillcache_core::events::Medium;
 use quillcache_core::index::{ApplyStats, EntryOut, SourceKey};
 use quillcache_core::persist::{
@@ -420,7 +422,233 @@ impl DurableIndex {
     }
 }
 
+// --- KvIndex: the index over a key-value store (memory, rocksdb, holt) -----------
+
+fn kv_err(e: KvIndexError) -> PyErr {
+    match e {
+        KvIndexError::Decode(m) => EventDecodeError::new_err(m),
+        KvIndexError::Store(e) => PersistenceError::new_err(e.to_string()),
+        KvIndexError::Corrupt { .. } => CorruptIndexError::new_err(e.to_string()),
+    }
+}
+
+type BoxedKv = CoreKvIndex<Box<dyn KvStore>>;
+
+/// The residency index kept in a key-value store; same methods as `NativeIndex`.
+#[pyclass(frozen, module = "quillcache._native", name = "KvIndex")]
+pub struct KvIndex {
+    inner: RwLock<Option<BoxedKv>>,
+    store: String,
+}
+
+impl KvIndex {
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&BoxedKv) -> Result<T, KvIndexError> + Send,
+    ) -> PyResult<T> {
+        let g = self.inner.read().unwrap_or_else(|e| e.into_inner());
+        let ix = g.as_ref().ok_or_else(closed)?;
+        py.detach(|| f(ix)).map_err(kv_err)
+    }
+
+    fn with_mut<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut BoxedKv) -> Result<T, KvIndexError> + Send,
+    ) -> PyResult<T> {
+        let mut g = self.inner.write().unwrap_or_else(|e| e.into_inner());
+        let ix = g.as_mut().ok_or_else(closed)?;
+        py.detach(|| f(ix)).map_err(kv_err)
+    }
+}
+
+#[pymethods]
+impl KvIndex {
+    /// `store`: `memory`, `rocksdb` or `holt` (the latter two need their cargo
+    /// feature); `path`: the store's directory; `sync`: fsync every write batch.
+    #[new]
+    #[pyo3(signature = (store, path=None, *, sync=false))]
+    fn new(py: Python<'_>, store: &str, path: Option<PathBuf>, sync: bool) -> PyResult<Self> {
+        let p = path.clone();
+        let ix = py
+            .detach(|| {
+                let s = open_store(store, p.as_deref(), sync).map_err(KvIndexError::from)?;
+                CoreKvIndex::open(s)
+            })
+            .map_err(|e| match e {
+                KvIndexError::Store(e) if e.store == "backend" => {
+                    QuillCacheError::new_err(e.message)
+                }
+                e => kv_err(e),
+            })?;
+        Ok(Self {
+            inner: RwLock::new(Some(ix)),
+            store: store.to_string(),
+        })
+    }
+
+    #[getter]
+    fn store(&self) -> String {
+        self.store.clone()
+    }
+
+    #[pyo3(signature = (worker, dp_rank=0, *, model="", tokenizer=""))]
+    fn register_source(
+        &self,
+        py: Python<'_>,
+        worker: u64,
+        dp_rank: u32,
+        model: &str,
+        tokenizer: &str,
+    ) -> PyResult<()> {
+        self.with_mut(py, |ix| {
+            ix.register_source(SourceKey { worker, dp_rank }, model, tokenizer)
+        })
+    }
+
+    /// Applies raw batches in order, one atomic write batch each; on a decode error
+    /// the earlier ones stay applied and `EventDecodeError` has `payload_index`, `stats`.
+    #[pyo3(signature = (worker, payloads, dp_rank=0))]
+    fn apply(
+        &self,
+        py: Python<'_>,
+        worker: u64,
+        payloads: Vec<Bound<'_, PyBytes>>,
+        dp_rank: u32,
+    ) -> PyResult<StatsTuple> {
+        let slices: Vec<&[u8]> = payloads.iter().map(|b| b.as_bytes()).collect();
+        let source = SourceKey { worker, dp_rank };
+        let mut g = self.inner.write().unwrap_or_else(|e| e.into_inner());
+        let ix = g.as_mut().ok_or_else(closed)?;
+        let (total, failure) = py.detach(|| {
+            let mut total = ApplyStats::default();
+            for (i, p) in slices.iter().enumerate() {
+                match ix.apply_payload(source, p) {
+                    Ok(s) => total += s,
+                    Err(e) => return (total, Some((i, e))),
+                }
+            }
+            (total, None)
+        });
+        match failure {
+            None => Ok(stats_tuple(&total)),
+            Some((i, KvIndexError::Decode(m))) => {
+                let err = EventDecodeError::new_err(format!(
+                    "payload {i} of {} from worker {worker}: {m}",
+                    slices.len()
+                ));
+                let value = err.value(py);
+                value.setattr("payload_index", i)?;
+                value.setattr("stats", stats_tuple(&total))?;
+                Err(err)
+            }
+            Some((_, e)) => Err(kv_err(e)),
+        }
+    }
+
+    #[pyo3(name = "match")]
+    fn match_keys<'py>(
+        &self,
+        py: Python<'py>,
+        keys: PyReadonlyArray1<'py, u64>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let keys = keys_slice(&keys)?;
+        let hits = self.with(py, |ix| ix.match_keys(keys))?;
+        let out = PyList::empty(py);
+        for (worker, dp_rank, medium, blocks) in &hits {
+            out.append((*worker, *dp_rank, medium.as_str(), *blocks))?;
+        }
+        Ok(out)
+    }
+
+    fn match_many<'py>(
+        &self,
+        py: Python<'py>,
+        requests: Vec<PyReadonlyArray1<'py, u64>>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for r in requests {
+            out.append(self.match_keys(py, r)?)?;
+        }
+        Ok(out)
+    }
+
+    fn remove_worker(&self, py: Python<'_>, worker: u64) -> PyResult<u64> {
+        self.with_mut(py, |ix| ix.remove_worker(worker))
+    }
+
+    #[pyo3(signature = (worker, dp_rank=0))]
+    fn clear_source(&self, py: Python<'_>, worker: u64, dp_rank: u32) -> PyResult<u64> {
+        self.with_mut(py, |ix| ix.clear_source(SourceKey { worker, dp_rank }))
+    }
+
+    fn scan<'py>(
+        &self,
+        py: Python<'py>,
+        prefix: PyReadonlyArray1<'py, u64>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let prefix = keys_slice(&prefix)?;
+        let entries = self.with(py, |ix| ix.scan(prefix))?;
+        entries_list(py, &entries)
+    }
+
+    fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let entries = self.with(py, |ix| ix.entries())?;
+        entries_list(py, &entries)
+    }
+
+    fn pin(&self, py: Python<'_>, keys: PyReadonlyArray1<'_, u64>) -> PyResult<()> {
+        let keys = keys_slice(&keys)?;
+        self.with_mut(py, |ix| ix.pin(keys))
+    }
+
+    fn unpin(&self, py: Python<'_>, keys: PyReadonlyArray1<'_, u64>) -> PyResult<()> {
+        let keys = keys_slice(&keys)?;
+        self.with_mut(py, |ix| ix.unpin(keys))
+    }
+
+    /// `(blocks, nodes, resident_pairs, sources, pinned, spilled=0, memory_bytes)`;
+    /// memory is the store's own estimate (memtables, block cache, table readers).
+    fn stats(&self, py: Python<'_>) -> PyResult<(u64, u64, u64, u64, u64, u64, u64)> {
+        self.with(py, |ix| {
+            let (blocks, nodes, pairs, sources, pinned) = ix.counts()?;
+            Ok((
+                blocks,
+                nodes,
+                pairs,
+                sources,
+                pinned,
+                0,
+                ix.store().memory_bytes(),
+            ))
+        })
+    }
+
+    /// Bytes of the store's files.
+    fn disk_bytes(&self, py: Python<'_>) -> PyResult<u64> {
+        self.with(py, |ix| Ok(ix.store().disk_bytes()))
+    }
+
+    /// Flushes the store (memtables to files, WAL fsynced).
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        self.with_mut(py, |ix| ix.store_mut().flush().map_err(KvIndexError::from))
+    }
+
+    /// Flushes and releases the store. Idempotent.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let mut g = self.inner.write().unwrap_or_else(|e| e.into_inner());
+        match g.take() {
+            None => Ok(()),
+            Some(mut ix) => py
+                .detach(|| ix.store_mut().flush().map_err(KvIndexError::from))
+                .map_err(kv_err),
+        }
+    }
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<KvIndex>()?;
     let py = m.py();
     m.add("PersistenceError", py.get_type::<PersistenceError>())?;
     m.add("CorruptIndexError", py.get_type::<CorruptIndexError>())?;
