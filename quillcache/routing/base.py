@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 from typing import Any, ClassVar
 
+from quillcache.errors import ConfigError
 from quillcache.routing.types import (
     Action,
     Decision,
@@ -35,7 +36,7 @@ class Router:
 
     def __init__(self, *, seed: int = 0, **params: Any) -> None:
         if params:
-            raise TypeError(
+            raise ConfigError(
                 f"router {self.name or type(self).__name__!r} got unknown parameters: "
                 + ", ".join(sorted(params))
             )

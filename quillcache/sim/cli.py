@@ -236,6 +236,11 @@ def _run(args: argparse.Namespace, err: Any) -> int:
         if not dot or rname not in known:
             raise ConfigError(f"--router-opt needs ROUTER.KEY=VALUE with a known router: {key}")
         router_opts.setdefault(rname, {})[param] = value
+    for rname, opts in router_opts.items():
+        try:
+            create_router(rname, **opts)  # fail fast on a bad option
+        except TypeError as exc:
+            raise ConfigError(f"--router-opt for {rname}: {exc}") from None
 
     config = CostModelConfig.load(args.cost_config) if args.cost_config else CostModelConfig()
     if args.cost:

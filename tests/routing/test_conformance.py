@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
+from quillcache.errors import ConfigError
 from quillcache.routing import (
     Action,
     Decision,
@@ -77,5 +78,5 @@ def test_no_workers_is_a_rejection_not_a_crash(name: str) -> None:
 
 @pytest.mark.parametrize("name", ROUTERS)
 def test_unknown_parameters_are_refused(name: str) -> None:
-    with pytest.raises(TypeError, match="no_such_option"):
+    with pytest.raises(ConfigError, match="no_such_option"):
         create_router(name, no_such_option=1)

@@ -1,0 +1,122 @@
+"""`quillcache simulate` end to end, in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.sim.trace_fixture import write_chained_trace
+
+SMALL = [
+    "--requests",
+    "120",
+    "--prefix-groups",
+    "4",
+    "--shared-prefix-blocks",
+    "8",
+    "--unique-blocks",
+    "2",
+    "--no-progress",
+]
+
+
+def _sim(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "quillcache", "simulate", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_default_style_table_lists_every_router() -> None:
+    from quillcache.routing import BUILTIN_ORDER
+
+    out = _sim(*SMALL).stdout
+    for name in BUILTIN_ORDER:
+        assert name in out
+    assert "TTFT" in out and "block hit" in out
+
+
+def test_json_is_deterministic_and_complete() -> None:
+    args = [
+        *SMALL,
+        "--routers",
+        "random,quillcache,sglang",
+        "--backends",
+        "memory,native",
+        "--json",
+        "-",
+    ]
+    a, b = _sim(*args).stdout, _sim(*args).stdout
+    assert a == b
+    data = json.loads(a)
+    rows = data["results"]
+    assert {(r["router"], r["backend"]) for r in rows} == {
+        (r, b) for r in ("random", "quillcache", "sglang") for b in ("memory", "native")
+    }
+    for r in rows:
+        assert r["requests"] == 120 and r["ttft_p99_s"] >= r["ttft_p50_s"] > 0
+        assert abs(sum(r["worker_share"]) - 1) < 1e-3
+    # both backends see the same events, so they must agree on everything
+    by = {(r["router"], r["backend"]): r for r in rows}
+    for name in ("random", "quillcache", "sglang"):
+        mem, nat = dict(by[(name, "memory")]), dict(by[(name, "native")])
+        mem.pop("backend"), nat.pop("backend")
+        assert mem == nat
+    other_seed = json.loads(_sim(*args[:-2], "--seed", "1", "--json", "-").stdout)
+    assert other_seed["results"] != rows
+
+
+@pytest.mark.slow
+def test_trace_capacity_sweep_with_plot(tmp_path) -> None:
+    trace = tmp_path / "t.jsonl"
+    write_chained_trace(trace, sessions=40)
+    png = tmp_path / "plot.png"
+    out = tmp_path / "r.json"
+    _sim(
+        "--trace",
+        str(trace),
+        "--workers",
+        "1",
+        "--capacity",
+        "4,16,unbounded",
+        "--routers",
+        "round-robin",
+        "--timing",
+        "none",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+        "--no-progress",
+    )
+    rows = json.loads(out.read_text())["results"]
+    rates = [r["block_hit_rate"] for r in rows]
+    assert [r["capacity_point"] for r in rows] == [4, 16, "unbounded"]
+    assert rates == sorted(rates) and rates[-1] > rates[0]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--routers", "nope"], "unknown router 'nope'"),
+        (["--backends", "nope"], "unknown index backend 'nope'"),
+        (["--capacity", "-3"], "must be positive"),
+        (["--trace", "/no/such/file.jsonl"], "cannot read trace"),
+        (["--cost", "gpu.nope=1"], "unknown cost-model field"),
+        (["--router-opt", "mooncake.bogus=1"], "bogus"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_message(args: list[str], needle: str) -> None:
+    proc = _sim(*SMALL, *args, check=False)
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
