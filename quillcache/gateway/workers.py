@@ -87,6 +87,7 @@ class WorkerPool:
         self.tokenizer_id = tokenizer_id
         self.workers: dict[int, Worker] = {}
         self._next_id = 0
+        self._models: dict[str, str] | None = None  # cache of models(), reset on changes
 
     # -- discovery -----------------------------------------------------------------------
 
@@ -166,6 +167,7 @@ class WorkerPool:
         ranks = max(len(w.sources), w.config.dp_ranks, 1)
         self.cp.add_worker(w.id, dp_ranks=ranks, model=w.base_model, tokenizer=self.tokenizer_id)
         self.workers[w.id] = w
+        self._models = None
         subscribed = []
         for src in w.sources:
             src = ZmqSourceConfig(
@@ -187,6 +189,7 @@ class WorkerPool:
         self.ingestor.remove_worker(worker_id)
         self.cp.remove_worker(worker_id)
         del self.workers[worker_id]
+        self._models = None
         return w
 
     def get(self, worker_id: int) -> Worker:
@@ -227,10 +230,12 @@ class WorkerPool:
     # -- models --------------------------------------------------------------------------
 
     def models(self) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for w in self.workers.values():
-            out.update(w.models)
-        return out
+        """Served model name -> LoRA adapter ("" for a base model), over every worker."""
+        if self._models is None:
+            self._models = {}
+            for w in self.workers.values():
+                self._models.update(w.models)
+        return self._models
 
     def any_routable(self) -> Worker | None:
         for w in self.workers.values():

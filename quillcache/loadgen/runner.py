@@ -1,5 +1,8 @@
 """Sending the workload: N concurrent clients, or arrivals at a rate / trace times.
 
+aiohttp rather than httpx: the client must not be the bottleneck it measures (httpx's
+pool scan made a 64-connection client CPU-bound well before the servers were).
+
 Timing per request: TTFT = first content chunk (streaming) or the whole answer (not
 streaming), inter-token latency = gaps between content chunks, end-to-end = last byte.
 """
@@ -13,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from quillcache.loadgen.workload import LoadRequest
 
@@ -69,7 +72,7 @@ def _usage(sample: Sample, data: dict[str, object]) -> None:
             sample.cached_tokens = int(details.get("cached_tokens") or 0)
 
 
-async def one_request(client: httpx.AsyncClient, cfg: RunConfig, req: LoadRequest) -> Sample:
+async def one_request(client: aiohttp.ClientSession, cfg: RunConfig, req: LoadRequest) -> Sample:
     path = "/v1/chat/completions" if cfg.chat else "/v1/completions"
     headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     if req.session:
@@ -77,25 +80,24 @@ async def one_request(client: httpx.AsyncClient, cfg: RunConfig, req: LoadReques
     start = time.perf_counter()
     sample = Sample(ok=False)
     try:
-        async with client.stream(
-            "POST", cfg.url + path, json=_body(cfg, req), headers=headers
-        ) as resp:
-            sample.status = resp.status_code
+        async with client.post(cfg.url + path, json=_body(cfg, req), headers=headers) as resp:
+            sample.status = resp.status
             sample.worker = resp.headers.get("x-quillcache-worker", "")
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                sample.error = f"HTTP {resp.status_code}: {text[:200]}"
+            if resp.status != 200:
+                text = (await resp.read()).decode(errors="replace")
+                sample.error = f"HTTP {resp.status}: {text[:200]}"
                 sample.e2e_s = time.perf_counter() - start
                 return sample
             if not cfg.stream:
-                data = json.loads(await resp.aread())
+                data = json.loads(await resp.read())
                 sample.e2e_s = sample.ttft_s = time.perf_counter() - start
                 _usage(sample, data)
                 sample.ok = True
                 return sample
             last = 0.0
             done = False
-            async for line in resp.aiter_lines():
+            async for raw in resp.content:  # one SSE line at a time
+                line = raw.decode().rstrip("\r\n")
                 if not line.startswith("data: "):
                     continue
                 payload = line[6:]
@@ -125,7 +127,7 @@ async def one_request(client: httpx.AsyncClient, cfg: RunConfig, req: LoadReques
             if not done:
                 sample.error = "stream ended without [DONE]"
             return sample
-    except (httpx.HTTPError, ValueError) as exc:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         sample.error = f"{type(exc).__name__}: {exc}"[:200]
         sample.e2e_s = time.perf_counter() - start
         return sample
@@ -137,12 +139,10 @@ async def run_load(
     progress: Callable[[Sample], None] | None = None,
 ) -> tuple[list[Sample], float]:
     """Send every request; returns the samples (in completion order) and the wall time."""
-    limits = httpx.Limits(
-        max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency
-    )
-    timeout = httpx.Timeout(cfg.timeout_s, connect=10.0)
+    connector = aiohttp.TCPConnector(limit=cfg.concurrency, limit_per_host=0)
+    timeout = aiohttp.ClientTimeout(total=cfg.timeout_s, sock_connect=10.0)
     samples: list[Sample] = []
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         started = time.perf_counter()
 
         async def send(req: LoadRequest) -> None:
