@@ -1,0 +1,1 @@
+"""Benchmarks of the index backends (`quillcache bench-index`), see docs/persistence.md."""

@@ -1,0 +1,42 @@
+"""Backends by name for the benchmark, with their persistence capabilities."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from quillcache.index.protocol import IndexBackend
+
+#: Every backend the benchmark knows, in table order.
+ALL = ["memory", "native", "native-wal", "kv-memory", "rocksdb", "holt"]
+#: Backends that keep their state on disk (recovery is measured for these).
+PERSISTENT = {"native-wal", "rocksdb", "holt"}
+
+
+def available(name: str) -> tuple[bool, str]:
+    """(usable in this build, why not)."""
+    if name in ("memory", "native", "native-wal", "kv-memory"):
+        return True, ""
+    if name == "rocksdb":
+        from quillcache.index.rocks import store_available
+
+        if store_available("rocksdb"):
+            return True, ""
+        return False, "extension built without the rocksdb feature"
+    if name == "holt":
+        return False, "holt 0.9.2 does not build here (see docs/persistence.md)"
+    return False, f"unknown backend {name!r}"
+
+
+def open_backend(name: str, path: Path | None, options: dict[str, Any]) -> IndexBackend:
+    if name == "native-wal":
+        from quillcache.index.durable import DurableNativeIndex
+
+        return DurableNativeIndex(path, durability=options.get("durability", "interval:10"))
+    if name in ("rocksdb", "kv-memory"):
+        from quillcache.index.rocks import KvMemoryIndex, RocksDbIndex
+
+        return RocksDbIndex(path) if name == "rocksdb" else KvMemoryIndex()
+    from quillcache.index import create_backend
+
+    return create_backend(name)
