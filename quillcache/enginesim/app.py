@@ -23,10 +23,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from quillcache.enginesim.engine import Admission, EngineConfig, SimEngine
+from quillcache.enginesim.engine import Admission, EngineConfig, EngineRequestError, SimEngine
 from quillcache.enginesim.publisher import KvEventPublisher
 from quillcache.enginesim.tokenizer import ByteTokenizer, Tokenizer
-from quillcache.events.encode import BlockRemoved, BlockStored, Event, encode_batch
+from quillcache.events.encode import BlockRemoved, BlockStored, encode_batch
 
 
 def error_response(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
@@ -118,28 +118,17 @@ class EngineApp:
         self.config = config
         self.tokenizer = tokenizer or ByteTokenizer()
         self.publisher = publisher
-        self.engine = SimEngine(config, self._on_events)
+        self.engine = SimEngine(config, self._publish)
         self.healthy = True
         self.flood_blocks = 0
         self._flooding = False
-        self._pending: list[Event] = []
         self._registry = CollectorRegistry(auto_describe=True)
         self._registry.register(_EngineCollector(self.engine))  # type: ignore[arg-type]
         self.models = [config.model, *config.lora_modules]
 
-    # -- events: every event produced in one loop tick goes out as one batch ------------
-
-    def _on_events(self, events: list[Event]) -> None:
-        if self.publisher is None:
-            return
-        if not self._pending:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._pending.extend(events)
-
-    def _flush(self) -> None:
-        events, self._pending = self._pending, []
-        if events and self.publisher is not None:
-            self.publisher.publish(encode_batch(events, ts=time.time(), dp_rank=0))
+    def _publish(self, payload: bytes) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(payload)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -200,7 +189,8 @@ class EngineApp:
         return JSONResponse({"block_size": self.config.block_size, "sources": sources})
 
     async def reset_prefix_cache(self, request: Request) -> Response:
-        self.engine.reset_prefix_cache()
+        if not self.engine.reset_prefix_cache():
+            return error_response(400, "cannot reset the prefix cache while requests run")
         return Response(status_code=200)
 
     async def debug_drop_events(self, request: Request) -> Response:
@@ -343,6 +333,10 @@ class EngineApp:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         admitted: list[Admission] = []
+        try:
+            self.engine.check(len(prompt), max_tokens)
+        except EngineRequestError as exc:
+            return error_response(400, str(exc))
         stream = self.engine.generate(
             prompt,
             max_tokens,

@@ -22,9 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-num-seqs", type=int, default=256, help="requests running at once")
     a("--max-model-len", type=int, default=8192)
     a("--time-scale", type=float, default=1.0, help="multiplies every latency (0 = no waits)")
-    a("--step-ms", type=float, default=2.0, help="fixed cost of the first step")
-    a("--prefill-ms-per-1k-tokens", type=float, default=25.0, help="per uncached prompt token")
-    a("--itl-ms", type=float, default=5.0, help="time per generated token")
+    a("--cost-config", default=None, help="cost model JSON/YAML (default: 8B model on A100)")
     a(
         "--kv-events-config",
         default=None,
@@ -55,6 +53,7 @@ def _kv_config(raw: str | None) -> dict[str, Any] | None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
+    from quillcache.costmodel import CostModelConfig
     from quillcache.enginesim.app import EngineApp
     from quillcache.enginesim.engine import EngineConfig
     from quillcache.enginesim.publisher import KvEventPublisher
@@ -63,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         kv = _kv_config(args.kv_events_config)
         tokenizer = load_tokenizer(args.tokenizer)
+        cost = CostModelConfig.load(args.cost_config) if args.cost_config else None
     except ConfigError as exc:
         print(f"engine-sim: {exc}", file=sys.stderr)
         return 2
@@ -73,9 +73,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         time_scale=args.time_scale,
-        step_ms=args.step_ms,
-        prefill_ms_per_1k_tokens=args.prefill_ms_per_1k_tokens,
-        itl_ms=args.itl_ms,
+        cost=cost,
         lora_modules=list(args.lora_modules),
     )
     publisher = None

@@ -1,24 +1,37 @@
-"""The simulated engine: a paged prefix cache with LRU eviction, admission control,
-and real-time latency, publishing vLLM-format KV events for what it caches and evicts.
+"""The simulated engine in real time: the simulator's engine model (`quillcache.sim.engine`,
+vLLM's block pool and scheduler) driven step by step by the wall clock.
 
-Latency follows the cache the way a GPU's does: time to first token grows with the
-prompt tokens that are *not* cached (prefill), then one token per `itl_ms`. Every
-duration is multiplied by `time_scale` (0 = as fast as possible).
+Each step lasts what the cost model says it would on the modelled GPU (times
+`time_scale`; 0 = as fast as possible), so a request's time to first token depends
+on how much of its prompt is cached, exactly as in the simulator. After every step
+the model's KV events go out as one batch (vLLM publishes once per step) and every
+running request receives the tokens it produced.
+
+The model keys its cache by QuillCache content keys; a request's namespace includes
+its LoRA adapter and `cache_salt`, so tenants never share blocks in the engine either.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import struct
+import itertools
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-import xxhash
+import numpy as np
 
-from quillcache.events.encode import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from quillcache.costmodel import CostModel, CostModelConfig
+from quillcache.events.encode import AllBlocksCleared, encode_batch
+from quillcache.gateway.keys import content_keys, namespace
+from quillcache.sim.engine import EngineModel, Running
+from quillcache.sim.requests import SimRequest
 
-EventSink = Callable[[list[Event]], None]
+Publish = Callable[[bytes], None]
+
+
+class EngineRequestError(ValueError):
+    """A request this engine can never serve (e.g. larger than its whole KV cache)."""
 
 
 @dataclass
@@ -29,10 +42,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int = 8192
     time_scale: float = 1.0
-    step_ms: float = 2.0  # fixed cost of the first step
-    prefill_ms_per_1k_tokens: float = 25.0  # per uncached prompt token, x1000
-    itl_ms: float = 5.0
-    hash_seed: int = 0x5EED
+    cost: CostModelConfig | None = None  # None: the cost model's defaults
     lora_modules: list[str] = field(default_factory=list)
 
 
@@ -40,146 +50,85 @@ class EngineConfig:
 class Admission:
     prompt_tokens: int
     cached_tokens: int
-    block_hashes: list[int]
 
 
-def _block_hash(seed: int, parent: int, tokens: Sequence[int]) -> int:
-    data = struct.pack(f"<Q{len(tokens)}I", parent, *tokens)
-    return xxhash.xxh3_64_intdigest(data, seed=seed)
+@dataclass
+class _Stream:
+    run: Running
+    tokens: asyncio.Queue[int | None]  # output tokens produced so far; None = finished
+    admitted: bool = False
+    finished: bool = False
+    on_admitted: Callable[[Admission], None] | None = None
 
 
 class SimEngine:
-    """One engine rank. Single-threaded: call it from the event loop only."""
+    """One engine rank. Single-threaded: use it from the event loop only."""
 
-    def __init__(self, config: EngineConfig, emit: EventSink | None = None) -> None:
+    def __init__(self, config: EngineConfig, publish: Publish | None = None) -> None:
         self.config = config
-        self._emit = emit or (lambda events: None)
-        # engine hash -> None, least recently used first; a cached block may be in use
-        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._in_use: collections.Counter[int] = collections.Counter()
-        self._slots = asyncio.Semaphore(config.max_num_seqs)
-        self.running = 0
-        self.waiting = 0
+        self._publish = publish or (lambda payload: None)
+        cost = CostModel(config.cost)
+        self.model = EngineModel(
+            0,
+            capacity_blocks=config.num_gpu_blocks,
+            block_size=config.block_size,
+            cost=cost,
+            max_num_seqs=config.max_num_seqs,
+        )
+        self._streams: dict[int, _Stream] = {}
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which cached
         self.requests_total = 0
 
-    # -- cache -----------------------------------------------------------------------
+    # -- state for /metrics ----------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        return len(self.model.running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.model.waiting)
 
     @property
     def kv_usage(self) -> float:
-        return len(self._lru) / self.config.num_gpu_blocks
-
-    def _chain(self, tokens: Sequence[int], salt: str, lora: str) -> list[int]:
-        b = self.config.block_size
-        parent = xxhash.xxh3_64_intdigest(f"{lora}\x00{salt}".encode(), seed=self.config.hash_seed)
-        out = []
-        for start in range(0, len(tokens) - b + 1, b):
-            parent = _block_hash(self.config.hash_seed, parent, tokens[start : start + b])
-            out.append(parent)
-        return out
-
-    def _store(
-        self,
-        tokens: Sequence[int],
-        hashes: list[int],
-        first: int,
-        salt: str,
-        lora: str,
-        events: list[Event],
-    ) -> None:
-        """Cache blocks `first..` of a chain (the earlier ones are cached), evicting LRU ones."""
-        b = self.config.block_size
-        new = [i for i in range(first, len(hashes)) if hashes[i] not in self._lru]
-        if not new:
-            for h in hashes[first:]:
-                self._lru.move_to_end(h)
-            return
-        for h in hashes[:first]:
-            self._lru.move_to_end(h)
-        evicted = self._make_room(len(new))
-        events.extend(BlockRemoved(block_hashes=[h]) for h in evicted)  # vLLM: one per event
-        start = new[0]
-        if len(self._lru) + len(hashes) - start > self.config.num_gpu_blocks:
-            return  # everything is in use: vLLM would preempt; we simply do not cache
-        for h in hashes[start:]:
-            self._lru[h] = None
-            self._lru.move_to_end(h)
-        extra: list[list[str] | None] = []
-        for i in range(start, len(hashes)):
-            keys = [lora] if lora else []
-            if i == 0 and salt:
-                keys.append(salt)
-            extra.append(keys or None)
-        events.append(
-            BlockStored(
-                block_hashes=hashes[start:],
-                parent_block_hash=hashes[start - 1] if start else None,
-                token_ids=list(tokens[start * b : len(hashes) * b]),
-                block_size=b,
-                lora_name=lora or None,
-                extra_keys=extra if any(e is not None for e in extra) else None,
-            )
-        )
-
-    def _make_room(self, needed: int) -> list[int]:
-        free = self.config.num_gpu_blocks - len(self._lru)
-        evicted: list[int] = []
-        if free >= needed:
-            return evicted
-        for h in list(self._lru):
-            if free >= needed:
-                break
-            if self._in_use[h]:
-                continue
-            del self._lru[h]
-            evicted.append(h)
-            free += 1
-        return evicted
-
-    def admit(self, tokens: Sequence[int], salt: str = "", lora: str = "") -> Admission:
-        hashes = self._chain(tokens, salt, lora)
-        hit = 0
-        while hit < len(hashes) and hashes[hit] in self._lru:
-            hit += 1
-        cached_tokens = hit * self.config.block_size
-        if cached_tokens == len(tokens) and hit:  # vLLM always recomputes the last token
-            cached_tokens -= self.config.block_size
-        self.prefix_queries += len(tokens)
-        self.prefix_hits += cached_tokens
-        events: list[Event] = []
-        self._store(tokens, hashes, hit, salt, lora, events)
-        self._in_use.update(h for h in hashes if h in self._lru)
-        if events:
-            self._emit(events)
-        return Admission(len(tokens), cached_tokens, hashes)
-
-    def release(
-        self, admission: Admission, all_tokens: Sequence[int], salt: str, lora: str
-    ) -> None:
-        """A request ended: its blocks become evictable; generated full blocks get cached."""
-        self._in_use.subtract(h for h in admission.block_hashes if h in self._lru)
-        self._in_use += collections.Counter()  # drop non-positive counts
-        hashes = self._chain(all_tokens, salt, lora)
-        if len(hashes) > len(admission.block_hashes) and all(
-            h in self._lru for h in hashes[: len(admission.block_hashes)]
-        ):
-            events: list[Event] = []
-            self._store(all_tokens, hashes, len(admission.block_hashes), salt, lora, events)
-            if events:
-                self._emit(events)
-
-    def reset_prefix_cache(self) -> int:
-        dropped = len(self._lru)
-        self._lru.clear()
-        self._in_use.clear()
-        self._emit([AllBlocksCleared()])
-        return dropped
+        return self.model.kv_usage
 
     # -- requests --------------------------------------------------------------------
 
-    async def _sleep_ms(self, ms: float) -> None:
-        await asyncio.sleep(ms * self.config.time_scale / 1000.0)
+    def check(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raise `EngineRequestError` for a request that could never be admitted."""
+        bs = self.config.block_size
+        needed = -(-(prompt_tokens + max(max_tokens, 1)) // bs)
+        room = self.config.num_gpu_blocks - len(self.model.pinned)
+        if needed > room:
+            raise EngineRequestError(
+                f"the request needs {needed} KV blocks; this engine has {room}"
+            )
+
+    def _request(self, prompt: Sequence[int], max_tokens: int, salt: str, lora: str) -> SimRequest:
+        bs = self.config.block_size
+        ns = namespace(self.config.model, "", lora, salt, bs)
+        keys = content_keys(prompt, bs, ns)
+        req = SimRequest(
+            rid=next(self._ids),
+            arrival_s=time.monotonic(),
+            prompt_tokens=len(prompt),
+            output_tokens=max(max_tokens, 1),
+            keys=keys,
+            block_size=bs,
+            tokens=np.asarray(prompt, dtype=np.uint32),
+            keys_list=keys.tolist(),
+        )
+        if not self.model.fits_ever(req):
+            raise EngineRequestError(
+                f"the request needs {self.model.blocks_needed(req)} KV blocks; "
+                f"this engine has {self.config.num_gpu_blocks}"
+            )
+        return req
 
     async def generate(
         self,
@@ -191,30 +140,102 @@ class SimEngine:
         lora: str = "",
         on_admitted: Callable[[Admission], None] | None = None,
     ) -> AsyncIterator[int]:
-        """Yield `max_tokens` generated ids in real time; cancellation frees the slot."""
-        self.waiting += 1
+        """Yield `max_tokens` generated ids as the engine produces them; closing the
+        generator early aborts the request and frees its blocks."""
+        req = self._request(prompt, max_tokens, salt, lora)
         self.requests_total += 1
+        stream = _Stream(self.model.enqueue(req), asyncio.Queue(), on_admitted=on_admitted)
+        self._streams[req.rid] = stream
+        self._ensure_loop()
+        produced = 0
         try:
-            await self._slots.acquire()
+            while produced < max_tokens:
+                available = await stream.tokens.get()
+                if available is None:
+                    break
+                while produced < min(available, max_tokens):
+                    yield next_token(produced)
+                    produced += 1
+            while not stream.finished and max_tokens == 0:  # wait for the prefill anyway
+                if await stream.tokens.get() is None:
+                    break
         finally:
-            self.waiting -= 1
-        self.running += 1
-        output: list[int] = []
-        admission = self.admit(prompt, salt, lora)
-        if on_admitted is not None:
-            on_admitted(admission)
-        try:
-            uncached = admission.prompt_tokens - admission.cached_tokens
-            await self._sleep_ms(
-                self.config.step_ms + uncached * self.config.prefill_ms_per_1k_tokens / 1000
-            )
-            for i in range(max_tokens):
-                if i:
-                    await self._sleep_ms(self.config.itl_ms)
-                token = next_token(i)
-                output.append(token)
-                yield token
-        finally:
-            self.running -= 1
-            self._slots.release()
-            self.release(admission, [*prompt, *output], salt, lora)
+            if not stream.finished:
+                self._abort(stream)
+            self._streams.pop(req.rid, None)
+
+    def _abort(self, stream: _Stream) -> None:
+        """The client went away: drop the request from the scheduler, free its blocks."""
+        m, run = self.model, stream.run
+        if run in m.waiting:
+            m.waiting.remove(run)
+            m.queued_prefill_tokens -= max(run.req.prompt_tokens - run.hit_blocks * m.block_size, 1)
+        elif run in m.running:
+            m.running.remove(run)
+            m.queued_prefill_tokens -= max(run.req.prompt_tokens - run.computed, 0)
+            m._finish(run)
+        stream.finished = True
+        self._flush_events()
+
+    # -- the step loop ---------------------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        m, scale = self.model, self.config.time_scale
+        while True:
+            if not m.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            step_s, _, chunks, decoders = m.plan_step()
+            self._note_admissions()
+            if not chunks and not decoders:  # nothing admissible: wait for a change
+                self._flush_events()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await asyncio.sleep(step_s * scale)
+            done = m.apply_step(time.monotonic(), 1, chunks, decoders, step_s)
+            self._flush_events()
+            for run in itertools.chain((r for r, _ in chunks), decoders):
+                stream = self._streams.get(run.req.rid)
+                if stream is not None and run.output_done:
+                    stream.tokens.put_nowait(run.output_done)
+            for run in done:
+                stream = self._streams.get(run.req.rid)
+                if stream is not None:
+                    stream.finished = True
+                    stream.tokens.put_nowait(None)
+
+    def _note_admissions(self) -> None:
+        bs = self.config.block_size
+        for run in self.model.running:
+            stream = self._streams.get(run.req.rid)
+            if stream is None or stream.admitted:
+                continue
+            stream.admitted = True
+            cached = min(run.hit_blocks * bs, run.req.prompt_tokens)
+            self.prefix_queries += run.req.prompt_tokens
+            self.prefix_hits += cached
+            if stream.on_admitted is not None:
+                stream.on_admitted(Admission(run.req.prompt_tokens, cached))
+
+    def _flush_events(self) -> None:
+        payload = self.model.drain_events(time.time())
+        if payload:
+            self._publish(payload)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block that no request uses (vLLM refuses while busy)."""
+        m = self.model
+        if m.running or m.waiting:
+            return False
+        m.free.clear()
+        m.cpu.clear()
+        self._flush_events()
+        self._publish(encode_batch([AllBlocksCleared()], ts=time.time(), dp_rank=0))
+        return True
