@@ -14,17 +14,19 @@ its LoRA adapter and `cache_salt`, so tenants never share blocks in the engine e
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgpack
 import numpy as np
 
 from quillcache.costmodel import CostModel, CostModelConfig
-from quillcache.events.encode import AllBlocksCleared, encode_batch
+from quillcache.events.encode import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 from quillcache.gateway.keys import content_keys, namespace
-from quillcache.sim.engine import EngineModel, Running
+from quillcache.sim.engine import EngineModel, Running, engine_hash
 from quillcache.sim.requests import SimRequest
 
 Publish = Callable[[bytes], None]
@@ -79,6 +81,9 @@ class SimEngine:
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # engine hash -> (LoRA, cache_salt, is block 0) of blocks of LoRA / salted requests:
+        # the model's events carry token ids only, vLLM's also carry these (see _tag)
+        self._tags: collections.OrderedDict[int, tuple[str, str, bool]] = collections.OrderedDict()
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which cached
         self.requests_total = 0
@@ -123,6 +128,13 @@ class SimEngine:
             tokens=np.asarray(prompt, dtype=np.uint32),
             keys_list=keys.tolist(),
         )
+        if salt or lora:
+            for i, key in enumerate(req.keys_list):
+                h = engine_hash(key, self.model.salt)
+                self._tags[h] = (lora, salt, i == 0)
+                self._tags.move_to_end(h)
+            while len(self._tags) > 4 * self.config.num_gpu_blocks:
+                self._tags.popitem(last=False)
         if not self.model.fits_ever(req):
             raise EngineRequestError(
                 f"the request needs {self.model.blocks_needed(req)} KV blocks; "
@@ -227,7 +239,35 @@ class SimEngine:
     def _flush_events(self) -> None:
         payload = self.model.drain_events(time.time())
         if payload:
-            self._publish(payload)
+            self._publish(self._tag(payload) if self._tags else payload)
+
+    def _tag(self, payload: bytes) -> bytes:
+        """Add what vLLM's BlockStored carries for LoRA / salted requests: `lora_name`, and
+        per block `extra_keys` (the adapter name; `cache_salt` on block 0). The index
+        derives the namespace from them, as the gateway does from the request."""
+        ts, raw_events, rank = msgpack.unpackb(payload)
+        events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+        changed = False
+        for ev in raw_events:
+            kind = ev.pop("type")
+            if kind == "BlockStored":
+                tags = [self._tags.get(h) for h in ev["block_hashes"]]
+                if any(tags):
+                    changed = True
+                    lora = next(t[0] for t in tags if t)
+                    ev["lora_name"] = lora or None
+                    ev["extra_keys"] = [
+                        ([t[0]] if t[0] else []) + ([t[1]] if t[1] and t[2] else []) or None
+                        if t
+                        else None
+                        for t in tags
+                    ]
+                events.append(BlockStored(**ev))
+            elif kind == "BlockRemoved":
+                events.append(BlockRemoved(**ev))
+            else:
+                events.append(AllBlocksCleared())
+        return encode_batch(events, ts=ts, dp_rank=rank) if changed else payload
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block that no request uses (vLLM refuses while busy)."""

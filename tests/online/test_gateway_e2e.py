@@ -221,3 +221,36 @@ def test_dropped_events_are_replayed(shared_stack: Stack) -> None:
     assert metric(text, "quillcache_kv_event_gaps_total") >= 1
     assert metric(text, "quillcache_kv_event_replays_total") > before
     assert metric(text, "quillcache_kv_stale_sources") == 0
+
+
+def test_tenants_never_share_prefixes(shared_stack: Stack) -> None:
+    gw = shared_stack.gateway
+    assert gw is not None
+    admin = shared_stack.admin()
+    text = long_prompt("tenant-" + uuid.uuid4().hex[:6], blocks=6)
+    first = httpx.post(
+        gw.url + "/v1/completions",
+        json={"prompt": text, "max_tokens": 1},
+        headers={"x-tenant-id": "tenant-a"},
+    )
+    assert first.status_code == 200
+    holder = int(first.headers["x-quillcache-worker"])
+
+    def blocks(body: dict[str, object]) -> int:
+        matches = admin.post("/admin/lookup", json=body).json()["matches"]
+        return max((m["blocks"] for m in matches if m["worker"] == holder), default=0)
+
+    wait_for(lambda: blocks({"prompt": text, "cache_salt": "tenant-a"}) == 6, what="tenant a")
+    assert blocks({"prompt": text, "cache_salt": "tenant-b"}) == 0
+    assert blocks({"prompt": text}) == 0
+    # and the engine does not serve tenant b from tenant a's cache either
+    other = httpx.post(
+        shared_stack.engines[holder].url + "/v1/completions",
+        json={"prompt": text, "max_tokens": 1, "cache_salt": "tenant-b"},
+    )
+    assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    same = httpx.post(
+        shared_stack.engines[holder].url + "/v1/completions",
+        json={"prompt": text, "max_tokens": 1, "cache_salt": "tenant-a"},
+    )
+    assert same.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * 16 - 16
