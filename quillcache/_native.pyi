@@ -127,4 +127,64 @@ def decode_batch(payload: bytes) -> EventBatch:
 
 # --- index (rust/python/src/index.rs) ---
 
+#: (worker, dp_rank, medium, blocks): one Match, sorted by (worker, dp_rank, medium).
+_MatchTuple: TypeAlias = tuple[int, int, str, int]
+#: (worker, dp_rank, medium, refcount): one Residency.
+_HolderTuple: TypeAlias = tuple[int, int, str, int]
+#: (key, parent, depth, holders, pinned): one Entry.
+_EntryTuple: TypeAlias = tuple[int, int, int, list[_HolderTuple], bool]
+#: (batches, events, blocks_stored, blocks_removed, clears, orphan_blocks,
+#:  unknown_removals, invalid_events): the fields of quillcache.index.ApplyStats.
+_ApplyTuple: TypeAlias = tuple[int, int, int, int, int, int, int, int]
+_Keys: TypeAlias = npt.NDArray[np.uint64]
+
+class NativeIndex:
+    """The Rust residency index (docs/index.md). Thread-safe: an internal RwLock, taken
+    with the GIL released (match shares it, everything else is exclusive). Worker ids
+    are u64, dp ranks u32 (OverflowError otherwise); keys must be contiguous 1-D uint64
+    arrays (QuillCacheError otherwise). `quillcache.index.native.NativeIndex` wraps this
+    class into the IndexBackend protocol with validated input and dataclass results."""
+
+    def __init__(self) -> None: ...
+    def register_source(
+        self, worker: int, dp_rank: int = 0, *, model: str = "", tokenizer: str = ""
+    ) -> None:
+        """Model and tokenizer of a source: the base of its events' namespace."""
+    def apply(self, worker: int, payloads: list[bytes], dp_rank: int = 0) -> _ApplyTuple:
+        """Decode and apply raw msgpack event batches in order, GIL released for the
+        whole list. A batch's own dp_rank wins over the argument. On a batch that does
+        not decode, raises EventDecodeError("payload i of n from worker w: ...") with
+        attributes `payload_index` (int) and `stats` (_ApplyTuple of the batches
+        applied before it, which stay applied)."""
+    def match(self, keys: _Keys) -> list[_MatchTuple]:
+        """Longest run from block 0 of `keys` that each (source, medium) holds (>= 1)."""
+    def match_many(self, requests: list[_Keys]) -> list[list[_MatchTuple]]:
+        """`match` for each request; one GIL release for the whole list."""
+    def remove_worker(self, worker: int) -> int:
+        """Forget every dp rank of the worker; returns the resident pairs dropped."""
+    def clear_source(self, worker: int, dp_rank: int = 0) -> int:
+        """AllBlocksCleared for one source (registration kept); returns pairs dropped."""
+    def scan(self, prefix: _Keys) -> list[_EntryTuple]:
+        """Blocks with a holder or pin under the block named by prefix[-1] (itself
+        included), sorted by key; all of them for an empty prefix."""
+    def entries(self) -> list[_EntryTuple]:
+        """Every block with a holder or a pin, in no particular order."""
+    def pin(self, keys: _Keys) -> None:
+        """One pin on every block of the path (unknown blocks are created)."""
+    def unpin(self, keys: _Keys) -> None:
+        """One pin less on every pinned block of the path (no-op for unpinned ones)."""
+    def stats(self) -> tuple[int, int, int, int, int, int, int]:
+        """(blocks, nodes, resident_pairs, sources, pinned, spilled, memory_bytes);
+        memory_bytes is the exact heap usage of the Rust structures (by capacity)."""
+    def snapshot(self) -> bytes:
+        """The complete state: versioned (magic QCIDXSNP), CRC-32 checksummed."""
+    @staticmethod
+    def from_snapshot(data: bytes) -> NativeIndex:
+        """Restore from `snapshot()` bytes; corrupt, truncated or unknown-version data
+        raises QuillCacheError."""
+    def state_eq(self, other: NativeIndex) -> bool:
+        """Same logical state (blocks, holders, refcounts, pins, sources, engine maps)."""
+    def check_invariants(self) -> None:
+        """Recount every counter and link; raises QuillCacheError if anything is off."""
+
 # --- persistence (rust/python/src/persist.rs) ---
