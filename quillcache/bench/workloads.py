@@ -43,6 +43,7 @@ class Workload:
     batches: list[tuple[int, bytes, int, int]] = field(default_factory=list)
     queries: list[np.ndarray] = field(default_factory=list)
     scans: list[np.ndarray] = field(default_factory=list)
+    #: (block, worker) pairs resident at the end (= distinct blocks with one worker).
     resident_blocks: int = 0
 
     @property
