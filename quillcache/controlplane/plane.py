@@ -112,6 +112,7 @@ class ControlPlane:
         # worker -> content key -> how many tracked requests are computing it
         self._pending: dict[int, dict[int, int]] = {}
         self._next_expiry_s = float("inf")
+        self._tier_cache: dict[str, str] = {}
 
     # --- workers ------------------------------------------------------------------
 
@@ -216,14 +217,18 @@ class ControlPlane:
         if self.speculative and now_s > self._next_expiry_s:
             self._expire(now_s)
         workers: list[WorkerView] = []
+        key_list: list[int] | None = None
+        tiers = self._tier_cache
         for wid in sorted(self._workers):
             s = self._workers[wid]
             if s.draining:
                 continue
-            media = per_worker.get(wid, {})
+            media = per_worker.get(wid, _NO_MEDIA)
             gpu = cpu = disk = 0
             for medium, blocks in media.items():
-                tier = tier_of(medium)
+                tier = tiers.get(medium)
+                if tier is None:
+                    tier = tiers[medium] = tier_of(medium)
                 if tier == "gpu":
                     gpu = max(gpu, blocks)
                 elif tier == "cpu":
@@ -233,25 +238,27 @@ class ControlPlane:
             pending = 0
             pend = self._pending.get(wid)
             if pend:
-                for k in keys.tolist():
+                if key_list is None:
+                    key_list = keys.tolist()
+                for k in key_list:
                     if k not in pend:
                         break
                     pending += 1
             workers.append(
                 WorkerView(
-                    worker=wid,
-                    in_flight=s.in_flight,
-                    queued_prefill_tokens=s.queued_prefill_tokens,
-                    running_decodes=s.running_decodes,
-                    kv_usage=s.kv_usage,
-                    capacity_blocks=s.capacity_blocks,
-                    resident_blocks=s.resident_blocks,
-                    mean_context_tokens=s.mean_context_tokens,
-                    gpu_blocks=gpu,
-                    cpu_blocks=cpu,
-                    disk_blocks=disk,
-                    pending_blocks=pending,
-                    matches=media,
+                    wid,
+                    s.in_flight,
+                    s.queued_prefill_tokens,
+                    s.running_decodes,
+                    s.kv_usage,
+                    s.capacity_blocks,
+                    s.resident_blocks,
+                    s.mean_context_tokens,
+                    gpu,
+                    cpu,
+                    disk,
+                    pending,
+                    media,
                 )
             )
         return View(workers=workers, block_size=self.block_size, cost=self.cost, now_s=now_s)
@@ -356,6 +363,7 @@ class ControlPlane:
         self.index.close()
 
 
+_NO_MEDIA: dict[str, int] = {}
 _LOAD_FIELDS = frozenset(
     {"in_flight", "queued_prefill_tokens", "running_decodes", "kv_usage", "mean_context_tokens"}
 )

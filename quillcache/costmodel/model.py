@@ -83,6 +83,30 @@ class CostModel:
             self.prefill_compute_s(new_tokens, context_tokens), steps * self._weight_read_s
         )
 
+    def loaded_prefill_time(
+        self,
+        *,
+        queued_tokens: int,
+        new_tokens: int,
+        context_tokens: int,
+        running_decodes: int,
+        mean_context_tokens: float,
+    ) -> float:
+        """Time until a new request's prefill completes on a busy worker: its queued
+        prefill and this one share steps with the running decodes, which take one token
+        of each step's budget and add their KV reads to every step."""
+        new_tokens = max(new_tokens, 1)
+        total = queued_tokens + new_tokens
+        budget = max(self.chunk_budget - running_decodes, 1)
+        steps = -(-total // budget)
+        compute = self.prefill_compute_s(queued_tokens) + self.prefill_compute_s(
+            new_tokens, context_tokens
+        )
+        per_step = self.overhead_s + (
+            running_decodes * mean_context_tokens * self._kv_read_s_per_token
+        )
+        return steps * per_step + max(compute, steps * self._weight_read_s)
+
     # --- transfer ----------------------------------------------------------------
 
     def transfer_time(self, blocks: int, tier: str) -> float:

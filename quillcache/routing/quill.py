@@ -1,40 +1,73 @@
-"""QuillCache's own policy ("quillcache"): TTFT argmin that also counts blocks being
-computed right now for an earlier request (speculative residency from the control
-plane) as reusable, since the wait for them is already in that worker's queue.
+"""QuillCache's own policy ("quillcache"): estimated-TTFT argmin with
+
+1. speculative residency: blocks being computed right now for an earlier request on a
+   worker (`WorkerView.pending_blocks`, from the control plane) count as reusable
+   there, since their compute is already in that worker's queue;
+2. decode interference: the queue estimate charges every prefill step with the
+   running decodes' budget share and KV reads (`CostModel.loaded_prefill_time`),
+   so a worker full of long decodes is not mistaken for an idle one.
+
+Ties go to the longer reusable prefix, then to fewer requests in flight.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
-from quillcache.routing.base import Router, estimate_ttft_s
-from quillcache.routing.types import Decision, Request, View
+from quillcache.routing.base import Router
+from quillcache.routing.types import Decision, Request, View, WorkerView
 
 
 class QuillCacheRouter(Router):
     name = "quillcache"
-    summary = "TTFT argmin with speculative (in-flight) prefixes and a decode-load term"
+    summary = "TTFT argmin with speculative (in-flight) prefixes and decode interference"
     source = "QuillCache (this project); see docs/routing.md"
 
-    def __init__(self, *, decode_weight: float = 0.0, **kw: Any) -> None:
+    def __init__(self, *, speculative: bool = True, interference: bool = True, **kw: Any):
         super().__init__(**kw)
-        self.decode_weight = decode_weight
+        self.speculative = speculative
+        self.interference = interference
+
+    def estimate_s(self, request: Request, view: View, w: WorkerView) -> float:
+        cost = view.cost
+        bs = view.block_size
+        n = len(request.content_keys)
+        gpu = min(max(w.gpu_blocks, w.pending_blocks if self.speculative else 0), n)
+        covered, transfer_s = gpu, 0.0
+        for tier, blocks in (("cpu", w.cpu_blocks), ("disk", w.disk_blocks)):
+            blocks = min(blocks, n)
+            if blocks > covered:
+                transfer_s += cost.transfer_time(blocks - covered, tier)
+                covered = blocks
+        new = max(request.prompt_tokens - min(covered * bs, request.prompt_tokens), 1)
+        if not self.interference:
+            return (
+                transfer_s
+                + cost.queue_time(w.queued_prefill_tokens)
+                + cost.prefill_time(new, request.prompt_tokens - new)
+            )
+        return transfer_s + cost.loaded_prefill_time(
+            queued_tokens=w.queued_prefill_tokens,
+            new_tokens=new,
+            context_tokens=request.prompt_tokens - new,
+            running_decodes=w.running_decodes,
+            mean_context_tokens=w.mean_context_tokens,
+        )
 
     def route(self, request: Request, view: View) -> Decision:
         if not view.workers:
             return self.no_workers()
-        best = None
-        for w in view.workers:
-            if w.pending_blocks > w.gpu_blocks:
-                w = replace(w, gpu_blocks=w.pending_blocks)
-            score = estimate_ttft_s(request, view, w)
-            if self.decode_weight:
-                score += self.decode_weight * view.cost.decode_step_time(
-                    w.running_decodes + 1, w.mean_context_tokens
-                )
-            score = (score, -w.local_blocks, w.in_flight, w.worker)
-            if best is None or score < best[0]:
-                best = (score, w)
-        assert best is not None
-        return self.decide(request, view, best[1])
+        best = min(
+            view.workers,
+            key=lambda w: (
+                self.estimate_s(request, view, w),
+                -max(w.local_blocks, w.pending_blocks),
+                w.in_flight,
+                w.worker,
+            ),
+        )
+        if self.speculative and best.pending_blocks > best.gpu_blocks:
+            from dataclasses import replace
+
+            best = replace(best, gpu_blocks=best.pending_blocks)
+        return self.decide(request, view, best)

@@ -78,20 +78,27 @@ def synthetic_block_tokens(block_ids: Sequence[int], block_size: int) -> npt.NDA
 def packed_synthetic_tokens(block_ids: Sequence[int], block_size: int) -> bytes:
     """msgpack array of `synthetic_block_tokens(block_ids, block_size)`, built by slicing
     the pre-encoded table (the simulator's hot path)."""
-    _, enc, _ = _table(block_size)
-    n = len(block_ids) * block_size
-    parts = [_array_header(n)]
+    if block_size < 2:
+        return _array_header(len(block_ids)) + b"".join(
+            b"\xcd" + _id_tokens(int(b))[0].to_bytes(2, "big") for b in block_ids
+        )
+    enc = memoryview(_table(block_size)[1])
+    memo = _packed_memo.setdefault(block_size, {})
+    parts: list[bytes | memoryview] = [_array_header(len(block_ids) * block_size)]
     for bid in block_ids:
-        bid = int(bid)
-        o = _offset(bid) * 3
-        a, b = _id_tokens(bid)
-        head = bytes((0xCD, a >> 8, a & 0xFF, 0xCD, b >> 8, b & 0xFF))
-        if block_size >= 2:
-            parts.append(head)
-            parts.append(enc[o + 6 : o + 3 * block_size])
-        else:
-            parts.append(head[:3])
+        cached = memo.get(bid)
+        if cached is None:
+            bid = int(bid)
+            o = _offset(bid) * 3
+            a, b = _id_tokens(bid)
+            head = bytes((0xCD, a >> 8, a & 0xFF, 0xCD, b >> 8, b & 0xFF))
+            cached = memo[bid] = (head, enc[o + 6 : o + 3 * block_size])
+        parts += cached
     return b"".join(parts)
+
+
+# block size -> block id -> (its first two tokens packed, a view of the rest)
+_packed_memo: dict[int, dict[int, tuple[bytes, memoryview]]] = {}
 
 
 def _array_header(n: int) -> bytes:
