@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from quillcache import _native
-from quillcache.errors import EventDecodeError
+from quillcache.errors import EventDecodeError, QuillCacheError
 from quillcache.index.inputs import as_key_array, check_source
 from quillcache.index.protocol import KeyArray
 from quillcache.index.types import ApplyStats, Entry, IndexStats, Match, Residency
@@ -54,7 +54,11 @@ class NativeIndex:
             raise
 
     def match(self, keys: KeyArray) -> list[Match]:
-        return [_match(t) for t in self._inner.match(as_key_array(keys))]
+        try:  # fast path: already a contiguous 1-D uint64 array
+            raw = self._inner.match(keys)
+        except (TypeError, QuillCacheError):
+            raw = self._inner.match(as_key_array(keys))
+        return [_match(t) for t in raw]
 
     def match_many(self, requests: Sequence[KeyArray]) -> list[list[Match]]:
         """`match` for many requests in one call (one GIL release)."""

@@ -203,7 +203,22 @@ fn benches(c: &mut Criterion) {
 /// p50/p99 of single matches (each timed on its own; `Instant` costs ~20 ns) and memory.
 fn percentiles() {
     let w = workload();
+    let t0 = Instant::now();
+    for (_, payload) in &w.payloads {
+        black_box(quillcache_core::events::decode_batch(payload).unwrap());
+    }
+    let decode = t0.elapsed();
+    let t0 = Instant::now();
     let idx = build(&w);
+    let ingest = t0.elapsed();
+    println!(
+        "index/ingest one pass: {:.2} M blocks/s ({:?}; decoding alone {:?}, {} payloads, {} blocks)",
+        w.blocks_stored as f64 / ingest.as_secs_f64() / 1e6,
+        ingest,
+        decode,
+        w.payloads.len(),
+        w.blocks_stored
+    );
     let st = idx.stats();
     let mut samples: Vec<u64> = Vec::with_capacity(200_000);
     for round in 0..200_000usize {

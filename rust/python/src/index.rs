@@ -7,9 +7,10 @@
 
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use numpy::PyReadonlyArray1;
+use numpy::{PyArray1, PyArrayMethods};
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
 use quillcache_core::events::Medium;
 use quillcache_core::index::{ApplyStats, EntryOut, Index, SourceKey};
@@ -64,14 +65,26 @@ fn hits_list<'py>(
 ) -> PyResult<Bound<'py, PyList>> {
     let out = PyList::empty(py);
     for (worker, dp_rank, medium, blocks) in hits {
-        out.append((*worker, *dp_rank, medium.as_str(), *blocks))?;
+        out.append((*worker, *dp_rank, medium_str(py, medium), *blocks))?;
     }
     Ok(out)
 }
 
-fn keys_slice<'a>(keys: &'a PyReadonlyArray1<'_, u64>) -> PyResult<&'a [u64]> {
-    keys.as_slice()
+/// The keys, copied while the GIL is held (a request is ~64 keys; the copy is
+/// cheaper than numpy's tracked borrow and leaves nothing shared once released).
+fn keys_vec(keys: &Bound<'_, PyArray1<u64>>) -> PyResult<Vec<u64>> {
+    keys.to_vec()
         .map_err(|_| QuillCacheError::new_err("keys must be a contiguous 1-D uint64 array"))
+}
+
+/// The name of a medium as a Python string; the common ones are interned.
+fn medium_str<'py>(py: Python<'py>, m: &Medium) -> Bound<'py, PyString> {
+    match m {
+        Medium::Gpu => intern!(py, "GPU").clone(),
+        Medium::Cpu => intern!(py, "CPU").clone(),
+        Medium::Disk => intern!(py, "DISK").clone(),
+        Medium::Other(s) => PyString::new(py, s),
+    }
 }
 
 fn entry_tuple<'py>(py: Python<'py>, e: &EntryOut) -> PyResult<Bound<'py, PyTuple>> {
@@ -92,7 +105,14 @@ impl NativeIndex {
     }
 
     #[pyo3(signature = (worker, dp_rank=0, *, model="", tokenizer=""))]
-    fn register_source(&self, py: Python<'_>, worker: u64, dp_rank: u32, model: &str, tokenizer: &str) {
+    fn register_source(
+        &self,
+        py: Python<'_>,
+        worker: u64,
+        dp_rank: u32,
+        model: &str,
+        tokenizer: &str,
+    ) {
         let source = SourceKey { worker, dp_rank };
         py.detach(|| self.write().register_source(source, model, tokenizer));
     }
@@ -141,10 +161,10 @@ impl NativeIndex {
     fn match_keys<'py>(
         &self,
         py: Python<'py>,
-        keys: PyReadonlyArray1<'py, u64>,
+        keys: &Bound<'py, PyArray1<u64>>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let keys = keys_slice(&keys)?;
-        let hits = py.detach(|| self.named_hits(keys));
+        let keys = keys_vec(keys)?;
+        let hits = py.detach(|| self.named_hits(&keys));
         hits_list(py, &hits)
     }
 
@@ -152,12 +172,12 @@ impl NativeIndex {
     fn match_many<'py>(
         &self,
         py: Python<'py>,
-        requests: Vec<PyReadonlyArray1<'py, u64>>,
+        requests: Vec<Bound<'py, PyArray1<u64>>>,
     ) -> PyResult<Bound<'py, PyList>> {
         let slices = requests
             .iter()
-            .map(keys_slice)
-            .collect::<PyResult<Vec<&[u64]>>>()?;
+            .map(keys_vec)
+            .collect::<PyResult<Vec<Vec<u64>>>>()?;
         let all = py.detach(|| {
             slices
                 .iter()
@@ -185,10 +205,10 @@ impl NativeIndex {
     fn scan<'py>(
         &self,
         py: Python<'py>,
-        prefix: PyReadonlyArray1<'py, u64>,
+        prefix: &Bound<'py, PyArray1<u64>>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let prefix = keys_slice(&prefix)?;
-        let entries = py.detach(|| self.read().scan(prefix));
+        let prefix = keys_vec(prefix)?;
+        let entries = py.detach(|| self.read().scan(&prefix));
         let out = PyList::empty(py);
         for e in &entries {
             out.append(entry_tuple(py, e)?)?;
@@ -206,15 +226,15 @@ impl NativeIndex {
         Ok(out)
     }
 
-    fn pin(&self, py: Python<'_>, keys: PyReadonlyArray1<'_, u64>) -> PyResult<()> {
-        let keys = keys_slice(&keys)?;
-        py.detach(|| self.write().pin(keys));
+    fn pin(&self, py: Python<'_>, keys: &Bound<'_, PyArray1<u64>>) -> PyResult<()> {
+        let keys = keys_vec(keys)?;
+        py.detach(|| self.write().pin(&keys));
         Ok(())
     }
 
-    fn unpin(&self, py: Python<'_>, keys: PyReadonlyArray1<'_, u64>) -> PyResult<()> {
-        let keys = keys_slice(&keys)?;
-        py.detach(|| self.write().unpin(keys));
+    fn unpin(&self, py: Python<'_>, keys: &Bound<'_, PyArray1<u64>>) -> PyResult<()> {
+        let keys = keys_vec(keys)?;
+        py.detach(|| self.write().unpin(&keys));
         Ok(())
     }
 

@@ -47,9 +47,17 @@ impl Index {
 
     /// Appends `(holder id, matched blocks)` for every holder with a match >= 1.
     fn match_into(&self, keys: &[u64], done: &mut Vec<(HolderId, u32)>) {
+        // Pass 1: resolve the keys up to the first unknown one. The lookups are
+        // independent, so in a tight loop the CPU overlaps their cache misses.
+        let mut ids: Vec<u32> = Vec::with_capacity(keys.len());
+        for &key in keys {
+            match self.tree.find(key) {
+                Some(id) => ids.push(id),
+                None => break,
+            }
+        }
         let spills = &self.tree.spills;
-        let Some(&first) = keys.first() else { return };
-        let Some(id0) = self.tree.find(first) else {
+        let Some((&id0, rest)) = ids.split_first() else {
             return;
         };
         let mut alive: Vec<HolderId> = self
@@ -61,14 +69,12 @@ impl Index {
             .map(|&h| id_of(h))
             .collect();
         let mut next: Vec<HolderId> = Vec::with_capacity(alive.len());
-        for (i, &key) in keys.iter().enumerate().skip(1) {
+        // Pass 2: intersect the alive holders with each block's (sorted) holders.
+        for (i, &id) in rest.iter().enumerate() {
             if alive.is_empty() {
                 return;
             }
-            let held = match self.tree.find(key) {
-                Some(id) => self.tree.node(id).holders.as_slice(spills),
-                None => &[],
-            };
+            let held = self.tree.node(id).holders.as_slice(spills);
             // Fast path: same holder set as the previous block (a shared prefix).
             if held.len() == alive.len() && held.iter().zip(&alive).all(|(&h, &a)| id_of(h) == a) {
                 continue;
@@ -82,12 +88,13 @@ impl Index {
                 if j < held.len() && id_of(held[j]) == a {
                     next.push(a);
                 } else {
-                    done.push((a, i as u32));
+                    done.push((a, i as u32 + 1));
                 }
             }
             std::mem::swap(&mut alive, &mut next);
         }
-        let n = keys.len() as u32;
+        // Whoever is still alive holds every resolved block.
+        let n = ids.len() as u32;
         done.extend(alive.into_iter().map(|a| (a, n)));
     }
 }
