@@ -1,0 +1,112 @@
+"""NativeIndex beyond the protocol: snapshots, match_many, threads, invariants."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from quillcache.errors import QuillCacheError
+from quillcache.events import encode as enc
+from quillcache.index.native import NativeIndex
+from tests.index.helpers import keys, payload, removed, stored, toks
+
+
+def populated() -> NativeIndex:
+    idx = NativeIndex()
+    idx.register_source(1, model="m", tokenizer="t")
+    for w in range(1, 4):
+        t = toks(6, base=w % 2)
+        idx.apply(w, [payload(stored([1, 2, 3], t[:12])), payload(stored([4, 5, 6], t[12:], 3))])
+        idx.apply(w, [payload(stored([1, 2], [], medium="CPU"), dp_rank=None)])
+    idx.pin(keys(toks(2, base=77)))
+    return idx
+
+
+def test_snapshot_roundtrip_is_state_equal() -> None:
+    idx = populated()
+    back = NativeIndex.from_snapshot(idx.snapshot())
+    assert back.state_eq(idx)
+    assert back.scan(np.array([], dtype=np.uint64)) == idx.scan(np.array([], dtype=np.uint64))
+    assert back.stats().resident_pairs == idx.stats().resident_pairs
+    # The restored index keeps working: the engine-hash maps came along.
+    back.apply(2, [payload(removed([6, 5, 4, 3, 2, 1]), removed([1, 2], medium="CPU"))])
+    assert not back.state_eq(idx)
+    assert back.match(keys(toks(6, base=0))) == [
+        m for m in idx.match(keys(toks(6))) if m.worker != 2
+    ]
+
+
+def test_state_eq_sees_refcounts() -> None:
+    a, b = populated(), populated()
+    assert a.state_eq(b)
+    b.apply(1, [payload(stored([1], toks(1, base=1)))])  # a duplicate store: refcount 2
+    assert not a.state_eq(b)
+
+
+@pytest.mark.parametrize("cut", [0, 7, 100, -1])
+def test_corrupt_snapshots_raise(cut: int) -> None:
+    data = bytearray(populated().snapshot())
+    data[cut] ^= 0x01
+    with pytest.raises(QuillCacheError):
+        NativeIndex.from_snapshot(bytes(data))
+    with pytest.raises(QuillCacheError):
+        NativeIndex.from_snapshot(bytes(data[: len(data) // 2]))
+
+
+def test_match_many_equals_match() -> None:
+    idx = populated()
+    reqs = [keys(toks(6, base=b)) for b in (0, 1, 5)] + [keys(toks(1, base=77))]
+    assert idx.match_many(reqs) == [idx.match(r) for r in reqs]
+
+
+def test_match_accepts_other_integer_inputs() -> None:
+    idx = populated()
+    k = keys(toks(6))
+    expected = idx.match(k)
+    assert idx.match([int(x) for x in k]) == expected
+    assert idx.match(k[::-1][::-1].copy()) == expected
+    strided = np.repeat(k, 2)[::2]
+    assert not strided.flags.c_contiguous
+    assert idx.match(strided) == expected
+
+
+def test_concurrent_ingest_and_match() -> None:
+    """Threads applying and matching at once never error and leave a consistent index."""
+    idx = NativeIndex()
+    t = toks(4)
+    k = keys(t)
+    errors: list[BaseException] = []
+
+    def writer(worker: int) -> None:
+        try:
+            for _ in range(200):
+                idx.apply(worker, [payload(stored([1, 2, 3, 4], t))])
+                idx.apply(worker, [payload(removed([4, 3, 2, 1]))])
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def reader() -> None:
+        try:
+            for _ in range(2000):
+                for m in idx.match(k):
+                    assert m.blocks in (1, 2, 3, 4)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(3)]
+    threads += [threading.Thread(target=reader) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    assert idx.stats().resident_pairs == 0
+    idx._inner.check_invariants()
+
+
+def test_old_two_element_batches_use_the_argument_rank() -> None:
+    idx = NativeIndex()
+    idx.apply(5, [enc.encode_batch([stored([1], toks(1))], ts=0.0, dp_rank=None)], dp_rank=7)
+    assert [(m.worker, m.dp_rank) for m in idx.match(keys(toks(1)))] == [(5, 7)]
