@@ -120,6 +120,7 @@ class EventIngestor:
         ctx: zmq.Context | None = None,
     ) -> None:
         self.apply_bytes = apply_bytes
+        self._sink_takes_seqs = bool(getattr(sink, "accepts_seqs", False))
         self.sink = sink
         self.ctx = ctx or zmq.Context.instance()
         self.replay_timeout_s = replay_timeout_s
@@ -248,10 +249,10 @@ class EventIngestor:
     def _process_unsafe(self, key: SourceKey, items: list[tuple[int, bytes]]) -> None:
         status = self._status(key)
         tracker = status.tracker
-        pending: list[bytes] = []
+        pending: list[tuple[int, bytes]] = []  # (seq or -1, payload)
         for seq, payload in items:
             if seq == _UNSEQUENCED:
-                pending.append(payload)
+                pending.append((-1, payload))
                 continue
             if seq == _SYNC:
                 self._apply(status, pending)
@@ -277,7 +278,7 @@ class EventIngestor:
             if verdict is Verdict.DUPLICATE:
                 status.duplicates += 1
             elif verdict is Verdict.APPLY:
-                pending.append(payload)
+                pending.append((seq, payload))
                 tracker.applied(seq)
             elif verdict is Verdict.GAP:
                 self._apply(status, pending)
@@ -286,7 +287,7 @@ class EventIngestor:
                 self._replay(status, tracker.last + 1, trigger=seq)
                 verdict = tracker.classify(seq, digest)
                 if verdict is Verdict.APPLY or verdict is Verdict.GAP:  # GAP: stale, start over
-                    pending.append(payload)
+                    pending.append((seq, payload))
                     tracker.applied(seq)
                 else:
                     status.duplicates += 1
@@ -322,7 +323,7 @@ class EventIngestor:
             self._mark_stale(status, why)
             status.tracker.restarted()
         if batches:
-            self._apply(status, [p for _, p in batches])
+            self._apply(status, batches)
             status.replayed_batches += len(batches)
             status.tracker.replayed({s: xxhash.xxh3_64_intdigest(p) for s, p in batches})
 
@@ -347,24 +348,31 @@ class EventIngestor:
                 self.sink.set_stale(status.worker, status.dp_rank, False)
                 log.info("kv events: worker %d rank %d rebuilt", status.worker, status.dp_rank)
 
-    def _apply(self, status: SourceStatus, payloads: list[bytes]) -> None:
-        """Apply in slices of at most `apply_bytes`: the native index holds its write lock
-        for a whole call, and a request's match must never wait behind a long one."""
+    def _apply(self, status: SourceStatus, items: list[tuple[int, bytes]]) -> None:
+        """Apply (seq, payload) items in slices of at most `apply_bytes`: the native index
+        holds its write lock for a whole call, and a request's match must never wait
+        behind a long one."""
         start = 0
-        while start < len(payloads):
+        while start < len(items):
             end, size = start, 0
-            while end < len(payloads) and (
-                end == start or size + len(payloads[end]) <= self.apply_bytes
+            while end < len(items) and (
+                end == start or size + len(items[end][1]) <= self.apply_bytes
             ):
-                size += len(payloads[end])
+                size += len(items[end][1])
                 end += 1
-            self._apply_slice(status, payloads[start:end])
+            self._apply_slice(status, items[start:end])
             start = end
 
-    def _apply_slice(self, status: SourceStatus, payloads: list[bytes]) -> None:
-        while payloads:
+    def _apply_slice(self, status: SourceStatus, items: list[tuple[int, bytes]]) -> None:
+        while items:
+            payloads = [p for _, p in items]
+            seqs = [q for q, _ in items]
             try:
-                stats = self.sink.ingest(status.worker, payloads, status.dp_rank)
+                if self._sink_takes_seqs and min(seqs) >= 0:
+                    # a persistent index records them: after a restart, replay from there
+                    stats = self.sink.ingest(status.worker, payloads, status.dp_rank, seqs=seqs)  # type: ignore[call-arg]
+                else:
+                    stats = self.sink.ingest(status.worker, payloads, status.dp_rank)
             except EventDecodeError as exc:
                 bad = _failed_batch_index(exc, len(payloads))
                 status.decode_errors += 1
@@ -380,7 +388,7 @@ class EventIngestor:
                 partial = getattr(exc, "stats", None)
                 if isinstance(partial, ApplyStats):
                     status.apply += partial
-                payloads = payloads[bad + 1 :]
+                items = items[bad + 1 :]
                 continue
             status.applied_batches += len(payloads)
             status.apply += stats

@@ -64,9 +64,33 @@ class ControlPlaneSink:
         self.plane = plane
         self._lock = threading.Lock()
         self.stale: set[tuple[int, int]] = set()
+        # A persistent index (native-wal) records each source's last engine seq.
+        self.accepts_seqs = hasattr(plane.index, "last_seqs")
 
-    def ingest(self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0) -> ApplyStats:
-        return self.plane.ingest(worker, payloads, dp_rank)
+    def ingest(
+        self,
+        worker: int,
+        payloads: Sequence[bytes],
+        dp_rank: int = 0,
+        seqs: Sequence[int] | None = None,
+    ) -> ApplyStats:
+        if seqs is None or not self.accepts_seqs:
+            return self.plane.ingest(worker, payloads, dp_rank)
+        # ControlPlane.ingest takes no seqs yet: apply through the index and keep the
+        # plane's per-worker count the way ingest does.
+        stats: ApplyStats = self.plane.index.apply(worker, payloads, dp_rank, seqs=seqs)
+        state = self.plane.worker(worker)
+        state.resident_blocks = max(
+            state.resident_blocks + stats.blocks_stored - stats.blocks_removed, 0
+        )
+        self.plane.apply_stats += stats
+        return stats
+
+    def last_seqs(self) -> dict[tuple[int, int], int]:
+        """(worker, dp_rank) -> last applied seq, from a persistent index ({} otherwise)."""
+        if not self.accepts_seqs:
+            return {}
+        return {(s.worker, s.dp_rank): q for s, q in self.plane.index.last_seqs().items()}
 
     def clear_source(self, worker: int, dp_rank: int = 0) -> int:
         return self.plane.clear(worker, dp_rank)

@@ -130,6 +130,9 @@ class Gateway:
             stale_rebuild_s=cfg.stale_rebuild_s,
         )
         self.pool = WorkerPool(self.cp, self.ingestor, self.client, tokenizer_id=cfg.tokenizer_id)
+        self.pool.resume_seqs = self.sink.last_seqs()
+        if self.pool.resume_seqs:
+            log.info("persistent index: resuming sources at %s", self.pool.resume_seqs)
         for w in described:
             self.pool.attach(w)
         self.tokenizer = RequestTokenizer(cfg.tokenizer, self.client)

@@ -88,6 +88,8 @@ class WorkerPool:
         self.workers: dict[int, Worker] = {}
         self._next_id = 0
         self._models: dict[str, str] | None = None  # cache of models(), reset on changes
+        # last engine seq per (worker, dp_rank) kept by a persistent index: resume there
+        self.resume_seqs: dict[tuple[int, int], int] = {}
 
     # -- discovery -----------------------------------------------------------------------
 
@@ -178,7 +180,8 @@ class WorkerPool:
                 topic=src.topic,
                 bind=src.bind,
             )
-            self.ingestor.add_zmq_source(src)
+            resume = self.resume_seqs.get((w.id, src.dp_rank), -1)
+            self.ingestor.add_zmq_source(src, resume_from=resume)
             subscribed.append(src)
         w.sources = subscribed
         log.info("worker %d: %s serving %s", w.id, w.url, sorted(w.models))

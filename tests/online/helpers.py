@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 
+import httpx
 import msgpack
 
 from quillcache.errors import EventDecodeError
@@ -70,3 +72,8 @@ class RecordingSink:
     def seen(self, worker: int = 0, dp_rank: int = 0) -> list[float]:
         with self.lock:
             return list(self.applied.get((worker, dp_rank), []))
+
+
+# Generous timeouts: the e2e tests share two cores with everything else on the machine.
+http_post = functools.partial(httpx.post, timeout=30.0)
+http_get = functools.partial(httpx.get, timeout=30.0)

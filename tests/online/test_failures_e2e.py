@@ -18,7 +18,7 @@ from quillcache.errors import ConfigError
 from quillcache.gateway.config import load_config
 from quillcache.up import launch
 from tests.online.conftest import Stack, metric
-from tests.online.helpers import free_port, wait_for
+from tests.online.helpers import free_port, http_get, http_post, wait_for
 
 
 def prompt(tag: str) -> str:
@@ -64,10 +64,10 @@ def test_failed_connect_is_retried_on_another_worker(stack: Stack) -> None:
     gw = stack.start_gateway({"router": "round-robin", "health_interval_s": 60})
     stack.engines[0].kill()
     for i in range(4):
-        r = httpx.post(gw.url + "/v1/completions", json={"prompt": f"retry {i}", "max_tokens": 1})
+        r = http_post(gw.url + "/v1/completions", json={"prompt": f"retry {i}", "max_tokens": 1})
         assert r.status_code == 200, r.text
         assert r.headers["x-quillcache-worker"] == "1"
-    text = httpx.get(gw.url + "/metrics").text
+    text = http_get(gw.url + "/metrics").text
     assert metric(text, "quillcache_upstream_retries_total") == 1  # then it is known down
     assert metric(text, "quillcache_worker_healthy") == 1
 
@@ -89,9 +89,7 @@ def test_engine_restart_resets_its_sequence_and_cache(stack: Stack) -> None:
     admin = stack.admin()
     old = [prompt(f"before-{i}-{uuid.uuid4().hex[:6]}") for i in range(8)]
     for p in old:
-        assert httpx.post(
-            gw.url + "/v1/completions", json={"prompt": p, "max_tokens": 1}
-        ).is_success
+        assert http_post(gw.url + "/v1/completions", json={"prompt": p, "max_tokens": 1}).is_success
 
     def holds(p: str) -> bool:
         matches = admin.post("/admin/lookup", json={"prompt": p}).json()["matches"]
@@ -111,13 +109,13 @@ def test_engine_restart_resets_its_sequence_and_cache(stack: Stack) -> None:
     )
     new = prompt("after-" + uuid.uuid4().hex[:6])
     for _ in range(3):  # a few batches, fewer than before: seq goes backwards
-        assert httpx.post(
+        assert http_post(
             gw.url + "/v1/completions", json={"prompt": new, "max_tokens": 1}
         ).is_success
         time.sleep(0.2)
     wait_for(lambda: holds(new), what="residency learned from the new engine")
     assert not any(holds(p) for p in old)  # the old cache did not survive the restart
-    text = httpx.get(gw.url + "/metrics").text
+    text = http_get(gw.url + "/metrics").text
     assert metric(text, "quillcache_kv_engine_restarts_total") >= 1
 
 
@@ -125,7 +123,7 @@ def test_client_disconnect_cancels_the_upstream_request(stack: Stack) -> None:
     engine = stack.engine()
     gw = stack.start_gateway({"api_keys": ["k1"]})
     body = {"prompt": "a long answer please", "max_tokens": 2000, "stream": True}
-    denied = httpx.post(gw.url + "/v1/completions", json=body)
+    denied = http_post(gw.url + "/v1/completions", json=body)
     assert denied.status_code == 401 and denied.json()["error"]["type"] == "AuthenticationError"
     headers = {"authorization": "Bearer k1"}
     with httpx.stream("POST", gw.url + "/v1/completions", json=body, headers=headers) as r:
@@ -133,11 +131,11 @@ def test_client_disconnect_cancels_the_upstream_request(stack: Stack) -> None:
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
-        running = metric(httpx.get(engine.url + "/metrics").text, "vllm:num_requests_running")
+        running = metric(http_get(engine.url + "/metrics").text, "vllm:num_requests_running")
         assert running == 1
     # the client is gone: the engine stops generating long before its 10 s answer ends
     wait_for(
-        lambda: metric(httpx.get(engine.url + "/metrics").text, "vllm:num_requests_running") == 0,
+        lambda: metric(http_get(engine.url + "/metrics").text, "vllm:num_requests_running") == 0,
         timeout=3,
         what="the engine to abort the request",
     )
@@ -189,3 +187,40 @@ def test_unknown_router_fails_startup_clearly(stack: Stack) -> None:
     )
     assert proc.returncode == 2
     assert "unknown router 'no-such-router'" in proc.stderr
+
+
+def test_gateway_restart_with_a_persistent_index_resumes_by_replay(stack: Stack) -> None:
+    engine = stack.engine()
+    index_dir = stack.workdir / "index"
+    cfg = {"index": "native-wal", "index_options": {"path": str(index_dir)}}
+    gw = stack.start_gateway(cfg)
+    admin = stack.admin()
+
+    def held(url: str, p: str) -> int:
+        with httpx.Client(base_url=url, headers=admin.headers, timeout=10) as c:
+            matches = c.post("/admin/lookup", json={"prompt": p}).json()["matches"]
+        return max((m["blocks"] for m in matches), default=0)
+
+    before = [prompt(f"kept-{i}-{uuid.uuid4().hex[:6]}") for i in range(12)]
+    for p in before:
+        resp = http_post(gw.url + "/v1/completions", json={"prompt": p, "max_tokens": 1})
+        assert resp.is_success
+    wait_for(lambda: all(held(gw.url, p) == 10 for p in before), what="residency")
+    time.sleep(0.1)  # the WAL's interval fsync (10 ms)
+    with httpx.Client(base_url=gw.url, headers=admin.headers) as c:
+        last_before = c.get("/admin/index").json()["event_sources"][0]["last_seq"]
+    assert last_before >= len(before)
+    gw.kill()  # SIGKILL: no snapshot, no goodbye
+    # while the gateway is down the engine keeps caching (and publishing to nobody)
+    during = [prompt(f"missed-{i}-{uuid.uuid4().hex[:6]}") for i in range(3)]
+    for p in during:
+        resp = http_post(engine.url + "/v1/completions", json={"prompt": p, "max_tokens": 1})
+        assert resp.is_success
+    gw2 = stack.start_gateway(cfg)
+    # from the log: everything before; from the engine's replay socket: everything missed
+    wait_for(lambda: all(held(gw2.url, p) == 10 for p in before + during), what="recovery")
+    with httpx.Client(base_url=gw2.url, headers=admin.headers) as c:
+        source = c.get("/admin/index").json()["event_sources"][0]
+    # the replay started after the persisted seq, not at 0
+    assert len(during) <= source["replayed_batches"] < last_before
+    assert source["stale_marks"] == 0 and source["restarts"] == 0

@@ -11,7 +11,7 @@ import pytest
 
 from quillcache.enginesim.tokenizer import ByteTokenizer
 from tests.online.conftest import Stack, metric
-from tests.online.helpers import wait_for
+from tests.online.helpers import http_get, http_post, wait_for
 
 
 def long_prompt(tag: str, blocks: int = 12) -> str:
@@ -87,7 +87,7 @@ def test_shared_prefixes_go_to_the_worker_that_holds_them(shared_stack: Stack) -
     admin = shared_stack.admin()
     for i in range(4):
         prefix = long_prompt(f"doc-{i}-{uuid.uuid4().hex[:6]}")
-        first = httpx.post(gw.url + "/v1/completions", json={"prompt": prefix, "max_tokens": 2})
+        first = http_post(gw.url + "/v1/completions", json={"prompt": prefix, "max_tokens": 2})
         assert first.status_code == 200
         holder = first.headers["x-quillcache-worker"]
         keys_blocks = len(ByteTokenizer().encode(prefix)) // 16
@@ -98,14 +98,14 @@ def test_shared_prefixes_go_to_the_worker_that_holds_them(shared_stack: Stack) -
             ),
             what="the index to learn the prefix from the engine's events",
         )
-        follow = httpx.post(
+        follow = http_post(
             gw.url + "/v1/completions",
             json={"prompt": prefix + " and a follow-up question", "max_tokens": 2},
         )
         assert follow.headers["x-quillcache-worker"] == holder
         cached = follow.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached == keys_blocks * 16  # the engine confirms the hit
-    text = httpx.get(gw.url + "/metrics").text
+    text = http_get(gw.url + "/metrics").text
     assert metric(text, "quillcache_kv_blocks_stored_total") > 0
     assert metric(text, "quillcache_worker_parity_ok") == 2
 
@@ -130,7 +130,7 @@ def test_malformed_requests_get_a_4xx_json_error(
 ) -> None:
     gw = shared_stack.gateway
     assert gw is not None
-    resp = httpx.post(gw.url + path, content=body, headers={"content-type": "application/json"})
+    resp = http_post(gw.url + path, content=body, headers={"content-type": "application/json"})
     assert resp.status_code == status
     error = resp.json()["error"]
     assert error["message"] and error["code"] == status
@@ -139,8 +139,8 @@ def test_malformed_requests_get_a_4xx_json_error(
 def test_admin_needs_the_token(shared_stack: Stack) -> None:
     gw = shared_stack.gateway
     assert gw is not None
-    assert httpx.get(gw.url + "/admin/workers").status_code == 401
-    bad = httpx.get(gw.url + "/admin/workers", headers={"authorization": "Bearer wrong"})
+    assert http_get(gw.url + "/admin/workers").status_code == 401
+    bad = http_get(gw.url + "/admin/workers", headers={"authorization": "Bearer wrong"})
     assert bad.status_code == 401 and "admin token" in bad.json()["error"]["message"]
     workers = shared_stack.admin().get("/admin/workers").json()["workers"]
     assert [w["healthy"] for w in workers] == [True, True]
@@ -197,15 +197,13 @@ def test_dropped_events_are_replayed(shared_stack: Stack) -> None:
     gw = shared_stack.gateway
     assert gw is not None
     admin = shared_stack.admin()
-    before = metric(httpx.get(gw.url + "/metrics").text, "quillcache_kv_event_replays_total")
+    before = metric(http_get(gw.url + "/metrics").text, "quillcache_kv_event_replays_total")
     # each engine loses its next 3 batches on the PUB socket (still in its replay buffer)
     for e in shared_stack.engines:
-        assert httpx.post(e.url + "/debug/drop_events", json={"count": 3}).status_code == 200
+        assert http_post(e.url + "/debug/drop_events", json={"count": 3}).status_code == 200
     prompts = [long_prompt(f"gap-{i}-{uuid.uuid4().hex[:6]}", blocks=4) for i in range(10)]
     for p in prompts:
-        assert httpx.post(
-            gw.url + "/v1/completions", json={"prompt": p, "max_tokens": 1}
-        ).is_success
+        assert http_post(gw.url + "/v1/completions", json={"prompt": p, "max_tokens": 1}).is_success
 
     def all_known() -> bool:
         return all(
@@ -217,7 +215,7 @@ def test_dropped_events_are_replayed(shared_stack: Stack) -> None:
         )
 
     wait_for(all_known, what="every prompt's blocks, dropped batches included")
-    text = httpx.get(gw.url + "/metrics").text
+    text = http_get(gw.url + "/metrics").text
     assert metric(text, "quillcache_kv_event_gaps_total") >= 1
     assert metric(text, "quillcache_kv_event_replays_total") > before
     assert metric(text, "quillcache_kv_stale_sources") == 0
@@ -228,7 +226,7 @@ def test_tenants_never_share_prefixes(shared_stack: Stack) -> None:
     assert gw is not None
     admin = shared_stack.admin()
     text = long_prompt("tenant-" + uuid.uuid4().hex[:6], blocks=6)
-    first = httpx.post(
+    first = http_post(
         gw.url + "/v1/completions",
         json={"prompt": text, "max_tokens": 1},
         headers={"x-tenant-id": "tenant-a"},
@@ -244,12 +242,12 @@ def test_tenants_never_share_prefixes(shared_stack: Stack) -> None:
     assert blocks({"prompt": text, "cache_salt": "tenant-b"}) == 0
     assert blocks({"prompt": text}) == 0
     # and the engine does not serve tenant b from tenant a's cache either
-    other = httpx.post(
+    other = http_post(
         shared_stack.engines[holder].url + "/v1/completions",
         json={"prompt": text, "max_tokens": 1, "cache_salt": "tenant-b"},
     )
     assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    same = httpx.post(
+    same = http_post(
         shared_stack.engines[holder].url + "/v1/completions",
         json={"prompt": text, "max_tokens": 1, "cache_salt": "tenant-a"},
     )
