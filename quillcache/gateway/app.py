@@ -764,7 +764,37 @@ class Gateway:
         app.add_exception_handler(404, _not_found)  # type: ignore[arg-type]
         app.add_exception_handler(405, _not_allowed)  # type: ignore[arg-type]
         app.add_exception_handler(Exception, _internal)
-        return app
+        hot = {
+            "/v1/completions": self.completions,
+            "/v1/chat/completions": self.chat_completions,
+        }
+        return _HotPath(app, hot)  # type: ignore[return-value]
+
+
+class _HotPath:
+    """Serve the two proxy endpoints straight from ASGI, everything else via Starlette.
+
+    Starlette's middleware stack and router cost ~15% of the gateway's CPU per proxied
+    request (py-spy); the hot endpoints need none of it. Errors still become a JSON 500.
+    """
+
+    def __init__(self, app: Starlette, hot: dict[str, Any]) -> None:
+        self.app = app
+        self.hot = hot
+        self.router = app.router
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self.hot.get(scope["path"])
+            if handler is not None:
+                request = Request(scope, receive)
+                try:
+                    response = await handler(request)
+                except Exception as exc:
+                    response = await _internal(request, exc)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _percentiles_us(samples: collections.deque[float]) -> dict[str, float]:

@@ -73,20 +73,31 @@ async def until_disconnect(request: Request) -> None:
 
 
 async def read_or_cancel(request: Request, resp: aiohttp.ClientResponse) -> bytes | None:
-    """The whole upstream body, or None (upstream closed) if the client left first."""
-    body_task = asyncio.ensure_future(resp.read())
-    watch = asyncio.ensure_future(until_disconnect(request))
+    """The whole upstream body, or None (upstream closed) if the client left first.
+
+    One watcher task per request (it cancels the read when the client disconnects)
+    instead of racing two tasks: this runs for every non-streaming request."""
+    reader = asyncio.current_task()
+    assert reader is not None
+    client_left = False
+
+    async def watch() -> None:
+        nonlocal client_left
+        await until_disconnect(request)
+        client_left = True
+        reader.cancel()
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        done, _ = await asyncio.wait({body_task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if body_task in done:
-            return body_task.result()
-        body_task.cancel()
+        return await resp.read()
+    except asyncio.CancelledError:
+        if not client_left:
+            raise  # cancelled for another reason: propagate
+        reader.uncancel()
         resp.close()
         return None
     finally:
-        watch.cancel()
-        if not body_task.done():
-            body_task.cancel()
+        watcher.cancel()
         resp.release()
 
 
