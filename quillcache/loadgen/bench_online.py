@@ -143,12 +143,45 @@ def ingest_while_serving(workdir: Path, n: int, router: str, blocks_per_s: float
             p.kill()
 
 
+def routers(workdir: Path, n: int, names: list[str]) -> dict[str, Any]:
+    """The same workload through the gateway with each router: 4 engines with small
+    caches (512 blocks), 32 shared prefixes of ~1,000 tokens, streaming."""
+    out: dict[str, Any] = {}
+    for name in names:
+        procs: list[Proc] = []
+        try:
+            extra = ["--num-gpu-blocks", "512"]
+            engines = [
+                launch(f"rt-{name}-engine{i}", engine_args(extra=extra), workdir) for i in range(4)
+            ]
+            procs += engines
+            gw = _gateway(engines, workdir, f"rt-{name}-gateway", name)
+            procs.append(gw)
+            reqs = synthetic(
+                n, prefixes=32, prefix_chars=1000, suffix_chars=48, max_tokens=8, seed=7
+            )
+            cfg = RunConfig(url=gw.url, concurrency=32, stream=True)
+            samples, wall = asyncio.run(run_load(cfg, reqs))
+            out[name] = summarize(samples, wall)
+        finally:
+            for p in procs:
+                p.kill()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--router", default="quillcache")
     parser.add_argument("--flood-blocks-per-s", type=float, default=150_000)
-    parser.add_argument("--only", choices=["overhead", "throughput", "ingest"], default=None)
+    parser.add_argument(
+        "--only", choices=["overhead", "throughput", "ingest", "routers"], default=None
+    )
+    parser.add_argument(
+        "--compare",
+        default="round-robin,quillcache",
+        help="routers for the comparison phase, comma-separated",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     from rich.console import Console
@@ -165,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             out["ingest"] = ingest_while_serving(
                 wd, args.requests // 2, args.router, args.flood_blocks_per_s
             )
+        if args.only in (None, "routers"):
+            out["routers"] = routers(wd, min(args.requests, 800), args.compare.split(","))
     console = Console()
     if "overhead" in out:
         d, g = out["overhead"]["direct"], out["overhead"]["gateway"]
@@ -209,6 +244,28 @@ def main(argv: list[str] | None = None) -> int:
                 f"{lat.get('p99', 0):.0f}",
                 f"{r['req_per_s']:.0f}",
                 str(r["ingest"]["dropped"]),
+                str(r["errors"]),
+            )
+        console.print(t)
+    if "routers" in out:
+        t = Table(title="4. routers end to end: 4 engine simulators (512 blocks each), 32 prefixes")
+        for c in (
+            "router",
+            "engine cache hit rate",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "req/s",
+            "errors",
+        ):
+            t.add_column(c, justify="right")
+        for name, r in out["routers"].items():
+            hit = r["cache_hit_rate"]
+            t.add_row(
+                name,
+                "-" if hit is None else f"{hit:.1%}",
+                f"{r['ttft_ms_p50']:.1f}",
+                f"{r['ttft_ms_p99']:.1f}",
+                f"{r['req_per_s']:.1f}",
                 str(r["errors"]),
             )
         console.print(t)
