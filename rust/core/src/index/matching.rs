@@ -5,8 +5,23 @@
 //! matched `i` blocks. Stops as soon as nobody is left. Only keys are used, never
 //! engine hashes.
 
+use std::cell::RefCell;
+
 use super::holders::{id_of, medium_of, slot_of, HolderId};
 use super::Index;
+
+/// Per-thread scratch buffers, so that a match allocates only its result.
+#[derive(Default)]
+struct Scratch {
+    ids: Vec<u32>,
+    alive: Vec<HolderId>,
+    next: Vec<HolderId>,
+    done: Vec<(HolderId, u32)>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::default();
+}
 
 /// One (source, medium) and how many leading blocks of the request it holds (>= 1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,11 +36,19 @@ pub struct MatchHit {
 impl Index {
     /// Sorted by (worker, dp rank, medium name).
     pub fn match_keys(&self, keys: &[u64]) -> Vec<MatchHit> {
-        let mut done: Vec<(HolderId, u32)> = Vec::new();
-        self.match_into(keys, &mut done);
-        let mut hits: Vec<MatchHit> = done
-            .into_iter()
-            .map(|(id, blocks)| {
+        SCRATCH.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut scratch) => self.match_with(keys, &mut scratch),
+            Err(_) => self.match_with(keys, &mut Scratch::default()),
+        })
+    }
+
+    fn match_with(&self, keys: &[u64], scratch: &mut Scratch) -> Vec<MatchHit> {
+        scratch.done.clear();
+        self.match_into(keys, scratch);
+        let mut hits: Vec<MatchHit> = scratch
+            .done
+            .iter()
+            .map(|&(id, blocks)| {
                 let src = self.sources.get(slot_of(id)).key;
                 MatchHit {
                     worker: src.worker,
@@ -46,10 +69,16 @@ impl Index {
     }
 
     /// Appends `(holder id, matched blocks)` for every holder with a match >= 1.
-    fn match_into(&self, keys: &[u64], done: &mut Vec<(HolderId, u32)>) {
+    fn match_into(&self, keys: &[u64], scratch: &mut Scratch) {
+        let Scratch {
+            ids,
+            alive,
+            next,
+            done,
+        } = scratch;
         // Pass 1: resolve the keys up to the first unknown one. The lookups are
         // independent, so in a tight loop the CPU overlaps their cache misses.
-        let mut ids: Vec<u32> = Vec::with_capacity(keys.len());
+        ids.clear();
         for &key in keys {
             match self.tree.find(key) {
                 Some(id) => ids.push(id),
@@ -60,15 +89,15 @@ impl Index {
         let Some((&id0, rest)) = ids.split_first() else {
             return;
         };
-        let mut alive: Vec<HolderId> = self
-            .tree
-            .node(id0)
-            .holders
-            .as_slice(spills)
-            .iter()
-            .map(|&h| id_of(h))
-            .collect();
-        let mut next: Vec<HolderId> = Vec::with_capacity(alive.len());
+        alive.clear();
+        alive.extend(
+            self.tree
+                .node(id0)
+                .holders
+                .as_slice(spills)
+                .iter()
+                .map(|&h| id_of(h)),
+        );
         // Pass 2: intersect the alive holders with each block's (sorted) holders.
         for (i, &id) in rest.iter().enumerate() {
             if alive.is_empty() {
@@ -76,12 +105,14 @@ impl Index {
             }
             let held = self.tree.node(id).holders.as_slice(spills);
             // Fast path: same holder set as the previous block (a shared prefix).
-            if held.len() == alive.len() && held.iter().zip(&alive).all(|(&h, &a)| id_of(h) == a) {
+            if held.len() == alive.len()
+                && held.iter().zip(alive.iter()).all(|(&h, &a)| id_of(h) == a)
+            {
                 continue;
             }
             next.clear();
             let mut j = 0;
-            for &a in &alive {
+            for &a in alive.iter() {
                 while j < held.len() && id_of(held[j]) < a {
                     j += 1;
                 }
@@ -91,10 +122,10 @@ impl Index {
                     done.push((a, i as u32 + 1));
                 }
             }
-            std::mem::swap(&mut alive, &mut next);
+            std::mem::swap(alive, next);
         }
         // Whoever is still alive holds every resolved block.
         let n = ids.len() as u32;
-        done.extend(alive.into_iter().map(|a| (a, n)));
+        done.extend(alive.iter().map(|&a| (a, n)));
     }
 }
