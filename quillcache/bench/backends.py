@@ -17,14 +17,12 @@ def available(name: str) -> tuple[bool, str]:
     """(usable in this build, why not)."""
     if name in ("memory", "native", "native-wal", "kv-memory"):
         return True, ""
-    if name == "rocksdb":
+    if name in ("rocksdb", "holt"):
         from quillcache.index.rocks import store_available
 
-        if store_available("rocksdb"):
+        if store_available(name):
             return True, ""
-        return False, "extension built without the rocksdb feature"
-    if name == "holt":
-        return False, "holt 0.9.2 does not build here (see docs/persistence.md)"
+        return False, f"extension built without the {name} cargo feature (docs/persistence.md)"
     return False, f"unknown backend {name!r}"
 
 
@@ -33,10 +31,12 @@ def open_backend(name: str, path: Path | None, options: dict[str, Any]) -> Index
         from quillcache.index.durable import DurableNativeIndex
 
         return DurableNativeIndex(path, durability=options.get("durability", "interval:10"))
-    if name in ("rocksdb", "kv-memory"):
+    if name in ("rocksdb", "kv-memory", "holt"):
+        from quillcache.index.holt import HoltIndex
         from quillcache.index.rocks import KvMemoryIndex, RocksDbIndex
 
-        return RocksDbIndex(path) if name == "rocksdb" else KvMemoryIndex()
+        cls = {"rocksdb": RocksDbIndex, "holt": HoltIndex, "kv-memory": KvMemoryIndex}[name]
+        return cls(path) if name != "kv-memory" else cls()
     from quillcache.index import create_backend
 
     return create_backend(name)

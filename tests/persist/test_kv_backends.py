@@ -1,6 +1,6 @@
 """The index conformance suite (`tests/index/test_conformance.py`), run unchanged
-against the key-value backends: the in-memory store always, RocksDB when the
-extension was built with the ``rocksdb`` feature."""
+against the key-value backends: the in-memory store always, RocksDB and Holt when
+the extension was built with their cargo features."""
 
 from __future__ import annotations
 
@@ -10,18 +10,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from quillcache.index.holt import HoltIndex
 from quillcache.index.native import NativeIndex
 from quillcache.index.rocks import KvMemoryIndex, KvStoreIndex, RocksDbIndex, store_available
 from tests.index import test_conformance as conformance
 from tests.persist.workload import batch
 
 HAVE_ROCKSDB = store_available("rocksdb")
+HAVE_HOLT = store_available("holt")
 needs_rocksdb = pytest.mark.skipif(
     not HAVE_ROCKSDB, reason="extension built without the rocksdb feature (see docs/persistence.md)"
+)
+needs_holt = pytest.mark.skipif(
+    not HAVE_HOLT, reason="extension built without the holt feature (see docs/persistence.md)"
 )
 KV_BACKENDS = [
     pytest.param(KvMemoryIndex, id="kv-memory"),
     pytest.param(RocksDbIndex, id="rocksdb", marks=[pytest.mark.rocksdb, needs_rocksdb]),
+    pytest.param(HoltIndex, id="holt", marks=[needs_holt]),
 ]
 
 
@@ -38,18 +44,23 @@ for _name in dir(conformance):
         globals()[_name] = getattr(conformance, _name)
 
 
-@pytest.mark.rocksdb
-@needs_rocksdb
-def test_rocksdb_reopens_with_the_same_state(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "cls",
+    [
+        pytest.param(RocksDbIndex, id="rocksdb", marks=[pytest.mark.rocksdb, needs_rocksdb]),
+        pytest.param(HoltIndex, id="holt", marks=[needs_holt]),
+    ],
+)
+def test_persistent_kv_reopens_with_the_same_state(tmp_path: Path, cls: type[KvStoreIndex]) -> None:
     seed = 21
     reference = NativeIndex()
-    with RocksDbIndex(tmp_path / "db") as db:
+    with cls(tmp_path / "db") as db:
         for i in range(200):
             p = batch(seed, i)
             db.apply(3, [p])
             reference.apply(3, [p])
         assert db.disk_bytes() > 0
-    with RocksDbIndex(tmp_path / "db") as db:
+    with cls(tmp_path / "db") as db:
         got = sorted((e.key, e.holders, e.pinned) for e in db.entries())
         want = sorted((e.key, e.holders, e.pinned) for e in reference.entries())
         assert got == want

@@ -11,6 +11,8 @@ pub mod kv_index;
 pub mod layout;
 pub mod mem_kv;
 // `rocks` (feature `rocksdb`) is wired in once its C++ build is verified here.
+#[cfg(feature = "holt")]
+pub mod holt_kv;
 
 pub use kv_index::KvIndex;
 
@@ -91,16 +93,14 @@ pub fn open_store(
     let _ = (&need_path, sync);
     match kind {
         "memory" => Ok(Box::new(mem_kv::MemKv::new())),
+        #[cfg(feature = "holt")]
+        "holt" => Ok(Box::new(holt_kv::HoltKv::open(need_path("holt")?, sync)?)),
         other => Err(KvError {
             store: "backend",
             message: format!(
                 "store {other:?} is not available in this build (known: memory{}); \
                  rebuild with `maturin develop --release --features {other}`",
-                if cfg!(feature = "rocksdb") {
-                    ", rocksdb"
-                } else {
-                    ""
-                }
+                if cfg!(feature = "holt") { ", holt" } else { "" }
             ),
         }),
     }

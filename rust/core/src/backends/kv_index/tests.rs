@@ -8,6 +8,7 @@ use crate::index::{Index, SourceKey};
 use crate::persist::durable_tests::{encode, Ev, BS};
 
 use super::KvIndex;
+use crate::backends::KvStore;
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -76,56 +77,100 @@ fn path_to(reference: &Index, pick: usize) -> Vec<u64> {
     path
 }
 
+fn check_against_native<S: KvStore>(
+    store: S,
+    ops: Vec<Op>,
+    probe: usize,
+) -> Result<(), TestCaseError> {
+    let mut reference = Index::new();
+    let mut kv = KvIndex::open(store).unwrap();
+
+    for op in ops {
+        match op {
+            Op::Apply { worker, dp, events } => {
+                let src = SourceKey {
+                    worker,
+                    dp_rank: dp,
+                };
+                let p = encode(&events, Some(dp));
+                prop_assert_eq!(
+                    kv.apply_payload(src, &p).unwrap(),
+                    reference.apply_payload(src, &p).unwrap()
+                );
+            }
+            Op::Register { worker, model } => {
+                let src = SourceKey { worker, dp_rank: 0 };
+                kv.register_source(src, model, "t").unwrap();
+                reference.register_source(src, model, "t");
+            }
+            Op::Pin(i) => {
+                let path = path_to(&reference, i);
+                kv.pin(&path).unwrap();
+                reference.pin(&path);
+            }
+            Op::Unpin(i) => {
+                let path = path_to(&reference, i);
+                kv.unpin(&path).unwrap();
+                reference.unpin(&path);
+            }
+            Op::Clear { worker, dp } => {
+                let src = SourceKey {
+                    worker,
+                    dp_rank: dp,
+                };
+                prop_assert_eq!(kv.clear_source(src).unwrap(), reference.clear_source(src));
+            }
+            Op::RemoveWorker(w) => {
+                prop_assert_eq!(kv.remove_worker(w).unwrap(), reference.remove_worker(w));
+            }
+        }
+        prop_assert_eq!(kv.logical_state().unwrap(), reference.logical_state());
+        let s = reference.stats();
+        prop_assert_eq!(
+            kv.counts().unwrap(),
+            (s.blocks, s.nodes, s.resident_pairs, s.sources, s.pinned)
+        );
+    }
+    let path = path_to(&reference, probe);
+    let want: Vec<(u64, u32, String, u32)> = reference
+        .match_keys(&path)
+        .into_iter()
+        .map(|h| {
+            (
+                h.worker,
+                h.dp_rank,
+                reference.medium_name(h.medium).to_string(),
+                h.blocks,
+            )
+        })
+        .collect();
+    prop_assert_eq!(kv.match_keys(&path).unwrap(), want);
+    for cut in [0, 1, path.len()] {
+        prop_assert_eq!(
+            kv.scan(&path[..cut.min(path.len())]).unwrap(),
+            reference.scan(&path[..cut.min(path.len())])
+        );
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(96))]
 
     #[test]
     fn kv_index_equals_the_native_index(ops in prop::collection::vec(op(), 1..50), probe in 0usize..1000) {
-        let mut reference = Index::new();
-        let mut kv = KvIndex::open(MemKv::new()).unwrap();
-        for op in ops {
-            match op {
-                Op::Apply { worker, dp, events } => {
-                    let src = SourceKey { worker, dp_rank: dp };
-                    let p = encode(&events, Some(dp));
-                    prop_assert_eq!(kv.apply_payload(src, &p).unwrap(), reference.apply_payload(src, &p).unwrap());
-                }
-                Op::Register { worker, model } => {
-                    let src = SourceKey { worker, dp_rank: 0 };
-                    kv.register_source(src, model, "t").unwrap();
-                    reference.register_source(src, model, "t");
-                }
-                Op::Pin(i) => {
-                    let path = path_to(&reference, i);
-                    kv.pin(&path).unwrap();
-                    reference.pin(&path);
-                }
-                Op::Unpin(i) => {
-                    let path = path_to(&reference, i);
-                    kv.unpin(&path).unwrap();
-                    reference.unpin(&path);
-                }
-                Op::Clear { worker, dp } => {
-                    let src = SourceKey { worker, dp_rank: dp };
-                    prop_assert_eq!(kv.clear_source(src).unwrap(), reference.clear_source(src));
-                }
-                Op::RemoveWorker(w) => {
-                    prop_assert_eq!(kv.remove_worker(w).unwrap(), reference.remove_worker(w));
-                }
-            }
-            prop_assert_eq!(kv.logical_state().unwrap(), reference.logical_state());
-            let s = reference.stats();
-            prop_assert_eq!(kv.counts().unwrap(), (s.blocks, s.nodes, s.resident_pairs, s.sources, s.pinned));
-        }
-        let path = path_to(&reference, probe);
-        let want: Vec<(u64, u32, String, u32)> = reference
-            .match_keys(&path)
-            .into_iter()
-            .map(|h| (h.worker, h.dp_rank, reference.medium_name(h.medium).to_string(), h.blocks))
-            .collect();
-        prop_assert_eq!(kv.match_keys(&path).unwrap(), want);
-        for cut in [0, 1, path.len()] {
-            prop_assert_eq!(kv.scan(&path[..cut.min(path.len())]).unwrap(), reference.scan(&path[..cut.min(path.len())]));
-        }
+        check_against_native(MemKv::new(), ops, probe)?;
+    }
+}
+
+#[cfg(feature = "holt")]
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(12))]
+
+    #[test]
+    fn holt_kv_index_equals_the_native_index(ops in prop::collection::vec(op(), 1..40), probe in 0usize..1000) {
+        let d = crate::persist::wal_tests::TestDir::new("holt-prop");
+        let store = crate::backends::holt_kv::HoltKv::open(&d.0.join("tree"), false).unwrap();
+        check_against_native(store, ops, probe)?;
     }
 }
