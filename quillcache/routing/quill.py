@@ -23,10 +23,18 @@ class QuillCacheRouter(Router):
     summary = "TTFT argmin with speculative (in-flight) prefixes and decode interference"
     source = "QuillCache (this project); see docs/routing.md"
 
-    def __init__(self, *, speculative: bool = True, interference: bool = True, **kw: Any):
+    def __init__(
+        self,
+        *,
+        speculative: bool = True,
+        interference: bool = True,
+        work_weight: float = 1.0,
+        **kw: Any,
+    ) -> None:
         super().__init__(**kw)
         self.speculative = speculative
         self.interference = interference
+        self.work_weight = work_weight
 
     def estimate_s(self, request: Request, view: View, w: WorkerView) -> float:
         cost = view.cost
@@ -40,18 +48,27 @@ class QuillCacheRouter(Router):
                 transfer_s += cost.transfer_time(blocks - covered, tier)
                 covered = blocks
         new = max(request.prompt_tokens - min(covered * bs, request.prompt_tokens), 1)
+        extra = 0.0
+        if self.work_weight:
+            # the compute this request adds delays everyone queued after it there
+            extra = self.work_weight * cost.prefill_compute_s(new, request.prompt_tokens - new)
         if not self.interference:
             return (
-                transfer_s
+                extra
+                + transfer_s
                 + cost.queue_time(w.queued_prefill_tokens)
                 + cost.prefill_time(new, request.prompt_tokens - new)
             )
-        return transfer_s + cost.loaded_prefill_time(
-            queued_tokens=w.queued_prefill_tokens,
-            new_tokens=new,
-            context_tokens=request.prompt_tokens - new,
-            running_decodes=w.running_decodes,
-            mean_context_tokens=w.mean_context_tokens,
+        return (
+            extra
+            + transfer_s
+            + cost.loaded_prefill_time(
+                queued_tokens=w.queued_prefill_tokens,
+                new_tokens=new,
+                context_tokens=request.prompt_tokens - new,
+                running_decodes=w.running_decodes,
+                mean_context_tokens=w.mean_context_tokens,
+            )
         )
 
     def route(self, request: Request, view: View) -> Decision:
