@@ -6,6 +6,7 @@
 //! collection); subtree scans walk parent links instead of child lists, which keeps
 //! a node at 32 bytes.
 
+use hashbrown::hash_table::Entry;
 use hashbrown::{HashMap, HashTable};
 
 use super::holders::{HolderSet, Spills};
@@ -78,9 +79,16 @@ impl Tree {
     /// parent key is `parent` when `parent_id` is NIL. An existing node keeps its
     /// parent and depth.
     pub fn get_or_insert(&mut self, key: u64, parent: u64, parent_id: u32, depth: u32) -> u32 {
-        if let Some(id) = self.find(key) {
-            return id;
-        }
+        let nodes = &self.nodes;
+        // One probe finds the node or the slot for it.
+        let vacant = match self.table.entry(
+            table_hash(key),
+            |&id| nodes[id as usize].key == key,
+            |&i| table_hash(nodes[i as usize].key),
+        ) {
+            Entry::Occupied(e) => return *e.get(),
+            Entry::Vacant(v) => v,
+        };
         let node = Node {
             key,
             holders: HolderSet::default(),
@@ -101,14 +109,12 @@ impl Tree {
                 (self.nodes.len() - 1) as u32
             }
         };
+        vacant.insert(id);
         if parent_id != NIL {
             self.nodes[parent_id as usize].children += 1;
         } else if parent != 0 {
             self.root_parent.insert(id, parent);
         }
-        let nodes = &self.nodes;
-        self.table
-            .insert_unique(table_hash(key), id, |&i| table_hash(nodes[i as usize].key));
         id
     }
 
