@@ -82,6 +82,8 @@ class Gateway:
         self.startup_error: QuillCacheError | None = None
         # tokenize + hash + route time of recent requests, for /admin/index
         self.route_samples: collections.deque[float] = collections.deque(maxlen=20_000)
+        # handler entry -> upstream request issued (parse, auth, tokenize, hash, route)
+        self.pre_upstream_samples: collections.deque[float] = collections.deque(maxlen=20_000)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -308,6 +310,7 @@ class Gateway:
                 min(cached_blocks * self.cp.block_size, prompt_tokens)
             )
             self.metrics.prompt_tokens.inc(prompt_tokens)
+            self.pre_upstream_samples.append(time.perf_counter() - started)
             try:
                 resp = await self.upstream.post(
                     worker.url + path, data=raw, headers=_forward_headers(request)
@@ -668,10 +671,12 @@ class Gateway:
                 "event_sources": sources,
                 "ingest": vars(self.ingestor.stats()),
                 "route_latency_us": _percentiles_us(self.route_samples),
+                "pre_upstream_us": _percentiles_us(self.pre_upstream_samples),
             }
         )
         if request.query_params.get("reset_latency"):
             self.route_samples.clear()
+            self.pre_upstream_samples.clear()
         return response
 
     async def admin_pins(self, request: Request) -> Response:
