@@ -97,6 +97,10 @@ class HFTokenizer:
                     value.get("content", "") if isinstance(value, dict) else value or ""
                 )
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size())
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
