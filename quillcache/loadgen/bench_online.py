@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -107,6 +108,12 @@ def overhead(workdir: Path, n: int, router: str, time_scale: float = 0.1) -> dic
             p.kill()
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc), for CPU cost per request."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def throughput(workdir: Path, n: int, router: str) -> dict[str, Any]:
     procs: list[Proc] = []
     try:
@@ -115,7 +122,10 @@ def throughput(workdir: Path, n: int, router: str) -> dict[str, Any]:
         gw = _gateway(engines, workdir, "tp-gateway", router)
         procs.append(gw)
         direct = _load(engines[0].url, n, concurrency=64, stream=False, max_tokens=1)
-        via = _load(gw.url, n, concurrency=64, stream=False, max_tokens=1)
+        cpu0 = _cpu_s(gw.popen.pid)
+        via = _load(gw.url, n, concurrency=64, stream=False, max_tokens=1, warmup=0)
+        # what the gateway itself spends per routed request, whatever else runs
+        via["gateway_cpu_ms_per_request"] = (_cpu_s(gw.popen.pid) - cpu0) * 1000 / n
         return {"direct (1 engine)": direct, "gateway (2 engines)": via}
     finally:
         for p in procs:
@@ -246,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
                 str(r["errors"]),
             )
         console.print(t)
+        cpu = out["throughput"]["gateway (2 engines)"]["gateway_cpu_ms_per_request"]
+        console.print(
+            f"   gateway CPU per routed request: {cpu:.3f} ms "
+            f"(= {1000 / cpu:.0f} req/s per fully available core)"
+        )
     if "ingest" in out:
         t = Table(title="3. routing latency in the gateway while ingesting KV events")
         for c in (
