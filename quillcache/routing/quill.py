@@ -29,12 +29,17 @@ class QuillCacheRouter(Router):
         speculative: bool = True,
         interference: bool = True,
         work_weight: float = 1.0,
+        adaptive: bool = True,
+        max_work_weight: float = 3.0,
         **kw: Any,
     ) -> None:
         super().__init__(**kw)
         self.speculative = speculative
         self.interference = interference
         self.work_weight = work_weight
+        self.adaptive = adaptive
+        self.max_work_weight = max_work_weight
+        self._lambda = work_weight
 
     def estimate_s(self, request: Request, view: View, w: WorkerView) -> float:
         cost = view.cost
@@ -51,7 +56,7 @@ class QuillCacheRouter(Router):
         extra = 0.0
         if self.work_weight:
             # the compute this request adds delays everyone queued after it there
-            extra = self.work_weight * cost.prefill_compute_s(new, request.prompt_tokens - new)
+            extra = self._lambda * cost.prefill_compute_s(new, request.prompt_tokens - new)
         if not self.interference:
             return (
                 extra
@@ -74,6 +79,14 @@ class QuillCacheRouter(Router):
     def route(self, request: Request, view: View) -> Decision:
         if not view.workers:
             return self.no_workers()
+        self._lambda = self.work_weight
+        if self.adaptive:
+            # Each second of compute added delays every request that queues behind it:
+            # weigh it by how many are waiting per worker right now.
+            waiting = sum(max(w.in_flight - w.running_decodes, 0) for w in view.workers)
+            self._lambda = min(
+                self._lambda * (1.0 + waiting / len(view.workers)), self.max_work_weight
+            )
         best = min(
             view.workers,
             key=lambda w: (

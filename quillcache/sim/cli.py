@@ -34,14 +34,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["shared-prefix", "sglang-gsp", "multi-turn", "agent-fanout"],
         help="generator when no --trace is given (default shared-prefix)",
     )
-    wl.add_argument("--requests", type=int, default=2000, help="shared-prefix: requests")
-    wl.add_argument("--prefix-groups", type=int, default=48, help="shared-prefix: groups")
+    wl.add_argument("--requests", type=int, default=1500, help="shared-prefix: requests")
+    wl.add_argument("--prefix-groups", type=int, default=64, help="shared-prefix: groups")
     wl.add_argument(
-        "--shared-prefix-blocks", type=int, default=64, help="shared-prefix: blocks per prefix"
+        "--shared-prefix-blocks", type=int, default=128, help="shared-prefix: blocks per prefix"
     )
-    wl.add_argument("--unique-blocks", type=int, default=16, help="shared-prefix: own blocks")
+    wl.add_argument("--unique-blocks", type=int, default=32, help="shared-prefix: own blocks")
     wl.add_argument("--output-tokens", type=int, default=128, help="shared-prefix: output")
-    wl.add_argument("--rate", type=float, help="arrivals per second (generator default)")
+    wl.add_argument(
+        "--rate", type=float, help="arrivals per second (shared-prefix: 30; others: their own)"
+    )
     wl.add_argument("--zipf", type=float, default=1.0, help="shared-prefix: group skew")
     wl.add_argument("--block-size", type=int, default=16, help="generated workloads' block size")
     wl.add_argument(
@@ -148,6 +150,7 @@ def _workload(args: argparse.Namespace) -> Any:
     if args.rate is not None:
         params["rate"] = args.rate
     if args.workload == "shared-prefix":
+        params.setdefault("rate", 30.0)
         params.update(
             requests=args.requests,
             prefix_groups=args.prefix_groups,
