@@ -132,14 +132,27 @@ impl Index {
                 }
             }
         };
-        for (i, (&h, tokens)) in ev
-            .block_hashes
-            .iter()
-            .zip(ev.token_ids.chunks_exact(bs))
-            .enumerate()
-        {
+        // Pass 1: the chain of keys, and a look at each key's table slot and engine-map
+        // slot. The probes are independent, so their cache misses overlap; pass 2
+        // then finds those lines in cache.
+        let mut keys = Vec::with_capacity(n);
+        let mut k = parent_key;
+        for (i, tokens) in ev.token_ids.chunks_exact(bs).take(n).enumerate() {
             let mm = mm_items(ev, i);
-            let key = chain_block(parent_key, tokens, mm.as_deref());
+            k = chain_block(k, tokens, mm.as_deref());
+            keys.push(k);
+        }
+        let mut warm = 0u64;
+        {
+            let engine = &self.sources.get(slot).engine;
+            for (&key, &h) in keys.iter().zip(&ev.block_hashes) {
+                warm ^= self.tree.find(key).unwrap_or(0) as u64;
+                warm ^= engine.get(&engine_map_key(group, h)).copied().unwrap_or(0);
+            }
+        }
+        std::hint::black_box(warm);
+        // Pass 2: insert.
+        for (&h, &key) in ev.block_hashes.iter().zip(&keys) {
             let id = self.tree.get_or_insert(key, parent_key, parent_id, depth);
             self.add_holder(slot, id, hid);
             self.sources
