@@ -150,11 +150,14 @@ class EngineModel:
     def _make_room(self, slots: int) -> None:
         """Evict LRU free cached blocks until `slots` slots hold nothing."""
         need = slots - (self.capacity - self.in_use - len(self.free))
-        while need > 0 and self.free:
-            key, _ = self.free.popitem(last=False)
+        if need <= 0:
+            return
+        free, events, salt, removed = self.free, self._events, self.salt, wire.block_removed
+        while need > 0 and free:
+            key, _ = free.popitem(last=False)
             if self.cpu_capacity:
                 self._offload(key)
-            self._events.append(wire.block_removed(engine_hash(key, self.salt)))
+            events.append(removed(((key ^ salt) * _GOLDEN) & _MASK))  # engine_hash, inlined
             self.evictions += 1
             need -= 1
 

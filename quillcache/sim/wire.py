@@ -92,6 +92,8 @@ def block_removed(block_hash: int, medium: str = "GPU") -> bytes:
         i = full.index(packed_marker)
         parts = (full[:i], full[i + len(packed_marker) :])
         _removed_cache[medium] = parts
+    if block_hash >= 1 << 32:  # uint64: what msgpack writes for every large hash
+        return b"".join((parts[0], b"\x91\xcf", block_hash.to_bytes(8, "big"), parts[1]))
     return parts[0] + _pack([block_hash]) + parts[1]
 
 
