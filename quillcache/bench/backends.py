@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +27,24 @@ def available(name: str) -> tuple[bool, str]:
     return False, f"unknown backend {name!r}"
 
 
-def open_backend(name: str, path: Path | None, options: dict[str, Any]) -> IndexBackend:
+def backend_factory(
+    name: str, path: Path | None, options: dict[str, Any]
+) -> Callable[[], IndexBackend]:
+    """A function that opens the backend. Imports happen here, so that timing the
+    call (recovery) measures opening the index, not importing Python modules."""
     if name == "native-wal":
         from quillcache.index.durable import DurableNativeIndex
 
-        return DurableNativeIndex(path, durability=options.get("durability", "interval:10"))
+        durability = options.get("durability", "interval:10")
+        return lambda: DurableNativeIndex(path, durability=durability)
     if name in ("rocksdb", "kv-memory", "holt"):
         from quillcache.index.holt import HoltIndex
         from quillcache.index.rocks import KvMemoryIndex, RocksDbIndex
 
-        cls = {"rocksdb": RocksDbIndex, "holt": HoltIndex, "kv-memory": KvMemoryIndex}[name]
-        return cls(path) if name != "kv-memory" else cls()
+        if name == "kv-memory":
+            return KvMemoryIndex
+        cls = RocksDbIndex if name == "rocksdb" else HoltIndex
+        return lambda: cls(path)
     from quillcache.index import create_backend
 
-    return create_backend(name)
+    return lambda: create_backend(name)

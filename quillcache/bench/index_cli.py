@@ -177,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     names = [b.strip() for b in args.backend.split(",") if b.strip()]
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     results: list[dict[str, Any]] = []
+    report_error = False
     with Progress(console=console, transient=True) as progress:
         workload = build_workload(args, progress)
         with tempfile.NamedTemporaryFile(suffix=".pkl", delete=False) as f:
@@ -203,6 +204,12 @@ def run(args: argparse.Namespace) -> int:
         f"{len(workload.batches):,} batches, {workload.resident_blocks:,} resident, "
         f"{len(workload.queries):,} queries"
     )
+    done = [r for r in results if "skipped" not in r]
+    for key in ("matched_blocks_total", "scanned_entries_total"):
+        if len({r[key] for r in done}) > 1:
+            detail = ", ".join(f"{r['backend']}={r[key]}" for r in done)
+            console.print(f"[bold red]backends disagree on {key}: {detail}[/bold red]")
+            report_error = True
     out = Console(width=None if sys.stdout.isatty() else 200)
     out.print(render_table(results, title))
     for r in results:
@@ -231,4 +238,4 @@ def run(args: argparse.Namespace) -> int:
             Path(args.json).write_text(text)
     if args.plot:
         plot(results, args.plot, title)
-    return 0
+    return 1 if report_error else 0

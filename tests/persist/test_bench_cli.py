@@ -46,6 +46,9 @@ def test_bench_index_reports_every_measure(tmp_path: Path) -> None:
         assert r["blocks_per_s"] > 0 and r["queries"] == 300
         assert 0 < r["match"]["p50_us"] <= r["match"]["p99_us"]
         assert 0 < r["scan"]["p50_us"] <= r["scan"]["p99_us"]
+    # Same answers from both: the checksums of the match and scan results agree.
+    for key in ("matched_blocks_total", "scanned_entries_total"):
+        assert by_name["native"][key] == by_name["native-wal"][key] > 0
     wal = by_name["native-wal"]
     # The log holds every payload: the bytes measured written cannot be fewer.
     assert wal["ingest_write_bytes"] >= payload_bytes
