@@ -184,3 +184,16 @@ def test_quillcache_counts_prefixes_being_computed() -> None:
     idle = WorkerView(1)
     assert create_router("quillcache").route(req, _view(computing, idle)).worker == 0
     assert create_router("quillcache-greedy").route(req, _view(computing, idle)).worker == 1
+
+
+def test_quillcache_prices_the_work_it_adds_under_load() -> None:
+    req = _req(160)  # 2,563 tokens, 150 blocks cached on worker 0
+    cached = WorkerView(0, gpu_blocks=150, in_flight=6, queued_prefill_tokens=4_000)
+    idle = WorkerView(1, in_flight=4, queued_prefill_tokens=1_400)
+    view = _view(cached, idle)
+    greedy = create_router("quillcache-greedy").route(req, view).worker
+    quill = create_router("quillcache", interference=False).route(req, view).worker
+    assert (greedy, quill) == (1, 0)
+    # with the work term off it is the greedy router again
+    plain = create_router("quillcache", interference=False, work_weight=0.0)
+    assert plain.route(req, view).worker == 1
