@@ -316,6 +316,10 @@ fn token_list(r: &mut Reader<'_>) -> Result<Vec<u32>, DecodeError> {
     let n = r.array_len("token_ids")?;
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
+        if let Some(t) = r.fast_u32() {
+            out.push(t);
+            continue;
+        }
         let start = r.pos();
         match r.try_int()? {
             Some(v) if (0..=U32_MAX).contains(&v) => out.push(v as u32),

@@ -211,6 +211,25 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Fast path for token ids: a uint in the u32 range written as fixint, uint8,
+    /// uint16 or uint32 (what every encoder writes). None (nothing consumed) otherwise;
+    /// the caller then takes the general path.
+    #[inline]
+    pub fn fast_u32(&mut self) -> Option<u32> {
+        let rest = &self.buf[self.pos..];
+        let (v, len) = match *rest.first()? {
+            b @ 0x00..=0x7f => (b as u32, 1),
+            0xcc if rest.len() >= 2 => (rest[1] as u32, 2),
+            0xcd if rest.len() >= 3 => (u16::from_be_bytes([rest[1], rest[2]]) as u32, 3),
+            0xce if rest.len() >= 5 => {
+                (u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]), 5)
+            }
+            _ => return None,
+        };
+        self.pos += len;
+        Some(v)
+    }
+
     /// An int of any msgpack width, or None (nothing consumed) if the value is not an int.
     pub fn try_int(&mut self) -> Result<Option<WireInt>, DecodeError> {
         let v: WireInt = match self.peek()? {
