@@ -67,7 +67,8 @@ def request_tokens(block_ids: list[int]) -> np.ndarray:
     return np.concatenate([block_tokens(b) for b in block_ids])
 
 
-NS = namespace_id(model="bench", block_size=BLOCK_SIZE)
+#: The namespace of an unregistered source (model "", tokenizer ""), as the index sees it.
+NS = namespace_id(block_size=BLOCK_SIZE)
 
 
 def keys_of(block_ids: list[int]) -> np.ndarray:
