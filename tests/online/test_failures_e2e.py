@@ -224,3 +224,41 @@ def test_gateway_restart_with_a_persistent_index_resumes_by_replay(stack: Stack)
     # the replay started after the persisted seq, not at 0
     assert len(during) <= source["replayed_batches"] < last_before
     assert source["stale_marks"] == 0 and source["restarts"] == 0
+
+
+def test_admin_adds_drains_and_removes_workers(stack: Stack) -> None:
+    first = stack.engine()
+    gw = stack.start_gateway({"router": "round-robin"})
+    second = stack.engine()  # started after the gateway: added through the admin API
+    admin = stack.admin()
+    added = admin.post("/admin/workers", json={"url": second.url})
+    assert added.status_code == 201 and added.json()["id"] == 1
+    bad = admin.post("/admin/workers", json={"url": "not-a-url"})
+    assert bad.status_code == 400 and "url" in bad.json()["error"]["message"]
+    wait_for(
+        lambda: admin.get("/admin/workers/1").json()["parity"] == "ok", what="parity of worker 1"
+    )
+
+    def served(n: int = 4) -> set[str]:
+        return {
+            http_post(
+                gw.url + "/v1/completions", json={"prompt": f"p{i}", "max_tokens": 1}
+            ).headers["x-quillcache-worker"]
+            for i in range(n)
+        }
+
+    assert served() == {"0", "1"}
+    assert admin.post("/admin/workers/0/drain", json={"draining": True}).status_code == 200
+    assert served() == {"1"}
+    assert admin.post("/admin/workers/0/drain", json={"draining": False}).status_code == 200
+    assert admin.delete("/admin/workers/1").json() == {"removed": 1}
+    assert served() == {"0"}
+    assert admin.delete("/admin/workers/1").status_code == 404
+    models = http_get(gw.url + "/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["sim-model"]
+    pinned = admin.post("/admin/pins", json={"prompt": "x" * 64})
+    assert pinned.json() == {"pinned": 4}
+    assert admin.request("DELETE", "/admin/pins", json={"prompt": "x" * 64}).json() == {
+        "unpinned": 4
+    }
+    assert first.alive()
