@@ -71,15 +71,18 @@ class PowerOfTwo(Router):
 
 class SessionAffinity(Router):
     """Consistent hashing (a ring with virtual nodes) on the session id; requests
-    without one hash their first block's content key, so shared prefixes stick."""
+    without one hash the chained key of their first `prefix_blocks` blocks, so
+    requests sharing that prefix stick together (one shared system-prompt block does
+    not send everything to one worker)."""
 
     name = "session-affinity"
-    summary = "consistent hashing on the session id (else the first block)"
+    summary = "consistent hashing on the session id (else the first 4 blocks)"
     source = "Karger et al., consistent hashing (STOC'97); sticky sessions in every LB"
 
-    def __init__(self, *, vnodes: int = 64, **kw: Any) -> None:
+    def __init__(self, *, vnodes: int = 64, prefix_blocks: int = 4, **kw: Any) -> None:
         super().__init__(**kw)
         self.vnodes = vnodes
+        self.prefix_blocks = max(prefix_blocks, 1)
         self._ring_for: tuple[int, ...] = ()
         self._points: list[int] = []
         self._owners: list[int] = []
@@ -103,7 +106,8 @@ class SessionAffinity(Router):
         if request.session_id is not None:
             h = xxhash.xxh3_64_intdigest(str(request.session_id).encode())
         elif len(request.content_keys):
-            h = int(request.content_keys[0])
+            # a chained key names its whole prefix
+            h = int(request.content_keys[min(len(request.content_keys), self.prefix_blocks) - 1])
         else:
             h = xxhash.xxh3_64_intdigest(str(request.request_id).encode())
         i = bisect.bisect_left(self._points, h) % len(self._points)
