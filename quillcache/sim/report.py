@@ -75,7 +75,12 @@ def plot(results: list[dict[str, Any]], path: str, *, title: str = "") -> None:
     panels = 1 + int(has_ttft) + int(bool(sweep))
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
     ax_list = list(axes[0])
-    labels = [f"{r['router']}\n{r['backend']}" for r in results]
+    labels = [
+        f"{r['router']}\n{r['backend']}"
+        + (f"\ncap {r['capacity_point']}" if "capacity_point" in r else "")
+        + (f"\n{r['workers']} workers" if len({x["workers"] for x in results}) > 1 else "")
+        for r in results
+    ]
     ax = ax_list.pop(0)
     ax.bar(range(len(results)), [r["block_hit_rate"] * 100 for r in results])
     ax.set_xticks(range(len(results)), labels, rotation=60, ha="right", fontsize=7)
