@@ -251,8 +251,28 @@ fn read_field(
     Ok(())
 }
 
+/// The field names we know (`STORED_POSITIONAL` ∪ `REMOVED_POSITIONAL`), as a match
+/// (compiled to length + byte comparisons; a linear scan was a hot spot).
 fn known_field(name: &str) -> Option<&'static str> {
-    STORED_POSITIONAL.iter().copied().find(|k| *k == name)
+    Some(match name {
+        "block_hashes" => "block_hashes",
+        "parent_block_hash" => "parent_block_hash",
+        "token_ids" => "token_ids",
+        "block_size" => "block_size",
+        "lora_id" => "lora_id",
+        "medium" => "medium",
+        "lora_name" => "lora_name",
+        "extra_keys" => "extra_keys",
+        "group_idx" => "group_idx",
+        "kv_cache_spec_kind" => "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window" => "kv_cache_spec_sliding_window",
+        "locality" => "locality",
+        "ownership" => "ownership",
+        "session_id" => "session_id",
+        "lookahead_token_ids" => "lookahead_token_ids",
+        "cache_salt" => "cache_salt",
+        _ => return None,
+    })
 }
 
 fn nil_or<'a, T>(
@@ -407,4 +427,18 @@ fn build(r: &Reader<'_>, kind: Kind, f: Fields, start: usize) -> Result<Event, D
         }),
         Kind::Cleared => Event::AllBlocksCleared,
     })
+}
+
+#[cfg(test)]
+mod field_name_tests {
+    use super::*;
+
+    #[test]
+    fn every_positional_name_is_known() {
+        for name in STORED_POSITIONAL.iter().chain(REMOVED_POSITIONAL.iter()) {
+            assert_eq!(known_field(name), Some(*name));
+        }
+        assert_eq!(known_field("type"), None);
+        assert_eq!(known_field("block_hashes "), None);
+    }
 }
