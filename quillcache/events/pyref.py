@@ -96,7 +96,9 @@ class _Reader:
     # -- errors ---------------------------------------------------------------------
     def fail(self, what: str, offset: int | None = None) -> EventDecodeError:
         at = self.unpacker.tell() if offset is None else offset
-        return EventDecodeError(f"{self.path}: {what} (at byte {at})")
+        err = EventDecodeError(f"{self.path}: {what} (at byte {at})")
+        err.offset = at  # as the native decoder's exceptions carry it
+        return err
 
     # -- primitives -----------------------------------------------------------------
     def peek(self) -> int:
@@ -167,6 +169,17 @@ class _Reader:
             f"{where}: expected an int or bytes hash, got {type(value).__name__}", start
         )
 
+    def element_offset(self, array_start: int, index: int) -> int:
+        """Byte offset of element `index` of the array at `array_start` (errors only)."""
+        walker = msgpack.Unpacker(None, max_buffer_size=max(len(self.buf), 1))
+        walker.feed(self.buf)
+        walker.read_bytes(array_start)
+        walker.read_array_header()
+        for _ in range(index):
+            walker.skip()
+        offset: int = walker.tell()
+        return offset
+
     def whole_array(self, what: str) -> list[Any]:
         """An array of scalars, read in one call (elements are type-checked by the caller)."""
         if not _is_array(self.peek()):
@@ -177,7 +190,12 @@ class _Reader:
     def hash_list(self) -> tuple[int, ...]:
         start = self.unpacker.tell()
         values = self.whole_array("block_hashes")
-        return tuple(self.engine_hash(v, f"block_hashes[{i}]", start) for i, v in enumerate(values))
+        return tuple(
+            v
+            if _is_int(v) and 0 <= v <= _U64
+            else self.engine_hash(v, f"block_hashes[{i}]", self.element_offset(start, i))
+            for i, v in enumerate(values)
+        )
 
     def optional_hash(self) -> int | None:
         start = self.unpacker.tell()
@@ -190,7 +208,8 @@ class _Reader:
         for i, t in enumerate(values):
             if not _is_int(t) or not 0 <= t <= _U32_MAX:
                 raise self.fail(
-                    f"token_ids[{i}]: expected an int in 0..2^32-1, got {t!r:.40}", start
+                    f"token_ids[{i}]: expected an int in 0..2^32-1, got {t!r:.40}",
+                    self.element_offset(start, i),
                 )
         return tuple(values)
 

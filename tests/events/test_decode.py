@@ -245,10 +245,10 @@ def test_decoders_agree_on_mutated_and_truncated_batches(
     _agree(bytes(payload[:cut]))
 
 
-def test_native_error_carries_the_offset() -> None:
+def test_errors_carry_the_offset(decode_batch: Decoder) -> None:
     payload = _bad([1.0, [["BlockStored", [1], None, [1, -1], 2]], 0])
     with pytest.raises(EventDecodeError) as info:
-        _native.decode_batch(payload)
+        decode_batch(payload)
     assert info.value.offset == payload.index(b"\xff")
     assert str(info.value).startswith("events[0].token_ids")
 
