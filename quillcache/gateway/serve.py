@@ -60,7 +60,11 @@ def serve_gateway(config: GatewayConfig, ready_file: str | None = None) -> None:
     gateway = Gateway(config)
 
     async def main() -> None:
-        await gateway.startup()
+        try:
+            await gateway.startup()
+        except BaseException:
+            await gateway.shutdown()  # close what startup opened before failing
+            raise
         try:
             app = gateway.starlette(with_lifespan=False)
             await serve_app(app, config.host, config.port, config.log_level, {}, ready_file)
