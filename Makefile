@@ -21,14 +21,17 @@ deps:  ## system packages (clang for the rocksdb crate's bindgen) and Python dev
 
 install: deps
 
+# maturin develop wants a virtualenv; point it at the interpreter we run with.
+MATURIN_DEVELOP = VIRTUAL_ENV=$$($(PYTHON) -c 'import sys; print(sys.prefix)') maturin develop -q
+
 build-dev:
-	maturin develop -q
+	$(MATURIN_DEVELOP)
 
 build-release:
-	maturin develop --release -q
+	$(MATURIN_DEVELOP) --release
 
 build-ci:
-	maturin develop --release -q --features "$(CI_FEATURES)"
+	$(MATURIN_DEVELOP) --release --features "$(CI_FEATURES)"
 
 test-rust:
 	cargo fmt --all -- --check

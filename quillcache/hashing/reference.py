@@ -42,7 +42,7 @@ def block_key(
     parent: int, tokens: Sequence[int], mm: Sequence[tuple[str, int]] | None = None
 ) -> int:
     data = struct.pack("<Q", parent) + b"".join(struct.pack("<I", t) for t in tokens)
-    if mm is not None:
+    if mm:  # an empty list means no items, as in docs/content-key.md
         data += struct.pack("<I", len(mm))
         data += b"".join(_field(h) + struct.pack("<q", off) for h, off in mm)
     return xxhash.xxh3_64_intdigest(data, seed=SEED)
