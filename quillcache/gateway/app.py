@@ -137,7 +137,7 @@ class Gateway:
             log.info("persistent index: resuming sources at %s", self.pool.resume_seqs)
         for w in described:
             self.pool.attach(w)
-        self.tokenizer = RequestTokenizer(cfg.tokenizer, self.client)
+        self.tokenizer = RequestTokenizer(cfg.tokenizer, self.upstream)
         self.metrics.add_collector(self._collect)
         self._tasks = [
             asyncio.create_task(self._every(cfg.health_interval_s, self.pool.check_health)),

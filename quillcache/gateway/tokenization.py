@@ -1,7 +1,8 @@
 """Token ids of a request, for routing: exactly the ids the engine will hash.
 
 - "engine": the engine's own `POST /tokenize` (with `messages` for chat, so its chat
-  template is used). One extra local round trip per request; always faithful.
+  template is used). One extra local round trip per request (on the aiohttp session of
+  the data path); always faithful.
 - "builtin" or a tokenizer.json path: a local tokenizer (chat template applied
   locally); no round trip, faithful when it is the engine's tokenizer.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
+import aiohttp
 
 from quillcache.enginesim.tokenizer import Tokenizer, load_tokenizer
 from quillcache.errors import QuillCacheError
@@ -21,7 +22,7 @@ class TokenizationError(QuillCacheError):
 
 
 class RequestTokenizer:
-    def __init__(self, spec: str, client: httpx.AsyncClient) -> None:
+    def __init__(self, spec: str, client: aiohttp.ClientSession) -> None:
         self.spec = spec
         self.client = client
         self.local: Tokenizer | None = None if spec == "engine" else load_tokenizer(spec)
@@ -62,10 +63,15 @@ class RequestTokenizer:
             payload = {"prompt": prompt}
         if "model" in body:
             payload["model"] = body["model"]
-        resp = await self.client.post(f"{url}/tokenize", json=payload)
-        if resp.status_code != 200:
-            raise TokenizationError(f"engine /tokenize answered {resp.status_code}: {resp.text}")
-        tokens = resp.json().get("tokens")
+        try:
+            async with self.client.post(f"{url}/tokenize", json=payload) as resp:
+                if resp.status != 200:
+                    text = await resp.text()
+                    raise TokenizationError(f"engine /tokenize answered {resp.status}: {text}")
+                data = await resp.json(content_type=None)
+        except (aiohttp.ClientError, ValueError) as exc:
+            raise TokenizationError(f"engine /tokenize failed: {exc}") from exc
+        tokens = data.get("tokens") if isinstance(data, dict) else None
         if not isinstance(tokens, list):
             raise TokenizationError("engine /tokenize returned no 'tokens'")
         return tokens

@@ -28,7 +28,9 @@ def prompt(tag: str) -> str:
 def test_engine_killed_mid_stream(stack: Stack) -> None:
     stack.engine()
     stack.engine()
-    gw = stack.start_gateway({"router": "round-robin", "health_interval_s": 0.2})
+    gw = stack.start_gateway(
+        {"router": "round-robin", "health_interval_s": 0.2, "tokenizer": "engine"}
+    )
     admin = stack.admin()
     oa = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=20)
     raw = oa.completions.with_raw_response.create(
@@ -121,7 +123,7 @@ def test_engine_restart_resets_its_sequence_and_cache(stack: Stack) -> None:
 
 def test_client_disconnect_cancels_the_upstream_request(stack: Stack) -> None:
     engine = stack.engine()
-    gw = stack.start_gateway({"api_keys": ["k1"]})
+    gw = stack.start_gateway({"api_keys": ["k1"], "tokenizer": "engine"})  # engine /tokenize
     body = {"prompt": "a long answer please", "max_tokens": 2000, "stream": True}
     denied = http_post(gw.url + "/v1/completions", json=body)
     assert denied.status_code == 401 and denied.json()["error"]["type"] == "AuthenticationError"
