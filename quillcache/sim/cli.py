@@ -45,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rate", type=float, help="arrivals per second (shared-prefix: 30; others: their own)"
     )
     wl.add_argument("--zipf", type=float, default=1.0, help="shared-prefix: group skew")
+    wl.add_argument(
+        "--pin-groups",
+        type=int,
+        default=0,
+        help="shared-prefix: every engine pins the N most popular prefixes",
+    )
     wl.add_argument("--block-size", type=int, default=16, help="generated workloads' block size")
     wl.add_argument(
         "--gen",
@@ -158,6 +164,7 @@ def _workload(args: argparse.Namespace) -> Any:
             unique_blocks=args.unique_blocks,
             output_tokens=args.output_tokens,
             zipf=args.zipf,
+            pinned_groups=args.pin_groups,
         )
     params.update(_kv(args.gen, "--gen"))
     try:

@@ -66,11 +66,13 @@ def shared_prefix(
     block_size: int = 16,
     rate: float = 40.0,
     zipf: float = 0.0,
+    pinned_groups: int = 0,
     seed: int = 0,
     model: str = DEFAULT_MODEL,
 ) -> Workload:
     """Requests = one of `prefix_groups` shared prefixes + `unique_blocks` of their own
-    (+ a partial block). Groups are drawn uniformly, or Zipf-like with exponent `zipf`."""
+    (+ a partial block). Groups are drawn uniformly, or Zipf-like with exponent `zipf`
+    (group 0 the most popular). Every engine pins the first `pinned_groups` prefixes."""
     if min(requests, prefix_groups, block_size) <= 0 or shared_prefix_blocks < 0:
         raise ConfigError("requests, prefix groups and block size must be positive")
     rng = np.random.default_rng(seed)
@@ -100,9 +102,16 @@ def shared_prefix(
         block_size=block_size,
         rate=rate,
         zipf=zipf,
+        pinned_groups=pinned_groups,
         seed=seed,
     )
-    return _finish("shared-prefix", items, block_size, model, params)
+    wl = _finish("shared-prefix", items, block_size, model, params)
+    ns = sim_namespace(block_size, model)
+    wl.pinned = [
+        make_request(-1 - g, 0.0, 0, block_size, ns, tokens=prefixes[g])
+        for g in range(min(pinned_groups, prefix_groups))
+    ]
+    return wl
 
 
 def sglang_gsp(

@@ -70,3 +70,19 @@ def test_bad_parameters_are_config_errors() -> None:
         shared_prefix(requests=0)
     with pytest.raises(ConfigError, match="rate"):
         shared_prefix(rate=0)
+
+
+def test_pinned_prefixes_hit_from_the_first_request() -> None:
+    from quillcache.costmodel import CostModel
+    from quillcache.sim.runner import SimConfig, run
+
+    kw = dict(requests=30, prefix_groups=3, shared_prefix_blocks=6, unique_blocks=1, zipf=0.0)
+    plain = shared_prefix(**kw)
+    pinned = shared_prefix(pinned_groups=3, **kw)
+    assert len(pinned.pinned) == 3 and not plain.pinned
+    cfg = SimConfig(workers=2, capacity_blocks=200, timing="none")
+    first = {
+        name: run(wl, "random", "native", cfg, CostModel()).records[0].hit_blocks
+        for name, wl in (("plain", plain), ("pinned", pinned))
+    }
+    assert first == {"plain": 0, "pinned": 6}
