@@ -275,6 +275,14 @@ class WorkerPool:
             except (httpx.HTTPError, ValueError):
                 return
             if w.id in self.workers:
-                self.cp.update_load(w.id, kv_usage=w.load.kv_usage)
+                # The engine may serve clients that bypass this gateway: its own counts
+                # raise (never lower) the load the gateway tracks from its in-flight requests.
+                state = self.cp.worker(w.id)
+                self.cp.update_load(
+                    w.id,
+                    kv_usage=w.load.kv_usage,
+                    in_flight=max(state.in_flight, int(w.load.running + w.load.waiting)),
+                    running_decodes=max(state.running_decodes, int(w.load.running)),
+                )
 
         await asyncio.gather(*(one(w) for w in list(self.workers.values())))

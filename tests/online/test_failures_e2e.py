@@ -264,3 +264,42 @@ def test_admin_adds_drains_and_removes_workers(stack: Stack) -> None:
         "unpinned": 4
     }
     assert first.alive()
+
+
+def test_load_scraped_from_engines_steers_least_loaded_routing(stack: Stack) -> None:
+    import threading
+
+    busy = stack.engine()
+    stack.engine()
+    gw = stack.start_gateway({"router": "least-loaded", "scrape_interval_s": 0.2})
+    stop = threading.Event()
+
+    def hog() -> None:  # a client that bypasses the gateway and keeps engine 0 busy
+        body = {"prompt": "hog", "max_tokens": 4000, "stream": True}
+        with httpx.stream("POST", busy.url + "/v1/completions", json=body, timeout=60) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return
+
+    hogs = [threading.Thread(target=hog, daemon=True) for _ in range(3)]
+    for t in hogs:
+        t.start()
+    try:
+        wait_for(
+            lambda: (
+                'quillcache_worker_engine_running{worker="0"} 3.0'
+                in http_get(gw.url + "/metrics").text
+            ),
+            what="the gateway to scrape engine 0's load",
+        )
+        workers = {
+            http_post(
+                gw.url + "/v1/completions", json={"prompt": f"q{i}", "max_tokens": 1}
+            ).headers["x-quillcache-worker"]
+            for i in range(4)
+        }
+        assert workers == {"1"}
+    finally:
+        stop.set()
+        for t in hogs:
+            t.join(timeout=10)
