@@ -15,7 +15,7 @@ from quillcache.errors import EventDecodeError
 from quillcache.events.pyref import decode_batch
 from quillcache.events.types import AllBlocksCleared, BlockRemoved, BlockStored, MmKey
 from quillcache.hashing.reference import block_key, namespace_id
-from quillcache.index.inputs import as_key_array, check_source
+from quillcache.index.inputs import InvalidIndexInputError, as_key_array, check_source
 from quillcache.index.protocol import KeyArray
 from quillcache.index.types import ApplyStats, Entry, IndexStats, Match, Residency, SourceId
 
@@ -88,6 +88,8 @@ class MemoryIndex:
 
     def apply(self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0) -> ApplyStats:
         check_source(worker, dp_rank)
+        if any(not isinstance(p, (bytes, bytearray, memoryview)) for p in payloads):
+            raise InvalidIndexInputError("payloads must be bytes-like (raw msgpack batches)")
         total = ApplyStats()
         for i, payload in enumerate(payloads):
             try:

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 
 from quillcache import _native
 from quillcache.errors import EventDecodeError, QuillCacheError
-from quillcache.index.inputs import as_key_array, check_source
+from quillcache.index.inputs import InvalidIndexInputError, as_key_array, check_source
 from quillcache.index.protocol import KeyArray
 from quillcache.index.types import ApplyStats, Entry, IndexStats, Match, Residency
 
@@ -48,7 +48,10 @@ class NativeIndex:
 
     def apply(self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0) -> ApplyStats:
         check_source(worker, dp_rank)
-        batch = [p if type(p) is bytes else bytes(p) for p in payloads]
+        try:
+            batch = [p if type(p) is bytes else bytes(p) for p in payloads]
+        except TypeError as exc:
+            raise InvalidIndexInputError(f"payloads must be bytes-like: {exc}") from None
         try:
             return ApplyStats(*self._inner.apply(worker, batch, dp_rank))
         except EventDecodeError as err:

@@ -245,3 +245,12 @@ def test_mm_items_enter_the_key(index: IndexBackend) -> None:
     k1 = block_key(k0, t[4:], [("img", 1)])
     assert index.match(np.array([k0, k1], dtype=np.uint64)) == [Match(1, 0, "GPU", 2)]
     assert index.match(keys(t)) == [Match(1, 0, "GPU", 1)]
+
+
+# TODO(H5): native-wal raises a bare TypeError here; move into the suite once it validates.
+@pytest.mark.parametrize("name", ["memory", "native"])
+def test_payloads_must_be_bytes(name: str) -> None:
+    index = make(name)
+    with pytest.raises(QuillCacheError):
+        index.apply(1, ["not bytes"])  # type: ignore[list-item]
+    assert index.stats().blocks == 0

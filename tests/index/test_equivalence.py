@@ -169,6 +169,7 @@ def step(data: st.DataObject, stream: Stream, pair: tuple[IndexBackend, IndexBac
             (idx.pin if kind == "pin" else idx.unpin)(k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", OTHERS)
 @given(data=st.data())
 def test_backend_matches_reference_on_random_streams(name: str, data: st.DataObject) -> None:
