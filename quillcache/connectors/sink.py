@@ -7,6 +7,7 @@ The connector only moves raw msgpack batches; decoding and apply happen behind
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -57,11 +58,15 @@ class ControlPlaneSink:
 
     Called from the ingestor's thread while the gateway routes on its event loop: the
     native index serialises its own readers and writers (an RwLock, GIL released), and
-    ingest only touches per-worker counters of the plane besides the index.
+    ingest only touches per-worker counters of the plane besides the index. For any
+    other backend, pass a `guard` (a lock the router side holds too).
     """
 
-    def __init__(self, plane: Any) -> None:
+    def __init__(
+        self, plane: Any, guard: contextlib.AbstractContextManager[Any] | None = None
+    ) -> None:
         self.plane = plane
+        self.guard = guard if guard is not None else contextlib.nullcontext()
         self._lock = threading.Lock()
         self.stale: set[tuple[int, int]] = set()
         # A persistent index (native-wal) records each source's last engine seq.
@@ -73,6 +78,12 @@ class ControlPlaneSink:
         payloads: Sequence[bytes],
         dp_rank: int = 0,
         seqs: Sequence[int] | None = None,
+    ) -> ApplyStats:
+        with self.guard:
+            return self._ingest(worker, payloads, dp_rank, seqs)
+
+    def _ingest(
+        self, worker: int, payloads: Sequence[bytes], dp_rank: int, seqs: Sequence[int] | None
     ) -> ApplyStats:
         if seqs is None or not self.accepts_seqs:
             return self.plane.ingest(worker, payloads, dp_rank)
@@ -93,7 +104,8 @@ class ControlPlaneSink:
         return {(s.worker, s.dp_rank): q for s, q in self.plane.index.last_seqs().items()}
 
     def clear_source(self, worker: int, dp_rank: int = 0) -> int:
-        return self.plane.clear(worker, dp_rank)
+        with self.guard:
+            return self.plane.clear(worker, dp_rank)
 
     def set_stale(self, worker: int, dp_rank: int, stale: bool) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ import hmac
 import importlib
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -39,6 +40,7 @@ from quillcache.gateway.metrics import GatewayMetrics, counter, gauge
 from quillcache.gateway.proxy import error_json
 from quillcache.gateway.tokenization import RequestTokenizer, TokenizationError
 from quillcache.gateway.workers import DiscoveryError, Worker, WorkerPool
+from quillcache.index.native import NativeIndex
 from quillcache.routing import Action, Router
 from quillcache.routing import Request as RouteRequest
 
@@ -80,6 +82,7 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self.started = False
         self.startup_error: QuillCacheError | None = None
+        self.index_guard: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         # tokenize + hash + route time of recent requests, for /admin/index
         self.route_samples: collections.deque[float] = collections.deque(maxlen=20_000)
         # handler entry -> upstream request issued (parse, auth, tokenize, hash, route)
@@ -124,7 +127,11 @@ class Gateway:
             router_options=cfg.router_options if isinstance(router, str) else None,
             index_options=cfg.index_options,
         )
-        self.sink = ControlPlaneSink(self.cp)
+        # The native index serialises readers and writers itself (an RwLock, GIL released);
+        # any other backend is guarded by one lock shared by ingest and routing.
+        if not isinstance(self.cp.index, NativeIndex):
+            self.index_guard = threading.Lock()
+        self.sink = ControlPlaneSink(self.cp, guard=self.index_guard)
         self.ingestor = EventIngestor(
             self.sink,
             queue_size=cfg.event_queue_size,
@@ -132,6 +139,7 @@ class Gateway:
             stale_rebuild_s=cfg.stale_rebuild_s,
         )
         self.pool = WorkerPool(self.cp, self.ingestor, self.client, tokenizer_id=cfg.tokenizer_id)
+        self.pool.guard = self.index_guard
         self.pool.resume_seqs = self.sink.last_seqs()
         if self.pool.resume_seqs:
             log.info("persistent index: resuming sources at %s", self.pool.resume_seqs)
@@ -289,7 +297,8 @@ class Gateway:
             return self._count(path, error_json(400, f"invalid prompt: {exc}"))
         excluded: set[int] = set()
         for attempt in range(2):
-            decision = self.cp.route(route_request, now_s=time.monotonic())
+            with self.index_guard:
+                decision = self.cp.route(route_request, now_s=time.monotonic())
             # tokenize (local: no await; engine: one round trip) + hash + route
             routed_s = time.perf_counter() - routing_started
             self.metrics.route_time.observe(routed_s)
@@ -475,7 +484,8 @@ class Gateway:
             {(): s.queue_depth},
             [],
         )
-        stats = self.cp.index.stats()
+        with self.index_guard:
+            stats = self.cp.index.stats()
         yield gauge(
             "quillcache_index_blocks", "Distinct blocks in the index.", {(): stats.blocks}, []
         )
@@ -545,7 +555,9 @@ class Gateway:
         deadline = time.monotonic() + timeout_s
         held = 0
         while time.monotonic() < deadline:
-            held = max((m.blocks for m in self.cp.index.match(keys) if m.worker == w.id), default=0)
+            with self.index_guard:
+                matches = self.cp.index.match(keys)
+            held = max((m.blocks for m in matches if m.worker == w.id), default=0)
             if held >= len(keys):
                 w.parity = "ok"
                 log.info("parity check of worker %d passed (%d blocks)", w.id, held)
@@ -635,7 +647,8 @@ class Gateway:
         keys = await self._keys_of(body)
         if isinstance(keys, Response):
             return keys
-        matches = self.cp.index.match(keys)
+        with self.index_guard:
+            matches = self.cp.index.match(keys)
         bs = self.cp.block_size
         return JSONResponse(
             {
@@ -658,7 +671,8 @@ class Gateway:
         denied = self._check_admin(request)
         if denied is not None:
             return denied
-        stats = self.cp.index.stats()
+        with self.index_guard:
+            stats = self.cp.index.stats()
         sources = [s.as_dict() for s in self.ingestor.sources.values()]
         response = JSONResponse(
             {
@@ -690,9 +704,11 @@ class Gateway:
         if isinstance(keys, Response):
             return keys
         if request.method == "DELETE":
-            self.cp.index.unpin(keys)
+            with self.index_guard:
+                self.cp.index.unpin(keys)
         else:
-            self.cp.index.pin(keys)
+            with self.index_guard:
+                self.cp.index.pin(keys)
         return JSONResponse({"pinned" if request.method == "POST" else "unpinned": len(keys)})
 
     # -- HTTP ingest ---------------------------------------------------------------------

@@ -10,6 +10,7 @@ and its residency is dropped: its cache will be relearned from its events.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -90,6 +91,8 @@ class WorkerPool:
         self._models: dict[str, str] | None = None  # cache of models(), reset on changes
         # last engine seq per (worker, dp_rank) kept by a persistent index: resume there
         self.resume_seqs: dict[tuple[int, int], int] = {}
+        # held around index writes from this side when the index is not thread-safe
+        self.guard: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
 
     # -- discovery -----------------------------------------------------------------------
 
@@ -190,7 +193,8 @@ class WorkerPool:
     def remove(self, worker_id: int) -> Worker:
         w = self.get(worker_id)
         self.ingestor.remove_worker(worker_id)
-        self.cp.remove_worker(worker_id)
+        with self.guard:
+            self.cp.remove_worker(worker_id)
         del self.workers[worker_id]
         self._models = None
         return w
@@ -218,8 +222,9 @@ class WorkerPool:
         log.warning("worker %d (%s) is down: %s; its residency is dropped", w.id, w.url, why)
         w.healthy = False
         self.cp.set_draining(worker_id, True)
-        for rank in range(self.cp.worker(worker_id).dp_ranks):
-            self.cp.clear(worker_id, rank)
+        with self.guard:
+            for rank in range(self.cp.worker(worker_id).dp_ranks):
+                self.cp.clear(worker_id, rank)
 
     def mark_up(self, worker_id: int) -> None:
         w = self.workers.get(worker_id)

@@ -303,3 +303,21 @@ def test_load_scraped_from_engines_steers_least_loaded_routing(stack: Stack) -> 
         stop.set()
         for t in hogs:
             t.join(timeout=10)
+
+
+def test_a_python_index_backend_behind_the_gateway(stack: Stack) -> None:
+    """The pure-Python `memory` index is not thread-safe: ingest and routing share a lock."""
+    stack.engine()
+    stack.engine()
+    gw = stack.start_gateway({"index": "memory", "router": "quillcache"})
+    admin = stack.admin()
+    prompts = [prompt(f"mem-{i}-{uuid.uuid4().hex[:6]}") for i in range(20)]
+    for p in prompts:
+        assert http_post(gw.url + "/v1/completions", json={"prompt": p, "max_tokens": 1}).is_success
+
+    def known(p: str) -> bool:
+        matches = admin.post("/admin/lookup", json={"prompt": p}).json()["matches"]
+        return any(m["blocks"] == 10 for m in matches)
+
+    wait_for(lambda: all(known(p) for p in prompts), what="residency in the memory index")
+    assert admin.get("/admin/index").json()["index"] == "memory"
