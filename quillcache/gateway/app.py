@@ -373,7 +373,12 @@ class Gateway:
                 self.metrics.latency.labels(path).observe(time.perf_counter() - started)
 
             self.metrics.requests.labels(path, "200").inc()
-            stream = proxy.relay_stream(resp, on_first_byte=first_byte, on_end=end)
+            stream = proxy.relay_stream(
+                resp,
+                on_first_byte=first_byte,
+                on_end=end,
+                on_cached_tokens=self.metrics.actual_hit_tokens.inc,
+            )
             return proxy.streaming_response(resp, stream, extra)
         try:
             content = await proxy.read_or_cancel(request, resp)

@@ -43,8 +43,10 @@ async def relay_stream(
     *,
     on_first_byte: Callable[[], None],
     on_end: Callable[[BaseException | None], None],
+    on_cached_tokens: Callable[[int], None] | None = None,
 ) -> AsyncIterator[bytes]:
-    """Yield the upstream body as it arrives; always close upstream and call `on_end`."""
+    """Yield the upstream body as it arrives; always close upstream and call `on_end`.
+    `on_cached_tokens` gets the usage chunk's cached_tokens (`stream_options.include_usage`)."""
     first = True
     failure: BaseException | None = None
     try:
@@ -52,6 +54,10 @@ async def relay_stream(
             if first:
                 first = False
                 on_first_byte()
+            if on_cached_tokens is not None and b'"cached_tokens"' in chunk:
+                cached = _sse_cached_tokens(chunk)
+                if cached is not None:
+                    on_cached_tokens(cached)
             yield chunk
     except (TimeoutError, aiohttp.ClientError) as exc:  # engine died mid-stream
         failure = exc
@@ -114,6 +120,13 @@ def streaming_response(
     headers = {"cache-control": "no-cache", **extra}
     media = resp.headers.get("content-type", "text/event-stream")
     return StreamingResponse(stream, status_code=resp.status, headers=headers, media_type=media)
+
+
+def _sse_cached_tokens(chunk: bytes) -> int | None:
+    for line in chunk.split(b"\n"):
+        if line.startswith(b"data: ") and b'"cached_tokens"' in line:
+            return usage_cached_tokens(line[6:])
+    return None
 
 
 def usage_cached_tokens(content: bytes) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import httpx
@@ -252,3 +253,27 @@ def test_tenants_never_share_prefixes(shared_stack: Stack) -> None:
         json={"prompt": text, "max_tokens": 1, "cache_salt": "tenant-a"},
     )
     assert same.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * 16 - 16
+
+
+def test_actual_hits_are_counted_from_streamed_usage(shared_stack: Stack) -> None:
+    gw = shared_stack.gateway
+    assert gw is not None
+    text = long_prompt("usage-" + uuid.uuid4().hex[:6], blocks=5)
+    body = {
+        "prompt": text,
+        "max_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    assert http_post(gw.url + "/v1/completions", json=body).status_code == 200
+    before = metric(http_get(gw.url + "/metrics").text, "quillcache_actual_hit_tokens_total")
+    again = http_post(gw.url + "/v1/completions", json=body)
+    usage = [
+        json.loads(line[6:])
+        for line in again.text.splitlines()
+        if line.startswith("data: {") and '"usage"' in line
+    ][-1]["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached == 4 * 16  # 5 full blocks, the last one recomputed
+    after = metric(http_get(gw.url + "/metrics").text, "quillcache_actual_hit_tokens_total")
+    assert after - before == cached
