@@ -70,6 +70,10 @@ class CostModel:
             + decode_context_tokens * self._kv_read_s_per_token
         )
 
+    def kv_read_s(self, tokens: float) -> float:
+        """Time one decode step spends reading `tokens` tokens of KV."""
+        return tokens * self._kv_read_s_per_token
+
     def decode_step_time(self, batch: int, mean_context_tokens: float) -> float:
         return self.step_time(0.0, batch, int(batch * mean_context_tokens))
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from quillcache.errors import ConfigError
 from quillcache.routing.base import Router
 from quillcache.routing.types import Decision, Request, View, WorkerView
 
 
 class QuillCacheRouter(Router):
     name = "quillcache"
-    summary = "TTFT argmin with speculative (in-flight) prefixes and decode interference"
+    summary = "TTFT argmin + the work it adds (load-adaptive), in-flight prefixes, decode load"
     source = "QuillCache (this project); see docs/routing.md"
 
     def __init__(
@@ -31,6 +32,9 @@ class QuillCacheRouter(Router):
         work_weight: float = 1.0,
         adaptive: bool = True,
         max_work_weight: float = 3.0,
+        work_scope: str = "cluster",
+        work_base: float = 1.0,
+        decode_weight: float = 1.0,
         **kw: Any,
     ) -> None:
         super().__init__(**kw)
@@ -39,7 +43,13 @@ class QuillCacheRouter(Router):
         self.work_weight = work_weight
         self.adaptive = adaptive
         self.max_work_weight = max_work_weight
+        if work_scope not in ("cluster", "worker"):
+            raise ConfigError(f"work_scope must be 'cluster' or 'worker', got {work_scope!r}")
+        self.work_scope = work_scope
+        self.work_base = work_base
+        self.decode_weight = decode_weight
         self._lambda = work_weight
+        self._mean_decodes = 0.0
 
     def estimate_s(self, request: Request, view: View, w: WorkerView) -> float:
         cost = view.cost
@@ -56,7 +66,20 @@ class QuillCacheRouter(Router):
         extra = 0.0
         if self.work_weight:
             # the compute this request adds delays everyone queued after it there
-            extra = self._lambda * cost.prefill_compute_s(new, request.prompt_tokens - new)
+            lam = self._lambda
+            if self.adaptive and self.work_scope == "worker":
+                waiting = max(w.in_flight - w.running_decodes, 0)
+                lam = min(self.work_weight * (self.work_base + waiting), self.max_work_weight)
+            extra = lam * cost.prefill_compute_s(new, request.prompt_tokens - new)
+        excess = w.running_decodes - self._mean_decodes
+        if self.decode_weight and excess > 0:
+            # Its KV is read by every step while it decodes, so each co-running decode's
+            # tokens come that much later; counted only for the decodes above the
+            # cluster mean (piling onto one worker), where going elsewhere avoids it.
+            out = request.expected_output_tokens
+            extra += (
+                self.decode_weight * excess * out * cost.kv_read_s(request.prompt_tokens + out / 2)
+            )
         if not self.interference:
             return (
                 extra
@@ -80,12 +103,14 @@ class QuillCacheRouter(Router):
         if not view.workers:
             return self.no_workers()
         self._lambda = self.work_weight
-        if self.adaptive:
+        self._mean_decodes = sum(w.running_decodes for w in view.workers) / len(view.workers)
+        if self.adaptive and self.work_scope == "cluster":
             # Each second of compute added delays every request that queues behind it:
             # weigh it by how many are waiting per worker right now.
             waiting = sum(max(w.in_flight - w.running_decodes, 0) for w in view.workers)
             self._lambda = min(
-                self._lambda * (1.0 + waiting / len(view.workers)), self.max_work_weight
+                self._lambda * (self.work_base + waiting / len(view.workers)),
+                self.max_work_weight,
             )
         best = min(
             view.workers,

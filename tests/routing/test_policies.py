@@ -197,3 +197,17 @@ def test_quillcache_prices_the_work_it_adds_under_load() -> None:
     # with the work term off it is the greedy router again
     plain = create_router("quillcache", interference=False, work_weight=0.0)
     assert plain.route(req, view).worker == 1
+
+
+def test_quillcache_does_not_pile_decodes_onto_one_worker() -> None:
+    req = _req(60)
+    req.expected_output_tokens = 200
+    # worker 0 holds the prefix but decodes 150 sequences; the others are idle
+    busy = WorkerView(
+        0, gpu_blocks=55, in_flight=150, running_decodes=150, mean_context_tokens=2_000
+    )
+    idle = [WorkerView(w) for w in (1, 2, 3)]
+    view = _view(busy, *idle)
+    assert create_router("quillcache-greedy").route(req, view).worker == 0
+    assert create_router("quillcache").route(req, view).worker != 0
+    assert create_router("quillcache", decode_weight=0.0).route(req, view).worker == 0
