@@ -142,6 +142,7 @@ impl Index {
             k = chain_block(k, tokens, mm.as_deref());
             keys.push(k);
         }
+        self.tree.prefetch(&keys);
         let mut warm = 0u64;
         {
             let engine = &self.sources.get(slot).engine;

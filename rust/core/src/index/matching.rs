@@ -76,9 +76,10 @@ impl Index {
             next,
             done,
         } = scratch;
-        // Pass 1: resolve the keys up to the first unknown one. The lookups are
-        // independent, so in a tight loop the CPU overlaps their cache misses.
+        // Pass 1: resolve the keys up to the first unknown one, after prefetching all
+        // their table slots and nodes, so that the cache misses overlap.
         ids.clear();
+        self.tree.prefetch(keys);
         for &key in keys {
             match self.tree.find(key) {
                 Some(id) => ids.push(id),

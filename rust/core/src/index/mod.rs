@@ -6,7 +6,8 @@
 //! compare the two on random event streams.
 //!
 //! * [`holders`]: the compact per-block holder set.
-//! * [`tree`]: nodes in a slab, a hash table from content key to node.
+//! * [`tree`]: nodes in a slab, found by content key.
+//! * [`keytable`]: the open-addressing `key → node` table, with prefetch.
 //! * [`sources`]: sources, their engine-hash maps, interned media.
 //! * [`apply`]: BlockStored / BlockRemoved / AllBlocksCleared.
 //! * [`matching`]: the longest cached prefix per (source, medium).
@@ -15,6 +16,7 @@
 
 mod apply;
 pub mod holders;
+mod keytable;
 mod matching;
 mod scan;
 mod snapshot;

@@ -6,8 +6,9 @@
 //! collection); subtree scans walk parent links instead of child lists, which keeps
 //! a node at 32 bytes.
 
-use hashbrown::hash_table::Entry;
-use hashbrown::{HashMap, HashTable};
+use hashbrown::HashMap;
+
+use super::keytable::KeyTable;
 
 use super::holders::{HolderSet, Spills};
 use super::sources::MixBuild;
@@ -26,18 +27,10 @@ pub struct Node {
     pub pins: u32,
 }
 
-/// Keys are xxh3 outputs; one multiply-fold keeps arbitrary caller keys (pins,
-/// matches with small integers) from degrading the table.
-#[inline]
-fn table_hash(key: u64) -> u64 {
-    let h = key.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    h ^ (h >> 29)
-}
-
 #[derive(Debug, Default, Clone)]
 pub struct Tree {
     nodes: Vec<Node>,
-    table: HashTable<u32>,
+    table: KeyTable,
     /// Parent key of each root: the namespace id (absent = 0, a pinned root).
     root_parent: HashMap<u32, u64, MixBuild>,
     free_head: Option<u32>,
@@ -51,10 +44,22 @@ impl Tree {
 
     #[inline]
     pub fn find(&self, key: u64) -> Option<u32> {
-        let nodes = &self.nodes;
-        self.table
-            .find(table_hash(key), |&id| nodes[id as usize].key == key)
-            .copied()
+        self.table.find(key, &self.nodes)
+    }
+
+    /// Starts loading the table slots of `keys` (then their nodes), so that the
+    /// lookups that follow find them in cache: the misses overlap.
+    #[inline]
+    pub fn prefetch(&self, keys: &[u64]) {
+        for &k in keys {
+            self.table.prefetch_slot(k);
+        }
+        for &k in keys {
+            let id = self.table.first_candidate(k);
+            if id != NIL {
+                super::keytable::prefetch(&self.nodes[id as usize]);
+            }
+        }
     }
 
     #[inline]
@@ -79,16 +84,9 @@ impl Tree {
     /// parent key is `parent` when `parent_id` is NIL. An existing node keeps its
     /// parent and depth.
     pub fn get_or_insert(&mut self, key: u64, parent: u64, parent_id: u32, depth: u32) -> u32 {
-        let nodes = &self.nodes;
-        // One probe finds the node or the slot for it.
-        let vacant = match self.table.entry(
-            table_hash(key),
-            |&id| nodes[id as usize].key == key,
-            |&i| table_hash(nodes[i as usize].key),
-        ) {
-            Entry::Occupied(e) => return *e.get(),
-            Entry::Vacant(v) => v,
-        };
+        if let Some(id) = self.find(key) {
+            return id;
+        }
         let node = Node {
             key,
             holders: HolderSet::default(),
@@ -109,7 +107,7 @@ impl Tree {
                 (self.nodes.len() - 1) as u32
             }
         };
-        vacant.insert(id);
+        self.table.insert(id, &self.nodes);
         if parent_id != NIL {
             self.nodes[parent_id as usize].children += 1;
         } else if parent != 0 {
@@ -147,13 +145,7 @@ impl Tree {
             } else {
                 self.root_parent.remove(&id);
             }
-            let nodes = &self.nodes;
-            if let Ok(entry) = self
-                .table
-                .find_entry(table_hash(key), |&i| nodes[i as usize].key == key)
-            {
-                entry.remove();
-            }
+            self.table.remove(key, &self.nodes);
             let mut holders = self.nodes[id as usize].holders;
             holders.release(&mut self.spills);
             let n = &mut self.nodes[id as usize];
@@ -168,7 +160,7 @@ impl Tree {
 
     /// Live node ids, in table order.
     pub fn ids(&self) -> impl Iterator<Item = u32> + '_ {
-        self.table.iter().copied()
+        self.table.iter()
     }
 
     /// The ids of the subtree rooted at `root` (itself included), in no order.
@@ -209,7 +201,7 @@ impl Tree {
     /// Heap bytes of the slab, the tables and the spill arena.
     pub fn heap_bytes(&self) -> usize {
         self.nodes.capacity() * std::mem::size_of::<Node>()
-            + self.table.allocation_size()
+            + self.table.heap_bytes()
             + self.root_parent.allocation_size()
             + self.spills.heap_bytes()
     }
