@@ -65,31 +65,49 @@ class TokenizeBody(BaseModel):
 class _EngineCollector:
     """Reads the engine's state at scrape time, under vLLM's metric names."""
 
-    def __init__(self, engine: SimEngine) -> None:
-        self.engine = engine
+    def __init__(self, ranks: list[SimEngine]) -> None:
+        self.ranks = ranks
 
     def collect(self) -> Iterator[Any]:
-        e, labels = self.engine, ["model_name", "engine"]
-        values = [e.config.model, "0"]
+        ranks, labels = self.ranks, ["model_name", "engine"]  # one engine label per DP rank
+        e = ranks[0]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(values, value)
-            return g
+        def family(kind: type[Any], name: str, doc: str, attr: str) -> Any:
+            f = kind(name, doc, labels=labels)
+            for r in ranks:
+                f.add_metric([r.config.model, str(r.dp_rank)], float(getattr(r, attr)))
+            return f
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(values, value)
-            return c
-
-        yield gauge("vllm:num_requests_running", "Requests in model execution.", e.running)
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", e.waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100%.", e.kv_usage)
-        yield counter(
-            "vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", e.prefix_queries
+        yield family(
+            GaugeMetricFamily,
+            "vllm:num_requests_running",
+            "Requests in model execution.",
+            "running",
         )
-        yield counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", e.prefix_hits)
-        yield counter("vllm:request_success", "Finished requests.", e.requests_total)
+        yield family(
+            GaugeMetricFamily,
+            "vllm:num_requests_waiting",
+            "Requests waiting to be processed.",
+            "waiting",
+        )
+        yield family(
+            GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100%.", "kv_usage"
+        )
+        yield family(
+            CounterMetricFamily,
+            "vllm:prefix_cache_queries",
+            "Prefix-cache queries, in tokens.",
+            "prefix_queries",
+        )
+        yield family(
+            CounterMetricFamily,
+            "vllm:prefix_cache_hits",
+            "Prefix-cache hits, in tokens.",
+            "prefix_hits",
+        )
+        yield family(
+            CounterMetricFamily, "vllm:request_success", "Finished requests.", "requests_total"
+        )
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the cache config.",
@@ -113,22 +131,45 @@ class EngineApp:
         self,
         config: EngineConfig,
         tokenizer: Tokenizer | None = None,
-        publisher: KvEventPublisher | None = None,
+        publisher: KvEventPublisher | list[KvEventPublisher] | None = None,
+        data_parallel_size: int = 1,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer or ByteTokenizer()
-        self.publisher = publisher
-        self.engine = SimEngine(config, self._publish)
+        if isinstance(publisher, list):
+            self.publishers: list[KvEventPublisher | None] = list(publisher)
+        else:
+            self.publishers = [publisher]
+        size = max(data_parallel_size, len(self.publishers))
+        self.publishers += [None] * (size - len(self.publishers))
+        self.publisher = self.publishers[0]  # rank 0's, for the /debug endpoints
+        # one engine core per data-parallel rank, each publishing on its own socket
+        self.ranks = [SimEngine(config, self._publisher_of(r), dp_rank=r) for r in range(size)]
+        self.engine = self.ranks[0]
+        self._next_rank = 0
         self.healthy = True
         self.flood_blocks = 0
         self._flooding = False
         self._registry = CollectorRegistry(auto_describe=True)
-        self._registry.register(_EngineCollector(self.engine))  # type: ignore[arg-type]
+        self._registry.register(_EngineCollector(self.ranks))  # type: ignore[arg-type]
         self.models = [config.model, *config.lora_modules]
 
-    def _publish(self, payload: bytes) -> None:
-        if self.publisher is not None:
-            self.publisher.publish(payload)
+    def _publisher_of(self, rank: int) -> Callable[[bytes], None]:
+        pub = self.publishers[rank]
+        return pub.publish if pub is not None else (lambda payload: None)
+
+    def _pick_rank(self, request: Request) -> SimEngine | JSONResponse:
+        """vLLM's `X-data-parallel-rank` header, else the least loaded rank (round robin
+        among equals), as vLLM's internal DP load balancer does."""
+        hint = request.headers.get("x-data-parallel-rank")
+        if hint is not None:
+            if not hint.isdigit() or int(hint) >= len(self.ranks):
+                return error_response(400, f"x-data-parallel-rank must be 0..{len(self.ranks) - 1}")
+            return self.ranks[int(hint)]
+        n = len(self.ranks)
+        order = [(self._next_rank + i) % n for i in range(n)]
+        self._next_rank = (self._next_rank + 1) % n
+        return self.ranks[min(order, key=lambda r: self.ranks[r].running + self.ranks[r].waiting)]
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -174,22 +215,21 @@ class EngineApp:
         return Response(generate_latest(self._registry), media_type="text/plain; version=0.0.4")
 
     async def kv_event_sources(self, request: Request) -> Response:
-        p = self.publisher
-        sources = []
-        if p is not None:
-            sources.append(
-                {
-                    "dp_rank": 0,
-                    "endpoint": p.endpoint,
-                    "replay_endpoint": p.replay_endpoint,
-                    "topic": p.topic.decode(),
-                    "engine_binds": p.binds,
-                }
-            )
+        sources = [
+            {
+                "dp_rank": rank,
+                "endpoint": p.endpoint,
+                "replay_endpoint": p.replay_endpoint,
+                "topic": p.topic.decode(),
+                "engine_binds": p.binds,
+            }
+            for rank, p in enumerate(self.publishers)
+            if p is not None
+        ]
         return JSONResponse({"block_size": self.config.block_size, "sources": sources})
 
     async def reset_prefix_cache(self, request: Request) -> Response:
-        if not self.engine.reset_prefix_cache():
+        if not all([r.reset_prefix_cache() for r in self.ranks]):
             return error_response(400, "cannot reset the prefix cache while requests run")
         return Response(status_code=200)
 
@@ -298,7 +338,7 @@ class EngineApp:
             prompt_ids = self.tokenizer.encode(body.prompt)
         else:
             prompt_ids = list(body.prompt)  # type: ignore[arg-type]
-        return await self._serve(body, prompt_ids, chat=False)
+        return await self._serve(request, body, prompt_ids, chat=False)
 
     async def chat(self, request: Request) -> Response:
         body = await _parse(request, ChatBody)
@@ -308,9 +348,11 @@ class EngineApp:
             text = self.tokenizer.apply_chat_template(body.messages, True)
         except TypeError as exc:
             return error_response(400, str(exc))
-        return await self._serve(body, self.tokenizer.encode(text), chat=True)
+        return await self._serve(request, body, self.tokenizer.encode(text), chat=True)
 
-    async def _serve(self, body: _Body, prompt: list[int], *, chat: bool) -> Response:
+    async def _serve(
+        self, request: Request, body: _Body, prompt: list[int], *, chat: bool
+    ) -> Response:
         lora, err = self._lora(body.model)
         if err is not None:
             return err
@@ -333,11 +375,14 @@ class EngineApp:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         admitted: list[Admission] = []
+        engine = self._pick_rank(request)
+        if isinstance(engine, JSONResponse):
+            return engine
         try:
-            self.engine.check(len(prompt), max_tokens)
+            engine.check(len(prompt), max_tokens)
         except EngineRequestError as exc:
             return error_response(400, str(exc))
-        stream = self.engine.generate(
+        stream = engine.generate(
             prompt,
             max_tokens,
             self._token_maker(prompt),

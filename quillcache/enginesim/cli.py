@@ -30,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv"}\'',
     )
     a("--legacy-replay", action="store_true", help="reply [b'', seq, payload] (vLLM < 0.26)")
+    a(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine cores (DP ranks), each with its own KV-event socket at the base port + rank",
+    )
     a("--ready-file", default=None, help="write the resolved addresses here as JSON when up")
     a("--log-level", default="warning")
 
@@ -48,6 +54,18 @@ def _kv_config(raw: str | None) -> dict[str, Any] | None:
     if cfg.get("publisher", "zmq") != "zmq":
         raise ConfigError(f"unsupported publisher {cfg.get('publisher')!r}; only 'zmq'")
     return cfg
+
+
+def _rank_endpoint(endpoint: str, rank: int) -> str:
+    """Rank r's endpoint: the base port + r (vLLM's rule). A wildcard port (`:*`, `:0`)
+    stays one: each rank binds its own free port and /kv_event_sources says which."""
+    from quillcache.connectors.zmq_source import with_rank
+
+    if rank == 0 or endpoint.endswith((":*", ":0")):
+        return endpoint
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}-{rank}"
+    return with_rank(endpoint, rank)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,17 +94,25 @@ def run(args: argparse.Namespace) -> int:
         cost=cost,
         lora_modules=list(args.lora_modules),
     )
-    publisher = None
+    if args.data_parallel_size < 1:
+        print("engine-sim: --data-parallel-size must be at least 1", file=sys.stderr)
+        return 2
+    publishers: list[KvEventPublisher] = []
     if kv is not None:
-        publisher = KvEventPublisher(
-            kv.get("endpoint", "tcp://*:5557"),
-            kv.get("replay_endpoint"),
-            topic=kv.get("topic", ""),
-            buffer_steps=int(kv.get("buffer_steps", 10_000)),
-            hwm=int(kv.get("hwm", 100_000)),
-            legacy_replay=args.legacy_replay,
-        )
-    app = EngineApp(config, tokenizer, publisher)
+        replay = kv.get("replay_endpoint")
+        for rank in range(args.data_parallel_size):  # rank r: base port + r, like vLLM
+            publishers.append(
+                KvEventPublisher(
+                    _rank_endpoint(kv.get("endpoint", "tcp://*:5557"), rank),
+                    _rank_endpoint(replay, rank) if replay else None,
+                    topic=kv.get("topic", ""),
+                    buffer_steps=int(kv.get("buffer_steps", 10_000)),
+                    hwm=int(kv.get("hwm", 100_000)),
+                    legacy_replay=args.legacy_replay,
+                )
+            )
+    publisher = publishers[0] if publishers else None
+    app = EngineApp(config, tokenizer, publishers or None, args.data_parallel_size)
 
     async def serve() -> None:
         from quillcache.gateway.serve import serve_app
@@ -102,6 +128,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve())
     finally:
-        if publisher is not None:
-            publisher.close()
+        for p in publishers:
+            p.close()
     return 0

@@ -66,8 +66,11 @@ class _Stream:
 class SimEngine:
     """One engine rank. Single-threaded: use it from the event loop only."""
 
-    def __init__(self, config: EngineConfig, publish: Publish | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, publish: Publish | None = None, dp_rank: int = 0
+    ) -> None:
         self.config = config
+        self.dp_rank = dp_rank
         self._publish = publish or (lambda payload: None)
         cost = CostModel(config.cost)
         self.model = EngineModel(
@@ -76,6 +79,7 @@ class SimEngine:
             block_size=config.block_size,
             cost=cost,
             max_num_seqs=config.max_num_seqs,
+            dp_rank=dp_rank,
         )
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count()
@@ -277,5 +281,5 @@ class SimEngine:
         m.free.clear()
         m.cpu.clear()
         self._flush_events()
-        self._publish(encode_batch([AllBlocksCleared()], ts=time.time(), dp_rank=0))
+        self._publish(encode_batch([AllBlocksCleared()], ts=time.time(), dp_rank=self.dp_rank))
         return True

@@ -322,7 +322,9 @@ class Gateway:
             self.pre_upstream_samples.append(time.perf_counter() - started)
             try:
                 resp = await self.upstream.post(
-                    worker.url + path, data=raw, headers=_forward_headers(request)
+                    worker.url + path,
+                    data=raw,
+                    headers=self._upstream_headers(request, worker, route_request),
                 )
             except _CONNECT_ERRORS as exc:
                 self.cp.finish(route_request.request_id)
@@ -400,6 +402,25 @@ class Gateway:
                 self.metrics.actual_hit_tokens.inc(cached)
         self.metrics.requests.labels(path, str(resp.status)).inc()
         return proxy.passthrough_response(resp, content, extra)
+
+    def _upstream_headers(
+        self, request: Request, worker: Worker, route_request: RouteRequest
+    ) -> dict[str, str]:
+        """Forwarded headers; for a data-parallel engine, also vLLM's `X-data-parallel-rank`
+        naming the rank that holds the longest prefix (its internal balancer would not
+        know which one does)."""
+        headers = _forward_headers(request)
+        if len(worker.sources) > 1 and len(route_request.content_keys):
+            with self.index_guard:
+                matches = self.cp.index.match(route_request.content_keys)
+            best = max(
+                (m for m in matches if m.worker == worker.id and m.blocks > 0),
+                key=lambda m: m.blocks,
+                default=None,
+            )
+            if best is not None:
+                headers["x-data-parallel-rank"] = str(best.dp_rank)
+        return headers
 
     def _count(self, path: str, response: Response) -> Response:
         self.metrics.requests.labels(path, str(response.status_code)).inc()

@@ -277,3 +277,28 @@ def test_actual_hits_are_counted_from_streamed_usage(shared_stack: Stack) -> Non
     assert cached == 4 * 16  # 5 full blocks, the last one recomputed
     after = metric(http_get(gw.url + "/metrics").text, "quillcache_actual_hit_tokens_total")
     assert after - before == cached
+
+
+def test_data_parallel_engine_ranks_are_subscribed_and_targeted(stack: Stack) -> None:
+    engine = stack.engine(extra=["--data-parallel-size", "2"])
+    sources = http_get(engine.url + "/kv_event_sources").json()["sources"]
+    assert [s["dp_rank"] for s in sources] == [0, 1]
+    assert sources[0]["endpoint"] != sources[1]["endpoint"]
+    gw = stack.start_gateway({"router": "quillcache"})
+    admin = stack.admin()
+    prompts = [long_prompt(f"dp-{i}-{uuid.uuid4().hex[:6]}", blocks=6) for i in range(6)]
+    for p in prompts:  # the engine's own balancer spreads these over both ranks
+        assert http_post(gw.url + "/v1/completions", json={"prompt": p, "max_tokens": 1}).is_success
+
+    def ranks_of(p: str) -> set[int]:
+        matches = admin.post("/admin/lookup", json={"prompt": p}).json()["matches"]
+        return {m["dp_rank"] for m in matches if m["blocks"] == 6}
+
+    wait_for(lambda: all(len(ranks_of(p)) == 1 for p in prompts), what="per-rank residency")
+    assert set().union(*(ranks_of(p) for p in prompts)) == {0, 1}
+    # follow-ups go to the rank holding their prefix: every one is a hit
+    for p in prompts:
+        r = http_post(gw.url + "/v1/completions", json={"prompt": p + " more", "max_tokens": 1})
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * 16
+    text = http_get(engine.url + "/metrics").text
+    assert 'vllm:num_requests_running{engine="1"' in text
