@@ -91,6 +91,7 @@ class IngestorStats:
     restarts: int = 0
     decode_errors: int = 0
     queue_depth: int = 0
+    queue_bytes: int = 0
 
 
 def _failed_batch_index(exc: EventDecodeError, n: int) -> int | None:
@@ -117,9 +118,15 @@ class EventIngestor:
         replay_timeout_s: float = 2.0,
         stale_rebuild_s: float = 30.0,
         apply_bytes: int = 32 * 1024,
+        queue_bytes: int = 256 << 20,
         ctx: zmq.Context | None = None,
     ) -> None:
         self.apply_bytes = apply_bytes
+        # The queue is bounded in batches and in bytes: a few huge batches must not
+        # grow memory either.
+        self.queue_bytes = queue_bytes
+        self._queued_bytes = 0
+        self._bytes_lock = threading.Lock()
         self._sink_takes_seqs = bool(getattr(sink, "accepts_seqs", False))
         self.sink = sink
         self.ctx = ctx or zmq.Context.instance()
@@ -182,9 +189,18 @@ class EventIngestor:
     def _deliver(self, key: SourceKey, seq: int, payload: bytes) -> None:
         status = self.sources.get(key) or self._status(key)
         status.received += 1
+        with self._bytes_lock:
+            room = self._queued_bytes + len(payload) <= self.queue_bytes
+            if room:
+                self._queued_bytes += len(payload)
         try:
+            if not room:
+                raise queue.Full
             self._queue.put_nowait((key, seq, payload))
         except queue.Full:
+            if room:
+                with self._bytes_lock:
+                    self._queued_bytes -= len(payload)
             status.dropped += 1  # the gap it leaves is replayed (next batch, or when idle)
             status.needs_sync = True
 
@@ -218,6 +234,8 @@ class EventIngestor:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+            with self._bytes_lock:
+                self._queued_bytes -= sum(len(p) for _, _, p in items)
             run_key, run = items[0][0], []
             for key, seq, payload in items:
                 if key != run_key:
@@ -405,7 +423,7 @@ class EventIngestor:
         return False
 
     def stats(self) -> IngestorStats:
-        out = IngestorStats(queue_depth=self._queue.qsize())
+        out = IngestorStats(queue_depth=self._queue.qsize(), queue_bytes=self._queued_bytes)
         for s in list(self.sources.values()):
             out.received += s.received
             out.dropped += s.dropped

@@ -135,6 +135,7 @@ class Gateway:
         self.ingestor = EventIngestor(
             self.sink,
             queue_size=cfg.event_queue_size,
+            queue_bytes=cfg.event_queue_bytes,
             replay_timeout_s=cfg.replay_timeout_s,
             stale_rebuild_s=cfg.stale_rebuild_s,
         )

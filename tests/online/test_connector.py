@@ -105,9 +105,14 @@ def test_engine_restart_clears_the_source_and_starts_over() -> None:
         assert sink.clears == [(1, 0)]
 
 
-def test_a_full_queue_drops_then_replays_without_losing_order() -> None:
+@pytest.mark.parametrize(
+    "bounds",
+    [{"queue_size": 4}, {"queue_bytes": 3 * len(batch(0))}],
+    ids=["bounded-in-batches", "bounded-in-bytes"],
+)
+def test_a_full_queue_drops_then_replays_without_losing_order(bounds: dict[str, int]) -> None:
     sink = RecordingSink(delay_s=0.005)  # a slow index
-    with publisher() as pub, ingestor(sink, queue_size=4, drain_batch=2) as ing:
+    with publisher() as pub, ingestor(sink, drain_batch=2, **bounds) as ing:
         ing.add_zmq_source(ZmqSourceConfig(0, pub.endpoint, pub.replay_endpoint))
         wait_for(lambda: ing.sources[(0, 0)].replays, what="sync")
         time.sleep(0.2)
