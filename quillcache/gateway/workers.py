@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
 from quillcache.connectors import EventIngestor, ZmqSourceConfig
 from quillcache.connectors.engine_metrics import EngineLoad, parse_engine_metrics
-from quillcache.connectors.zmq_source import with_rank
+from quillcache.connectors.zmq_source import engine_binds, with_rank
 from quillcache.controlplane import ControlPlane
 from quillcache.errors import ConfigError
 from quillcache.gateway.config import WorkerConfig
@@ -67,6 +69,69 @@ class Worker:
                 for s in self.sources
             ],
         }
+
+
+async def _get_json(client: httpx.AsyncClient, url: str) -> dict[str, Any] | None:
+    try:
+        resp = await client.get(url)
+        data = resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _reachable(endpoint: str, host: str) -> str:
+    """A bound wildcard address (`tcp://*:5557`) as a peer on `host` connects to it."""
+    return endpoint.replace("*", host).replace("0.0.0.0", host)
+
+
+def sources_from_kv_event_sources(info: dict[str, Any], host: str) -> list[ZmqSourceConfig]:
+    """vLLM's `GET /kv_event_sources` (as the engine simulator serves it): one entry per
+    rank with its resolved `endpoint`, `replay_endpoint`, `topic` and `engine_binds`."""
+    out = []
+    for src in info.get("sources", []):
+        replay = src.get("replay_endpoint")
+        out.append(
+            ZmqSourceConfig(
+                worker=-1,
+                endpoint=_reachable(src["endpoint"], host),
+                replay_endpoint=_reachable(replay, host) if replay else None,
+                dp_rank=int(src.get("dp_rank", 0)),
+                topic=src.get("topic", "") or "",
+                bind=not src.get("engine_binds", True),
+            )
+        )
+    return out
+
+
+def sources_from_server_info(info: dict[str, Any], host: str) -> list[ZmqSourceConfig]:
+    """SGLang's `GET /get_server_info`: its server args, among them `kv_events_config`
+    (vLLM's JSON shape, as a string or an object) and `dp_size`; rank r at port + r."""
+    raw = info.get("kv_events_config")
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            return []
+    if not isinstance(raw, dict) or raw.get("publisher", "zmq") != "zmq":
+        return []
+    endpoint = raw.get("endpoint", "tcp://*:5557")
+    replay = raw.get("replay_endpoint")
+    binds = engine_binds(endpoint)
+    out = []
+    for rank in range(int(info.get("dp_size") or 1)):
+        ep = with_rank(endpoint, rank)
+        out.append(
+            ZmqSourceConfig(
+                worker=-1,
+                endpoint=_reachable(ep, host) if binds else ep,
+                replay_endpoint=_reachable(with_rank(replay, rank), host) if replay else None,
+                dp_rank=rank,
+                topic=raw.get("topic", "") or "",
+                bind=not binds,
+            )
+        )
+    return out
 
 
 class DiscoveryError(ConfigError):
@@ -119,25 +184,15 @@ class WorkerPool:
                 "engine %s: /metrics unreadable (%s); load from in-flight only", cfg.url, exc
             )
         if cfg.events and cfg.kv_endpoint is None:
-            try:
-                resp = await client.get(f"{cfg.url}/kv_event_sources")
-                info = resp.json() if resp.status_code == 200 else {}
-            except (httpx.HTTPError, ValueError):
-                info = {}
-            w.block_size = info.get("block_size") or w.block_size
-            for src in info.get("sources", []):
-                rank = int(src.get("dp_rank", 0))
-                w.sources.append(
-                    ZmqSourceConfig(
-                        worker=-1,
-                        endpoint=src["endpoint"].replace("*", "127.0.0.1"),
-                        replay_endpoint=(src.get("replay_endpoint") or "").replace("*", "127.0.0.1")
-                        or None,
-                        dp_rank=rank,
-                        topic=src.get("topic", ""),
-                        bind=not src.get("engine_binds", True),
-                    )
-                )
+            host = urlsplit(cfg.url).hostname or "127.0.0.1"
+            info = await _get_json(client, f"{cfg.url}/kv_event_sources")
+            if info is not None:
+                w.block_size = info.get("block_size") or w.block_size
+                w.sources = sources_from_kv_event_sources(info, host)
+            else:  # SGLang: its server args, kv_events_config included
+                info = await _get_json(client, f"{cfg.url}/get_server_info")
+                w.sources = sources_from_server_info(info or {}, host)
+                w.block_size = w.block_size or (info or {}).get("page_size")
             if not w.sources:
                 log.warning(
                     "engine %s: no KV event source found; routing without its cache", cfg.url
