@@ -261,6 +261,8 @@ class EventIngestor:
     def _process(self, key: SourceKey, items: list[tuple[int, bytes]]) -> None:
         try:
             self._process_unsafe(key, items)
+        except KeyError as exc:  # e.g. the worker was removed while its batches were queued
+            log.info("kv events: %d batches of source %s dropped: %s", len(items), key, exc)
         except Exception:  # the applier must survive anything a sink or a socket does
             log.exception("kv events: failed to process %d batches of source %s", len(items), key)
 
