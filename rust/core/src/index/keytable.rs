@@ -55,13 +55,16 @@ impl KeyTable {
         }
     }
 
-    /// The id in `key`'s home slot (a candidate, not checked), to prefetch its node.
+    /// The ids in `key`'s home slot and the next one (candidates, not checked), to
+    /// prefetch their nodes: with linear probing a key is in one of the two about
+    /// 85 % of the time at the loads we run at.
     #[inline]
-    pub fn first_candidate(&self, key: u64) -> u32 {
+    pub fn candidates(&self, key: u64) -> [u32; 2] {
         if self.slots.is_empty() {
-            return NIL;
+            return [NIL; 2];
         }
-        self.slots[self.home(key)]
+        let i = self.home(key);
+        [self.slots[i], self.slots[(i + 1) & self.mask()]]
     }
 
     #[inline]

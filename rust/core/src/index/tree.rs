@@ -55,9 +55,10 @@ impl Tree {
             self.table.prefetch_slot(k);
         }
         for &k in keys {
-            let id = self.table.first_candidate(k);
-            if id != NIL {
-                super::keytable::prefetch(&self.nodes[id as usize]);
+            for id in self.table.candidates(k) {
+                if id != NIL {
+                    super::keytable::prefetch(&self.nodes[id as usize]);
+                }
             }
         }
     }
