@@ -319,6 +319,19 @@ class EngineModel:
         self.queued_prefill_tokens += max(req.prompt_tokens - run.hit_blocks * self.block_size, 1)
         return run
 
+    def abort(self, run: Running) -> None:
+        """Drop a queued or running request (client went away) and free its blocks;
+        blocks it already cached stay cached, like vLLM's abort."""
+        if run in self.waiting:
+            self.waiting.remove(run)
+            self.queued_prefill_tokens -= max(
+                run.req.prompt_tokens - run.hit_blocks * self.block_size, 1
+            )
+        elif run in self.running:
+            self.running.remove(run)
+            self.queued_prefill_tokens -= max(run.req.prompt_tokens - run.computed, 0)
+            self._finish(run)
+
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 

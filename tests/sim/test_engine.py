@@ -144,3 +144,18 @@ def test_one_request_ttft_is_its_prefill_step() -> None:
     )
     decode = COST.decode_step_time(1, 4001)
     assert rec.finish_s - rec.first_token_s == pytest.approx(9 * decode, rel=0.05)
+
+
+def test_abort_frees_everything_but_the_cached_blocks() -> None:
+    engine = EngineModel(0, capacity_blocks=50, block_size=BS, cost=COST)
+    toks = np.arange(300, 340, dtype=np.uint32)  # 10 full blocks
+    waiting = engine.enqueue(make_request(0, 0.0, 8, BS, NS, tokens=toks))
+    engine.abort(waiting)
+    assert not engine.has_work() and engine.queued_prefill_tokens == 0
+    run_ = engine.enqueue(make_request(1, 0.0, 8, BS, NS, tokens=toks))
+    step_s, k, chunks, decoders = engine.plan_step()
+    assert engine.in_use == 12  # (40 prompt + 8 output tokens) / 4 reserved
+    engine.apply_step(step_s, k, chunks, decoders, step_s)  # prefill done, decoding
+    engine.abort(run_)
+    assert not engine.has_work() and engine.in_use == 0 and engine.queued_prefill_tokens == 0
+    assert len(engine.free) == 10  # the computed prompt blocks stay cached
