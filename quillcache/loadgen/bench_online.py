@@ -75,10 +75,12 @@ def _metric(url: str, name: str) -> float:
     return total
 
 
-def overhead(workdir: Path, n: int, router: str, time_scale: float = 0.1) -> dict[str, Any]:
-    """Two identical fresh engines; one called directly, one through the gateway; both
-    loaded at the same time with the same workload (64 streams each), so that machine
-    noise and engine state hit both sides alike: the difference is the gateway."""
+def overhead(
+    workdir: Path, n: int, router: str, time_scale: float = 1.0, together: bool = False
+) -> dict[str, Any]:
+    """Two identical fresh engines, one called directly, one through the gateway, with the
+    same workload (64 streams): one after the other (default), or both at once
+    (`together`: machine noise hits both sides alike, but the load doubles)."""
     procs: list[Proc] = []
     try:
         engines = [
@@ -88,19 +90,23 @@ def overhead(workdir: Path, n: int, router: str, time_scale: float = 0.1) -> dic
         gw = _gateway([engines[1]], workdir, "ov-gateway", router)
         procs.append(gw)
         reqs = synthetic(n, prefixes=16, prefix_chars=512, suffix_chars=64, max_tokens=16)
+        direct_cfg = RunConfig(url=engines[0].url, concurrency=64)
+        gateway_cfg = RunConfig(url=gw.url, concurrency=64)
 
         async def both() -> list[tuple[list[Any], float]]:
-            return await asyncio.gather(
-                run_load(RunConfig(url=engines[0].url, concurrency=64), reqs),
-                run_load(RunConfig(url=gw.url, concurrency=64), reqs),
-            )
+            return await asyncio.gather(run_load(direct_cfg, reqs), run_load(gateway_cfg, reqs))
 
-        (d, dw), (g, gw_wall) = asyncio.run(both())
+        if together:
+            (d, dw), (g, gw_wall) = asyncio.run(both())
+        else:
+            d, dw = asyncio.run(run_load(direct_cfg, reqs))
+            g, gw_wall = asyncio.run(run_load(gateway_cfg, reqs))
         info = httpx.get(gw.url + "/admin/index", headers={"authorization": f"Bearer {ADMIN}"})
         return {
             "direct": summarize(d, dw),
             "gateway": summarize(g, gw_wall),
             "time_scale": time_scale,
+            "together": together,
             "pre_upstream_us": info.json()["pre_upstream_us"],
         }
     finally:
@@ -210,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
         default="round-robin,quillcache",
         help="routers for the comparison phase, comma-separated",
     )
+    parser.add_argument(
+        "--overhead-together",
+        action="store_true",
+        help="load the direct engine and the gateway at the same time",
+    )
+    parser.add_argument("--overhead-time-scale", type=float, default=1.0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     from rich.console import Console
@@ -219,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="qc-bench-") as tmp:
         wd = Path(tmp)
         if args.only in (None, "overhead"):
-            out["overhead"] = overhead(wd, args.requests, args.router)
+            out["overhead"] = overhead(
+                wd, args.requests, args.router, args.overhead_time_scale, args.overhead_together
+            )
         if args.only in (None, "throughput"):
             out["throughput"] = throughput(wd, args.requests, args.router)
         if args.only in (None, "ingest"):
@@ -231,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if "overhead" in out:
         d, g = out["overhead"]["direct"], out["overhead"]["gateway"]
-        t = Table(title="1. gateway overhead: 64 streams direct + 64 through the gateway, at once")
+        how = "at once" if out["overhead"]["together"] else "one after the other"
+        t = Table(title=f"1. gateway overhead: 64 streams direct, 64 via the gateway, {how}")
         for c in ("metric", "direct", "gateway", "added"):
             t.add_column(c, justify="right")
         for k in ("ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p50", "e2e_ms_p99", "req_per_s"):
