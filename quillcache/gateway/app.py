@@ -141,6 +141,7 @@ class Gateway:
         )
         self.pool = WorkerPool(self.cp, self.ingestor, self.client, tokenizer_id=cfg.tokenizer_id)
         self.pool.guard = self.index_guard
+        self.pool.failures_to_down = cfg.health_failures_to_down
         self.pool.resume_seqs = self.sink.last_seqs()
         if self.pool.resume_seqs:
             log.info("persistent index: resuming sources at %s", self.pool.resume_seqs)

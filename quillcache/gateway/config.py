@@ -64,6 +64,7 @@ class GatewayConfig(BaseModel):
     api_keys: list[str] = Field(default_factory=list)
     speculative_ttl_s: float = Field(default=5.0, gt=0)
     health_interval_s: float = Field(default=1.0, gt=0)
+    health_failures_to_down: int = Field(default=2, ge=1)
     scrape_interval_s: float = Field(default=1.0, gt=0)
     request_timeout_s: float = Field(default=600.0, gt=0)
     connect_timeout_s: float = Field(default=2.0, gt=0)

@@ -156,6 +156,7 @@ class WorkerPool:
         self._models: dict[str, str] | None = None  # cache of models(), reset on changes
         # last engine seq per (worker, dp_rank) kept by a persistent index: resume there
         self.resume_seqs: dict[tuple[int, int], int] = {}
+        self.failures_to_down = 2  # consecutive failed health checks before "down"
         # held around index writes from this side when the index is not thread-safe
         self.guard: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
 
@@ -318,10 +319,12 @@ class WorkerPool:
                 ok, why = False, f"/health failed: {type(exc).__name__}"
             w.last_health_s = time.monotonic()
             if ok:
+                w.failures = 0
                 self.mark_up(w.id)
             else:
                 w.failures += 1
-                self.mark_down(w.id, why)
+                if w.failures >= self.failures_to_down:  # one slow answer is not a death
+                    self.mark_down(w.id, f"{why} ({w.failures} checks in a row)")
 
         await asyncio.gather(*(one(w) for w in list(self.workers.values())))
 
