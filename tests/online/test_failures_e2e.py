@@ -20,6 +20,8 @@ from quillcache.up import launch
 from tests.online.conftest import Stack, metric
 from tests.online.helpers import free_port, http_get, http_post, wait_for
 
+pytestmark = pytest.mark.slow  # real processes, SIGKILLs and restarts: ~1 min in all
+
 
 def prompt(tag: str) -> str:
     return (f"[{tag}] " + "a long shared document " * 20)[:160]

@@ -19,6 +19,8 @@ from quillcache.loadgen.workload import mooncake_trace, synthetic
 from tests.online.conftest import Stack
 from tests.online.helpers import http_post, wait_for
 
+pytestmark = pytest.mark.slow  # whole CLIs as subprocesses
+
 
 def test_loadgen_against_an_engine_and_through_the_gateway(stack: Stack) -> None:
     engine = stack.engine()
