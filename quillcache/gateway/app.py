@@ -562,36 +562,36 @@ class Gateway:
     # -- parity self-check ---------------------------------------------------------------
 
     async def parity_check(self, w: Worker, timeout_s: float = 5.0) -> str:
-        """Send a probe prompt to one engine and check that the blocks its events report
-        are exactly the keys we predict; warn loudly otherwise (tokenizer, template,
-        block size or namespace mismatch would make every routing decision blind)."""
+        """Send probe prompts to one engine and check that the blocks its events report
+        are exactly the keys we predict; warn loudly otherwise (tokenizer, chat template,
+        block size or namespace mismatch would make every routing decision blind). With a
+        local tokenizer a chat probe checks the chat template too."""
         if not w.sources:
             w.parity = "skipped: no KV event source"
             return w.parity
         probe = f"quillcache parity probe {uuid.uuid4().hex} " * 8
-        body = {"model": w.base_model, "prompt": probe, "max_tokens": 1}
-        try:
-            tokens = await self.tokenizer.tokens(body, False, w.url)
-            ns, _ = self._namespace_of(w.base_model, "")
-            keys = content_keys(tokens, self.cp.block_size, ns)
-            resp = await self.client.post(f"{w.url}/v1/completions", json=body)
-            resp.raise_for_status()
-        except (httpx.HTTPError, QuillCacheError) as exc:
-            w.parity = f"skipped: probe failed: {exc}"
-            log.warning("parity check of worker %d skipped: %s", w.id, exc)
-            return w.parity
-        deadline = time.monotonic() + timeout_s
-        held = 0
-        while time.monotonic() < deadline:
-            with self.index_guard:
-                matches = self.cp.index.match(keys)
-            held = max((m.blocks for m in matches if m.worker == w.id), default=0)
-            if held >= len(keys):
-                w.parity = "ok"
-                log.info("parity check of worker %d passed (%d blocks)", w.id, held)
+        probes: list[tuple[str, dict[str, Any], bool]] = [
+            ("completion", {"model": w.base_model, "prompt": probe, "max_tokens": 1}, False)
+        ]
+        if self.tokenizer.local is not None:
+            messages = [{"role": "user", "content": probe + " chat"}]
+            chat = {"model": w.base_model, "messages": messages, "max_tokens": 1}
+            probes.append(("chat template", chat, True))
+        problems = []
+        for name, body, is_chat in probes:
+            try:
+                problem = await self._probe(w, body, is_chat, timeout_s)
+            except (httpx.HTTPError, QuillCacheError) as exc:
+                w.parity = f"skipped: probe failed: {exc}"
+                log.warning("parity check of worker %d skipped: %s", w.id, exc)
                 return w.parity
-            await asyncio.sleep(0.05)
-        w.parity = f"mismatch: engine events cover {held} of {len(keys)} predicted blocks"
+            if problem:
+                problems.append(f"{name}: {problem}")
+        if not problems:
+            w.parity = "ok"
+            log.info("parity check of worker %d passed", w.id)
+            return w.parity
+        w.parity = "mismatch: " + "; ".join(problems)
         log.error(
             "PARITY CHECK FAILED for worker %d (%s): %s. Routing will not see this engine's "
             "cache: check the tokenizer, chat template, block size and model name.",
@@ -600,6 +600,27 @@ class Gateway:
             w.parity,
         )
         return w.parity
+
+    async def _probe(
+        self, w: Worker, body: dict[str, Any], chat: bool, timeout_s: float
+    ) -> str | None:
+        """One probe request; None when the engine's events cover every predicted block."""
+        tokens = await self.tokenizer.tokens(body, chat, w.url)
+        ns, _ = self._namespace_of(w.base_model, "")
+        keys = content_keys(tokens, self.cp.block_size, ns)
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        resp = await self.client.post(f"{w.url}{path}", json=body)
+        resp.raise_for_status()
+        deadline = time.monotonic() + timeout_s
+        held = 0
+        while time.monotonic() < deadline:
+            with self.index_guard:
+                matches = self.cp.index.match(keys)
+            held = max((m.blocks for m in matches if m.worker == w.id), default=0)
+            if held >= len(keys):
+                return None
+            await asyncio.sleep(0.05)
+        return f"engine events cover {held} of {len(keys)} predicted blocks"
 
     # -- admin ---------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import pytest
 from quillcache.enginesim.tokenizer import HFTokenizer, load_tokenizer
 from quillcache.errors import ConfigError
 from tests.online.conftest import Stack
-from tests.online.helpers import http_post, wait_for
+from tests.online.helpers import http_get, http_post, wait_for
 
 TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
@@ -75,3 +75,17 @@ def test_gateway_and_engine_share_a_tokenizer_json(stack: Stack, tokenizer_dir: 
     )
     assert again.headers["x-quillcache-worker"] == holder
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_parity_check_catches_a_tokenizer_mismatch(stack: Stack, tokenizer_dir: Path) -> None:
+    stack.engine(extra=["--tokenizer", str(tokenizer_dir)])
+    gw = stack.start_gateway({"tokenizer": "builtin"})  # not the engine's tokenizer
+    admin = stack.admin()
+    wait_for(
+        lambda: admin.get("/admin/workers/0").json()["parity"].startswith("mismatch"),
+        timeout=25,  # each probe waits 5 s for events that never match
+        what="the parity self-check to fail",
+    )
+    parity = admin.get("/admin/workers/0").json()["parity"]
+    assert "completion" in parity and "chat template" in parity
+    assert 'quillcache_worker_parity_ok{worker="0"} 0.0' in http_get(gw.url + "/metrics").text
