@@ -72,6 +72,8 @@ def test_json_is_deterministic_and_complete() -> None:
         assert mem == nat
     other_seed = json.loads(_sim(*args[:-2], "--seed", "1", "--json", "-").stdout)
     assert other_seed["results"] != rows
+    # parallel runs give the same results in the same order
+    assert _sim(*args, "--jobs", "2").stdout == a
 
 
 @pytest.mark.slow
