@@ -269,7 +269,9 @@ class Gateway:
         denied = self._check_api_key(request)
         if denied is not None:
             return self._count(path, denied)
-        raw = await request.body()
+        raw = await self._read_body(request)
+        if isinstance(raw, Response):
+            return self._count(path, raw)
         body = _parse_body(raw)
         if isinstance(body, Response):
             return self._count(path, body)
@@ -423,6 +425,22 @@ class Gateway:
             if best is not None:
                 headers["x-data-parallel-rank"] = str(best.dp_rank)
         return headers
+
+    async def _read_body(self, request: Request) -> bytes | Response:
+        """The request body, or a 413 once it exceeds `max_body_bytes` (read in chunks, so
+        a lying or missing Content-Length cannot make us buffer more)."""
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        too_big = error_json(413, f"request body larger than {limit} bytes", "PayloadTooLarge")
+        if declared.isdigit() and int(declared) > limit:
+            return too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _count(self, path: str, response: Response) -> Response:
         self.metrics.requests.labels(path, str(response.status_code)).inc()
@@ -770,7 +788,9 @@ class Gateway:
         if denied is not None:
             return denied
         ctype = request.headers.get("content-type", "")
-        raw = await request.body()
+        raw = await self._read_body(request)
+        if isinstance(raw, Response):
+            return raw
         q = request.query_params
         try:
             if "msgpack" in ctype:

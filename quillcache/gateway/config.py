@@ -69,6 +69,7 @@ class GatewayConfig(BaseModel):
     request_timeout_s: float = Field(default=600.0, gt=0)
     connect_timeout_s: float = Field(default=2.0, gt=0)
     max_connections: int = Field(default=1024, ge=1)
+    max_body_bytes: int = Field(default=32 << 20, ge=1024)
     event_queue_size: int = Field(default=10_000, ge=1)
     event_queue_bytes: int = Field(default=256 << 20, ge=1 << 16)
     replay_timeout_s: float = Field(default=2.0, gt=0)

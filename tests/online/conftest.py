@@ -69,7 +69,7 @@ def shared_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         s.engine()
         s.engine()
-        s.start_gateway({"router": "quillcache"})
+        s.start_gateway({"router": "quillcache", "max_body_bytes": 65536})
         yield s
     finally:
         s.kill_all()

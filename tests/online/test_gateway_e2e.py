@@ -124,6 +124,7 @@ def test_shared_prefixes_go_to_the_worker_that_holds_them(shared_stack: Stack) -
         ("/v1/chat/completions", b'{"messages": ["hi"]}', 400),
         ("/v1/chat/completions", b"\xff\xfe", 400),
         ("/v1/nothing", b"{}", 404),
+        ("/v1/completions", b'{"prompt": "' + b"x" * 70_000 + b'"}', 413),
     ],
 )
 def test_malformed_requests_get_a_4xx_json_error(
