@@ -62,6 +62,14 @@ class QuillCacheRouter(Router):
             if blocks > covered:
                 transfer_s += cost.transfer_time(blocks - covered, tier)
                 covered = blocks
+        if cost.config.transfer.allow_peer_fetch:  # as Router.decide will plan it
+            _, peer_blocks = view.best_peer_blocks(exclude=w.worker)
+            peer_blocks = min(peer_blocks, n)
+            if peer_blocks > covered:
+                peer_s = cost.transfer_time(peer_blocks - covered, "peer")
+                if peer_s < cost.prefill_time((peer_blocks - covered) * bs, covered * bs):
+                    transfer_s += peer_s
+                    covered = peer_blocks
         new = max(request.prompt_tokens - min(covered * bs, request.prompt_tokens), 1)
         extra = 0.0
         if self.work_weight:

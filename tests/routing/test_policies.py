@@ -211,3 +211,18 @@ def test_quillcache_does_not_pile_decodes_onto_one_worker() -> None:
     assert create_router("quillcache-greedy").route(req, view).worker == 0
     assert create_router("quillcache").route(req, view).worker != 0
     assert create_router("quillcache", decode_weight=0.0).route(req, view).worker == 0
+
+
+def test_quillcache_scores_peer_fetches_when_allowed() -> None:
+    from quillcache.routing.quill import QuillCacheRouter
+
+    allowed = CostModel(CostModelConfig.parse({"transfer": {"allow_peer_fetch": True}}))
+    req = _req(300)
+    holder, other = WorkerView(0, gpu_blocks=290), WorkerView(1)
+    r = QuillCacheRouter(work_weight=0.0, decode_weight=0.0)
+    local = r.estimate_s(req, _view(holder, other), other)
+    fetched = r.estimate_s(req, _view(holder, other, cost=allowed), other)
+    assert fetched < local / 5  # 290 blocks move much faster than they recompute
+    plan, est = plan_and_estimate(req, _view(holder, other, cost=allowed), other)
+    assert plan[0].action == Action.FETCH_PEER
+    assert fetched == pytest.approx(est.ttft_s)
