@@ -65,6 +65,33 @@ def test_loadgen_against_an_engine_and_through_the_gateway(stack: Stack) -> None
     # two shared prefixes: most prompt tokens are engine cache hits after the first ones
     assert results["gateway"]["cache_hit_rate"] > 0.5
     assert results["gateway"]["workers"] == {"0": 40}
+    chat = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "quillcache",
+            "loadgen",
+            "--url",
+            gw.url,
+            "--chat",
+            "--no-stream",
+            "--requests",
+            "10",
+            "--concurrency",
+            "4",
+            "--rate",
+            "50",
+            "--json",
+            "-",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert chat.returncode == 0, chat.stderr
+    r = json.loads(chat.stdout)[gw.url]
+    assert r["requests"] == 10 and r["errors"] == 0 and r["ttft_ms_p50"] == r["e2e_ms_p50"]
 
 
 def test_loadgen_counts_errors() -> None:
