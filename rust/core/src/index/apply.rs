@@ -88,12 +88,7 @@ impl Index {
             // An offload tier storing blocks it got from another medium: the source
             // already knows these hashes (with their keys) from that medium.
             for &h in &ev.block_hashes {
-                let known = self
-                    .sources
-                    .get(slot)
-                    .engine
-                    .get(&engine_map_key(group, h))
-                    .copied();
+                let known = self.resolve(slot, engine_map_key(group, h));
                 match known.and_then(|key| self.tree.find(key)) {
                     Some(id) => {
                         self.add_holder(slot, id, hid);
@@ -113,16 +108,11 @@ impl Index {
         let (mut parent_key, mut parent_id, mut depth) = match ev.parent_block_hash {
             None => (self.namespace_of(slot, ev).id(), NIL, 0u32),
             Some(ph) => {
-                let known = self
-                    .sources
-                    .get(slot)
-                    .engine
-                    .get(&engine_map_key(group, ph))
-                    .copied();
+                let known = self.resolve(slot, engine_map_key(group, ph));
                 match known.and_then(|key| self.tree.find(key)) {
                     Some(pid) => {
                         let p = self.tree.node(pid);
-                        (p.key, pid, p.depth.saturating_add(1))
+                        (p.key, pid, p.depth().saturating_add(1))
                     }
                     None => {
                         // Its prefix is unknown, so it could never be matched.
@@ -132,9 +122,9 @@ impl Index {
                 }
             }
         };
-        // Pass 1: the chain of keys, and a look at each key's table slot and engine-map
-        // slot. The probes are independent, so their cache misses overlap; pass 2
-        // then finds those lines in cache.
+        // Pass 1: the chain of keys, then prefetches and probes of every key's table
+        // slot and node and every hash's ehash slot. The probes are independent, so
+        // their cache misses overlap; pass 2 then finds those lines in cache.
         let mut keys = Vec::with_capacity(n);
         let mut k = parent_key;
         for (i, tokens) in ev.token_ids.chunks_exact(bs).take(n).enumerate() {
@@ -143,23 +133,18 @@ impl Index {
             keys.push(k);
         }
         self.tree.prefetch(&keys);
+        self.tree
+            .prefetch_ehash(ev.block_hashes.iter().map(|&h| engine_map_key(group, h)));
         let mut warm = 0u64;
-        {
-            let engine = &self.sources.get(slot).engine;
-            for (&key, &h) in keys.iter().zip(&ev.block_hashes) {
-                warm ^= self.tree.find(key).unwrap_or(0) as u64;
-                warm ^= engine.get(&engine_map_key(group, h)).copied().unwrap_or(0);
-            }
+        for &key in &keys {
+            warm ^= self.tree.find(key).unwrap_or(0) as u64;
         }
         std::hint::black_box(warm);
         // Pass 2: insert.
         for (&h, &key) in ev.block_hashes.iter().zip(&keys) {
             let id = self.tree.get_or_insert(key, parent_key, parent_id, depth);
             self.add_holder(slot, id, hid);
-            self.sources
-                .get_mut(slot)
-                .engine
-                .insert(engine_map_key(group, h), key);
+            self.set_mapping(slot, engine_map_key(group, h), id);
             stats.blocks_stored += 1;
             parent_key = key;
             parent_id = id;
@@ -186,17 +171,22 @@ impl Index {
         let medium = self.media.find(&ev.medium);
         for &h in &ev.block_hashes {
             let map_key = engine_map_key(ev.group_idx, h);
-            let Some(key) = self.sources.get(slot).engine.get(&map_key).copied() else {
+            let Some(key) = self.resolve(slot, map_key) else {
                 stats.unknown_removals += 1;
                 continue;
             };
             let Some(id) = self.tree.find(key) else {
                 // Stale mapping (another hash of the same content went first).
                 stats.unknown_removals += 1;
-                self.sources.get_mut(slot).engine.remove(&map_key);
+                self.delete_mapping(slot, map_key);
                 continue;
             };
             let was_visible = self.visible(id);
+            let claimed = self
+                .tree
+                .node(id)
+                .holders
+                .claimed_by(&self.tree.spills, slot);
             let outcome = match medium {
                 Some(m) => {
                     let mut set = self.tree.node(id).holders;
@@ -215,11 +205,65 @@ impl Index {
                     self.sources.get_mut(slot).pairs -= 1;
                 }
             }
-            if !self.tree.node(id).holders.has_slot(&self.tree.spills, slot) {
-                self.sources.get_mut(slot).engine.remove(&map_key);
+            let node = self.tree.node(id);
+            if !node.holders.has_slot(&self.tree.spills, slot) {
+                // The source's claim on the primary hash went with its last holder;
+                // unless that is the hash being removed, the mapping stays, explicitly.
+                if let Some(primary) = node.ehash().filter(|&e| claimed && e != map_key) {
+                    self.sources.get_mut(slot).engine.insert(primary, key);
+                }
+                self.delete_mapping(slot, map_key);
             }
             self.after_shrink(id, was_visible);
         }
+    }
+
+    /// The content key that `(group, hash)` (as `engine_map_key`) names in the engine
+    /// map of source `slot`: its explicit entry, else the primary hash of a block the
+    /// source claims.
+    #[inline]
+    pub(super) fn resolve(&self, slot: u32, map_key: u64) -> Option<u64> {
+        if let Some(&key) = self.sources.get(slot).engine.get(&map_key) {
+            return Some(key);
+        }
+        let id = self.tree.find_ehash(map_key)?;
+        let node = self.tree.node(id);
+        node.holders
+            .claimed_by(&self.tree.spills, slot)
+            .then_some(node.key)
+    }
+
+    /// Maps `map_key` to node `id` (which the source holds) in the source's engine map:
+    /// as a claim when it is (or can become) the block's primary hash, else explicitly.
+    fn set_mapping(&mut self, slot: u32, map_key: u64, id: u32) {
+        let primary =
+            self.tree.try_set_ehash(id, map_key) || self.tree.node(id).ehash() == Some(map_key);
+        if primary {
+            self.set_claim(id, slot, true);
+            self.sources.get_mut(slot).engine.remove(&map_key);
+        } else {
+            // An explicit entry overrides a claim on another block with that hash.
+            if let Some(other) = self.tree.find_ehash(map_key) {
+                self.set_claim(other, slot, false);
+            }
+            let key = self.tree.node(id).key;
+            self.sources.get_mut(slot).engine.insert(map_key, key);
+        }
+    }
+
+    /// Removes `map_key` from the source's engine map (explicit entry or claim).
+    fn delete_mapping(&mut self, slot: u32, map_key: u64) {
+        if self.sources.get_mut(slot).engine.remove(&map_key).is_none() {
+            if let Some(id) = self.tree.find_ehash(map_key) {
+                self.set_claim(id, slot, false);
+            }
+        }
+    }
+
+    fn set_claim(&mut self, id: u32, slot: u32, claim: bool) {
+        let mut set = self.tree.node(id).holders;
+        set.set_claim(&mut self.tree.spills, slot, claim);
+        self.tree.node_mut(id).holders = set;
     }
 }
 

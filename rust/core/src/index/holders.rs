@@ -29,13 +29,28 @@ pub fn medium_of(id: HolderId) -> u8 {
     (id & 0xff) as u8
 }
 
-/// A holder with its refcount, packed `id << 32 | refcount`, so that sorting the
-/// packed values sorts by id.
+/// A holder with its refcount, packed `id << 32 | claim << 31 | refcount`, so that
+/// sorting the packed values sorts by id. The claim bit says that the source's
+/// engine-hash map holds the block's primary hash (see `tree::Node::ehash`); it is
+/// kept equal on every holder of one source on one block.
 pub type Holder = u64;
+
+const CLAIM: u32 = 1 << 31;
+/// Refcounts saturate here (2 billion stores of one block without a removal).
+pub const MAX_REFCOUNT: u32 = CLAIM - 1;
 
 #[inline]
 pub fn pack(id: HolderId, refcount: u32) -> Holder {
-    ((id as u64) << 32) | refcount as u64
+    ((id as u64) << 32) | (refcount & MAX_REFCOUNT) as u64
+}
+
+#[inline]
+fn with_claim(h: Holder, claim: bool) -> Holder {
+    if claim {
+        h | CLAIM as u64
+    } else {
+        h & !(CLAIM as u64)
+    }
 }
 
 #[inline]
@@ -45,7 +60,12 @@ pub fn id_of(h: Holder) -> HolderId {
 
 #[inline]
 pub fn refcount_of(h: Holder) -> u32 {
-    h as u32
+    h as u32 & MAX_REFCOUNT
+}
+
+#[inline]
+pub fn claimed(h: Holder) -> bool {
+    h as u32 & CLAIM != 0
 }
 
 /// Holder lists of nodes with more than one holder; freed lists are recycled.
@@ -108,7 +128,7 @@ pub struct HolderSet(u64);
 impl HolderSet {
     #[inline]
     fn spill_index(self) -> Option<u32> {
-        (self.0 != 0 && id_of(self.0) == SPILL_ID).then_some(refcount_of(self.0))
+        (self.0 != 0 && id_of(self.0) == SPILL_ID).then_some(self.0 as u32)
     }
 
     #[inline]
@@ -128,40 +148,70 @@ impl HolderSet {
         }
     }
 
-    /// Adds `n` references of `id`; returns true if the pair is new.
+    /// Adds `n` references of `id`; returns true if the pair is new. A new pair takes
+    /// the claim bit of the source's other holders of this block.
     pub fn add(&mut self, spills: &mut Spills, id: HolderId, n: u32) -> bool {
         debug_assert!(id != SPILL_ID && n > 0);
+        let bump = |h: Holder| {
+            with_claim(
+                pack(id_of(h), refcount_of(h).saturating_add(n).min(MAX_REFCOUNT)),
+                claimed(h),
+            )
+        };
         if self.0 == 0 {
             self.0 = pack(id, n);
             return true;
         }
+        let claim = self.claimed_by(spills, slot_of(id));
         if let Some(i) = self.spill_index() {
             let list = &mut spills.lists[i as usize];
             return match list.binary_search_by_key(&id, |&h| id_of(h)) {
                 Ok(pos) => {
-                    // Saturates at u32::MAX references (4 billion stores without a removal).
-                    list[pos] = pack(id, refcount_of(list[pos]).saturating_add(n));
+                    list[pos] = bump(list[pos]);
                     false
                 }
                 Err(pos) => {
-                    list.insert(pos, pack(id, n));
+                    list.insert(pos, with_claim(pack(id, n), claim));
                     true
                 }
             };
         }
         let current = self.0;
         if id_of(current) == id {
-            self.0 = pack(id, refcount_of(current).saturating_add(n));
+            self.0 = bump(current);
             return false;
         }
-        let new = pack(id, n);
+        let new = with_claim(pack(id, n), claim);
         let list = if current < new {
             vec![current, new]
         } else {
             vec![new, current]
         };
-        self.0 = pack(SPILL_ID, spills.alloc(list));
+        self.0 = ((SPILL_ID as u64) << 32) | spills.alloc(list) as u64;
         true
+    }
+
+    /// Whether source `slot` claims this block's primary engine hash.
+    pub fn claimed_by(&self, spills: &Spills, slot: u32) -> bool {
+        self.as_slice(spills)
+            .iter()
+            .any(|&h| slot_of(id_of(h)) == slot && claimed(h))
+    }
+
+    /// Sets or clears the claim bit on every holder of source `slot`.
+    pub fn set_claim(&mut self, spills: &mut Spills, slot: u32, claim: bool) {
+        if self.0 == 0 {
+            return;
+        }
+        if let Some(i) = self.spill_index() {
+            for h in spills.lists[i as usize].iter_mut() {
+                if slot_of(id_of(*h)) == slot {
+                    *h = with_claim(*h, claim);
+                }
+            }
+        } else if slot_of(id_of(self.0)) == slot {
+            self.0 = with_claim(self.0, claim);
+        }
     }
 
     /// Removes one reference of `id`.
@@ -185,7 +235,7 @@ impl HolderSet {
             };
             let rc = refcount_of(list[pos]);
             if rc > 1 && !all {
-                list[pos] = pack(id, rc - 1);
+                list[pos] = with_claim(pack(id, rc - 1), claimed(list[pos]));
                 return Removed::Decremented;
             }
             list.remove(pos);
@@ -201,7 +251,7 @@ impl HolderSet {
         }
         let rc = refcount_of(self.0);
         if rc > 1 && !all {
-            self.0 = pack(id, rc - 1);
+            self.0 = with_claim(pack(id, rc - 1), claimed(self.0));
             Removed::Decremented
         } else {
             self.0 = 0;
@@ -275,5 +325,26 @@ mod tests {
         assert!(!h.has_slot(&s, 5));
         assert_eq!(h.as_slice(&s), &[pack(holder_id(6, 0), 1)]);
         assert_eq!(s.in_use(), 0);
+    }
+
+    #[test]
+    fn claim_bits_follow_the_source() {
+        let mut s = Spills::default();
+        let mut h = HolderSet::default();
+        h.add(&mut s, holder_id(5, 0), 1);
+        h.set_claim(&mut s, 5, true);
+        h.add(&mut s, holder_id(5, 1), 1); // a new medium inherits the claim
+        h.add(&mut s, holder_id(6, 0), 1);
+        assert!(h.claimed_by(&s, 5) && !h.claimed_by(&s, 6));
+        h.add(&mut s, holder_id(5, 0), 3);
+        assert_eq!(h.remove_one(&mut s, holder_id(5, 0)), Removed::Decremented);
+        let rcs: Vec<(u32, bool)> = h
+            .as_slice(&s)
+            .iter()
+            .map(|&x| (refcount_of(x), claimed(x)))
+            .collect();
+        assert_eq!(rcs, vec![(3, true), (1, true), (1, false)]);
+        h.set_claim(&mut s, 5, false);
+        assert!(!h.claimed_by(&s, 5));
     }
 }

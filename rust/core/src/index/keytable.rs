@@ -26,13 +26,37 @@ pub fn prefetch<T>(p: *const T) {
     let _ = p;
 }
 
+/// Which field of a node a table is keyed by.
+#[derive(Debug, Default, Clone, Copy)]
+pub enum KeyField {
+    #[default]
+    Key,
+    EHash,
+}
+
 #[derive(Debug, Default, Clone)]
 pub struct KeyTable {
     slots: Vec<u32>,
     len: usize,
+    field: KeyField,
 }
 
 impl KeyTable {
+    pub fn new(field: KeyField) -> Self {
+        Self {
+            field,
+            ..Self::default()
+        }
+    }
+
+    #[inline]
+    fn key_of(&self, n: &Node) -> u64 {
+        match self.field {
+            KeyField::Key => n.key,
+            KeyField::EHash => n.ehash,
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }
@@ -79,7 +103,7 @@ impl KeyTable {
             if id == NIL {
                 return None;
             }
-            if nodes[id as usize].key == key {
+            if self.key_of(&nodes[id as usize]) == key {
                 return Some(id);
             }
             i = (i + 1) & mask;
@@ -91,7 +115,7 @@ impl KeyTable {
         if (self.len + 1) * 4 > self.slots.len() * 3 {
             self.grow(nodes);
         }
-        self.place(id, nodes[id as usize].key);
+        self.place(id, self.key_of(&nodes[id as usize]));
         self.len += 1;
     }
 
@@ -108,7 +132,7 @@ impl KeyTable {
         let cap = (self.slots.len() * 2).max(16);
         let old = std::mem::replace(&mut self.slots, vec![NIL; cap]);
         for id in old.into_iter().filter(|&id| id != NIL) {
-            self.place(id, nodes[id as usize].key);
+            self.place(id, self.key_of(&nodes[id as usize]));
         }
     }
 
@@ -125,7 +149,7 @@ impl KeyTable {
             if id == NIL {
                 return false;
             }
-            if nodes[id as usize].key == key {
+            if self.key_of(&nodes[id as usize]) == key {
                 break;
             }
             hole = (hole + 1) & mask;
@@ -137,7 +161,7 @@ impl KeyTable {
             if id == NIL {
                 break;
             }
-            let home = self.home(nodes[id as usize].key);
+            let home = self.home(self.key_of(&nodes[id as usize]));
             // The entry at j may fill the hole if the hole lies on its probe path
             // (cyclically between its home and j).
             if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
@@ -167,9 +191,10 @@ mod tests {
     fn node(key: u64) -> Node {
         Node {
             key,
+            ehash: 0,
             holders: Default::default(),
             parent_id: NIL,
-            depth: 0,
+            depth_flags: 0,
             children: 0,
             pins: 0,
         }

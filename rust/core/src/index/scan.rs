@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::holders::{id_of, medium_of, refcount_of, slot_of};
+use super::holders::{claimed, id_of, medium_of, refcount_of, slot_of};
 use super::tree::NIL;
 use super::{Index, SourceKey};
 
@@ -57,7 +57,7 @@ impl Index {
         EntryOut {
             key: n.key,
             parent: self.tree.parent_key(id),
-            depth: n.depth,
+            depth: n.depth(),
             holders,
             pinned: n.pins > 0,
         }
@@ -203,10 +203,26 @@ impl Index {
             let e = self.entry(id);
             state
                 .nodes
-                .insert(n.key, (e.parent, n.depth, n.pins, e.holders));
+                .insert(n.key, (e.parent, n.depth(), n.pins, e.holders));
         }
-        for (_, s) in self.sources.iter() {
-            let engine = s.engine.iter().map(|(&k, &v)| (k, v)).collect();
+        // Engine maps: explicit entries plus the primary hashes the source claims.
+        let mut claims: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
+        for id in self.tree.ids() {
+            let n = self.tree.node(id);
+            if let Some(e) = n.ehash() {
+                for &h in n.holders.as_slice(&self.tree.spills) {
+                    if claimed(h) {
+                        claims
+                            .entry(slot_of(id_of(h)))
+                            .or_default()
+                            .push((e, n.key));
+                    }
+                }
+            }
+        }
+        for (slot, s) in self.sources.iter() {
+            let mut engine: BTreeMap<u64, u64> = s.engine.iter().map(|(&k, &v)| (k, v)).collect();
+            engine.extend(claims.remove(&slot).unwrap_or_default());
             state
                 .sources
                 .insert(s.key, (s.model.clone(), s.tokenizer.clone(), engine));
@@ -258,6 +274,19 @@ impl Index {
             if children.get(&id).copied().unwrap_or(0) != n.children {
                 return Err(format!("node {:#x}: child count off", n.key));
             }
+            for &h in hs {
+                let slot = slot_of(id_of(h));
+                if claimed(h) != n.holders.claimed_by(&self.tree.spills, slot)
+                    || (claimed(h) && n.ehash().is_none())
+                {
+                    return Err(format!("node {:#x}: inconsistent claim bits", n.key));
+                }
+            }
+            if let Some(e) = n.ehash() {
+                if self.tree.find_ehash(e) != Some(id) {
+                    return Err(format!("node {:#x}: ehash not indexed", n.key));
+                }
+            }
         }
         if (pairs, blocks, pinned) != (self.resident_pairs, self.blocks, self.pinned) {
             return Err(format!(
@@ -269,6 +298,18 @@ impl Index {
         for (slot, s) in self.sources.iter() {
             if per_slot.get(&slot).copied().unwrap_or(0) != s.pairs {
                 return Err(format!("source {:?}: pairs counter off", s.key));
+            }
+            for &map_key in s.engine.keys() {
+                if let Some(id) = self.tree.find_ehash(map_key) {
+                    if self
+                        .tree
+                        .node(id)
+                        .holders
+                        .claimed_by(&self.tree.spills, slot)
+                    {
+                        return Err(format!("source {:?}: entry shadows a claim", s.key));
+                    }
+                }
             }
         }
         Ok(())

@@ -3,20 +3,21 @@
 //! Layout (little-endian): magic `QCIDXSNP`, u32 version, the media names, the
 //! sources (slot, worker, dp rank, model, tokenizer, engine-hash map keyed by
 //! `engine_map_key(group, hash)`), the nodes
-//! (key, parent, linked flag, depth, pins, packed holders), then a CRC-32 of every
+//! (key, parent, linked flag, depth, pins, primary engine hash if any, packed holders
+//! with their claim bits), then a CRC-32 of every
 //! byte before it. Any corruption is an error, never a silently different index.
 
 use std::io::{Read, Write};
 
 use crate::events::Medium;
 
-use super::holders::{self, id_of, medium_of, refcount_of, slot_of};
+use super::holders::{self, claimed, id_of, medium_of, refcount_of, slot_of};
 use super::sources::{Source, SourceKey};
 use super::tree::NIL;
 use super::Index;
 
 const MAGIC: &[u8; 8] = b"QCIDXSNP";
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
@@ -125,8 +126,15 @@ impl Index {
             o.u64(n.key);
             o.u64(self.tree.parent_key(id));
             o.u8((n.parent_id != NIL) as u8);
-            o.u32(n.depth);
+            o.u32(n.depth());
             o.u32(n.pins);
+            match n.ehash() {
+                Some(e) => {
+                    o.u8(1);
+                    o.u64(e);
+                }
+                None => o.u8(0),
+            }
             let hs = n.holders.as_slice(&self.tree.spills);
             o.u32(hs.len() as u32);
             for &h in hs {
@@ -199,7 +207,7 @@ impl Index {
             index.sources.restore(slot, src);
         }
         index.sources.finish_restore();
-        let n_nodes = i.count(29)?;
+        let n_nodes = i.count(30)?;
         let mut linked = Vec::with_capacity(n_nodes);
         for _ in 0..n_nodes {
             let key = i.u64()?;
@@ -207,11 +215,20 @@ impl Index {
             let is_linked = i.u8()? != 0;
             let depth = i.u32()?;
             let pins = i.u32()?;
+            let ehash = match i.u8()? {
+                0 => None,
+                _ => Some(i.u64()?),
+            };
             if index.tree.find(key).is_some() {
                 return Err(corrupt(format!("node {key:#x} appears twice")));
             }
             let id = index.tree.get_or_insert(key, parent, NIL, depth);
             index.tree.node_mut(id).pins = pins;
+            if let Some(e) = ehash {
+                if !index.tree.try_set_ehash(id, e) {
+                    return Err(corrupt(format!("primary hash {e:#x} appears twice")));
+                }
+            }
             if pins > 0 {
                 index.pinned += 1;
             }
@@ -231,6 +248,9 @@ impl Index {
                 }
                 if !set.add(&mut index.tree.spills, hid, refcount_of(h)) {
                     return Err(corrupt(format!("node {key:#x} lists a holder twice")));
+                }
+                if claimed(h) {
+                    set.set_claim(&mut index.tree.spills, slot, true);
                 }
                 index.sources.get_mut(slot).pairs += 1;
                 index.resident_pairs += 1;

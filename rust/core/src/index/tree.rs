@@ -8,7 +8,7 @@
 
 use hashbrown::HashMap;
 
-use super::keytable::KeyTable;
+use super::keytable::{KeyField, KeyTable};
 
 use super::holders::{HolderSet, Spills};
 use super::sources::MixBuild;
@@ -16,25 +16,61 @@ use super::sources::MixBuild;
 /// "No node" in parent links and the free list.
 pub const NIL: u32 = u32::MAX;
 
+/// Bit of `Node::depth_flags` saying that `ehash` is set (and in the ehash table).
+const HAS_EHASH: u32 = 1 << 31;
+
 #[derive(Debug, Clone)]
 pub struct Node {
     pub key: u64,
+    /// The block's *primary* engine hash (`engine_map_key(group, hash)` of the store
+    /// that created it), indexed by the tree's second table, so that every source
+    /// publishing that same hash (vLLM engines with the same hash seed do) needs no
+    /// engine-map entry of its own: a claim bit on its holders says so.
+    pub ehash: u64,
     pub holders: HolderSet,
     /// The parent node, or NIL for a root. Doubles as the free-list link of a freed slot.
     pub parent_id: u32,
-    pub depth: u32,
+    /// Depth (low 31 bits) and HAS_EHASH.
+    pub depth_flags: u32,
     pub children: u32,
     pub pins: u32,
 }
 
-#[derive(Debug, Default, Clone)]
+impl Node {
+    #[inline]
+    pub fn depth(&self) -> u32 {
+        self.depth_flags & !HAS_EHASH
+    }
+
+    #[inline]
+    pub fn ehash(&self) -> Option<u64> {
+        (self.depth_flags & HAS_EHASH != 0).then_some(self.ehash)
+    }
+}
+
+#[derive(Debug, Clone)]
 pub struct Tree {
     nodes: Vec<Node>,
     table: KeyTable,
+    /// Nodes by primary engine hash.
+    by_ehash: KeyTable,
     /// Parent key of each root: the namespace id (absent = 0, a pinned root).
     root_parent: HashMap<u32, u64, MixBuild>,
     free_head: Option<u32>,
     pub spills: Spills,
+}
+
+impl Default for Tree {
+    fn default() -> Self {
+        Self {
+            nodes: Vec::new(),
+            table: KeyTable::new(KeyField::Key),
+            by_ehash: KeyTable::new(KeyField::EHash),
+            root_parent: HashMap::default(),
+            free_head: None,
+            spills: Spills::default(),
+        }
+    }
 }
 
 impl Tree {
@@ -45,6 +81,33 @@ impl Tree {
     #[inline]
     pub fn find(&self, key: u64) -> Option<u32> {
         self.table.find(key, &self.nodes)
+    }
+
+    /// Starts loading the ehash-table slots of `ehashes`.
+    #[inline]
+    pub fn prefetch_ehash(&self, ehashes: impl Iterator<Item = u64>) {
+        for e in ehashes {
+            self.by_ehash.prefetch_slot(e);
+        }
+    }
+
+    /// The node whose primary engine hash is `ehash`.
+    #[inline]
+    pub fn find_ehash(&self, ehash: u64) -> Option<u32> {
+        self.by_ehash.find(ehash, &self.nodes)
+    }
+
+    /// Makes `ehash` the primary engine hash of `id`, if the node has none and no
+    /// other node has it. Returns whether it did.
+    pub fn try_set_ehash(&mut self, id: u32, ehash: u64) -> bool {
+        if self.nodes[id as usize].ehash().is_some() || self.find_ehash(ehash).is_some() {
+            return false;
+        }
+        let n = &mut self.nodes[id as usize];
+        n.ehash = ehash;
+        n.depth_flags |= HAS_EHASH;
+        self.by_ehash.insert(id, &self.nodes);
+        true
     }
 
     /// Starts loading the table slots of `keys` (then their nodes), so that the
@@ -90,9 +153,10 @@ impl Tree {
         }
         let node = Node {
             key,
+            ehash: 0,
             holders: HolderSet::default(),
             parent_id,
-            depth,
+            depth_flags: depth.min(!HAS_EHASH),
             children: 0,
             pins: 0,
         };
@@ -147,6 +211,10 @@ impl Tree {
                 self.root_parent.remove(&id);
             }
             self.table.remove(key, &self.nodes);
+            if let Some(e) = self.nodes[id as usize].ehash() {
+                self.by_ehash.remove(e, &self.nodes);
+                self.nodes[id as usize].depth_flags &= !HAS_EHASH;
+            }
             let mut holders = self.nodes[id as usize].holders;
             holders.release(&mut self.spills);
             let n = &mut self.nodes[id as usize];
@@ -203,6 +271,7 @@ impl Tree {
     pub fn heap_bytes(&self) -> usize {
         self.nodes.capacity() * std::mem::size_of::<Node>()
             + self.table.heap_bytes()
+            + self.by_ehash.heap_bytes()
             + self.root_parent.allocation_size()
             + self.spills.heap_bytes()
     }
@@ -214,7 +283,7 @@ mod tests {
 
     #[test]
     fn node_stays_compact() {
-        assert_eq!(std::mem::size_of::<Node>(), 32);
+        assert_eq!(std::mem::size_of::<Node>(), 40);
     }
 
     #[test]
