@@ -66,7 +66,10 @@ async def relay_stream(
         failure = exc
         raise
     finally:
-        resp.close()  # drops the connection if unfinished: the engine sees the disconnect
+        if failure is None:
+            resp.release()  # complete: the connection goes back to the pool
+        else:
+            resp.close()  # unfinished: dropping the connection is how the engine learns
         on_end(failure)
 
 
