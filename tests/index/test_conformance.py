@@ -254,3 +254,43 @@ def test_payloads_must_be_bytes(name: str) -> None:
     with pytest.raises(QuillCacheError):
         index.apply(1, ["not bytes"])  # type: ignore[list-item]
     assert index.stats().blocks == 0
+
+
+def test_engine_map_stale_alias_and_shared_hashes(index: IndexBackend) -> None:
+    """Two sources share a hash; one source also stores the block under an alias hash.
+
+    Losing the block through the alias drops only the alias mapping: the first hash
+    still resolves (here: for a token-less store while another source keeps the block).
+    """
+    t = toks(1)
+    index.apply(1, [payload(stored([11], t))])
+    index.apply(2, [payload(stored([11], t))])  # same content, same hash
+    index.apply(1, [payload(stored([22], t))])  # same content, another hash: refcount 2
+    index.apply(1, [payload(removed([22]))])
+    assert blocks_of(index.match(keys(t))) == {(1, 0, "GPU"): 1, (2, 0, "GPU"): 1}
+    index.apply(1, [payload(removed([22]))])  # last copy: worker 1 holds it nowhere
+    assert index.match(keys(t)) == [Match(2, 0, "GPU", 1)]
+    assert index.apply(1, [payload(removed([22]))]).unknown_removals == 1
+    s = index.apply(1, [payload(stored([11], [], medium="CPU"))])
+    assert (s.blocks_stored, s.orphan_blocks) == (1, 0)
+    assert blocks_of(index.match(keys(t))) == {(1, 0, "CPU"): 1, (2, 0, "GPU"): 1}
+    # Worker 2's mapping of hash 11 is its own: removing it there leaves worker 1's.
+    index.apply(2, [payload(removed([11]))])
+    assert index.match(keys(t)) == [Match(1, 0, "CPU", 1)]
+    assert index.apply(1, [payload(removed([11], medium="CPU"))]).blocks_removed == 1
+    assert index.stats().blocks == 0
+
+
+def test_engine_map_overwrite(index: IndexBackend) -> None:
+    """A hash re-stored with other content now names the new block; the old block
+    keeps its residency (nothing names it any more) until a clear."""
+    a, b = toks(1), toks(1, base=500)
+    index.apply(1, [payload(stored([7], a)), payload(stored([7], b))])
+    index.apply(2, [payload(stored([7], a))])
+    assert index.apply(1, [payload(removed([7]))]).blocks_removed == 1
+    assert index.match(keys(b)) == []
+    assert blocks_of(index.match(keys(a))) == {(1, 0, "GPU"): 1, (2, 0, "GPU"): 1}
+    assert index.apply(1, [payload(removed([7]))]).unknown_removals == 1
+    assert index.apply(2, [payload(removed([7]))]).blocks_removed == 1
+    assert index.clear_source(1) == 1
+    assert index.stats().blocks == 0
