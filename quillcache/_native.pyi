@@ -188,3 +188,107 @@ class NativeIndex:
         """Recount every counter and link; raises QuillCacheError if anything is off."""
 
 # --- persistence (rust/python/src/persist.rs) ---
+
+class PersistenceError(QuillCacheError):
+    """The durable index could not read or write its directory (the message names the file)."""
+
+class CorruptIndexError(PersistenceError):
+    """The write-ahead log or a snapshot is damaged in a way that is not a torn tail."""
+
+class IngestRefusedError(PersistenceError):
+    """A write failed earlier (e.g. disk full): the index keeps its logged state and refuses
+    changes."""
+
+class IndexLockedError(PersistenceError):
+    """Another process holds the index directory."""
+
+class DurableIndex:
+    """The native index + write-ahead log + snapshots (see docs/persistence.md).
+
+    Same methods and tuple shapes as `NativeIndex`, plus the persistence ones.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        durability: str = "interval:10",
+        segment_bytes: int = 67108864,
+        snapshot_every_bytes: int = 67108864,
+        snapshot_on_close: bool = True,
+    ) -> None: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def durability(self) -> str:
+        """``none``, ``per-batch`` or ``interval:<ms>``."""
+    @property
+    def closed(self) -> bool: ...
+    def register_source(
+        self, worker: int, dp_rank: int = 0, *, model: str = "", tokenizer: str = ""
+    ) -> None: ...
+    def apply(
+        self,
+        worker: int,
+        payloads: list[bytes],
+        dp_rank: int = 0,
+        seqs: list[int] | None = None,
+    ) -> tuple[int, int, int, int, int, int, int, int]:
+        """Decode, log (one write) and apply; `seqs`: the engine's seq of each batch."""
+    def match(self, keys: npt.NDArray[np.uint64]) -> list[tuple[int, int, str, int]]: ...
+    def match_many(
+        self, requests: list[npt.NDArray[np.uint64]]
+    ) -> list[list[tuple[int, int, str, int]]]: ...
+    def remove_worker(self, worker: int) -> int: ...
+    def clear_source(self, worker: int, dp_rank: int = 0) -> int: ...
+    def scan(
+        self, prefix: npt.NDArray[np.uint64]
+    ) -> list[tuple[int, int, int, list[tuple[int, int, str, int]], bool]]: ...
+    def entries(self) -> list[tuple[int, int, int, list[tuple[int, int, str, int]], bool]]: ...
+    def pin(self, keys: npt.NDArray[np.uint64]) -> None: ...
+    def unpin(self, keys: npt.NDArray[np.uint64]) -> None: ...
+    def stats(self) -> tuple[int, int, int, int, int, int, int]: ...
+    def last_seqs(self) -> dict[tuple[int, int], int]:
+        """`{(worker, dp_rank): seq}`: the last engine seq applied per source."""
+    def snapshot(self) -> int:
+        """Write a snapshot now, prune the log it covers; returns the lsn covered."""
+    def sync(self) -> int:
+        """fsync the log now; returns the lsn now durable."""
+    def index_image(self) -> bytes:
+        """The in-memory index image (`NativeIndex.from_snapshot` reads it)."""
+    def recovery(self) -> dict[str, object]:
+        """What opening did: snapshot lsn/bytes/load time, records replayed, torn tail."""
+    def wal_status(self) -> dict[str, object]:
+        """`last_lsn`, `synced_lsn`, `snapshot_lsn`, `disk_bytes`, `failure`."""
+    def close(self) -> None:
+        """Snapshot (unless disabled), fsync, release the directory. Idempotent."""
+
+class KvIndex:
+    """The index kept in a key-value store: ``memory``, ``rocksdb`` or ``holt`` (the
+    last two need their cargo feature). Same methods as `NativeIndex`."""
+
+    def __init__(self, store: str, path: str | None = None, *, sync: bool = False) -> None: ...
+    @property
+    def store(self) -> str: ...
+    def register_source(
+        self, worker: int, dp_rank: int = 0, *, model: str = "", tokenizer: str = ""
+    ) -> None: ...
+    def apply(
+        self, worker: int, payloads: list[bytes], dp_rank: int = 0
+    ) -> tuple[int, int, int, int, int, int, int, int]: ...
+    def match(self, keys: npt.NDArray[np.uint64]) -> list[tuple[int, int, str, int]]: ...
+    def match_many(
+        self, requests: list[npt.NDArray[np.uint64]]
+    ) -> list[list[tuple[int, int, str, int]]]: ...
+    def remove_worker(self, worker: int) -> int: ...
+    def clear_source(self, worker: int, dp_rank: int = 0) -> int: ...
+    def scan(
+        self, prefix: npt.NDArray[np.uint64]
+    ) -> list[tuple[int, int, int, list[tuple[int, int, str, int]], bool]]: ...
+    def entries(self) -> list[tuple[int, int, int, list[tuple[int, int, str, int]], bool]]: ...
+    def pin(self, keys: npt.NDArray[np.uint64]) -> None: ...
+    def unpin(self, keys: npt.NDArray[np.uint64]) -> None: ...
+    def stats(self) -> tuple[int, int, int, int, int, int, int]: ...
+    def disk_bytes(self) -> int: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
