@@ -87,6 +87,8 @@ class Gateway:
         self.route_samples: collections.deque[float] = collections.deque(maxlen=20_000)
         # handler entry -> upstream request issued (parse, auth, tokenize, hash, route)
         self.pre_upstream_samples: collections.deque[float] = collections.deque(maxlen=20_000)
+        # upstream chunk received -> written to the client, per streamed chunk
+        self.relay_samples: collections.deque[float] = collections.deque(maxlen=50_000)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -384,6 +386,7 @@ class Gateway:
                 on_first_byte=first_byte,
                 on_end=end,
                 on_cached_tokens=self.metrics.actual_hit_tokens.inc,
+                relay_samples=self.relay_samples,
             )
             return proxy.streaming_response(resp, stream, extra)
         try:
@@ -753,11 +756,13 @@ class Gateway:
                 "ingest": vars(self.ingestor.stats()),
                 "route_latency_us": _percentiles_us(self.route_samples),
                 "pre_upstream_us": _percentiles_us(self.pre_upstream_samples),
+                "relay_chunk_us": _percentiles_us(self.relay_samples),
             }
         )
         if request.query_params.get("reset_latency"):
             self.route_samples.clear()
             self.pre_upstream_samples.clear()
+            self.relay_samples.clear()
         return response
 
     async def admin_pins(self, request: Request) -> Response:

@@ -14,7 +14,9 @@ truncation (the `openai` client raises it as an APIError).
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -44,6 +46,7 @@ async def relay_stream(
     on_first_byte: Callable[[], None],
     on_end: Callable[[BaseException | None], None],
     on_cached_tokens: Callable[[int], None] | None = None,
+    relay_samples: collections.deque[float] | None = None,
 ) -> AsyncIterator[bytes]:
     """Yield the upstream body as it arrives; always close upstream and call `on_end`.
     `on_cached_tokens` gets the usage chunk's cached_tokens (`stream_options.include_usage`)."""
@@ -54,11 +57,14 @@ async def relay_stream(
             if first:
                 first = False
                 on_first_byte()
+            received = time.perf_counter()
             if on_cached_tokens is not None and b'"cached_tokens"' in chunk:
                 cached = _sse_cached_tokens(chunk)
                 if cached is not None:
                     on_cached_tokens(cached)
-            yield chunk
+            yield chunk  # returns once the server has written it to the client
+            if relay_samples is not None:
+                relay_samples.append(time.perf_counter() - received)
     except (TimeoutError, aiohttp.ClientError) as exc:  # engine died mid-stream
         failure = exc
         yield sse_error(f"upstream engine failed mid-stream: {type(exc).__name__}")

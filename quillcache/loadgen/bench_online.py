@@ -108,6 +108,7 @@ def overhead(
             "time_scale": time_scale,
             "together": together,
             "pre_upstream_us": info.json()["pre_upstream_us"],
+            "relay_chunk_us": info.json()["relay_chunk_us"],
         }
     finally:
         for p in procs:
@@ -254,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
         t.add_row("errors", str(d["errors"]), str(g["errors"]), "")
         console.print(t)
         pre = out["overhead"]["pre_upstream_us"]
+        relay = out["overhead"]["relay_chunk_us"]
+        console.print(
+            "   inside the gateway, upstream chunk in -> written to the client: "
+            f"p50 {relay['p50']:.0f} us, p90 {relay['p90']:.0f} us, p99 {relay['p99']:.0f} us"
+        )
         console.print(
             "   inside the gateway, request in -> upstream request out (parse, tokenize, hash,"
             f" route): p50 {pre['p50']:.0f} us, p90 {pre['p90']:.0f} us, p99 {pre['p99']:.0f} us"
