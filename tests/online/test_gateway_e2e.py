@@ -303,3 +303,24 @@ def test_data_parallel_engine_ranks_are_subscribed_and_targeted(stack: Stack) ->
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * 16
     text = http_get(engine.url + "/metrics").text
     assert 'vllm:num_requests_running{engine="1"' in text
+
+
+def test_lora_requests_have_their_own_namespace(stack: Stack) -> None:
+    stack.engine(extra=["--lora-modules", "sql-lora"])
+    gw = stack.start_gateway()
+    admin = stack.admin()
+    models = {m["id"]: m["parent"] for m in http_get(gw.url + "/v1/models").json()["data"]}
+    assert models == {"sim-model": None, "sql-lora": "sim-model"}
+    text = long_prompt("lora-" + uuid.uuid4().hex[:6], blocks=4)
+    r = http_post(
+        gw.url + "/v1/completions", json={"model": "sql-lora", "prompt": text, "max_tokens": 1}
+    )
+    assert r.status_code == 200, r.text
+
+    def blocks(model: str) -> int:
+        body = {"model": model, "prompt": text}
+        matches = admin.post("/admin/lookup", json=body).json()["matches"]
+        return max((m["blocks"] for m in matches), default=0)
+
+    wait_for(lambda: blocks("sql-lora") == 4, what="the adapter's blocks")
+    assert blocks("sim-model") == 0  # the base model never matches the adapter's KV
