@@ -7,12 +7,13 @@
 //! for the property tests that need no C++ build), RocksDB (feature `rocksdb`) and
 //! Holt (feature `holt`).
 
+#[cfg(feature = "holt")]
+pub mod holt_kv;
 pub mod kv_index;
 pub mod layout;
 pub mod mem_kv;
-// `rocks` (feature `rocksdb`) is wired in once its C++ build is verified here.
-#[cfg(feature = "holt")]
-pub mod holt_kv;
+#[cfg(feature = "rocksdb")]
+pub mod rocks;
 
 pub use kv_index::KvIndex;
 
@@ -93,6 +94,8 @@ pub fn open_store(
     let _ = (&need_path, sync);
     match kind {
         "memory" => Ok(Box::new(mem_kv::MemKv::new())),
+        #[cfg(feature = "rocksdb")]
+        "rocksdb" => Ok(Box::new(rocks::RocksKv::open(need_path("rocksdb")?, sync)?)),
         #[cfg(feature = "holt")]
         "holt" => Ok(Box::new(holt_kv::HoltKv::open(need_path("holt")?, sync)?)),
         other => Err(KvError {

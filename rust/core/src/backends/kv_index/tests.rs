@@ -174,3 +174,15 @@ proptest! {
         check_against_native(store, ops, probe)?;
     }
 }
+
+#[cfg(feature = "rocksdb")]
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(12))]
+
+    #[test]
+    fn rocksdb_kv_index_equals_the_native_index(ops in prop::collection::vec(op(), 1..40), probe in 0usize..1000) {
+        let d = crate::persist::wal_tests::TestDir::new("rocks-prop");
+        let store = crate::backends::rocks::RocksKv::open(&d.0.join("db"), false).unwrap();
+        check_against_native(store, ops, probe)?;
+    }
+}
