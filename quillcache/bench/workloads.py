@@ -168,10 +168,10 @@ def _replay(
     w.scans = []
     for _ in range(queries):
         k = seen[rng.randrange(len(seen))]
-        # A subtree near the leaves (the last few blocks of a request): scans near the
+        # The subtree under a request's last or last-but-one block: scans near the
         # root of a popular family return most of the index, which measures Python
         # object construction, not the index.
-        w.scans.append(k[: rng.randint(max(1, len(k) - 4), len(k))] if len(k) else k)
+        w.scans.append(k[: rng.randint(max(1, len(k) - 1), len(k))] if len(k) else k)
     return w
 
 
