@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import httpx
@@ -324,3 +325,44 @@ def test_lora_requests_have_their_own_namespace(stack: Stack) -> None:
 
     wait_for(lambda: blocks("sql-lora") == 4, what="the adapter's blocks")
     assert blocks("sim-model") == 0  # the base model never matches the adapter's KV
+
+
+def test_a_user_router_class_from_the_config(stack: Stack) -> None:
+    stack.engine()
+    stack.engine()
+    gw = stack.start_gateway({"router": "tests.online.custom_router:HighestWorker"})
+    workers = {
+        http_post(gw.url + "/v1/completions", json={"prompt": f"u{i}", "max_tokens": 1}).headers[
+            "x-quillcache-worker"
+        ]
+        for i in range(4)
+    }
+    assert workers == {"1"}
+    text = http_get(gw.url + "/metrics").text
+    assert (
+        'quillcache_route_decisions_total{reason="highest",router="HighestWorker",worker="1"}'
+        in text
+    )
+
+
+def test_speculative_residency_steers_a_twin_request_before_any_event(stack: Stack) -> None:
+    """Two requests with one long prefix, the second sent while the first is still in
+    prefill (no BlockStored yet): the pending prefix sends it to the same worker."""
+    import threading
+
+    stack.engine()
+    stack.engine()
+    gw = stack.start_gateway({"router": "quillcache"})
+    text = (f"[twin-{uuid.uuid4().hex[:6]}] " + "a long document " * 400)[:2880]
+    results: dict[str, str] = {}
+
+    def send(name: str) -> None:
+        r = http_post(gw.url + "/v1/completions", json={"prompt": text, "max_tokens": 1})
+        results[name] = r.headers["x-quillcache-worker"]
+
+    first = threading.Thread(target=send, args=("first",))
+    first.start()
+    time.sleep(0.05)  # routed, prefill (~300 ms at the default time scale) not done
+    send("second")
+    first.join(timeout=30)
+    assert results["first"] == results["second"]
