@@ -18,12 +18,27 @@ from quillcache.index.types import ApplyStats, Entry, IndexStats, Match, Residen
 _new = object.__new__
 
 
-def _match(t: tuple[int, int, str, int]) -> Match:
+def _new_match(t: tuple[int, int, str, int]) -> Match:
     # Match is a frozen dataclass; filling its __dict__ directly skips the frozen
-    # __setattr__ (3x faster than Match(*t); measured in benchmarks/bench_index.py).
+    # __setattr__ (3x faster than Match(*t)).
     m = _new(Match)
     d = m.__dict__
     d["worker"], d["dp_rank"], d["medium"], d["blocks"] = t
+    return m
+
+
+#: Matches are immutable values from a small set (workers x ranks x media x lengths),
+#: so they are shared: a dict hit costs a fraction of building the object.
+_MATCH_CACHE: dict[tuple[int, int, str, int], Match] = {}
+_MATCH_CACHE_MAX = 1 << 16
+
+
+def _match(t: tuple[int, int, str, int]) -> Match:
+    m = _MATCH_CACHE.get(t)
+    if m is None:
+        if len(_MATCH_CACHE) >= _MATCH_CACHE_MAX:
+            _MATCH_CACHE.clear()
+        m = _MATCH_CACHE[t] = _new_match(t)
     return m
 
 
