@@ -240,7 +240,10 @@ impl Index {
             self.tree.try_set_ehash(id, map_key) || self.tree.node(id).ehash() == Some(map_key);
         if primary {
             self.set_claim(id, slot, true);
-            self.sources.get_mut(slot).engine.remove(&map_key);
+            let explicit = &mut self.sources.get_mut(slot).engine;
+            if !explicit.is_empty() {
+                explicit.remove(&map_key);
+            }
         } else {
             // An explicit entry overrides a claim on another block with that hash.
             if let Some(other) = self.tree.find_ehash(map_key) {
