@@ -195,7 +195,7 @@ mod tests {
             holders: Default::default(),
             parent_id: NIL,
             depth_flags: 0,
-            children: 0,
+            first_child: NIL,
             pins: 0,
         }
     }

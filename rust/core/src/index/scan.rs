@@ -262,7 +262,7 @@ impl Index {
             }
             if !hs.is_empty() || n.pins > 0 {
                 blocks += 1;
-            } else if n.children == 0 {
+            } else if n.first_child == NIL {
                 return Err(format!("node {:#x} should have been collected", n.key));
             }
             if n.pins > 0 {
@@ -271,8 +271,13 @@ impl Index {
             if n.parent_id != NIL && !live.contains(&n.parent_id) {
                 return Err(format!("node {:#x}: dead parent", n.key));
             }
-            if children.get(&id).copied().unwrap_or(0) != n.children {
-                return Err(format!("node {:#x}: child count off", n.key));
+            let listed: Vec<u32> = self.tree.children(id).collect();
+            let distinct: BTreeSet<u32> = listed.iter().copied().collect();
+            if children.get(&id).copied().unwrap_or(0) as usize != listed.len()
+                || distinct.len() != listed.len()
+                || listed.iter().any(|&c| self.tree.node(c).parent_id != id)
+            {
+                return Err(format!("node {:#x}: child links off", n.key));
             }
             for &h in hs {
                 let slot = slot_of(id_of(h));

@@ -2,11 +2,10 @@
 //!
 //! Content keys are chained (one key names a whole prefix), so a flat table
 //! `key → node` *is* a radix tree over block paths whose edge labels are the keys.
-//! A node keeps only its parent id and a child count (enough for garbage
-//! collection); subtree scans walk parent links instead of child lists, which keeps
-//! a node at 32 bytes.
+//! Links are kept only for garbage collection and subtree scans: a parent id and a
+//! first child per node, and a side set for the few nodes with more children.
 
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashSet};
 
 use super::keytable::{KeyField, KeyTable};
 
@@ -32,7 +31,8 @@ pub struct Node {
     pub parent_id: u32,
     /// Depth (low 31 bits) and HAS_EHASH.
     pub depth_flags: u32,
-    pub children: u32,
+    /// One child (NIL if none); any further children are in `Tree::more_children`.
+    pub first_child: u32,
     pub pins: u32,
 }
 
@@ -54,6 +54,9 @@ pub struct Tree {
     table: KeyTable,
     /// Nodes by primary engine hash.
     by_ehash: KeyTable,
+    /// Children beyond `Node::first_child`, for the few nodes with several (a shared
+    /// prompt's last block, branch points): chains, the common case, cost nothing.
+    more_children: HashMap<u32, HashSet<u32, MixBuild>, MixBuild>,
     /// Parent key of each root: the namespace id (absent = 0, a pinned root).
     root_parent: HashMap<u32, u64, MixBuild>,
     free_head: Option<u32>,
@@ -66,6 +69,7 @@ impl Default for Tree {
             nodes: Vec::new(),
             table: KeyTable::new(KeyField::Key),
             by_ehash: KeyTable::new(KeyField::EHash),
+            more_children: HashMap::default(),
             root_parent: HashMap::default(),
             free_head: None,
             spills: Spills::default(),
@@ -157,7 +161,7 @@ impl Tree {
             holders: HolderSet::default(),
             parent_id,
             depth_flags: depth.min(!HAS_EHASH),
-            children: 0,
+            first_child: NIL,
             pins: 0,
         };
         let id = match self.free_head {
@@ -174,7 +178,7 @@ impl Tree {
         };
         self.table.insert(id, &self.nodes);
         if parent_id != NIL {
-            self.nodes[parent_id as usize].children += 1;
+            self.add_child(parent_id, id);
         } else if parent != 0 {
             self.root_parent.insert(id, parent);
         }
@@ -185,13 +189,54 @@ impl Tree {
     pub fn link(&mut self, id: u32, parent_id: u32) {
         self.root_parent.remove(&id);
         self.nodes[id as usize].parent_id = parent_id;
-        self.nodes[parent_id as usize].children += 1;
+        self.add_child(parent_id, id);
+    }
+
+    fn add_child(&mut self, parent: u32, child: u32) {
+        let p = &mut self.nodes[parent as usize];
+        if p.first_child == NIL {
+            p.first_child = child;
+        } else {
+            self.more_children.entry(parent).or_default().insert(child);
+        }
+    }
+
+    fn remove_child(&mut self, parent: u32, child: u32) {
+        if self.nodes[parent as usize].first_child == child {
+            // Promote another child, if any, to first.
+            let next = match self.more_children.get_mut(&parent) {
+                Some(set) => {
+                    let c = *set.iter().next().expect("sets are never left empty");
+                    set.remove(&c);
+                    if set.is_empty() {
+                        self.more_children.remove(&parent);
+                    }
+                    c
+                }
+                None => NIL,
+            };
+            self.nodes[parent as usize].first_child = next;
+        } else if let Some(set) = self.more_children.get_mut(&parent) {
+            set.remove(&child);
+            if set.is_empty() {
+                self.more_children.remove(&parent);
+            }
+        }
+    }
+
+    /// The children of `id`, in no order.
+    pub fn children(&self, id: u32) -> impl Iterator<Item = u32> + '_ {
+        let first = self.nodes[id as usize].first_child;
+        (first != NIL)
+            .then_some(first)
+            .into_iter()
+            .chain(self.more_children.get(&id).into_iter().flatten().copied())
     }
 
     #[inline]
     fn collectable(&self, id: u32) -> bool {
         let n = &self.nodes[id as usize];
-        n.holders.is_empty() && n.pins == 0 && n.children == 0
+        n.holders.is_empty() && n.pins == 0 && n.first_child == NIL
     }
 
     /// True if `id` names a live node (not a freed slot).
@@ -206,7 +251,7 @@ impl Tree {
         while id != NIL && self.collectable(id) {
             let Node { key, parent_id, .. } = self.nodes[id as usize];
             if parent_id != NIL {
-                self.nodes[parent_id as usize].children -= 1;
+                self.remove_child(parent_id, id);
             } else {
                 self.root_parent.remove(&id);
             }
@@ -232,37 +277,14 @@ impl Tree {
         self.table.iter()
     }
 
-    /// The ids of the subtree rooted at `root` (itself included), in no order.
-    ///
-    /// One pass over every node, walking parent links with memoisation: O(nodes).
-    /// Scans are administrative (eviction planning, debugging), not per request.
+    /// The ids of the subtree rooted at `root` (itself included), in no order:
+    /// a depth-first walk, O(subtree).
     pub fn subtree(&self, root: u32) -> Vec<u32> {
-        const UNKNOWN: u8 = 0;
-        const INSIDE: u8 = 1;
-        const OUTSIDE: u8 = 2;
-        let mut state = vec![UNKNOWN; self.nodes.len()];
-        state[root as usize] = INSIDE;
-        let mut path = vec![];
         let mut out = vec![];
-        for id in self.ids() {
-            let mut cur = id;
-            let verdict = loop {
-                match state[cur as usize] {
-                    UNKNOWN => {}
-                    s => break s,
-                }
-                path.push(cur);
-                match self.nodes[cur as usize].parent_id {
-                    NIL => break OUTSIDE,
-                    p => cur = p,
-                }
-            };
-            for p in path.drain(..) {
-                state[p as usize] = verdict;
-            }
-            if state[id as usize] == INSIDE {
-                out.push(id);
-            }
+        let mut stack = vec![root];
+        while let Some(id) = stack.pop() {
+            out.push(id);
+            stack.extend(self.children(id));
         }
         out
     }
@@ -273,6 +295,12 @@ impl Tree {
             + self.table.heap_bytes()
             + self.by_ehash.heap_bytes()
             + self.root_parent.allocation_size()
+            + self.more_children.allocation_size()
+            + self
+                .more_children
+                .values()
+                .map(|c| c.allocation_size())
+                .sum::<usize>()
             + self.spills.heap_bytes()
     }
 }
