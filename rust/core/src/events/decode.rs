@@ -335,10 +335,11 @@ fn hash_list(r: &mut Reader<'_>) -> Result<Vec<EngineHash>, DecodeError> {
 fn token_list(r: &mut Reader<'_>) -> Result<Vec<u32>, DecodeError> {
     let n = r.array_len("token_ids")?;
     let mut out = Vec::with_capacity(n);
-    for i in 0..n {
-        if let Some(t) = r.fast_u32() {
-            out.push(t);
-            continue;
+    loop {
+        r.fast_u32_run(n, &mut out);
+        let i = out.len();
+        if i == n {
+            break;
         }
         let start = r.pos();
         match r.try_int()? {

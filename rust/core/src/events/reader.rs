@@ -211,6 +211,40 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Fast path for a run of token ids: appends elements read by [`Reader::fast_u32`]'s
+    /// rules to `out` until `out` holds `n` or an element needs the general path
+    /// (nothing of it consumed). One tight loop over the slice,
+    /// without re-slicing per element: the per-token cost of decoding a long prompt.
+    #[inline]
+    pub fn fast_u32_run(&mut self, n: usize, out: &mut Vec<u32>) {
+        let buf = self.buf;
+        let mut pos = self.pos;
+        out.reserve(n.saturating_sub(out.len()));
+        while out.len() < n {
+            // Five bytes cover the widest element; near the end, go element by element.
+            let Some(w) = buf.get(pos..pos + 5) else {
+                self.pos = pos;
+                while out.len() < n {
+                    match self.fast_u32() {
+                        Some(v) => out.push(v),
+                        None => return,
+                    }
+                }
+                return;
+            };
+            let (v, len) = match w[0] {
+                b @ 0x00..=0x7f => (b as u32, 1),
+                0xcd => (u16::from_be_bytes([w[1], w[2]]) as u32, 3),
+                0xcc => (w[1] as u32, 2),
+                0xce => (u32::from_be_bytes([w[1], w[2], w[3], w[4]]), 5),
+                _ => break,
+            };
+            out.push(v);
+            pos += len;
+        }
+        self.pos = pos;
+    }
+
     /// Fast path for token ids: a uint in the u32 range written as fixint, uint8,
     /// uint16 or uint32 (what every encoder writes). None (nothing consumed) otherwise;
     /// the caller then takes the general path.

@@ -568,3 +568,62 @@ proptest! {
         let _ = decode_batch(&bytes[..cut.index(bytes.len())]);
     }
 }
+
+/// A token as some encoder may write it: minimal width or not, signed markers, or an
+/// invalid value (negative, beyond u32, not an int). `Ok(v)` = decodes to `v`.
+fn wire_token() -> impl Strategy<Value = (Vec<u8>, Result<u32, ()>)> {
+    use rmp::encode as e;
+    prop_oneof![
+        4 => any::<u32>().prop_map(|v| { let mut o = vec![]; e::write_uint(&mut o, v as u64).unwrap(); (o, Ok(v)) }),
+        2 => (0u32..128).prop_map(|v| (vec![v as u8], Ok(v))),
+        2 => any::<u16>().prop_map(|v| { let mut o = vec![]; e::write_u16(&mut o, v).unwrap(); (o, Ok(v as u32)) }),
+        1 => any::<u8>().prop_map(|v| { let mut o = vec![]; e::write_u8(&mut o, v).unwrap(); (o, Ok(v as u32)) }),
+        1 => any::<u32>().prop_map(|v| { let mut o = vec![]; e::write_u32(&mut o, v).unwrap(); (o, Ok(v)) }),
+        1 => any::<u32>().prop_map(|v| { let mut o = vec![]; e::write_u64(&mut o, v as u64).unwrap(); (o, Ok(v)) }),
+        1 => (0i32..i32::MAX).prop_map(|v| { let mut o = vec![]; e::write_i32(&mut o, v).unwrap(); (o, Ok(v as u32)) }),
+        1 => (i64::MIN..0).prop_map(|v| { let mut o = vec![]; e::write_sint(&mut o, v).unwrap(); (o, Err(())) }),
+        1 => (1u64 << 32..u64::MAX).prop_map(|v| { let mut o = vec![]; e::write_u64(&mut o, v).unwrap(); (o, Err(())) }),
+        1 => Just((vec![0xa1, b'x'], Err(()))),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// Token arrays of every width, mostly valid: the bulk fast path and the general
+    /// path agree with element-by-element expectations, and the first invalid element
+    /// is the one named in the error.
+    #[test]
+    fn token_arrays_of_mixed_widths(
+        tokens in proptest::collection::vec(wire_token(), 0..64),
+    ) {
+        let mut bytes = vec![0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x91, 0x84];
+        write_str(&mut bytes, "type");
+        write_str(&mut bytes, "BlockStored");
+        write_str(&mut bytes, "block_hashes");
+        bytes.push(0x90);
+        write_str(&mut bytes, "token_ids");
+        rmp::encode::write_array_len(&mut bytes, tokens.len() as u32).unwrap();
+        for (raw, _) in &tokens {
+            bytes.extend_from_slice(raw);
+        }
+        write_str(&mut bytes, "block_size");
+        bytes.push(1);
+        bytes.push(0);
+        let first_bad = tokens.iter().position(|(_, v)| v.is_err());
+        match (decode_batch(&bytes), first_bad) {
+            (Ok(batch), None) => {
+                let want: Vec<u32> = tokens.iter().map(|(_, v)| v.unwrap()).collect();
+                match &batch.events[0] {
+                    Event::BlockStored(ev) => prop_assert_eq!(&ev.token_ids, &want),
+                    other => prop_assert!(false, "decoded {:?}", other),
+                }
+            }
+            (Err(e), Some(i)) => {
+                let needle = format!("token_ids[{i}]");
+                prop_assert!(e.message.contains(&needle), "{}", e.message);
+            }
+            (got, bad) => prop_assert!(false, "decoded {:?}, first bad element {:?}", got, bad),
+        }
+    }
+}

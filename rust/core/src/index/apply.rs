@@ -1,10 +1,11 @@
 //! Applying decoded event batches: BlockStored, BlockRemoved, AllBlocksCleared.
 
-use crate::content_key::{chain_block, MmItem};
+use crate::content_key::{chain_block, MmItem, SEED};
 use crate::events::{
     decode_batch, BlockRemoved, BlockStored, DecodeError, Event, EventBatch, ExtraKey,
 };
 use crate::namespace::Namespace;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::holders::{self, holder_id, HolderId, Removed};
 use super::sources::engine_map_key;
@@ -127,9 +128,12 @@ impl Index {
         // their cache misses overlap; pass 2 then finds those lines in cache.
         let mut keys = Vec::with_capacity(n);
         let mut k = parent_key;
+        let mut buf = Vec::new();
         for (i, tokens) in ev.token_ids.chunks_exact(bs).take(n).enumerate() {
-            let mm = mm_items(ev, i);
-            k = chain_block(k, tokens, mm.as_deref());
+            k = match mm_items(ev, i) {
+                Some(mm) => chain_block(k, tokens, Some(&mm)),
+                None => chain_block_reusing(&mut buf, k, tokens),
+            };
             keys.push(k);
         }
         self.tree.prefetch(&keys);
@@ -290,6 +294,22 @@ fn salt_in_extra_keys(ev: &BlockStored) -> Option<String> {
         ExtraKey::Str(s) if Some(s.as_str()) != ev.lora_name.as_deref() => Some(s.clone()),
         _ => None,
     })
+}
+
+/// `chain_block(parent, tokens, None)` with the byte image built in a buffer reused
+/// across the blocks of an event: large blocks (vLLM's 512-token blocks in the
+/// simulator's traces) otherwise cost an allocation and a per-token append each.
+pub(super) fn chain_block_reusing(buf: &mut Vec<u8>, parent: u64, tokens: &[u32]) -> u64 {
+    if tokens.len() <= 128 {
+        return chain_block(parent, tokens, None); // its stack buffer
+    }
+    buf.clear();
+    buf.resize(8 + 4 * tokens.len(), 0);
+    buf[..8].copy_from_slice(&parent.to_le_bytes());
+    for (dst, t) in buf[8..].chunks_exact_mut(4).zip(tokens) {
+        dst.copy_from_slice(&t.to_le_bytes());
+    }
+    xxh3_64_with_seed(buf, SEED)
 }
 
 /// The multimodal items of block `i`, in the engine's order; None if it has none.

@@ -409,3 +409,21 @@ proptest! {
         idx.check_invariants().map_err(TestCaseError::fail)?;
     }
 }
+
+proptest! {
+    /// The ingest's key chain with a reused buffer is `chain_block`, for small blocks
+    /// (its stack path) and large ones (vLLM's 512-token blocks).
+    #[test]
+    fn reused_buffer_keys_equal_chain_block(
+        parent in any::<u64>(),
+        blocks in proptest::collection::vec(proptest::collection::vec(any::<u32>(), 0..700), 1..4),
+    ) {
+        let mut buf = vec![];
+        for tokens in &blocks {
+            prop_assert_eq!(
+                super::apply::chain_block_reusing(&mut buf, parent, tokens),
+                crate::content_key::chain_block(parent, tokens, None)
+            );
+        }
+    }
+}

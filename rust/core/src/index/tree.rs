@@ -122,10 +122,9 @@ impl Tree {
             self.table.prefetch_slot(k);
         }
         for &k in keys {
-            for id in self.table.candidates(k) {
-                if id != NIL {
-                    super::keytable::prefetch(&self.nodes[id as usize]);
-                }
+            let id = self.table.candidate(k);
+            if id != NIL {
+                super::keytable::prefetch(&self.nodes[id as usize]);
             }
         }
     }
