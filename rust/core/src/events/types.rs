@@ -25,12 +25,19 @@ impl Medium {
     pub fn parse(s: Option<&str>) -> Medium {
         match s {
             None => Medium::Gpu,
-            Some(s) => match s.to_ascii_uppercase().as_str() {
-                "GPU" => Medium::Gpu,
-                "CPU" | "CPU_PINNED" => Medium::Cpu,
-                "DISK" | "STORAGE" => Medium::Disk,
-                _ => Medium::Other(s.to_string()),
-            },
+            // Case-insensitive without building an uppercase copy (one per event).
+            Some(s) => {
+                let is = |name: &str| s.eq_ignore_ascii_case(name);
+                if is("GPU") {
+                    Medium::Gpu
+                } else if is("CPU") || is("CPU_PINNED") {
+                    Medium::Cpu
+                } else if is("DISK") || is("STORAGE") {
+                    Medium::Disk
+                } else {
+                    Medium::Other(s.to_string())
+                }
+            }
         }
     }
 
