@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 import xxhash
+from numpy.lib.stride_tricks import sliding_window_view
 
 from quillcache.hashing.reference import SEED
 
@@ -30,6 +31,9 @@ TOKEN_LO, TOKEN_HI = 256, 65536
 _TABLE_BITS = 22
 _TABLE_LEN = 1 << _TABLE_BITS
 _table_cache: dict[int, tuple[npt.NDArray[np.uint32], bytes, bytes]] = {}
+# block size -> (every block_size window of the table, of its msgpack encoding): views,
+# so a block's tokens are one row and a gather copies whole rows.
+_window_cache: dict[int, tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint8]]] = {}
 
 
 def _table(block_size: int) -> tuple[npt.NDArray[np.uint32], bytes, bytes]:
@@ -55,50 +59,68 @@ def _offset(block_id: int) -> int:
     return (x ^ (x >> 31)) & (_TABLE_LEN - 1)
 
 
+def _offsets(block_ids: npt.NDArray[np.uint64]) -> npt.NDArray[np.intp]:
+    """`_offset` of many ids at once (uint64 arithmetic wraps like the `& _MASK`)."""
+    x = block_ids + U64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> U64(30))) * U64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> U64(27))) * U64(0x94D049BB133111EB)
+    return ((x ^ (x >> U64(31))) & U64(_TABLE_LEN - 1)).astype(np.intp)
+
+
 def _id_tokens(block_id: int) -> tuple[int, int]:
     """The first two tokens spell the id itself, so distinct ids never share tokens."""
     span = TOKEN_HI - TOKEN_LO
     return TOKEN_LO + block_id % span, TOKEN_LO + (block_id // span) % span
 
 
-def synthetic_block_tokens(block_ids: Sequence[int], block_size: int) -> npt.NDArray[np.uint32]:
-    """Tokens of blocks named by trace ids: a window of a fixed random table chosen by
-    a hash of the id, its first two tokens replaced by the id (ids < 2**32 distinct)."""
-    table, _, _ = _table(block_size)
-    out = np.empty(len(block_ids) * block_size, dtype=np.uint32)
-    for j, bid in enumerate(block_ids):
-        bid = int(bid)
-        o = _offset(bid)
-        seg = out[j * block_size : (j + 1) * block_size]
-        seg[:] = table[o : o + block_size]
-        seg[:2] = _id_tokens(bid)[: min(2, block_size)]
+def _as_ids(block_ids: Sequence[int] | npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    return np.asarray(block_ids, dtype=U64).reshape(-1)
+
+
+def _windows(block_size: int) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint8]]:
+    cached = _window_cache.get(block_size)
+    if cached is None:
+        table, enc, _ = _table(block_size)
+        enc8 = np.frombuffer(enc, dtype=np.uint8)
+        cached = (
+            sliding_window_view(table, block_size),
+            sliding_window_view(enc8, 3 * block_size)[::3],
+        )
+        _window_cache[block_size] = cached
+    return cached
+
+
+def _synthetic_matrix(ids: npt.NDArray[np.uint64], block_size: int) -> npt.NDArray[np.uint32]:
+    """(blocks, block_size) synthetic tokens of `ids`, gathered from the table."""
+    out = _windows(block_size)[0][_offsets(ids)]
+    span = U64(TOKEN_HI - TOKEN_LO)
+    out[:, 0] = TOKEN_LO + ids % span
+    if block_size >= 2:
+        out[:, 1] = TOKEN_LO + (ids // span) % span
     return out
 
 
+def synthetic_block_tokens(block_ids: Sequence[int], block_size: int) -> npt.NDArray[np.uint32]:
+    """Tokens of blocks named by trace ids: a window of a fixed random table chosen by
+    a hash of the id, its first two tokens replaced by the id (ids < 2**32 distinct)."""
+    return _synthetic_matrix(_as_ids(block_ids), block_size).reshape(-1)
+
+
 def packed_synthetic_tokens(block_ids: Sequence[int], block_size: int) -> bytes:
-    """msgpack array of `synthetic_block_tokens(block_ids, block_size)`, built by slicing
-    the pre-encoded table (the simulator's hot path)."""
-    if block_size < 2:
-        return _array_header(len(block_ids)) + b"".join(
-            b"\xcd" + _id_tokens(int(b))[0].to_bytes(2, "big") for b in block_ids
-        )
-    enc = memoryview(_table(block_size)[1])
-    memo = _packed_memo.setdefault(block_size, {})
-    parts: list[bytes | memoryview] = [_array_header(len(block_ids) * block_size)]
-    for bid in block_ids:
-        cached = memo.get(bid)
-        if cached is None:
-            bid = int(bid)
-            o = _offset(bid) * 3
-            a, b = _id_tokens(bid)
-            head = bytes((0xCD, a >> 8, a & 0xFF, 0xCD, b >> 8, b & 0xFF))
-            cached = memo[bid] = (head, enc[o + 6 : o + 3 * block_size])
-        parts += cached
-    return b"".join(parts)
-
-
-# block size -> block id -> (its first two tokens packed, a view of the rest)
-_packed_memo: dict[int, dict[int, tuple[bytes, memoryview]]] = {}
+    """msgpack array of `synthetic_block_tokens(block_ids, block_size)`, gathered from
+    the pre-encoded table in one numpy operation (the simulator's hot path)."""
+    ids = _as_ids(block_ids)
+    n = len(ids)
+    if n == 0:
+        return _array_header(0)
+    out = _windows(block_size)[1][_offsets(ids)].reshape(n, block_size, 3)
+    span = U64(TOKEN_HI - TOKEN_LO)
+    heads = [TOKEN_LO + ids % span]
+    if block_size >= 2:
+        heads.append(TOKEN_LO + (ids // span) % span)
+    for j, tok in enumerate(heads):
+        out[:, j, 1:] = tok.astype(">u2").view(np.uint8).reshape(n, 2)
+    return _array_header(n * block_size) + out.tobytes()
 
 
 def _array_header(n: int) -> bytes:
@@ -175,38 +197,27 @@ class KeyChainer:
         self._memo: dict[tuple[int, int], int] = {}
 
     def keys_for_ids(self, ids: Sequence[int], full_blocks: int) -> list[int]:
+        """Keys of the first `full_blocks` blocks of `ids`: memoised prefix, then the
+        new tail's synthetic tokens hashed in one native call."""
+        from quillcache.hashing import content_keys
+
+        memo = self._memo
         parent = self.namespace
         out: list[int] = []
-        memo = self._memo
-        missing: list[int] = []
         for i in range(full_blocks):
             k = memo.get((parent, ids[i]))
             if k is None:
-                missing = list(ids[i:full_blocks])
                 break
             out.append(k)
             parent = k
-        if missing:
-            bs = self.block_size
-            if bs < 2:
-                toks = synthetic_block_tokens(missing, bs)
-                for j, bid in enumerate(missing):
-                    k = block_key(parent, toks[j * bs : (j + 1) * bs])
-                    memo[(parent, bid)] = k
-                    out.append(k)
-                    parent = k
-                return out
-            # Hash straight from the table's bytes: same input as block_key(parent,
-            # synthetic_block_tokens([bid])), without building token arrays.
-            _, _, le = _table(bs)
-            pack, digest = struct.pack, xxhash.xxh3_64_intdigest
-            for bid in missing:
-                o = _offset(bid) * 4
-                a, b = _id_tokens(bid)
-                k = digest(pack("<QII", parent, a, b) + le[o + 8 : o + 4 * bs], seed=SEED)
+        tail = ids[len(out) : full_blocks]
+        if len(tail):
+            tokens = _synthetic_matrix(_as_ids(tail), self.block_size).reshape(-1)
+            new = content_keys(tokens, self.block_size, parent).tolist()
+            for bid, k in zip(tail, new, strict=True):
                 memo[(parent, bid)] = k
-                out.append(k)
                 parent = k
+            out += new
         return out
 
 
