@@ -10,6 +10,7 @@ per-block (non-chained) ids equal blocks under different prefixes stay different
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -106,21 +107,31 @@ def synthetic_block_tokens(block_ids: Sequence[int], block_size: int) -> npt.NDA
     return _synthetic_matrix(_as_ids(block_ids), block_size).reshape(-1)
 
 
+def synthetic_layout(
+    block_ids: Sequence[int] | npt.NDArray[np.uint64], block_size: int
+) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.uint8]]:
+    """Per block: its row of the pre-encoded table and its id tokens' msgpack payload
+    bytes ((blocks, min(2, block_size), 2) big-endian); what `packed_rows` needs."""
+    ids = _as_ids(block_ids)
+    span = U64(TOKEN_HI - TOKEN_LO)
+    heads = [TOKEN_LO + ids % span, TOKEN_LO + (ids // span) % span][: min(2, block_size)]
+    be = np.stack(heads, axis=1).astype(">u2").view(np.uint8).reshape(len(ids), len(heads), 2)
+    return _offsets(ids), be
+
+
+def packed_rows(rows: npt.NDArray[np.intp], heads: npt.NDArray[np.uint8], block_size: int) -> bytes:
+    """msgpack array of the tokens of the blocks laid out by `synthetic_layout`: one
+    gather of whole pre-encoded rows, then the id tokens patched in."""
+    n = len(rows)
+    out = _windows(block_size)[1][rows].reshape(n, block_size, 3)
+    out[:, : heads.shape[1], 1:] = heads
+    return _array_header(n * block_size) + out.tobytes()
+
+
 def packed_synthetic_tokens(block_ids: Sequence[int], block_size: int) -> bytes:
     """msgpack array of `synthetic_block_tokens(block_ids, block_size)`, gathered from
     the pre-encoded table in one numpy operation (the simulator's hot path)."""
-    ids = _as_ids(block_ids)
-    n = len(ids)
-    if n == 0:
-        return _array_header(0)
-    out = _windows(block_size)[1][_offsets(ids)].reshape(n, block_size, 3)
-    span = U64(TOKEN_HI - TOKEN_LO)
-    heads = [TOKEN_LO + ids % span]
-    if block_size >= 2:
-        heads.append(TOKEN_LO + (ids // span) % span)
-    for j, tok in enumerate(heads):
-        out[:, j, 1:] = tok.astype(">u2").view(np.uint8).reshape(n, 2)
-    return _array_header(n * block_size) + out.tobytes()
+    return packed_rows(*synthetic_layout(block_ids, block_size), block_size)
 
 
 def _array_header(n: int) -> bytes:
@@ -160,6 +171,8 @@ class SimRequest:
     tokens: npt.NDArray[np.uint32] | None = None
     block_ids: Sequence[int] | None = None
     keys_list: list[int] = field(default_factory=list)  # keys as Python ints (engine side)
+    # `synthetic_layout(block_ids)`, computed once (for a whole trace at load)
+    layout: tuple[npt.NDArray[np.intp], npt.NDArray[np.uint8]] | None = None
 
     @property
     def full_blocks(self) -> int:
@@ -185,7 +198,26 @@ class SimRequest:
 
             return pack_tokens(self.block_tokens(start, end))
         assert self.block_ids is not None
-        return packed_synthetic_tokens(self.block_ids[start:end], self.block_size)
+        if self.layout is None:
+            self.layout = synthetic_layout(self.block_ids, self.block_size)
+        rows, heads = self.layout
+        return packed_rows(rows[start:end], heads[start:end], self.block_size)
+
+
+def attach_layouts(reqs: Sequence[SimRequest], block_size: int) -> None:
+    """Compute every block-id request's `layout` in one vectorised pass (trace load), so
+    forked simulation processes share them."""
+    todo = [r for r in reqs if r.block_ids is not None and r.layout is None]
+    if not todo:
+        return
+    lengths = [len(r.block_ids or ()) for r in todo]
+    rows, heads = synthetic_layout(
+        np.fromiter(itertools.chain.from_iterable(r.block_ids or () for r in todo), dtype=U64),
+        block_size,
+    )
+    cuts = np.cumsum(lengths)[:-1]
+    for r, rw, hd in zip(todo, np.split(rows, cuts), np.split(heads, cuts), strict=True):
+        r.layout = (rw, hd)
 
 
 class KeyChainer:

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from quillcache.errors import ConfigError
-from quillcache.sim.requests import KeyChainer, SimRequest, make_request
+from quillcache.sim.requests import KeyChainer, SimRequest, attach_layouts, make_request
 from quillcache.sim.workload import DEFAULT_MODEL, Workload, sim_namespace
 
 MOONCAKE_BLOCK_SIZE = 512
@@ -88,6 +88,7 @@ def load_trace(
             )
     if reqs and any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(reqs)):
         reqs.sort(key=lambda r: r.arrival_s)  # stable: ties keep file order
+    attach_layouts(reqs, block_size)
     return Workload(
         name=p.stem,
         requests=reqs,
