@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from quillcache.costmodel import CostModel
 from quillcache.sim import wire
 from quillcache.sim.requests import SimRequest
@@ -93,6 +95,7 @@ class EngineModel:
         self.cpu_capacity = cpu_blocks
         self.cpu: OrderedDict[int, None] = OrderedDict()
         self._events: list[bytes] = []
+        self._extra_events = 0  # items of _events holding n > 1 events add n - 1
         # scheduler state
         self.waiting: deque[Running] = deque()
         self.running: list[Running] = []
@@ -153,6 +156,15 @@ class EngineModel:
         if need <= 0:
             return
         free, events, salt, removed = self.free, self._events, self.salt, wire.block_removed
+        if not self.cpu_capacity and need > 1 and free:
+            # The common case, encoded in one pass: same events as the loop below.
+            pop = free.popitem
+            keys = [pop(last=False)[0] for _ in range(min(need, len(free)))]
+            hashes = (np.array(keys, dtype=np.uint64) ^ np.uint64(salt)) * np.uint64(_GOLDEN)
+            events.append(wire.blocks_removed(hashes))
+            self._extra_events += len(keys) - 1
+            self.evictions += len(keys)
+            return
         while need > 0 and free:
             key, _ = free.popitem(last=False)
             if self.cpu_capacity:
@@ -305,8 +317,9 @@ class EngineModel:
     def drain_events(self, ts: float) -> bytes:
         if not self._events:
             return b""
-        payload = wire.batch(ts, self._events, self.dp_rank)
+        payload = wire.batch(ts, self._events, self.dp_rank, len(self._events) + self._extra_events)
         self._events = []
+        self._extra_events = 0
         return payload
 
     # --- timed scheduler -----------------------------------------------------------------

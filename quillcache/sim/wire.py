@@ -97,7 +97,29 @@ def block_removed(block_hash: int, medium: str = "GPU") -> bytes:
     return parts[0] + _pack([block_hash]) + parts[1]
 
 
-def batch(ts: float, events: Sequence[bytes], dp_rank: int | None = 0) -> bytes:
-    """`[ts, [events...], dp_rank]` from already-encoded events (as `encode_batch`)."""
-    head = (b"\x92" if dp_rank is None else b"\x93") + _pack(float(ts)) + _array_header(len(events))
+def blocks_removed(block_hashes: npt.NDArray[np.uint64], medium: str = "GPU") -> bytes:
+    """`block_removed(h, medium)` for each hash, concatenated: one numpy pass when every
+    hash needs a uint64 (all but ~2**-32 of them), else one event at a time."""
+    n = len(block_hashes)
+    if n == 0:
+        return b""
+    if int(block_hashes.min()) < 1 << 32:
+        return b"".join(block_removed(int(h), medium) for h in block_hashes.tolist())
+    block_removed(1 << 32, medium)  # fills the cache
+    head, tail = _removed_cache[medium]
+    head = head + b"\x91\xcf"
+    out = np.empty((n, len(head) + 8 + len(tail)), dtype=np.uint8)
+    out[:, : len(head)] = np.frombuffer(head, dtype=np.uint8)
+    out[:, len(head) : len(head) + 8] = block_hashes.astype(">u8").view(np.uint8).reshape(n, 8)
+    out[:, len(head) + 8 :] = np.frombuffer(tail, dtype=np.uint8)
+    return out.tobytes()
+
+
+def batch(
+    ts: float, events: Sequence[bytes], dp_rank: int | None = 0, count: int | None = None
+) -> bytes:
+    """`[ts, [events...], dp_rank]` from already-encoded events (as `encode_batch`).
+    `count`: the number of events when some items hold several (`blocks_removed`)."""
+    n = len(events) if count is None else count
+    head = (b"\x92" if dp_rank is None else b"\x93") + _pack(float(ts)) + _array_header(n)
     return head + b"".join(events) + (b"" if dp_rank is None else _pack(dp_rank))
