@@ -101,7 +101,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--json", metavar="FILE", help="write results as JSON ('-' for stdout)")
     out.add_argument("--perf", action="store_true", help="add wall times and index latencies")
     out.add_argument("--plot", metavar="FILE.png", help="plot hit rate and TTFT per router")
-    out.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
+    out.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="runs in N parallel processes (default 0: one per available CPU)",
+    )
     out.add_argument("--no-progress", action="store_true")
     out.add_argument("--list-routers", action="store_true", help="list routers and exit")
 
@@ -337,13 +342,23 @@ def _execute(
 
     show = not args.no_progress and err.is_terminal
     results: list[dict[str, Any]] = []
+    jobs = args.jobs
+    if jobs < 0:
+        from quillcache.errors import ConfigError
+
+        raise ConfigError(f"--jobs must be >= 0 (0: one per CPU), got {jobs}")
+    if jobs == 0:
+        import os
+
+        # Runs are independent and deterministic: results do not depend on the count.
+        jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     with Progress(console=err, disable=not show, transient=True) as bar:
         task = bar.add_task("simulating", total=len(points))
-        if args.jobs > 1 and len(points) > 1:
+        if jobs > 1 and len(points) > 1:
             import multiprocessing as mp
 
             ctx = mp.get_context("fork")
-            with ctx.Pool(min(args.jobs, len(points))) as pool:
+            with ctx.Pool(min(jobs, len(points))) as pool:
                 for res in pool.imap(_run_point, points):
                     results.append(res)
                     bar.advance(task)

@@ -72,8 +72,16 @@ def test_json_is_deterministic_and_complete() -> None:
         assert mem == nat
     other_seed = json.loads(_sim(*args[:-2], "--seed", "1", "--json", "-").stdout)
     assert other_seed["results"] != rows
-    # parallel runs give the same results in the same order
-    assert _sim(*args, "--jobs", "2").stdout == a
+    # serial and parallel runs (the default: one process per CPU) give the same
+    # results in the same order
+    assert _sim(*args, "--jobs", "1").stdout == a
+    assert _sim(*args, "--jobs", "3").stdout == a
+
+
+def test_negative_jobs_is_a_clear_error() -> None:
+    proc = _sim(*SMALL, "--jobs", "-1", check=False)
+    assert proc.returncode == 2
+    assert "--jobs must be >= 0" in proc.stderr
 
 
 @pytest.mark.slow
