@@ -150,9 +150,10 @@ class EngineModel:
             del self.refs[key]
             self.free[key] = None
 
-    def _make_room(self, slots: int) -> None:
-        """Evict LRU free cached blocks until `slots` slots hold nothing."""
-        need = slots - (self.capacity - self.in_use - len(self.free))
+    def _make_room(self, slots: int, held: int = 0) -> None:
+        """Evict LRU free cached blocks until `slots` slots hold nothing (`held`: blocks
+        in use that `refs` does not count)."""
+        need = slots - (self.capacity - self.in_use - held - len(self.free))
         if need <= 0:
             return
         free, events, salt, removed = self.free, self._events, self.salt, wire.block_removed
@@ -208,6 +209,11 @@ class EngineModel:
                 new.append(i)
             self.uncached_held -= 1
         run.stored_blocks = upto
+        self._publish(run, new)
+
+    def _publish(self, run: Running, new: list[int]) -> None:
+        """BlockStored for the blocks at indices `new` (ascending) of `run.keys`."""
+        keys = run.keys
         # Publish maximal runs of consecutive new blocks, each chained to its parent.
         i = 0
         while i < len(new):
@@ -307,12 +313,45 @@ class EngineModel:
         if total > room:
             run.keys = run.keys[: max(room, 0)]
             total = len(run.keys)
+        if not (self.refs or self.uncached_held or self.cpu_capacity or peer_blocks):
+            self._serve_idle(run, total)
+            return run, self.drain_events(req.arrival_s)
         if not self._admit(run, total):  # cannot happen with nothing running
             raise AssertionError("an idle engine could not admit a request that fits")
         self._store(run, len(run.keys))
         run.computed = req.prompt_tokens
         self._finish(run)
         return run, self.drain_events(req.arrival_s)
+
+    def _serve_idle(self, run: Running, total: int) -> None:
+        """`_admit` + `_store` + `_finish` on an engine holding nothing (no running
+        request, pinned block or tier), without reference counts: the same cache
+        changes and events, in the same order (checked against the general path in
+        tests/sim/test_engine.py)."""
+        keys, free, bs = run.keys, self.free, self.block_size
+        gpu = 0
+        for k in keys:
+            if k not in free:
+                break
+            gpu += 1
+        gpu = min(gpu, max((run.req.prompt_tokens - 1) // bs, 0), total)
+        for k in keys[:gpu]:  # held: not evictable while this request runs
+            del free[k]
+        # _make_room(total - gpu) with the `gpu` held blocks counted as in use
+        self._make_room(total - gpu, held=gpu)
+        new: list[int] = []
+        for i in range(gpu, len(keys)):
+            if keys[i] in free:  # cached behind a miss: reused, not published
+                del free[keys[i]]
+            else:
+                new.append(i)
+        self._publish(run, new)
+        for k in reversed(keys):  # finish: the tail becomes the oldest free block
+            free[k] = None
+        run.hit_blocks = gpu
+        run.stored_blocks = len(keys)
+        run.reserved = total
+        run.computed = run.req.prompt_tokens
 
     def drain_events(self, ts: float) -> bytes:
         if not self._events:

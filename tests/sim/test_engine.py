@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from quillcache.costmodel import CostModel
 from quillcache.index import create_backend
-from quillcache.sim.engine import EngineModel, engine_hash
+from quillcache.sim.engine import EngineModel, Running, engine_hash
 from quillcache.sim.requests import make_request
 from quillcache.sim.runner import SimConfig, run
 from quillcache.sim.workload import DEFAULT_MODEL, Workload, sim_namespace
@@ -69,6 +69,31 @@ def test_order_only_cache_matches_the_reference(items, capacity) -> None:
         # the index, fed only by events, knows exactly what the engine caches
         assert _resident(index) == set(ref.lru) == set(engine.free) | set(engine.refs)
         assert engine.in_use == 0 and len(engine.free) <= capacity
+
+
+def _serve_general(engine: EngineModel, r) -> tuple[Running, bytes]:
+    """`serve_instantly` through the general reference-counted path."""
+    run_ = Running(r, r.keys_list, 0, 0, 0, 0, 0)
+    assert engine._admit(run_, engine.blocks_needed(r))
+    engine._store(run_, len(run_.keys))
+    engine._finish(run_)
+    return run_, engine.drain_events(r.arrival_s)
+
+
+@settings(max_examples=80)
+@given(items=workloads(), capacity=st.integers(16, 60))
+def test_idle_fast_path_equals_the_general_path(items, capacity) -> None:
+    fast = EngineModel(0, capacity_blocks=capacity, block_size=BS, cost=COST)
+    general = EngineModel(0, capacity_blocks=capacity, block_size=BS, cost=COST)
+    for r in _requests(items):
+        if fast.blocks_needed(r) > capacity:
+            continue
+        run_a, payload_a = fast.serve_instantly(r)
+        run_b, payload_b = _serve_general(general, r)
+        assert payload_a == payload_b  # same events, same order, same bytes
+        assert run_a.hit_blocks == run_b.hit_blocks
+        assert list(fast.free) == list(general.free)  # same LRU order
+        assert fast.evictions == general.evictions and not fast.refs
 
 
 @settings(max_examples=60)
