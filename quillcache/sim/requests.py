@@ -215,9 +215,10 @@ def attach_layouts(reqs: Sequence[SimRequest], block_size: int) -> None:
         np.fromiter(itertools.chain.from_iterable(r.block_ids or () for r in todo), dtype=U64),
         block_size,
     )
-    cuts = np.cumsum(lengths)[:-1]
-    for r, rw, hd in zip(todo, np.split(rows, cuts), np.split(heads, cuts), strict=True):
-        r.layout = (rw, hd)
+    end = 0
+    for r, n in zip(todo, lengths, strict=True):
+        start, end = end, end + n
+        r.layout = (rows[start:end], heads[start:end])
 
 
 class KeyChainer:
@@ -246,9 +247,8 @@ class KeyChainer:
         if len(tail):
             tokens = _synthetic_matrix(_as_ids(tail), self.block_size).reshape(-1)
             new = content_keys(tokens, self.block_size, parent).tolist()
-            for bid, k in zip(tail, new, strict=True):
-                memo[(parent, bid)] = k
-                parent = k
+            parents = [parent, *new[:-1]]
+            memo.update(zip(zip(parents, tail, strict=True), new, strict=True))
             out += new
         return out
 
