@@ -136,7 +136,7 @@ impl Index {
             };
             keys.push(k);
         }
-        self.tree.prefetch(&keys);
+        self.tree.prefetch_slots(&keys);
         self.tree
             .prefetch_ehash(ev.block_hashes.iter().map(|&h| engine_map_key(group, h)));
         let mut warm = 0u64;

@@ -114,6 +114,15 @@ impl Tree {
         true
     }
 
+    /// Starts loading the table slots of `keys` only (ingest: most keys are new,
+    /// so reading a slot to prefetch a node would only stall on it).
+    #[inline]
+    pub fn prefetch_slots(&self, keys: &[u64]) {
+        for &k in keys {
+            self.table.prefetch_slot(k);
+        }
+    }
+
     /// Starts loading the table slots of `keys` (then their nodes), so that the
     /// lookups that follow find them in cache: the misses overlap.
     #[inline]
