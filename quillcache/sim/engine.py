@@ -27,7 +27,9 @@ the simulator hands to `ControlPlane.ingest`, never to the index directly.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 
 import numpy as np
 
@@ -38,6 +40,11 @@ from quillcache.sim.requests import SimRequest
 _MASK = (1 << 64) - 1
 _NO_TOKENS = b"\x90"  # an empty msgpack array
 _GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _drain(it: Iterator[object]) -> None:
+    """Run an iterator of side effects at C speed."""
+    deque(it, maxlen=0)
 
 
 def engine_hash(key: int, salt: int) -> int:
@@ -159,8 +166,8 @@ class EngineModel:
         free, events, salt, removed = self.free, self._events, self.salt, wire.block_removed
         if not self.cpu_capacity and need > 1 and free:
             # The common case, encoded in one pass: same events as the loop below.
-            pop = free.popitem
-            keys = [pop(last=False)[0] for _ in range(min(need, len(free)))]
+            keys = list(islice(free, need))  # the LRU end, oldest first
+            _drain(map(free.__delitem__, keys))
             hashes = (np.array(keys, dtype=np.uint64) ^ np.uint64(salt)) * np.uint64(_GOLDEN)
             events.append(wire.blocks_removed(hashes))
             self._extra_events += len(keys) - 1
@@ -335,8 +342,7 @@ class EngineModel:
                 break
             gpu += 1
         gpu = min(gpu, max((run.req.prompt_tokens - 1) // bs, 0), total)
-        for k in keys[:gpu]:  # held: not evictable while this request runs
-            del free[k]
+        _drain(map(free.__delitem__, keys[:gpu]))  # held: not evictable meanwhile
         # _make_room(total - gpu) with the `gpu` held blocks counted as in use
         self._make_room(total - gpu, held=gpu)
         new: list[int] = []
@@ -346,8 +352,8 @@ class EngineModel:
             else:
                 new.append(i)
         self._publish(run, new)
-        for k in reversed(keys):  # finish: the tail becomes the oldest free block
-            free[k] = None
+        # finish: none of `keys` is in `free` now; the tail becomes the oldest free block
+        free.update(dict.fromkeys(reversed(keys)))
         run.hit_blocks = gpu
         run.stored_blocks = len(keys)
         run.reserved = total
