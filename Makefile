@@ -3,23 +3,31 @@
 SHELL := /bin/bash
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/quillcache/target
 PYTHON ?= python3
-# Cargo features of the extension built by `make test` (CI) — the persistent backends.
-CI_FEATURES ?= rocksdb
+# Cargo features of the extension built by `make test` (CI): the persistent key-value
+# backends. Their C++ builds are slow (RocksDB: 10+ minutes on 2 cores), so they get a
+# target dir of their own, shared by the release extension build and the release
+# feature tests (same profile, so librocksdb-sys is compiled once) and kept across clones.
+CI_FEATURES ?= rocksdb holt
+FEATURES_TARGET_DIR ?= $(HOME)/.cache/quillcache/target-rocksdb
 # Hypothesis profile: "ci" under CI, "dev" locally (see tests/conftest.py).
 
-.PHONY: help deps install build-dev build-release build-ci test test-fast test-rust \
+.PHONY: help deps install build-dev build-release build-ci test test-fast test-rust test-rust-features \
         test-python lint fmt bench bench-rust asv-quick clean
 
 help:
 	@echo "targets: install build-dev build-release test test-fast test-rust test-python lint fmt bench asv-quick"
 
-deps:  ## system packages (clang for the rocksdb crate's bindgen) and Python dev deps
+deps:  ## system packages (clang for the rocksdb crate's bindgen), pinned Python dev deps
 	@command -v clang >/dev/null && [ -n "$$(ls /usr/lib/llvm-*/lib/libclang*.so* 2>/dev/null)" ] \
 	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang libclang-dev >/dev/null; }
-	$(PYTHON) -m pip install -q --upgrade "maturin>=1.8,<2"
-	$(PYTHON) -m pip install -q -e '.[dev]'
+	@command -v cargo-nextest >/dev/null || cargo install --locked cargo-nextest
+	$(PYTHON) -m pip install -q "maturin>=1.8,<2"
+	$(PYTHON) -m pip install -q -r requirements-dev.lock
 
-install: deps
+lock:  ## re-pin the Python dependencies (requirements-dev.lock) from pyproject.toml
+	uv pip compile pyproject.toml --extra dev --extra online --extra plot --python-version 3.11 -o requirements-dev.lock
+
+install: deps build-dev
 
 # maturin develop wants a virtualenv; point it at the interpreter we run with.
 MATURIN_DEVELOP = VIRTUAL_ENV=$$($(PYTHON) -c 'import sys; print(sys.prefix)') maturin develop -q
@@ -31,13 +39,17 @@ build-release:
 	$(MATURIN_DEVELOP) --release
 
 build-ci:
-	$(MATURIN_DEVELOP) --release --features "$(CI_FEATURES)"
+	CARGO_TARGET_DIR=$(FEATURES_TARGET_DIR) $(MATURIN_DEVELOP) --release --features "$(CI_FEATURES)"
 
 test-rust:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo nextest run -p quillcache-core --no-fail-fast
 	cargo test -p quillcache-core --doc -q
+
+test-rust-features:  ## the key-value stores' Rust tests (release: reuses build-ci's C++ builds)
+	CARGO_TARGET_DIR=$(FEATURES_TARGET_DIR) cargo clippy --release -p quillcache-core --all-targets --features "$(CI_FEATURES)" -- -D warnings
+	CARGO_TARGET_DIR=$(FEATURES_TARGET_DIR) cargo test --release -p quillcache-core --features "$(CI_FEATURES)" -q
 
 lint:
 	ruff check quillcache tests benchmarks asv_bench
@@ -48,7 +60,7 @@ test-python:
 
 # The whole suite, as CI runs it: deps, release build with the persistent backends,
 # Rust tests + clippy + fmt, ruff, pytest.
-test: deps build-ci test-rust lint test-python
+test: deps build-ci test-rust test-rust-features lint test-python
 
 # The quick loop: no RocksDB build.
 test-fast: build-dev test-rust lint test-python

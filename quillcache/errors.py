@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
-from quillcache._native import EventDecodeError, HashingError, QuillCacheError
+from quillcache._native import (
+    CorruptIndexError,
+    EventDecodeError,
+    HashingError,
+    IndexLockedError,
+    IngestRefusedError,
+    PersistenceError,
+    QuillCacheError,
+)
 
 __all__ = [
     "ConfigError",
+    "CorruptIndexError",
     "EventDecodeError",
     "HashingError",
+    "IndexLockedError",
+    "IngestRefusedError",
+    "PersistenceError",
     "QuillCacheError",
     "UnknownBackendError",
     "UnknownRouterError",
