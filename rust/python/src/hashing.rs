@@ -267,6 +267,9 @@ fn block_key(
 
 /// Keys of many sequences in one call: sequence j is `tokens[offsets[j]:offsets[j+1]]`.
 /// Returns `(keys, key_offsets)`: sequence j's keys are `keys[key_offsets[j]:key_offsets[j+1]]`.
+/// Flat keys of many sequences and the offsets of each sequence's keys in them.
+type KeysWithOffsets<'py> = (Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<i64>>);
+
 #[pyfunction]
 #[pyo3(signature = (tokens, offsets, block_size, parents))]
 fn content_keys_batch<'py>(
@@ -275,7 +278,7 @@ fn content_keys_batch<'py>(
     offsets: PyReadonlyArray1<'py, i64>,
     block_size: i64,
     parents: &Bound<'py, PyAny>,
-) -> PyResult<(Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<i64>>)> {
+) -> PyResult<KeysWithOffsets<'py>> {
     let bs = check_block_size(block_size)?;
     let offsets: Cow<[i64]> = match offsets.as_slice() {
         Ok(s) => Cow::Borrowed(s),
