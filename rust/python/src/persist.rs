@@ -6,7 +6,7 @@
 //! index or the disk runs with the GIL released.
 
 use std::path::PathBuf;
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::RwLock;
 use std::time::Duration;
 
 use numpy::PyReadonlyArray1;
@@ -105,21 +105,33 @@ pub struct DurableIndex {
     durability: String,
 }
 
+// Lock discipline (both classes): the RwLock is taken and released entirely inside
+// `py.detach`. A thread that held the lock while waiting to get the GIL back would
+// deadlock with a thread that holds the GIL while waiting for the lock (seen: the
+// gateway's ingest thread applying while its event loop matched).
 impl DurableIndex {
-    fn read(&self) -> PyResult<RwLockReadGuard<'_, Option<CoreDurable>>> {
-        let g = self.inner.read().unwrap_or_else(|e| e.into_inner());
-        if g.is_none() {
-            return Err(closed());
-        }
-        Ok(g)
+    fn with_read<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&CoreDurable) -> T + Send,
+    ) -> PyResult<T> {
+        py.detach(|| {
+            let g = self.inner.read().unwrap_or_else(|e| e.into_inner());
+            g.as_ref().map(f)
+        })
+        .ok_or_else(closed)
     }
 
-    fn write(&self) -> PyResult<RwLockWriteGuard<'_, Option<CoreDurable>>> {
-        let g = self.inner.write().unwrap_or_else(|e| e.into_inner());
-        if g.is_none() {
-            return Err(closed());
-        }
-        Ok(g)
+    fn with_write<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut CoreDurable) -> T + Send,
+    ) -> PyResult<T> {
+        py.detach(|| {
+            let mut g = self.inner.write().unwrap_or_else(|e| e.into_inner());
+            g.as_mut().map(f)
+        })
+        .ok_or_else(closed)
     }
 
     /// Runs a mutation with the GIL released; maps persistence errors.
@@ -128,9 +140,7 @@ impl DurableIndex {
         py: Python<'_>,
         f: impl FnOnce(&mut CoreDurable) -> Result<T, PersistError> + Send,
     ) -> PyResult<T> {
-        let mut g = self.write()?;
-        let d = g.as_mut().expect("checked open");
-        py.detach(|| f(d).map_err(|e| (e, d.failure().is_some())))
+        self.with_write(py, |d| f(d).map_err(|e| (e, d.failure().is_some())))?
             .map_err(|(e, failed)| to_py(e, failed))
     }
 }
@@ -211,12 +221,10 @@ impl DurableIndex {
     ) -> PyResult<StatsTuple> {
         let slices: Vec<&[u8]> = payloads.iter().map(|b| b.as_bytes()).collect();
         let source = SourceKey { worker, dp_rank };
-        let mut g = self.write()?;
-        let d = g.as_mut().expect("checked open");
-        let result = py.detach(|| {
+        let result = self.with_write(py, |d| {
             d.apply(source, &slices, seqs.as_deref())
                 .map_err(|e| (e, d.failure().is_some()))
-        });
+        })?;
         match result {
             Ok(stats) => Ok(stats_tuple(&stats)),
             Err((ApplyError::Persist(e), failed)) => Err(to_py(e, failed)),
@@ -248,14 +256,13 @@ impl DurableIndex {
         keys: PyReadonlyArray1<'py, u64>,
     ) -> PyResult<Bound<'py, PyList>> {
         let keys = keys_slice(&keys)?;
-        let g = self.read()?;
-        let idx = g.as_ref().expect("checked open").index();
-        let hits: Vec<(u64, u32, Medium, u32)> = py.detach(|| {
+        let hits: Vec<(u64, u32, Medium, u32)> = self.with_read(py, |d| {
+            let idx = d.index();
             idx.match_keys(keys)
                 .into_iter()
                 .map(|h| (h.worker, h.dp_rank, idx.medium(h.medium).clone(), h.blocks))
                 .collect()
-        });
+        })?;
         let out = PyList::empty(py);
         for (worker, dp_rank, medium, blocks) in &hits {
             out.append((*worker, *dp_rank, medium.as_str(), *blocks))?;
@@ -290,16 +297,12 @@ impl DurableIndex {
         prefix: PyReadonlyArray1<'py, u64>,
     ) -> PyResult<Bound<'py, PyList>> {
         let prefix = keys_slice(&prefix)?;
-        let g = self.read()?;
-        let idx = g.as_ref().expect("checked open").index();
-        let entries = py.detach(|| idx.scan(prefix));
+        let entries = self.with_read(py, |d| d.index().scan(prefix))?;
         entries_list(py, &entries)
     }
 
     fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let g = self.read()?;
-        let idx = g.as_ref().expect("checked open").index();
-        let entries: Vec<EntryOut> = py.detach(|| idx.entries().collect());
+        let entries: Vec<EntryOut> = self.with_read(py, |d| d.index().entries().collect())?;
         entries_list(py, &entries)
     }
 
@@ -315,8 +318,7 @@ impl DurableIndex {
 
     /// `(blocks, nodes, resident_pairs, sources, pinned, spilled, memory_bytes)`.
     fn stats(&self, py: Python<'_>) -> PyResult<(u64, u64, u64, u64, u64, u64, u64)> {
-        let g = self.read()?;
-        let s = py.detach(|| g.as_ref().expect("checked open").index().stats());
+        let s = self.with_read(py, |d| d.index().stats())?;
         Ok((
             s.blocks,
             s.nodes,
@@ -330,10 +332,12 @@ impl DurableIndex {
 
     /// `{(worker, dp_rank): seq}`: the last engine sequence number applied per source.
     fn last_seqs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let g = self.read()?;
+        let seqs: Vec<(SourceKey, u64)> = self.with_read(py, |d| {
+            d.last_seqs().iter().map(|(s, seq)| (*s, *seq)).collect()
+        })?;
         let out = PyDict::new(py);
-        for (s, seq) in g.as_ref().expect("checked open").last_seqs() {
-            out.set_item((s.worker, s.dp_rank), *seq)?;
+        for (s, seq) in seqs {
+            out.set_item((s.worker, s.dp_rank), seq)?;
         }
         Ok(out)
     }
@@ -350,21 +354,18 @@ impl DurableIndex {
 
     /// The in-memory index image (`NativeIndex.from_snapshot` reads it): for checks.
     fn index_image<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let g = self.read()?;
-        let idx = g.as_ref().expect("checked open").index();
-        let buf = py
-            .detach(|| {
+        let buf = self
+            .with_read(py, |d| {
                 let mut buf = Vec::new();
-                idx.write_snapshot(&mut buf).map(|_| buf)
-            })
+                d.index().write_snapshot(&mut buf).map(|_| buf)
+            })?
             .map_err(|e| PersistenceError::new_err(e.to_string()))?;
         Ok(PyBytes::new(py, &buf))
     }
 
     /// What recovery did: snapshot lsn and bytes, records replayed, torn tail, timings.
     fn recovery<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let g = self.read()?;
-        let r = g.as_ref().expect("checked open").recovery();
+        let r = self.with_read(py, |d| d.recovery().clone())?;
         let secs = |d: Duration| d.as_secs_f64();
         let out = PyDict::new(py);
         out.set_item("snapshot_lsn", r.snapshot_lsn)?;
@@ -393,21 +394,29 @@ impl DurableIndex {
 
     /// `{last_lsn, synced_lsn, snapshot_lsn, disk_bytes, failure}`.
     fn wal_status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let g = self.read()?;
-        let d = g.as_ref().expect("checked open");
+        let (last, synced, snapshot, disk, failure) = self.with_read(py, |d| {
+            let disk = d.disk_bytes();
+            (
+                d.last_lsn(),
+                d.synced_lsn(),
+                d.snapshot_lsn(),
+                disk,
+                d.failure(),
+            )
+        })?;
         let out = PyDict::new(py);
-        out.set_item("last_lsn", d.last_lsn())?;
-        out.set_item("synced_lsn", d.synced_lsn())?;
-        out.set_item("snapshot_lsn", d.snapshot_lsn())?;
-        out.set_item("disk_bytes", py.detach(|| d.disk_bytes()))?;
-        out.set_item("failure", d.failure())?;
+        out.set_item("last_lsn", last)?;
+        out.set_item("synced_lsn", synced)?;
+        out.set_item("snapshot_lsn", snapshot)?;
+        out.set_item("disk_bytes", disk)?;
+        out.set_item("failure", failure)?;
         Ok(out)
     }
 
     /// Snapshot (unless disabled), fsync, release the directory. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let mut g = self.inner.write().unwrap_or_else(|e| e.into_inner());
-        match g.take() {
+        let taken = py.detach(|| self.inner.write().unwrap_or_else(|e| e.into_inner()).take());
+        match taken {
             None => Ok(()),
             Some(d) => py.detach(|| d.close()).map_err(|e| to_py(e, false)),
         }
@@ -447,9 +456,12 @@ impl KvIndex {
         py: Python<'_>,
         f: impl FnOnce(&BoxedKv) -> Result<T, KvIndexError> + Send,
     ) -> PyResult<T> {
-        let g = self.inner.read().unwrap_or_else(|e| e.into_inner());
-        let ix = g.as_ref().ok_or_else(closed)?;
-        py.detach(|| f(ix)).map_err(kv_err)
+        py.detach(|| {
+            let g = self.inner.read().unwrap_or_else(|e| e.into_inner());
+            g.as_ref().map(f)
+        })
+        .ok_or_else(closed)?
+        .map_err(kv_err)
     }
 
     fn with_mut<T: Send>(
@@ -457,9 +469,12 @@ impl KvIndex {
         py: Python<'_>,
         f: impl FnOnce(&mut BoxedKv) -> Result<T, KvIndexError> + Send,
     ) -> PyResult<T> {
-        let mut g = self.inner.write().unwrap_or_else(|e| e.into_inner());
-        let ix = g.as_mut().ok_or_else(closed)?;
-        py.detach(|| f(ix)).map_err(kv_err)
+        py.detach(|| {
+            let mut g = self.inner.write().unwrap_or_else(|e| e.into_inner());
+            g.as_mut().map(f)
+        })
+        .ok_or_else(closed)?
+        .map_err(kv_err)
     }
 }
 
@@ -519,18 +534,21 @@ impl KvIndex {
     ) -> PyResult<StatsTuple> {
         let slices: Vec<&[u8]> = payloads.iter().map(|b| b.as_bytes()).collect();
         let source = SourceKey { worker, dp_rank };
-        let mut g = self.inner.write().unwrap_or_else(|e| e.into_inner());
-        let ix = g.as_mut().ok_or_else(closed)?;
-        let (total, failure) = py.detach(|| {
-            let mut total = ApplyStats::default();
-            for (i, p) in slices.iter().enumerate() {
-                match ix.apply_payload(source, p) {
-                    Ok(s) => total += s,
-                    Err(e) => return (total, Some((i, e))),
-                }
-            }
-            (total, None)
-        });
+        let (total, failure) = py
+            .detach(|| {
+                let mut g = self.inner.write().unwrap_or_else(|e| e.into_inner());
+                g.as_mut().map(|ix| {
+                    let mut total = ApplyStats::default();
+                    for (i, p) in slices.iter().enumerate() {
+                        match ix.apply_payload(source, p) {
+                            Ok(s) => total += s,
+                            Err(e) => return (total, Some((i, e))),
+                        }
+                    }
+                    (total, None)
+                })
+            })
+            .ok_or_else(closed)?;
         match failure {
             None => Ok(stats_tuple(&total)),
             Some((i, KvIndexError::Decode(m))) => {
@@ -637,8 +655,8 @@ impl KvIndex {
 
     /// Flushes and releases the store. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let mut g = self.inner.write().unwrap_or_else(|e| e.into_inner());
-        match g.take() {
+        let taken = py.detach(|| self.inner.write().unwrap_or_else(|e| e.into_inner()).take());
+        match taken {
             None => Ok(()),
             Some(mut ix) => py
                 .detach(|| ix.store_mut().flush().map_err(KvIndexError::from))
