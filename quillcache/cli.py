@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from quillcache.errors import QuillCacheError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_module", None):
@@ -57,6 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = importlib.import_module(args._module)
     try:
         return int(module.run(args) or 0)
+    except QuillCacheError as exc:  # a user error: say what, no traceback
+        print(f"quillcache {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
