@@ -59,7 +59,8 @@ impl NativeIndex {
     }
 }
 
-fn hits_list<'py>(
+/// `[(worker, dp_rank, medium, blocks), ...]`; shared with the persistent indexes.
+pub(crate) fn hits_list<'py>(
     py: Python<'py>,
     hits: &[(u64, u32, Medium, u32)],
 ) -> PyResult<Bound<'py, PyList>> {

@@ -12,6 +12,8 @@ use std::time::Duration;
 use numpy::PyReadonlyArray1;
 use pyo3::create_exception;
 use pyo3::prelude::*;
+
+use crate::index::hits_list;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use quillcache_core::backends::kv_index::KvIndexError;
@@ -263,11 +265,7 @@ impl DurableIndex {
                 .map(|h| (h.worker, h.dp_rank, idx.medium(h.medium).clone(), h.blocks))
                 .collect()
         })?;
-        let out = PyList::empty(py);
-        for (worker, dp_rank, medium, blocks) in &hits {
-            out.append((*worker, *dp_rank, medium.as_str(), *blocks))?;
-        }
-        Ok(out)
+        hits_list(py, &hits)
     }
 
     fn match_many<'py>(
