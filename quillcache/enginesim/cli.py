@@ -69,8 +69,6 @@ def _rank_endpoint(endpoint: str, rank: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
     from quillcache.costmodel import CostModelConfig
     from quillcache.enginesim.app import EngineApp
     from quillcache.enginesim.engine import EngineConfig
@@ -125,8 +123,10 @@ def run(args: argparse.Namespace) -> int:
             app.starlette(), args.host, args.port, args.log_level, extra, args.ready_file
         )
 
+    from quillcache.gateway.serve import run_loop
+
     try:
-        asyncio.run(serve())
+        run_loop(serve())
     finally:
         for p in publishers:
             p.close()
