@@ -121,19 +121,42 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def throughput(workdir: Path, n: int, router: str) -> dict[str, Any]:
+def _cpu_ms_per_request(
+    pids: dict[str, int], n: int, run: Any
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """Run `run()` and return its result with each process's CPU ms per request: who
+    spends the two cores (the load generator is this process)."""
+    before = {name: _cpu_s(pid) for name, pid in pids.items()}
+    result = run()
+    return result, {name: (_cpu_s(pid) - before[name]) * 1000 / n for name, pid in pids.items()}
+
+
+def throughput(workdir: Path, n: int, router: str, repeats: int = 2) -> dict[str, Any]:
+    """Direct (one engine) and through the gateway (two engines), alternated `repeats`
+    times in one run, with every process's CPU per request."""
     procs: list[Proc] = []
     try:
         engines = [launch(f"tp-engine{i}", engine_args(time_scale=0.0), workdir) for i in range(2)]
         procs += engines
         gw = _gateway(engines, workdir, "tp-gateway", router)
         procs.append(gw)
-        direct = _load(engines[0].url, n, concurrency=64, stream=False, max_tokens=1)
-        cpu0 = _cpu_s(gw.popen.pid)
-        via = _load(gw.url, n, concurrency=64, stream=False, max_tokens=1, warmup=0)
-        # what the gateway itself spends per routed request, whatever else runs
-        via["gateway_cpu_ms_per_request"] = (_cpu_s(gw.popen.pid) - cpu0) * 1000 / n
-        return {"direct (1 engine)": direct, "gateway (2 engines)": via}
+        pids = {"loadgen": os.getpid(), "gateway": gw.popen.pid}
+        pids.update({f"engine{i}": e.popen.pid for i, e in enumerate(engines)})
+        _load(gw.url, 200, concurrency=64, stream=False, max_tokens=1, warmup=0)  # warm up
+        out: dict[str, list[dict[str, Any]]] = {"direct (1 engine)": [], "gateway (2 engines)": []}
+        for _ in range(repeats):
+            for name, url in (
+                ("direct (1 engine)", engines[0].url),
+                ("gateway (2 engines)", gw.url),
+            ):
+                result, cpu = _cpu_ms_per_request(
+                    pids,
+                    n,
+                    lambda u=url: _load(u, n, concurrency=64, stream=False, max_tokens=1, warmup=0),
+                )
+                result["cpu_ms_per_request"] = cpu
+                out[name].append(result)
+        return {"runs": out, "load_average": os.getloadavg()}
     finally:
         for p in procs:
             p.kill()
@@ -265,22 +288,30 @@ def main(argv: list[str] | None = None) -> int:
             f" route): p50 {pre['p50']:.0f} us, p90 {pre['p90']:.0f} us, p99 {pre['p99']:.0f} us"
         )
     if "throughput" in out:
-        t = Table(title="2. non-streaming requests/s (max_tokens 1, concurrency 64)")
+        runs = out["throughput"]["runs"]
+        names = list(next(iter(runs.values()))[0]["cpu_ms_per_request"])
+        t = Table(title="2. non-streaming requests/s (max_tokens 1, concurrency 64), alternated")
         for c in ("target", "req/s", "e2e p50 ms", "e2e p99 ms", "errors"):
             t.add_column(c, justify="right")
-        for name, r in out["throughput"].items():
-            t.add_row(
-                name,
-                f"{r['req_per_s']:.0f}",
-                f"{r['e2e_ms_p50']:.2f}",
-                f"{r['e2e_ms_p99']:.2f}",
-                str(r["errors"]),
-            )
+        for c in names:
+            t.add_column(f"{c} CPU ms/req", justify="right")
+        for name, results in runs.items():
+            for r in results:
+                cpu = r["cpu_ms_per_request"]
+                t.add_row(
+                    name,
+                    f"{r['req_per_s']:.0f}",
+                    f"{r['e2e_ms_p50']:.2f}",
+                    f"{r['e2e_ms_p99']:.2f}",
+                    str(r["errors"]),
+                    *(f"{cpu[c]:.3f}" for c in names),
+                )
         console.print(t)
-        cpu = out["throughput"]["gateway (2 engines)"]["gateway_cpu_ms_per_request"]
+        gw_cpu = [r["cpu_ms_per_request"]["gateway"] for r in runs["gateway (2 engines)"]]
         console.print(
-            f"   gateway CPU per routed request: {cpu:.3f} ms "
-            f"(= {1000 / cpu:.0f} req/s per fully available core)"
+            f"   gateway CPU per routed request: {min(gw_cpu):.3f}-{max(gw_cpu):.3f} ms "
+            f"(= {1000 / max(gw_cpu):.0f}-{1000 / min(gw_cpu):.0f} req/s per free core); "
+            "load average %.2f %.2f %.2f" % tuple(out["throughput"]["load_average"])
         )
     if "ingest" in out:
         t = Table(title="3. routing latency in the gateway while ingesting KV events")
