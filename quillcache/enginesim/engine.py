@@ -46,6 +46,8 @@ class EngineConfig:
     time_scale: float = 1.0
     cost: CostModelConfig | None = None  # None: the cost model's defaults
     lora_modules: list[str] = field(default_factory=list)
+    # (TTFT, ITL) seconds for every request, bypassing the model (see `_fixed`)
+    fixed_latency_s: tuple[float, float] | None = None
 
 
 @dataclass
@@ -158,6 +160,10 @@ class SimEngine:
     ) -> AsyncIterator[int]:
         """Yield `max_tokens` generated ids as the engine produces them; closing the
         generator early aborts the request and frees its blocks."""
+        if self.config.fixed_latency_s is not None:
+            async for token in self._fixed(len(prompt), max_tokens, next_token, on_admitted):
+                yield token
+            return
         req = self._request(prompt, max_tokens, salt, lora)
         self.requests_total += 1
         stream = _Stream(self.model.enqueue(req), asyncio.Queue(), on_admitted=on_admitted)
@@ -179,6 +185,26 @@ class SimEngine:
             if not stream.finished:
                 self._abort(stream)
             self._streams.pop(req.rid, None)
+
+    async def _fixed(
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        next_token: Callable[[int], int],
+        on_admitted: Callable[[Admission], None] | None,
+    ) -> AsyncIterator[int]:
+        """A steady upstream: the same latency for every request whatever the load (no
+        queueing, no batching, no cache, no events), so that a proxy in front of it is
+        the only difference between two runs."""
+        ttft_s, itl_s = self.config.fixed_latency_s or (0.0, 0.0)
+        self.requests_total += 1
+        if on_admitted is not None:
+            on_admitted(Admission(prompt_tokens, 0))
+        await asyncio.sleep(ttft_s)
+        for i in range(max_tokens):
+            if i:
+                await asyncio.sleep(itl_s)
+            yield next_token(i)
 
     def _abort(self, stream: _Stream) -> None:
         """The client went away: drop the request from the scheduler, free its blocks."""

@@ -18,11 +18,12 @@ import collections
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 import aiohttp
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
@@ -40,7 +41,7 @@ async def relay_stream(
     on_end: Callable[[BaseException | None], None],
     on_cached_tokens: Callable[[int], None] | None = None,
     relay_samples: collections.deque[float] | None = None,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """Yield the upstream body as it arrives; always close upstream and call `on_end`.
     `on_cached_tokens` gets the usage chunk's cached_tokens (`stream_options.include_usage`)."""
     first = True
@@ -116,12 +117,62 @@ def passthrough_response(
     return Response(content, status_code=resp.status, headers=headers)
 
 
+class RelayResponse:
+    """An ASGI response that relays `stream` chunk by chunk, and stops it (closing the
+    upstream) as soon as the client disconnects.
+
+    Starlette's StreamingResponse does the same under ASGI spec < 2.4 (uvicorn says 2.3)
+    with an anyio task group per response: ~8% of the gateway's CPU at 64 streams
+    (py-spy); here it is one watcher task."""
+
+    def __init__(
+        self, status_code: int, headers: dict[str, str], stream: AsyncGenerator[bytes, None]
+    ) -> None:
+        self.status_code = status_code
+        self.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        self.stream = stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        relay = asyncio.current_task()
+        assert relay is not None
+        client_left = finished = False
+
+        async def watch() -> None:
+            nonlocal client_left
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not finished:
+                client_left = True
+                relay.cancel()
+
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        watcher = asyncio.ensure_future(watch())
+        try:
+            async for chunk in self.stream:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            finished = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not client_left:
+                raise  # cancelled for another reason: propagate
+            relay.uncancel()
+        finally:
+            finished = True
+            watcher.cancel()
+            await self.stream.aclose()  # upstream closed (or released) and on_end called
+
+
 def streaming_response(
-    resp: aiohttp.ClientResponse, stream: AsyncIterator[bytes], extra: dict[str, str]
-) -> StreamingResponse:
-    headers = {"cache-control": "no-cache", **extra}
-    media = resp.headers.get("content-type", "text/event-stream")
-    return StreamingResponse(stream, status_code=resp.status, headers=headers, media_type=media)
+    resp: aiohttp.ClientResponse, stream: AsyncGenerator[bytes, None], extra: dict[str, str]
+) -> RelayResponse:
+    headers = {
+        "content-type": resp.headers.get("content-type", "text/event-stream"),
+        "cache-control": "no-cache",
+        **extra,
+    }
+    return RelayResponse(resp.status, headers, stream)
 
 
 def usage_cached_tokens(content: bytes) -> int | None:

@@ -3,12 +3,17 @@
     python -m quillcache.loadgen.bench_online [--json out.json]
 
 1. overhead: one engine simulator called directly vs through the gateway (the same
-   engine behind it), 64 concurrent streams: the added TTFT / end-to-end latency;
+   engine behind it), 64 concurrent streams, alternated: the added TTFT / end-to-end
+   latency;
 2. throughput: routed non-streaming requests/s through the gateway (2 engines with
-   `--time-scale 0`), next to one engine called directly;
+   `--time-scale 0`), alternated with one engine called directly, and each process's
+   CPU per request;
 3. ingest while serving: the gateway's routing latency (parse + tokenize + hash +
-   route, measured inside the gateway) with and without a third engine flooding it
-   with KV events, and the blocks/s it applied meanwhile.
+   route, measured inside the gateway) without and with a third engine flooding it
+   with KV events, alternated, and the blocks/s it applied meanwhile.
+
+Each phase alternates its two sides `--repeats` times in one run, so that the load of
+a shared machine falls on both.
 
 Every process is real (engine-sim, gateway) and on 127.0.0.1; the load generator is
 this process.
@@ -17,7 +22,6 @@ this process.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -28,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from quillcache.gateway.serve import run_loop
 from quillcache.loadgen.report import summarize
 from quillcache.loadgen.runner import RunConfig, run_load
 from quillcache.loadgen.workload import synthetic
@@ -50,8 +55,8 @@ def _load(
         n + warmup, prefixes=16, prefix_chars=512, suffix_chars=64, max_tokens=max_tokens, seed=seed
     )
     cfg = RunConfig(url=url, concurrency=concurrency, stream=stream)
-    asyncio.run(run_load(cfg, reqs[:warmup]))
-    samples, wall = asyncio.run(run_load(cfg, reqs[warmup:]))
+    run_loop(run_load(cfg, reqs[:warmup]))
+    samples, wall = run_loop(run_load(cfg, reqs[warmup:]))
     return summarize(samples, wall)
 
 
@@ -76,43 +81,60 @@ def _metric(url: str, name: str) -> float:
 
 
 def overhead(
-    workdir: Path, n: int, router: str, time_scale: float = 1.0, together: bool = False
+    workdir: Path, n: int, router: str, engine: str = "fixed:100,25", repeats: int = 3
 ) -> dict[str, Any]:
-    """Two identical fresh engines, one called directly, one through the gateway, with the
-    same workload (64 streams): one after the other (default), or both at once
-    (`together`: machine noise hits both sides alike, but the load doubles)."""
+    """One engine simulator, called directly and through the gateway (the same engine
+    behind it), alternated `repeats` times with the same 64-stream workload; the engine's
+    prefix cache is reset before every run so that each starts cold. Returns each pair
+    and the median of the added latencies.
+
+    `engine` "fixed:TTFT,ITL" (ms): every request takes exactly that upstream, so the
+    gateway is the only difference between the two sides; "model:SCALE": the engine
+    model at that time scale, where 64 streams queue and batch differently from run to
+    run (tens of ms of noise, more than the effect measured)."""
+    kind, _, value = engine.partition(":")
+    if kind == "fixed":
+        args = engine_args(extra=["--fixed-latency-ms", value or "100,25"])
+    elif kind == "model":
+        args = engine_args(time_scale=float(value or 1.0))
+    else:
+        raise ValueError(f"--overhead-engine: 'fixed:TTFT,ITL' or 'model:SCALE', not {engine!r}")
     procs: list[Proc] = []
     try:
-        engines = [
-            launch(f"ov-engine{i}", engine_args(time_scale=time_scale), workdir) for i in range(2)
-        ]
-        procs += engines
-        gw = _gateway([engines[1]], workdir, "ov-gateway", router)
+        upstream = launch("ov-engine", args, workdir)
+        procs.append(upstream)
+        gw = _gateway([upstream], workdir, "ov-gateway", router)
         procs.append(gw)
         reqs = synthetic(n, prefixes=16, prefix_chars=512, suffix_chars=64, max_tokens=16)
-        direct_cfg = RunConfig(url=engines[0].url, concurrency=64)
-        gateway_cfg = RunConfig(url=gw.url, concurrency=64)
+        admin = {"authorization": f"Bearer {ADMIN}"}
 
-        async def both() -> list[tuple[list[Any], float]]:
-            return await asyncio.gather(run_load(direct_cfg, reqs), run_load(gateway_cfg, reqs))
+        def one(url: str) -> dict[str, Any]:
+            httpx.post(upstream.url + "/reset_prefix_cache").raise_for_status()
+            samples, wall = run_loop(run_load(RunConfig(url=url, concurrency=64), reqs))
+            return summarize(samples, wall)
 
-        if together:
-            (d, dw), (g, gw_wall) = asyncio.run(both())
-        else:
-            d, dw = asyncio.run(run_load(direct_cfg, reqs))
-            g, gw_wall = asyncio.run(run_load(gateway_cfg, reqs))
-        info = httpx.get(gw.url + "/admin/index", headers={"authorization": f"Bearer {ADMIN}"})
+        pairs = []
+        httpx.get(gw.url + "/admin/index?reset_latency=1", headers=admin)
+        for _ in range(repeats):
+            pairs.append({"direct": one(upstream.url), "gateway": one(gw.url)})
+        info = httpx.get(gw.url + "/admin/index", headers=admin).json()
+        added = {
+            k: sorted(p["gateway"][k] - p["direct"][k] for p in pairs) for k in OVERHEAD_METRICS
+        }
         return {
-            "direct": summarize(d, dw),
-            "gateway": summarize(g, gw_wall),
-            "time_scale": time_scale,
-            "together": together,
-            "pre_upstream_us": info.json()["pre_upstream_us"],
-            "relay_chunk_us": info.json()["relay_chunk_us"],
+            "pairs": pairs,
+            "added_median": {k: v[len(v) // 2] for k, v in added.items()},
+            "engine": engine,
+            "pre_upstream_us": info["pre_upstream_us"],
+            "relay_chunk_us": info["relay_chunk_us"],
+            "load_average": os.getloadavg(),
         }
     finally:
         for p in procs:
             p.kill()
+
+
+OVERHEAD_METRICS = ("ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p50", "e2e_ms_p99", "req_per_s")
 
 
 def _cpu_s(pid: int) -> float:
@@ -162,7 +184,12 @@ def throughput(workdir: Path, n: int, router: str, repeats: int = 2) -> dict[str
             p.kill()
 
 
-def ingest_while_serving(workdir: Path, n: int, router: str, blocks_per_s: float) -> dict[str, Any]:
+def ingest_while_serving(
+    workdir: Path, n: int, router: str, blocks_per_s: float, repeats: int = 3
+) -> dict[str, Any]:
+    """Routing latency inside the gateway without and with an event flood, alternated
+    `repeats` times in one run (quiet, flood, quiet, flood, ...), so that machine noise
+    falls on both sides; the added p99 of each pair and their median."""
     procs: list[Proc] = []
     admin = {"authorization": f"Bearer {ADMIN}"}
     try:
@@ -184,18 +211,31 @@ def ingest_while_serving(workdir: Path, n: int, router: str, blocks_per_s: float
                     json={"blocks_per_s": blocks_per_s, "seconds": 600},
                 )
                 r.raise_for_status()
-            result = _load(gw.url, n, concurrency=16, stream=False, max_tokens=4, warmup=20)
+            try:
+                result = _load(gw.url, n, concurrency=16, stream=False, max_tokens=4, warmup=20)
+            finally:
+                if flood:
+                    httpx.delete(flooder.url + "/debug/flood").raise_for_status()
             wall = time.perf_counter() - t0
             stored = _metric(gw.url, "quillcache_kv_blocks_stored_total") - stored0
             info = httpx.get(gw.url + "/admin/index", headers=admin).json()
             result["route_latency_us"] = info["route_latency_us"]
             result["blocks_applied_per_s"] = stored / wall
             result["ingest"] = info["ingest"]
+            time.sleep(1.0)  # let the ingest queue drain before the next phase
             return result
 
-        quiet = phase(False)
-        flooded = phase(True)
-        return {"no flood": quiet, "flood": flooded}
+        pairs = [{"no flood": phase(False), "flood": phase(True)} for _ in range(repeats)]
+        added = sorted(
+            p["flood"]["route_latency_us"]["p99"] - p["no flood"]["route_latency_us"]["p99"]
+            for p in pairs
+        )
+        return {
+            "pairs": pairs,
+            "added_p99_us": added,
+            "median_added_p99_us": added[len(added) // 2],
+            "load_average": os.getloadavg(),
+        }
     finally:
         for p in procs:
             p.kill()
@@ -219,7 +259,7 @@ def routers(workdir: Path, n: int, names: list[str]) -> dict[str, Any]:
                 n, prefixes=32, prefix_chars=1000, suffix_chars=48, max_tokens=8, seed=7
             )
             cfg = RunConfig(url=gw.url, concurrency=32, stream=True)
-            samples, wall = asyncio.run(run_load(cfg, reqs))
+            samples, wall = run_loop(run_load(cfg, reqs))
             out[name] = summarize(samples, wall)
         finally:
             for p in procs:
@@ -241,11 +281,13 @@ def main(argv: list[str] | None = None) -> int:
         help="routers for the comparison phase, comma-separated",
     )
     parser.add_argument(
-        "--overhead-together",
-        action="store_true",
-        help="load the direct engine and the gateway at the same time",
+        "--overhead-engine",
+        default="fixed:100,25",
+        help="'fixed:TTFT,ITL' (ms, a steady upstream) or 'model:SCALE' (the engine model)",
     )
-    parser.add_argument("--overhead-time-scale", type=float, default=1.0)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="alternations of the throughput and ingest phases"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     from rich.console import Console
@@ -256,36 +298,51 @@ def main(argv: list[str] | None = None) -> int:
         wd = Path(tmp)
         if args.only in (None, "overhead"):
             out["overhead"] = overhead(
-                wd, args.requests, args.router, args.overhead_time_scale, args.overhead_together
+                wd, args.requests, args.router, args.overhead_engine, args.repeats
             )
         if args.only in (None, "throughput"):
-            out["throughput"] = throughput(wd, args.requests, args.router)
+            out["throughput"] = throughput(wd, args.requests, args.router, args.repeats)
         if args.only in (None, "ingest"):
             out["ingest"] = ingest_while_serving(
-                wd, args.requests // 2, args.router, args.flood_blocks_per_s
+                wd, args.requests // 2, args.router, args.flood_blocks_per_s, args.repeats
             )
         if args.only in (None, "routers"):
             out["routers"] = routers(wd, min(args.requests, 800), args.compare.split(","))
     console = Console()
     if "overhead" in out:
-        d, g = out["overhead"]["direct"], out["overhead"]["gateway"]
-        how = "at once" if out["overhead"]["together"] else "one after the other"
-        t = Table(title=f"1. gateway overhead: 64 streams direct, 64 via the gateway, {how}")
-        for c in ("metric", "direct", "gateway", "added"):
+        ov = out["overhead"]
+        t = Table(
+            title="1. gateway overhead: one engine, 64 streams, direct vs through the gateway, "
+            f"alternated (engine {ov['engine']})"
+        )
+        for c in (
+            "metric",
+            *(f"{i + 1}: direct / gateway / added" for i in range(len(ov["pairs"]))),
+            "median added",
+        ):
             t.add_column(c, justify="right")
-        for k in ("ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p50", "e2e_ms_p99", "req_per_s"):
-            t.add_row(k, f"{d[k]:.2f}", f"{g[k]:.2f}", f"{g[k] - d[k]:+.2f}")
-        t.add_row("errors", str(d["errors"]), str(g["errors"]), "")
+        for k in OVERHEAD_METRICS:
+            cells = [
+                f"{p['direct'][k]:.2f} / {p['gateway'][k]:.2f} / "
+                f"{p['gateway'][k] - p['direct'][k]:+.2f}"
+                for p in ov["pairs"]
+            ]
+            t.add_row(k, *cells, f"{ov['added_median'][k]:+.2f}")
+        t.add_row(
+            "errors",
+            *(f"{p['direct']['errors']} / {p['gateway']['errors']}" for p in ov["pairs"]),
+            "",
+        )
         console.print(t)
-        pre = out["overhead"]["pre_upstream_us"]
-        relay = out["overhead"]["relay_chunk_us"]
+        pre, relay = ov["pre_upstream_us"], ov["relay_chunk_us"]
         console.print(
             "   inside the gateway, upstream chunk in -> written to the client: "
             f"p50 {relay['p50']:.0f} us, p90 {relay['p90']:.0f} us, p99 {relay['p99']:.0f} us"
         )
         console.print(
             "   inside the gateway, request in -> upstream request out (parse, tokenize, hash,"
-            f" route): p50 {pre['p50']:.0f} us, p90 {pre['p90']:.0f} us, p99 {pre['p99']:.0f} us"
+            f" route): p50 {pre['p50']:.0f} us, p90 {pre['p90']:.0f} us, p99 {pre['p99']:.0f} us;"
+            " load average %.2f %.2f %.2f" % tuple(ov["load_average"])
         )
     if "throughput" in out:
         runs = out["throughput"]["runs"]
@@ -314,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
             "load average %.2f %.2f %.2f" % tuple(out["throughput"]["load_average"])
         )
     if "ingest" in out:
-        t = Table(title="3. routing latency in the gateway while ingesting KV events")
+        ing = out["ingest"]
+        t = Table(title="3. routing latency in the gateway while ingesting KV events, alternated")
         for c in (
             "phase",
             "blocks applied/s",
@@ -325,18 +383,25 @@ def main(argv: list[str] | None = None) -> int:
             "errors",
         ):
             t.add_column(c, justify="right")
-        for name, r in out["ingest"].items():
-            lat = r["route_latency_us"]
-            t.add_row(
-                name,
-                f"{r['blocks_applied_per_s']:.0f}",
-                f"{lat.get('p50', 0):.0f}",
-                f"{lat.get('p99', 0):.0f}",
-                f"{r['req_per_s']:.0f}",
-                str(r["ingest"]["dropped"]),
-                str(r["errors"]),
-            )
+        for i, pair in enumerate(ing["pairs"]):
+            for name, r in pair.items():
+                lat = r["route_latency_us"]
+                t.add_row(
+                    f"{i + 1}: {name}",
+                    f"{r['blocks_applied_per_s']:.0f}",
+                    f"{lat.get('p50', 0):.0f}",
+                    f"{lat.get('p99', 0):.0f}",
+                    f"{r['req_per_s']:.0f}",
+                    str(r["ingest"]["dropped"]),
+                    str(r["errors"]),
+                )
         console.print(t)
+        console.print(
+            "   route p99 added by the flood, per pair: "
+            + ", ".join(f"{a:+.0f} us" for a in ing["added_p99_us"])
+            + f"; median {ing['median_added_p99_us']:+.0f} us; "
+            "load average %.2f %.2f %.2f" % tuple(ing["load_average"])
+        )
     if "routers" in out:
         t = Table(title="4. routers end to end: 4 engine simulators (512 blocks each), 32 prefixes")
         for c in (
