@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import re
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
@@ -26,7 +25,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
-_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 
 def sse_error(message: str) -> bytes:
@@ -176,10 +174,21 @@ def streaming_response(
 
 
 def usage_cached_tokens(content: bytes) -> int | None:
-    """usage.prompt_tokens_details.cached_tokens of a JSON completion or an SSE chunk.
+    """usage.prompt_tokens_details.cached_tokens of a JSON completion or of the usage
+    event in an SSE chunk, if present (a byte check first: most chunks have no usage)."""
+    if b'"cached_tokens"' not in content:
+        return None
+    if content.startswith(b"data: "):
+        for line in content.split(b"\n"):
+            if line.startswith(b"data: ") and b'"cached_tokens"' in line:
+                return _cached_tokens_of(line[6:])
+        return None
+    return _cached_tokens_of(content)
 
-    A byte search instead of parsing the whole answer on every request: in valid JSON,
-    `"cached_tokens"` followed by a colon can only be that key (inside a string value its
-    quotes would be escaped)."""
-    found = _CACHED_TOKENS.search(content)
-    return int(found.group(1)) if found else None
+
+def _cached_tokens_of(content: bytes) -> int | None:
+    try:
+        data: Any = json.loads(content)
+        return int(data["usage"]["prompt_tokens_details"]["cached_tokens"])
+    except (ValueError, KeyError, TypeError):
+        return None
