@@ -26,8 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fixed-latency-ms",
         default=None,
         metavar="TTFT,ITL",
-        help="every request takes exactly this (first token, then each next token), whatever "
-        "the load: a steady upstream for measuring a proxy's overhead (no cache, no events)",
+        help="a steady upstream for measuring a proxy's overhead: each request takes this "
+        "(first token, then each next token) times a factor in [1, 2) fixed by its prompt, "
+        "whatever the load (no model, no cache, no events)",
     )
     a("--cost-config", default=None, help="cost model JSON/YAML (default: 8B model on A100)")
     a(

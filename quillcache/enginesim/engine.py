@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
+import xxhash
 
 from quillcache.costmodel import CostModel, CostModelConfig
 from quillcache.events.encode import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
@@ -161,7 +162,7 @@ class SimEngine:
         """Yield `max_tokens` generated ids as the engine produces them; closing the
         generator early aborts the request and frees its blocks."""
         if self.config.fixed_latency_s is not None:
-            async for token in self._fixed(len(prompt), max_tokens, next_token, on_admitted):
+            async for token in self._fixed(prompt, max_tokens, next_token, on_admitted):
                 yield token
             return
         req = self._request(prompt, max_tokens, salt, lora)
@@ -188,18 +189,25 @@ class SimEngine:
 
     async def _fixed(
         self,
-        prompt_tokens: int,
+        prompt: Sequence[int],
         max_tokens: int,
         next_token: Callable[[int], int],
         on_admitted: Callable[[Admission], None] | None,
     ) -> AsyncIterator[int]:
-        """A steady upstream: the same latency for every request whatever the load (no
-        queueing, no batching, no cache, no events), so that a proxy in front of it is
-        the only difference between two runs."""
+        """A steady upstream: a request's latency depends on its prompt only, never on
+        the load (no queueing, no batching, no cache, no events), so that a proxy in
+        front of it is the only difference between two runs of the same workload.
+
+        Each prompt gets the configured TTFT and ITL times a factor in [1, 2) drawn from
+        its hash: concurrent clients would otherwise move in lockstep (all 64 streams
+        asking, and then relaying a token, in the same millisecond)."""
         ttft_s, itl_s = self.config.fixed_latency_s or (0.0, 0.0)
+        digest = xxhash.xxh3_64_intdigest(np.asarray(prompt, dtype=np.uint32).tobytes())
+        factor = 1.0 + digest / 2**64
+        ttft_s, itl_s = ttft_s * factor, itl_s * factor
         self.requests_total += 1
         if on_admitted is not None:
-            on_admitted(Admission(prompt_tokens, 0))
+            on_admitted(Admission(len(prompt), 0))
         await asyncio.sleep(ttft_s)
         for i in range(max_tokens):
             if i:

@@ -60,16 +60,17 @@ def _load(
     return summarize(samples, wall)
 
 
-def _gateway(engines: list[Proc], workdir: Path, name: str, router: str) -> Proc:
+def _gateway(
+    engines: list[Proc], workdir: Path, name: str, router: str, tree: Path | None = None
+) -> Proc:
     cfg = workdir / f"{name}.json"
     cfg.write_text(
         json.dumps(
             {"tokenizer": "builtin", "admin_token": ADMIN, "router": router, "log_level": "error"}
         )
     )
-    return launch(
-        name, gateway_args([e.url for e in engines], extra=["--config", str(cfg)]), workdir
-    )
+    args = gateway_args([e.url for e in engines], extra=["--config", str(cfg)])
+    return launch(name, args, workdir, tree=tree)
 
 
 def _metric(url: str, name: str) -> float:
@@ -81,12 +82,18 @@ def _metric(url: str, name: str) -> float:
 
 
 def overhead(
-    workdir: Path, n: int, router: str, engine: str = "fixed:100,25", repeats: int = 3
+    workdir: Path,
+    n: int,
+    router: str,
+    engine: str = "fixed:100,25",
+    repeats: int = 3,
+    baseline: Path | None = None,
 ) -> dict[str, Any]:
     """One engine simulator, called directly and through the gateway (the same engine
     behind it), alternated `repeats` times with the same 64-stream workload; the engine's
-    prefix cache is reset before every run so that each starts cold. Returns each pair
-    and the median of the added latencies.
+    prefix cache is reset before every run so that each starts cold. Returns every run,
+    each process's CPU per request, and the median of the added latencies. `baseline`:
+    a source tree whose gateway runs as a third side (before vs after).
 
     `engine` "fixed:TTFT,ITL" (ms): every request takes exactly that upstream, so the
     gateway is the only difference between the two sides; "model:SCALE": the engine
@@ -103,8 +110,14 @@ def overhead(
     try:
         upstream = launch("ov-engine", args, workdir)
         procs.append(upstream)
-        gw = _gateway([upstream], workdir, "ov-gateway", router)
-        procs.append(gw)
+        sides = {"direct": upstream, "gateway": _gateway([upstream], workdir, "ov-gateway", router)}
+        if baseline is not None:
+            sides["baseline gateway"] = _gateway(
+                [upstream], workdir, "ov-baseline", router, baseline
+            )
+        procs += list(sides.values())[1:]
+        pids = {"loadgen": os.getpid(), "engine": upstream.popen.pid}
+        pids.update({name: p.popen.pid for name, p in sides.items() if name != "direct"})
         reqs = synthetic(n, prefixes=16, prefix_chars=512, suffix_chars=64, max_tokens=16)
         admin = {"authorization": f"Bearer {ADMIN}"}
 
@@ -113,17 +126,25 @@ def overhead(
             samples, wall = run_loop(run_load(RunConfig(url=url, concurrency=64), reqs))
             return summarize(samples, wall)
 
-        pairs = []
-        httpx.get(gw.url + "/admin/index?reset_latency=1", headers=admin)
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+        httpx.get(sides["gateway"].url + "/admin/index?reset_latency=1", headers=admin)
         for _ in range(repeats):
-            pairs.append({"direct": one(upstream.url), "gateway": one(gw.url)})
-        info = httpx.get(gw.url + "/admin/index", headers=admin).json()
+            for name, proc in sides.items():
+                result, cpu = _cpu_ms_per_request(pids, n, lambda u=proc.url: one(u))
+                result["cpu_ms_per_request"] = cpu
+                runs[name].append(result)
+        info = httpx.get(sides["gateway"].url + "/admin/index", headers=admin).json()
         added = {
-            k: sorted(p["gateway"][k] - p["direct"][k] for p in pairs) for k in OVERHEAD_METRICS
+            side: {
+                k: _median([g[k] - d[k] for g, d in zip(runs[side], runs["direct"], strict=True)])
+                for k in OVERHEAD_METRICS
+            }
+            for side in runs
+            if side != "direct"
         }
         return {
-            "pairs": pairs,
-            "added_median": {k: v[len(v) // 2] for k, v in added.items()},
+            "runs": runs,
+            "added_median": added,
             "engine": engine,
             "pre_upstream_us": info["pre_upstream_us"],
             "relay_chunk_us": info["relay_chunk_us"],
@@ -132,6 +153,11 @@ def overhead(
     finally:
         for p in procs:
             p.kill()
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
 OVERHEAD_METRICS = ("ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p50", "e2e_ms_p99", "req_per_s")
@@ -153,32 +179,43 @@ def _cpu_ms_per_request(
     return result, {name: (_cpu_s(pid) - before[name]) * 1000 / n for name, pid in pids.items()}
 
 
-def throughput(workdir: Path, n: int, router: str, repeats: int = 2) -> dict[str, Any]:
+def throughput(
+    workdir: Path, n: int, router: str, repeats: int = 2, baseline: Path | None = None
+) -> dict[str, Any]:
     """Direct (one engine) and through the gateway (two engines), alternated `repeats`
-    times in one run, with every process's CPU per request."""
+    times in one run, with every process's CPU per request; `baseline`: a source tree
+    whose gateway runs over the same engines as a third side (before vs after)."""
     procs: list[Proc] = []
     try:
         engines = [launch(f"tp-engine{i}", engine_args(time_scale=0.0), workdir) for i in range(2)]
         procs += engines
-        gw = _gateway(engines, workdir, "tp-gateway", router)
-        procs.append(gw)
-        pids = {"loadgen": os.getpid(), "gateway": gw.popen.pid}
+        sides = {
+            "direct (1 engine)": engines[0],
+            "gateway (2 engines)": _gateway(engines, workdir, "tp-gateway", router),
+        }
+        if baseline is not None:
+            sides["baseline gateway (2 engines)"] = _gateway(
+                engines, workdir, "tp-baseline", router, baseline
+            )
+        procs += list(sides.values())[1:]
+        pids = {"loadgen": os.getpid()}
         pids.update({f"engine{i}": e.popen.pid for i, e in enumerate(engines)})
-        _load(gw.url, 200, concurrency=64, stream=False, max_tokens=1, warmup=0)  # warm up
-        out: dict[str, list[dict[str, Any]]] = {"direct (1 engine)": [], "gateway (2 engines)": []}
+        pids.update({name.split(" (")[0]: p.popen.pid for name, p in list(sides.items())[1:]})
+        for proc in sides.values():  # warm up (connections, caches)
+            _load(proc.url, 200, concurrency=64, stream=False, max_tokens=1, warmup=0)
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
         for _ in range(repeats):
-            for name, url in (
-                ("direct (1 engine)", engines[0].url),
-                ("gateway (2 engines)", gw.url),
-            ):
+            for name, proc in sides.items():
                 result, cpu = _cpu_ms_per_request(
                     pids,
                     n,
-                    lambda u=url: _load(u, n, concurrency=64, stream=False, max_tokens=1, warmup=0),
+                    lambda u=proc.url: _load(
+                        u, n, concurrency=64, stream=False, max_tokens=1, warmup=0
+                    ),
                 )
                 result["cpu_ms_per_request"] = cpu
-                out[name].append(result)
-        return {"runs": out, "load_average": os.getloadavg()}
+                runs[name].append(result)
+        return {"runs": runs, "load_average": os.getloadavg()}
     finally:
         for p in procs:
             p.kill()
@@ -267,6 +304,79 @@ def routers(workdir: Path, n: int, names: list[str]) -> dict[str, Any]:
     return out
 
 
+def _load_average(phase: dict[str, Any]) -> str:
+    return " ".join(f"{v:.2f}" for v in phase["load_average"])
+
+
+def _print_overhead(console: Any, ov: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    t = Table(
+        title=f"1. gateway overhead: one engine ({ov['engine']}), 64 streams, 16 tokens each, "
+        "direct vs through the gateway, alternated"
+    )
+    cpu_names = list(next(iter(ov["runs"].values()))[0]["cpu_ms_per_request"])
+    for c in ("run", *OVERHEAD_METRICS, "errors", *(f"{c} CPU ms/req" for c in cpu_names)):
+        t.add_column(c, justify="right")
+    repeats = len(ov["runs"]["direct"])
+    for i in range(repeats):
+        for side, results in ov["runs"].items():
+            r = results[i]
+            t.add_row(
+                f"{i + 1}: {side}",
+                *(f"{r[k]:.2f}" for k in OVERHEAD_METRICS),
+                str(r["errors"]),
+                *(f"{r['cpu_ms_per_request'][c]:.3f}" for c in cpu_names),
+            )
+    for side, added in ov["added_median"].items():
+        t.add_row(f"median added: {side}", *(f"{added[k]:+.2f}" for k in OVERHEAD_METRICS))
+    console.print(t)
+    pre, relay = ov["pre_upstream_us"], ov["relay_chunk_us"]
+    console.print(
+        "   inside the gateway, upstream chunk in -> written to the client: "
+        f"p50 {relay['p50']:.0f} us, p90 {relay['p90']:.0f} us, p99 {relay['p99']:.0f} us"
+    )
+    console.print(
+        "   inside the gateway, request in -> upstream request out (parse, tokenize, hash,"
+        f" route): p50 {pre['p50']:.0f} us, p90 {pre['p90']:.0f} us, p99 {pre['p99']:.0f} us;"
+        f" load average {_load_average(ov)}"
+    )
+
+
+def _print_throughput(console: Any, tp: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    runs = tp["runs"]
+    cpu_names = list(next(iter(runs.values()))[0]["cpu_ms_per_request"])
+    t = Table(title="2. non-streaming requests/s (max_tokens 1, concurrency 64), alternated")
+    for c in ("run", "req/s", "e2e p50 ms", "e2e p99 ms", "errors"):
+        t.add_column(c, justify="right")
+    for c in cpu_names:
+        t.add_column(f"{c} CPU ms/req", justify="right")
+    for i in range(len(next(iter(runs.values())))):
+        for name, results in runs.items():
+            r = results[i]
+            t.add_row(
+                f"{i + 1}: {name}",
+                f"{r['req_per_s']:.0f}",
+                f"{r['e2e_ms_p50']:.2f}",
+                f"{r['e2e_ms_p99']:.2f}",
+                str(r["errors"]),
+                *(f"{r['cpu_ms_per_request'][c]:.3f}" for c in cpu_names),
+            )
+    console.print(t)
+    for name, results in list(runs.items())[1:]:
+        key = name.split(" (")[0]
+        cpu = [r["cpu_ms_per_request"][key] for r in results]
+        rate = [r["req_per_s"] for r in results]
+        console.print(
+            f"   {key}: {min(rate):.0f}-{max(rate):.0f} req/s; its CPU per routed request "
+            f"{min(cpu):.3f}-{max(cpu):.3f} ms (= {1000 / max(cpu):.0f}-{1000 / min(cpu):.0f} "
+            "req/s per free core)"
+        )
+    console.print(f"   load average {_load_average(tp)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
@@ -288,6 +398,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeats", type=int, default=3, help="alternations of the throughput and ingest phases"
     )
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        default=None,
+        help="another quillcache source tree: its gateway runs as a third side (before/after)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     from rich.console import Console
@@ -298,78 +414,28 @@ def main(argv: list[str] | None = None) -> int:
         wd = Path(tmp)
         if args.only in (None, "overhead"):
             out["overhead"] = overhead(
-                wd, args.requests, args.router, args.overhead_engine, args.repeats
+                wd,
+                args.requests,
+                args.router,
+                args.overhead_engine,
+                args.repeats,
+                args.baseline_tree,
             )
         if args.only in (None, "throughput"):
-            out["throughput"] = throughput(wd, args.requests, args.router, args.repeats)
+            out["throughput"] = throughput(
+                wd, args.requests, args.router, args.repeats, args.baseline_tree
+            )
         if args.only in (None, "ingest"):
             out["ingest"] = ingest_while_serving(
                 wd, args.requests // 2, args.router, args.flood_blocks_per_s, args.repeats
             )
         if args.only in (None, "routers"):
             out["routers"] = routers(wd, min(args.requests, 800), args.compare.split(","))
-    console = Console()
+    console = Console(width=200)  # wide tables stay readable in a log file
     if "overhead" in out:
-        ov = out["overhead"]
-        t = Table(
-            title="1. gateway overhead: one engine, 64 streams, direct vs through the gateway, "
-            f"alternated (engine {ov['engine']})"
-        )
-        for c in (
-            "metric",
-            *(f"{i + 1}: direct / gateway / added" for i in range(len(ov["pairs"]))),
-            "median added",
-        ):
-            t.add_column(c, justify="right")
-        for k in OVERHEAD_METRICS:
-            cells = [
-                f"{p['direct'][k]:.2f} / {p['gateway'][k]:.2f} / "
-                f"{p['gateway'][k] - p['direct'][k]:+.2f}"
-                for p in ov["pairs"]
-            ]
-            t.add_row(k, *cells, f"{ov['added_median'][k]:+.2f}")
-        t.add_row(
-            "errors",
-            *(f"{p['direct']['errors']} / {p['gateway']['errors']}" for p in ov["pairs"]),
-            "",
-        )
-        console.print(t)
-        pre, relay = ov["pre_upstream_us"], ov["relay_chunk_us"]
-        console.print(
-            "   inside the gateway, upstream chunk in -> written to the client: "
-            f"p50 {relay['p50']:.0f} us, p90 {relay['p90']:.0f} us, p99 {relay['p99']:.0f} us"
-        )
-        console.print(
-            "   inside the gateway, request in -> upstream request out (parse, tokenize, hash,"
-            f" route): p50 {pre['p50']:.0f} us, p90 {pre['p90']:.0f} us, p99 {pre['p99']:.0f} us;"
-            " load average %.2f %.2f %.2f" % tuple(ov["load_average"])
-        )
+        _print_overhead(console, out["overhead"])
     if "throughput" in out:
-        runs = out["throughput"]["runs"]
-        names = list(next(iter(runs.values()))[0]["cpu_ms_per_request"])
-        t = Table(title="2. non-streaming requests/s (max_tokens 1, concurrency 64), alternated")
-        for c in ("target", "req/s", "e2e p50 ms", "e2e p99 ms", "errors"):
-            t.add_column(c, justify="right")
-        for c in names:
-            t.add_column(f"{c} CPU ms/req", justify="right")
-        for name, results in runs.items():
-            for r in results:
-                cpu = r["cpu_ms_per_request"]
-                t.add_row(
-                    name,
-                    f"{r['req_per_s']:.0f}",
-                    f"{r['e2e_ms_p50']:.2f}",
-                    f"{r['e2e_ms_p99']:.2f}",
-                    str(r["errors"]),
-                    *(f"{cpu[c]:.3f}" for c in names),
-                )
-        console.print(t)
-        gw_cpu = [r["cpu_ms_per_request"]["gateway"] for r in runs["gateway (2 engines)"]]
-        console.print(
-            f"   gateway CPU per routed request: {min(gw_cpu):.3f}-{max(gw_cpu):.3f} ms "
-            f"(= {1000 / max(gw_cpu):.0f}-{1000 / min(gw_cpu):.0f} req/s per free core); "
-            "load average %.2f %.2f %.2f" % tuple(out["throughput"]["load_average"])
-        )
+        _print_throughput(console, out["throughput"])
     if "ingest" in out:
         ing = out["ingest"]
         t = Table(title="3. routing latency in the gateway while ingesting KV events, alternated")
@@ -400,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
             "   route p99 added by the flood, per pair: "
             + ", ".join(f"{a:+.0f} us" for a in ing["added_p99_us"])
             + f"; median {ing['median_added_p99_us']:+.0f} us; "
-            "load average %.2f %.2f %.2f" % tuple(ing["load_average"])
+            f"load average {_load_average(ing)}"
         )
     if "routers" in out:
         t = Table(title="4. routers end to end: 4 engine simulators (512 blocks each), 32 prefixes")

@@ -72,7 +72,7 @@ def test_fixed_latency_engine_is_steady_under_concurrency(stack: Stack) -> None:
             runs = list(pool.map(lambda _, u=url: _stream_times(u, 4), range(16)))
         for times in runs:
             assert len(times) == 4
-            assert 0.4 <= times[0] < 5, times  # the client's 16 threads share busy cores
+            assert 0.4 <= times[0] < 5, times  # x [1, 2) per prompt; 16 client threads
             gaps = [b - a for a, b in itertools.pairwise(times)]
             assert all(0.09 <= g < 0.6 for g in gaps), gaps  # 1 ms timer rounding allowed
 
