@@ -146,7 +146,8 @@ class OpenAIEndpoints:
             raise ApiError(429, f"request not routed: {reason}", "RateLimitError")
         worker = gw.pool.get(decision.worker)  # type: ignore[arg-type]
         gw.metrics.decision(gw.router_name, decision.reason or "chosen", str(worker.id))
-        cached_blocks = decision.blocks_by_action()[Action.REUSE]
+        # (blocks_by_action builds a dict over the whole Action enum: 2% of the CPU here)
+        cached_blocks = sum(step.blocks for step in decision.plan if step.action == Action.REUSE)
         gw.metrics.predicted_hit_tokens.inc(min(cached_blocks * gw.cp.block_size, prompt_tokens))
         gw.metrics.prompt_tokens.inc(prompt_tokens)
         return worker
