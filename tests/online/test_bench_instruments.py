@@ -4,7 +4,6 @@ gateway reads from answers."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import subprocess
 import sys
@@ -71,10 +70,10 @@ def test_fixed_latency_engine_is_steady_under_concurrency(stack: Stack) -> None:
         with ThreadPoolExecutor(16) as pool:
             runs = list(pool.map(lambda _, u=url: _stream_times(u, 4), range(16)))
         for times in runs:
+            # lower bounds only: a busy client can read a chunk late, never early
             assert len(times) == 4
-            assert 0.4 <= times[0] < 5, times  # x [1, 2) per prompt; 16 client threads
-            gaps = [b - a for a, b in itertools.pairwise(times)]
-            assert all(0.09 <= g < 0.6 for g in gaps), gaps  # 1 ms timer rounding allowed
+            assert 0.4 <= times[0] < 5, times  # TTFT x [1, 2) per prompt
+            assert 0.7 <= times[-1] < 8, times  # + 3 ITL
 
 
 def test_fixed_latency_needs_two_numbers() -> None:
