@@ -235,12 +235,14 @@ def ingest_while_serving(
         procs += [*engines, flooder]
         gw = _gateway([*engines, flooder], workdir, "in-gateway", router)
         procs.append(gw)
+        pids = {"gateway": gw.popen.pid, "flooder": flooder.popen.pid}
         # the flooder only publishes events: no traffic for it
         httpx.post(gw.url + "/admin/workers/2/drain", headers=admin, json={"draining": True})
 
         def phase(flood: bool) -> dict[str, Any]:
             httpx.get(gw.url + "/admin/index?reset_latency=1", headers=admin)
             stored0 = _metric(gw.url, "quillcache_kv_blocks_stored_total")
+            cpu0 = {name: _cpu_s(pid) for name, pid in pids.items()}
             t0 = time.perf_counter()
             if flood:
                 r = httpx.post(
@@ -254,6 +256,8 @@ def ingest_while_serving(
                 if flood:
                     httpx.delete(flooder.url + "/debug/flood").raise_for_status()
             wall = time.perf_counter() - t0
+            # cores each process kept busy meanwhile: what the flood costs the gateway
+            result["cores_busy"] = {n: (_cpu_s(pid) - cpu0[n]) / wall for n, pid in pids.items()}
             stored = _metric(gw.url, "quillcache_kv_blocks_stored_total") - stored0
             info = httpx.get(gw.url + "/admin/index", headers=admin).json()
             result["route_latency_us"] = info["route_latency_us"]
@@ -447,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
             "req/s",
             "dropped",
             "errors",
+            "gateway cores busy",
+            "flooder cores busy",
         ):
             t.add_column(c, justify="right")
         for i, pair in enumerate(ing["pairs"]):
@@ -460,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['req_per_s']:.0f}",
                     str(r["ingest"]["dropped"]),
                     str(r["errors"]),
+                    f"{r['cores_busy']['gateway']:.2f}",
+                    f"{r['cores_busy']['flooder']:.2f}",
                 )
         console.print(t)
         console.print(
