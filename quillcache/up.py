@@ -56,8 +56,15 @@ class Proc:
             self.kill()
 
 
-def launch(name: str, args: Sequence[str], workdir: Path, timeout_s: float = 20.0) -> Proc:
-    """Start `python -m quillcache <args> --ready-file ...` and wait for its READY."""
+def launch(
+    name: str,
+    args: Sequence[str],
+    workdir: Path,
+    timeout_s: float = 20.0,
+    tree: Path | None = None,
+) -> Proc:
+    """Start `python -m quillcache <args> --ready-file ...` and wait for its READY.
+    `tree`: run the quillcache of that source tree instead (a baseline to compare with)."""
     ready_file = workdir / f"{name}.ready.json"
     log_path = workdir / f"{name}.log"
     ready_file.unlink(missing_ok=True)
@@ -66,7 +73,12 @@ def launch(name: str, args: Sequence[str], workdir: Path, timeout_s: float = 20.
         [sys.executable, "-m", "quillcache", *args, "--ready-file", str(ready_file)],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            **({"PYTHONPATH": str(tree)} if tree is not None else {}),
+        },
+        cwd=tree,  # `python -m` looks in the working directory first
     )
     log.close()
     deadline = time.monotonic() + timeout_s

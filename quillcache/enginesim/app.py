@@ -150,6 +150,7 @@ class EngineApp:
         self.healthy = True
         self.flood_blocks = 0
         self._flooding = False
+        self._flood_task: asyncio.Task[None] | None = None
         self._registry = CollectorRegistry(auto_describe=True)
         self._registry.register(_EngineCollector(self.ranks))  # type: ignore[arg-type]
         self.models = [config.model, *config.lora_modules]
@@ -247,9 +248,16 @@ class EngineApp:
 
     async def debug_flood(self, request: Request) -> Response:
         """Publish synthetic BlockStored/BlockRemoved batches at `blocks_per_s` for
-        `seconds` (an ingest load test of whoever subscribes; not part of vLLM)."""
+        `seconds` (an ingest load test of whoever subscribes; not part of vLLM). GET: the
+        count so far; DELETE: stop the running flood."""
         if request.method == "GET":
             return JSONResponse({"published_blocks": self.flood_blocks, "running": self._flooding})
+        if request.method == "DELETE":
+            task, stopped = self._flood_task, False
+            if task is not None and not task.done():
+                task.cancel()
+                stopped = True
+            return JSONResponse({"stopped": stopped, "published_blocks": self.flood_blocks})
         body = await _json(request)
         if isinstance(body, Response):
             return body
@@ -264,7 +272,7 @@ class EngineApp:
         if rate <= 0 or seconds <= 0 or not 1 <= batch <= 4096 or self._flooding:
             return error_response(400, "bad flood parameters, or a flood is already running")
         self._flooding = True
-        asyncio.get_running_loop().create_task(self._flood(rate, seconds, batch))
+        self._flood_task = asyncio.get_running_loop().create_task(self._flood(rate, seconds, batch))
         return JSONResponse({"started": True}, status_code=202)
 
     async def _flood(self, rate: float, seconds: float, batch: int) -> None:
@@ -437,7 +445,7 @@ class EngineApp:
             Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
             Route("/debug/drop_events", self.debug_drop_events, methods=["POST"]),
             Route("/debug/health", self.debug_health, methods=["POST"]),
-            Route("/debug/flood", self.debug_flood, methods=["GET", "POST"]),
+            Route("/debug/flood", self.debug_flood, methods=["GET", "POST", "DELETE"]),
         ]
         return Starlette(routes=routes)
 

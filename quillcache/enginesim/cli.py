@@ -22,6 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-num-seqs", type=int, default=256, help="requests running at once")
     a("--max-model-len", type=int, default=8192)
     a("--time-scale", type=float, default=1.0, help="multiplies every latency (0 = no waits)")
+    a(
+        "--fixed-latency-ms",
+        default=None,
+        metavar="TTFT,ITL",
+        help="a steady upstream for measuring a proxy's overhead: each request takes this "
+        "(first token, then each next token) times a factor in [1, 2) fixed by its prompt, "
+        "whatever the load (no model, no cache, no events)",
+    )
     a("--cost-config", default=None, help="cost model JSON/YAML (default: 8B model on A100)")
     a(
         "--kv-events-config",
@@ -68,9 +76,19 @@ def _rank_endpoint(endpoint: str, rank: int) -> str:
     return with_rank(endpoint, rank)
 
 
-def run(args: argparse.Namespace) -> int:
-    import asyncio
+def _fixed_latency(spec: str | None) -> tuple[float, float] | None:
+    if spec is None:
+        return None
+    try:
+        ttft, itl = (float(v) / 1000 for v in spec.split(","))
+    except ValueError:
+        raise ConfigError(f"--fixed-latency-ms wants 'TTFT,ITL' in ms, got {spec!r}") from None
+    if ttft < 0 or itl < 0:
+        raise ConfigError("--fixed-latency-ms: latencies must be >= 0")
+    return ttft, itl
 
+
+def run(args: argparse.Namespace) -> int:
     from quillcache.costmodel import CostModelConfig
     from quillcache.enginesim.app import EngineApp
     from quillcache.enginesim.engine import EngineConfig
@@ -81,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         kv = _kv_config(args.kv_events_config)
         tokenizer = load_tokenizer(args.tokenizer)
         cost = CostModelConfig.load(args.cost_config) if args.cost_config else None
+        fixed = _fixed_latency(args.fixed_latency_ms)
     except ConfigError as exc:
         print(f"engine-sim: {exc}", file=sys.stderr)
         return 2
@@ -93,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         time_scale=args.time_scale,
         cost=cost,
         lora_modules=list(args.lora_modules),
+        fixed_latency_s=fixed,
     )
     if args.data_parallel_size < 1:
         print("engine-sim: --data-parallel-size must be at least 1", file=sys.stderr)
@@ -125,8 +145,10 @@ def run(args: argparse.Namespace) -> int:
             app.starlette(), args.host, args.port, args.log_level, extra, args.ready_file
         )
 
+    from quillcache.gateway.serve import run_loop
+
     try:
-        asyncio.run(serve())
+        run_loop(serve())
     finally:
         for p in publishers:
             p.close()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
+import xxhash
 
 from quillcache.costmodel import CostModel, CostModelConfig
 from quillcache.events.encode import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
@@ -46,6 +47,8 @@ class EngineConfig:
     time_scale: float = 1.0
     cost: CostModelConfig | None = None  # None: the cost model's defaults
     lora_modules: list[str] = field(default_factory=list)
+    # (TTFT, ITL) seconds for every request, bypassing the model (see `_fixed`)
+    fixed_latency_s: tuple[float, float] | None = None
 
 
 @dataclass
@@ -158,6 +161,10 @@ class SimEngine:
     ) -> AsyncIterator[int]:
         """Yield `max_tokens` generated ids as the engine produces them; closing the
         generator early aborts the request and frees its blocks."""
+        if self.config.fixed_latency_s is not None:
+            async for token in self._fixed(prompt, max_tokens, next_token, on_admitted):
+                yield token
+            return
         req = self._request(prompt, max_tokens, salt, lora)
         self.requests_total += 1
         stream = _Stream(self.model.enqueue(req), asyncio.Queue(), on_admitted=on_admitted)
@@ -179,6 +186,33 @@ class SimEngine:
             if not stream.finished:
                 self._abort(stream)
             self._streams.pop(req.rid, None)
+
+    async def _fixed(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        next_token: Callable[[int], int],
+        on_admitted: Callable[[Admission], None] | None,
+    ) -> AsyncIterator[int]:
+        """A steady upstream: a request's latency depends on its prompt only, never on
+        the load (no queueing, no batching, no cache, no events), so that a proxy in
+        front of it is the only difference between two runs of the same workload.
+
+        Each prompt gets the configured TTFT and ITL times a factor in [1, 2) drawn from
+        its hash: concurrent clients would otherwise move in lockstep (all 64 streams
+        asking, and then relaying a token, in the same millisecond)."""
+        ttft_s, itl_s = self.config.fixed_latency_s or (0.0, 0.0)
+        digest = xxhash.xxh3_64_intdigest(np.asarray(prompt, dtype=np.uint32).tobytes())
+        factor = 1.0 + digest / 2**64
+        ttft_s, itl_s = ttft_s * factor, itl_s * factor
+        self.requests_total += 1
+        if on_admitted is not None:
+            on_admitted(Admission(len(prompt), 0))
+        await asyncio.sleep(ttft_s)
+        for i in range(max_tokens):
+            if i:
+                await asyncio.sleep(itl_s)
+            yield next_token(i)
 
     def _abort(self, stream: _Stream) -> None:
         """The client went away: drop the request from the scheduler, free its blocks."""

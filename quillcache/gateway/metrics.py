@@ -1,5 +1,6 @@
 """The gateway's Prometheus metrics (its own registry, so several gateways can share a
-process in tests). Event and index numbers are read at scrape time, not counted twice."""
+process in tests). Event, index and worker numbers are read at scrape time
+(`state_metrics`), not counted twice."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ _ROUTE_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter(
             "quillcache_requests",
@@ -69,6 +71,27 @@ class GatewayMetrics:
             registry=r,
         )
 
+    def request_done(self, endpoint: str, status: int) -> None:
+        self._child(self.requests, endpoint, str(status)).inc()
+
+    def decision(self, router: str, reason: str, worker: str) -> None:
+        self._child(self.decisions, router, reason, worker).inc()
+
+    def first_byte(self, endpoint: str, seconds: float) -> None:
+        self._child(self.ttft, endpoint).observe(seconds)
+
+    def completed(self, endpoint: str, seconds: float) -> None:
+        self._child(self.latency, endpoint).observe(seconds)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, remembered: prometheus_client takes a lock and
+        validates the labels on every `labels()` call, on every request."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def add_collector(self, collect: Callable[[], Iterator[Any]]) -> None:
         class _C:
             def collect(self) -> Iterator[Any]:
@@ -91,3 +114,87 @@ def counter(name: str, doc: str, value: float) -> Any:
     c = CounterMetricFamily(name, doc)
     c.add_metric([], value)
     return c
+
+
+# (metric name, help, IngestorStats attribute)
+_INGEST_COUNTERS = (
+    ("quillcache_kv_event_batches_received", "KV event batches received.", "received"),
+    ("quillcache_kv_event_batches_applied", "Batches applied to the index.", "applied_batches"),
+    (
+        "quillcache_kv_event_batches_dropped",
+        "Batches dropped by the full ingest queue (replayed later).",
+        "dropped",
+    ),
+    ("quillcache_kv_blocks_stored", "Blocks stored by applied events.", "blocks_stored"),
+    ("quillcache_kv_blocks_removed", "Blocks removed by applied events.", "blocks_removed"),
+    ("quillcache_kv_event_gaps", "Sequence gaps seen.", "gaps"),
+    ("quillcache_kv_event_replays", "Replays requested.", "replays"),
+    (
+        "quillcache_kv_event_replay_failures",
+        "Replays that did not cover their gap.",
+        "replay_failures",
+    ),
+    ("quillcache_kv_source_stale_marks", "Times a source was marked stale.", "stale_marks"),
+    ("quillcache_kv_engine_restarts", "Engine restarts seen (seq backwards).", "restarts"),
+    ("quillcache_kv_event_decode_errors", "Undecodable batches.", "decode_errors"),
+)
+_INGEST_GAUGES = (
+    ("quillcache_kv_stale_sources", "Sources whose residency is unknown.", "stale_sources"),
+    ("quillcache_kv_ingest_queue_depth", "Batches waiting to be applied.", "queue_depth"),
+)
+# (metric name, help, value of one worker)
+_WORKER_GAUGES: tuple[tuple[str, str, Callable[[Any], float]], ...] = (
+    (
+        "quillcache_worker_engine_running",
+        "Engine-reported running requests.",
+        lambda w: w.load.running,
+    ),
+    (
+        "quillcache_worker_engine_waiting",
+        "Engine-reported waiting requests.",
+        lambda w: w.load.waiting,
+    ),
+    (
+        "quillcache_worker_kv_usage",
+        "Engine-reported KV-cache usage (0..1).",
+        lambda w: w.load.kv_usage,
+    ),
+    (
+        "quillcache_worker_healthy",
+        "1 when the worker passes health checks.",
+        lambda w: float(w.healthy),
+    ),
+    (
+        "quillcache_worker_parity_ok",
+        "1 when the startup parity check passed.",
+        lambda w: float(w.parity == "ok"),
+    ),
+)
+
+
+def state_metrics(
+    ingest: Any, index_stats: Any, workers: list[Any], in_flight: Callable[[int], float]
+) -> Iterator[Any]:
+    """The scrape-time metrics: the ingestor's `IngestorStats`, the index's stats, and per
+    worker its engine-reported load, health, parity and the gateway's in-flight count."""
+    for name, doc, attr in _INGEST_COUNTERS:
+        yield counter(name, doc, getattr(ingest, attr))
+    for name, doc, attr in _INGEST_GAUGES:
+        yield gauge(name, doc, {(): getattr(ingest, attr)}, [])
+    yield gauge(
+        "quillcache_index_blocks", "Distinct blocks in the index.", {(): index_stats.blocks}, []
+    )
+    yield gauge(
+        "quillcache_index_resident_pairs",
+        "(block, source, medium) entries.",
+        {(): index_stats.resident_pairs},
+        [],
+    )
+    yield gauge(
+        "quillcache_worker_in_flight",
+        "Requests in flight per worker.",
+        {(str(w.id),): in_flight(w.id) for w in workers},
+        ["worker"],
+    )
+    for name, doc, value in _WORKER_GAUGES:
+        yield gauge(name, doc, {(str(w.id),): value(w) for w in workers}, ["worker"])

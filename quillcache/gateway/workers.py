@@ -43,6 +43,9 @@ class Worker:
     last_health_s: float = 0.0
     failures: int = 0
     parity: str = "unchecked"  # "ok", "mismatch: ...", "unchecked", "skipped: ..."
+    # what the last scrape added on top of the gateway's own counts (`_merge_engine_load`)
+    scraped_in_flight: int = 0
+    scraped_decodes: int = 0
     sources: list[ZmqSourceConfig] = field(default_factory=list)
 
     @property
@@ -328,6 +331,24 @@ class WorkerPool:
 
         await asyncio.gather(*(one(w) for w in list(self.workers.values())))
 
+    def _merge_engine_load(self, w: Worker) -> None:
+        """The engine may serve clients that bypass this gateway: its own counts raise
+        (never lower) the load the gateway tracks from its in-flight requests.
+
+        What a scrape added is remembered and taken off at the next one: otherwise a
+        scrape that saw a request the gateway had just finished would keep it counted
+        for good (the max would compare against itself from then on)."""
+        state = self.cp.worker(w.id)
+        own_in_flight = max(state.in_flight - w.scraped_in_flight, 0)
+        own_decodes = max(state.running_decodes - w.scraped_decodes, 0)
+        in_flight = max(own_in_flight, int(w.load.running + w.load.waiting))
+        decodes = max(own_decodes, int(w.load.running))
+        w.scraped_in_flight = in_flight - own_in_flight
+        w.scraped_decodes = decodes - own_decodes
+        self.cp.update_load(
+            w.id, kv_usage=w.load.kv_usage, in_flight=in_flight, running_decodes=decodes
+        )
+
     async def scrape(self) -> None:
         async def one(w: Worker) -> None:
             if not w.healthy:
@@ -338,14 +359,6 @@ class WorkerPool:
             except (httpx.HTTPError, ValueError):
                 return
             if w.id in self.workers:
-                # The engine may serve clients that bypass this gateway: its own counts
-                # raise (never lower) the load the gateway tracks from its in-flight requests.
-                state = self.cp.worker(w.id)
-                self.cp.update_load(
-                    w.id,
-                    kv_usage=w.load.kv_usage,
-                    in_flight=max(state.in_flight, int(w.load.running + w.load.waiting)),
-                    running_decodes=max(state.running_decodes, int(w.load.running)),
-                )
+                self._merge_engine_load(w)
 
         await asyncio.gather(*(one(w) for w in list(self.workers.values())))

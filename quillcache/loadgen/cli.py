@@ -38,12 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
     from rich.console import Console
     from rich.progress import Progress
 
     from quillcache.errors import ConfigError
+    from quillcache.gateway.serve import run_loop
     from quillcache.loadgen.report import render_table, summarize
     from quillcache.loadgen.runner import RunConfig, run_load
     from quillcache.loadgen.workload import mooncake_trace, synthetic
@@ -94,14 +93,12 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         if warm:
-            asyncio.run(
+            run_loop(
                 run_load(RunConfig(**{**vars(cfg), "rate": None, "use_arrivals": False}), warm)
             )
         with Progress(console=console, transient=True, disable=args.no_progress) as progress:
             task = progress.add_task(f"{name}", total=len(measured))
-            samples, wall = asyncio.run(
-                run_load(cfg, measured, lambda s, t=task: progress.advance(t))
-            )
+            samples, wall = run_loop(run_load(cfg, measured, lambda s, t=task: progress.advance(t)))
         results[name] = summarize(samples, wall)
     if args.json:
         text = json.dumps(results, indent=2)

@@ -143,6 +143,11 @@ def test_client_disconnect_cancels_the_upstream_request(stack: Stack) -> None:
         timeout=3,
         what="the engine to abort the request",
     )
+    # and the gateway counts it in flight no more, also after scraping the engine's load
+    # (a scrape that saw the request still running used to latch it there for good)
+    time.sleep(1.5)  # > scrape_interval_s
+    in_flight = metric(http_get(gw.url + "/metrics").text, "quillcache_worker_in_flight")
+    assert in_flight == 0
 
 
 def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
