@@ -68,7 +68,7 @@ fn build() -> Index {
     };
     let mut session = 0u64;
     // `stats()` sums heap sizes (O(index)): check it once per 1,024 sessions.
-    while session % 1024 != 0 || idx.stats().nodes < TARGET_NODES {
+    while !session.is_multiple_of(1024) || idx.stats().nodes < TARGET_NODES {
         let p = next() % PROMPTS;
         let worker = next() % WORKERS;
         let source = SourceKey { worker, dp_rank: 0 };
@@ -81,7 +81,7 @@ fn build() -> Index {
         let all: Vec<u64> = sys.iter().chain(&own).copied().collect();
         idx.apply_payload(source, &stored(&all, None, "GPU"))
             .unwrap();
-        if session % 4 == 0 {
+        if session.is_multiple_of(4) {
             idx.apply_payload(source, &stored(&all[..SYS_BLOCKS + 8], None, "CPU"))
                 .unwrap();
         }

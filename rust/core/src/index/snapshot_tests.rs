@@ -54,7 +54,7 @@ fn image(index: &Index) -> Vec<u8> {
 }
 
 /// Replaces the trailing CRC so that a deliberate edit passes the checksum.
-fn reseal(buf: &mut Vec<u8>) {
+fn reseal(buf: &mut [u8]) {
     let body = buf.len() - 4;
     let crc = crc32fast::hash(&buf[..body]);
     buf[body..].copy_from_slice(&crc.to_le_bytes());
