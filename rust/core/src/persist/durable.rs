@@ -452,11 +452,14 @@ impl DurableIndex {
     /// The periodic snapshot, checked after each logged call (a group-commit
     /// boundary): by log bytes or by time since the last one.
     fn maybe_snapshot(&mut self) -> Result<(), PersistError> {
-        self.reap_snapshot(false)?;
+        let every = self.opts.snapshot_every_bytes;
+        // Backpressure: a snapshot slower than ingest must not let the log (the
+        // replay after a crash) grow without bound behind it.
+        let overdue = every > 0 && self.logged_since_snapshot >= every.saturating_mul(2);
+        self.reap_snapshot(overdue)?;
         if self.pending.is_some() || self.logged_since_snapshot == 0 {
             return Ok(());
         }
-        let every = self.opts.snapshot_every_bytes;
         let due = (every > 0 && self.logged_since_snapshot >= every)
             || self
                 .opts
