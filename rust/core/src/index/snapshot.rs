@@ -114,14 +114,21 @@ fn corrupt(msg: impl Into<String>) -> SnapshotError {
     SnapshotError::Corrupt(msg.into())
 }
 
-/// Table capacity (slots) from its stored log2: the writer's, unless that is
-/// implausible for at most `n` entries (a damaged or hostile file must not make us
-/// allocate gigabytes); 0 leaves the table to grow on demand. Too small is harmless:
-/// the table grows as usual.
+/// Table capacity (slots) for at most `n` entries: the writer's (from its stored
+/// log2), so that inserting in its slot order walks the table front to back, unless
+/// that is implausible for `n` (a damaged or hostile file must not make us allocate
+/// gigabytes; a table left large by mass removals is not worth copying); then the
+/// smallest that holds `n`. Either way the table never grows during the load: a
+/// growing table fed keys in hash order builds long probe clusters.
 fn table_slots(log2: u8, n: usize) -> usize {
+    let minimal = (n.saturating_mul(4) / 3 + 1).next_power_of_two().max(16);
     match 1usize.checked_shl(log2.into()) {
-        Some(slots) if log2 < 32 && slots <= n.saturating_mul(8).max(1 << 16) => slots,
-        _ => 0,
+        Some(slots)
+            if log2 < 32 && slots >= minimal && slots <= n.saturating_mul(8).max(1 << 16) =>
+        {
+            slots
+        }
+        _ => minimal,
     }
 }
 
@@ -134,12 +141,8 @@ impl Tree {
     fn presize(&mut self, nodes: usize, key_slots: usize, ehash_slots: usize) {
         debug_assert!(self.len() == 0);
         self.nodes.reserve_exact(nodes);
-        if key_slots > 0 {
-            self.table.slots = vec![NIL; key_slots];
-        }
-        if ehash_slots > 0 {
-            self.by_ehash.slots = vec![NIL; ehash_slots];
-        }
+        self.table.slots = vec![NIL; key_slots];
+        self.by_ehash.slots = vec![NIL; ehash_slots];
     }
 }
 
