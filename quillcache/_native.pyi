@@ -214,7 +214,9 @@ class DurableIndex:
         *,
         durability: str = "interval:10",
         segment_bytes: int = 67108864,
-        snapshot_every_bytes: int = 67108864,
+        snapshot_every_bytes: int = 4194304,
+        snapshot_every_ms: int = 60000,
+        snapshot_in_background: bool = True,
         snapshot_on_close: bool = True,
     ) -> None: ...
     @property
@@ -259,7 +261,7 @@ class DurableIndex:
     def recovery(self) -> dict[str, object]:
         """What opening did: snapshot lsn/bytes/load time, records replayed, torn tail."""
     def wal_status(self) -> dict[str, object]:
-        """`last_lsn`, `synced_lsn`, `snapshot_lsn`, `disk_bytes`, `failure`."""
+        """`last_lsn`, `synced_lsn`, `snapshot_lsn`, `disk_bytes`, `failure`, `snapshot_error`."""
     def close(self) -> None:
         """Snapshot (unless disabled), fsync, release the directory. Idempotent."""
 

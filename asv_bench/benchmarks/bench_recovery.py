@@ -15,7 +15,13 @@ class Recovery:
 
     def setup(self, source: str) -> None:
         self.dir = tempfile.mkdtemp(prefix="asv-recovery-")
-        ix = DurableNativeIndex(self.dir, snapshot_on_close=source == "snapshot")
+        # "wal": no snapshot at all (no periodic one either), so reopening replays the log.
+        ix = DurableNativeIndex(
+            self.dir,
+            snapshot_on_close=source == "snapshot",
+            snapshot_every_bytes=0,
+            snapshot_every_ms=0,
+        )
         ix.apply(0, payloads())
         ix.close()
 

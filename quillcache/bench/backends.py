@@ -43,8 +43,14 @@ def backend_factory(
 
         if name == "kv-memory":
             return KvMemoryIndex
-        cls = RocksDbIndex if name == "rocksdb" else HoltIndex
-        return lambda: cls(path)
+        if name == "rocksdb":
+            # RocksDB write(2)s its WAL on every write batch: it survives a SIGKILL
+            # without an fsync (the guarantee of native-wal's default).
+            return lambda: RocksDbIndex(path, sync=False)
+        # Holt 0.9.2 keeps unsynced WAL records in user-space buffers (an in-RAM ring,
+        # then a 64 KiB write buffer) and has no public call that only drains them, so
+        # only per-write fsync survives a SIGKILL (docs/persistence.md, "Holt").
+        return lambda: HoltIndex(path, sync=True)
     from quillcache.index import create_backend
 
     return lambda: create_backend(name)

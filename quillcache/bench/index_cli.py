@@ -47,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write results as JSON ('-' for stdout)")
     parser.add_argument("--plot", metavar="PATH", help="write a bar chart (PNG) of the results")
     parser.add_argument("--workdir", type=Path, default=None, help="where the indexes live")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        help="seconds per backend phase; a slower backend is reported as such (0 = none)",
+    )
 
 
 def build_workload(args: argparse.Namespace, progress: Any) -> Any:
@@ -193,7 +199,9 @@ def run(args: argparse.Namespace) -> int:
                 else:
                     options = {"durability": args.durability, "chunk": args.chunk}
                     try:
-                        results.append(run_backend(name, wfile, options, args.workdir))
+                        results.append(
+                            run_backend(name, wfile, options, args.workdir, args.timeout or None)
+                        )
                     except BenchError as err:
                         results.append({"backend": name, "skipped": f"failed: {err}"})
                 progress.advance(task)

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -30,18 +31,38 @@ def _child(spec: dict[str, Any]) -> subprocess.Popen[str]:
     )
 
 
-def _lines(proc: subprocess.Popen[str], until: str | None = None) -> list[dict[str, Any]]:
-    """JSON lines from `proc` until one with phase `until` (or the end)."""
+def _lines(
+    proc: subprocess.Popen[str], until: str | None = None, timeout_s: float | None = None
+) -> list[dict[str, Any]]:
+    """JSON lines from `proc` until one with phase `until` (or the end). A child
+    still running after `timeout_s` is killed: `BenchError` says so (a backend too
+    slow for a workload is reported, not waited for)."""
     assert proc.stdout is not None
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout_s, expire) if timeout_s else None
+    if timer:
+        timer.daemon = True
+        timer.start()
     out = []
-    for line in proc.stdout:
-        if not line.startswith("{"):
-            continue
-        obj = json.loads(line)
-        out.append(obj)
-        if until is not None and obj.get("phase") == until:
-            return out
-    proc.wait()
+    try:
+        for line in proc.stdout:
+            if not line.startswith("{"):
+                continue
+            obj = json.loads(line)
+            out.append(obj)
+            if until is not None and obj.get("phase") == until:
+                return out
+        proc.wait()
+    finally:
+        if timer:
+            timer.cancel()
+    if expired.is_set():
+        raise BenchError(f"did not finish within {timeout_s:g} s (--timeout)")
     if proc.returncode != 0:
         err = proc.stderr.read() if proc.stderr else ""
         raise BenchError(f"benchmark child failed ({proc.returncode}): {err.strip()[-2000:]}")
@@ -53,7 +74,11 @@ def dir_bytes(path: Path) -> int:
 
 
 def run_backend(
-    name: str, workload_file: Path, options: dict[str, Any], workdir: Path | None = None
+    name: str,
+    workload_file: Path,
+    options: dict[str, Any],
+    workdir: Path | None = None,
+    timeout_s: float | None = None,
 ) -> dict[str, Any]:
     persistent = name in PERSISTENT
     base = Path(tempfile.mkdtemp(prefix=f"qc-bench-{name}-", dir=workdir))
@@ -69,15 +94,19 @@ def run_backend(
     }
     try:
         proc = _child(spec)
-        lines = _lines(proc, until="ready" if persistent else None)
+        try:
+            lines = _lines(proc, until="ready" if persistent else None, timeout_s=timeout_s)
+        except BenchError:
+            proc.kill()
+            raise
         result: dict[str, Any] = {"backend": name, **lines[0]}
         result.pop("phase", None)
         if not persistent:
             return result
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        after_kill = _lines(_child({**spec, "phase": "reopen"}))[0]
-        after_close = _lines(_child({**spec, "phase": "reopen"}))[0]
+        after_kill = _lines(_child({**spec, "phase": "reopen"}), timeout_s=timeout_s)[0]
+        after_close = _lines(_child({**spec, "phase": "reopen"}), timeout_s=timeout_s)[0]
         for label, r in (("after SIGKILL", after_kill), ("after clean close", after_close)):
             if r["index_blocks"] != result["index_blocks"]:
                 raise BenchError(

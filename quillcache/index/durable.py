@@ -59,7 +59,9 @@ class DurableNativeIndex(NativeIndex):
         *,
         durability: str = DEFAULT_DURABILITY,
         segment_bytes: int = 64 << 20,
-        snapshot_every_bytes: int = 64 << 20,
+        snapshot_every_bytes: int = 4 << 20,
+        snapshot_every_ms: int = 60_000,
+        snapshot_in_background: bool = True,
         snapshot_on_close: bool = True,
     ) -> None:
         self._tmpdir: str | None = None
@@ -71,6 +73,8 @@ class DurableNativeIndex(NativeIndex):
             durability=durability,
             segment_bytes=segment_bytes,
             snapshot_every_bytes=snapshot_every_bytes,
+            snapshot_every_ms=snapshot_every_ms,
+            snapshot_in_background=snapshot_in_background,
             snapshot_on_close=snapshot_on_close,
         )
         super().__init__(_inner=inner)  # type: ignore[arg-type]
@@ -128,7 +132,9 @@ class DurableNativeIndex(NativeIndex):
         return self._inner.recovery()  # type: ignore[attr-defined,no-any-return]
 
     def wal_status(self) -> dict[str, Any]:
-        """`last_lsn`, `synced_lsn`, `snapshot_lsn`, `disk_bytes`, `failure`."""
+        """`last_lsn`, `synced_lsn`, `snapshot_lsn`, `disk_bytes`, `failure` (a write
+        failed: changes are refused), `snapshot_error` (the last background snapshot
+        failed: nothing is lost, the log is just not pruned)."""
         return self._inner.wal_status()  # type: ignore[attr-defined,no-any-return]
 
     def to_native(self) -> NativeIndex:

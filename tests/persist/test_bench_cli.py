@@ -37,7 +37,11 @@ def test_bench_index_reports_every_measure(tmp_path: Path) -> None:
     w = workloads.synthetic(requests=400, queries=300)
     assert report["workload"]["blocks"] == w.blocks
     by_name = {r["backend"]: r for r in report["results"]}
-    assert "skipped" in by_name["holt"]
+    holt = by_name["holt"]
+    if "skipped" in holt:  # only when the extension was built without the feature
+        assert "cargo feature" in holt["skipped"], holt["skipped"]
+    else:  # per-write fsync: the blocks survive the SIGKILL (the runner checks it)
+        assert holt["recovery_kill_s"] > 0 and holt["blocks_stored"] == w.blocks
     payload_bytes = sum(len(b[1]) for b in w.batches)
     for name in ("native", "native-wal"):
         r = by_name[name]

@@ -10,7 +10,6 @@ use std::sync::RwLock;
 use std::time::Duration;
 
 use numpy::PyReadonlyArray1;
-use pyo3::create_exception;
 use pyo3::prelude::*;
 
 use crate::index::hits_list;
@@ -24,32 +23,10 @@ use quillcache_core::persist::{
     ApplyError, Durability, DurableIndex as CoreDurable, DurableOptions, PersistError, WalOptions,
 };
 
-use crate::errors::{EventDecodeError, QuillCacheError};
-
-create_exception!(
-    _native,
-    PersistenceError,
+use crate::errors::{
+    CorruptIndexError, EventDecodeError, IndexLockedError, IngestRefusedError, PersistenceError,
     QuillCacheError,
-    "The durable index could not read or write its directory (the message names the file)."
-);
-create_exception!(
-    _native,
-    CorruptIndexError,
-    PersistenceError,
-    "The write-ahead log or a snapshot is damaged in a way that is not a torn tail."
-);
-create_exception!(
-    _native,
-    IngestRefusedError,
-    PersistenceError,
-    "A write failed earlier (e.g. disk full): the index keeps its logged state and refuses changes."
-);
-create_exception!(
-    _native,
-    IndexLockedError,
-    PersistenceError,
-    "Another process holds the index directory."
-);
+};
 
 fn to_py(e: PersistError, failed: bool) -> PyErr {
     let msg = e.to_string();
@@ -81,6 +58,27 @@ fn stats_tuple(s: &ApplyStats) -> StatsTuple {
         s.unknown_removals,
         s.invalid_events,
     )
+}
+
+/// `EventDecodeError` for payload `index` of `count` from `worker`, carrying
+/// `payload_index` and the stats of the batches applied before it (both indexes).
+fn decode_error(
+    py: Python<'_>,
+    worker: u64,
+    index: usize,
+    count: usize,
+    message: &str,
+    applied: &ApplyStats,
+) -> PyErr {
+    let err = EventDecodeError::new_err(format!(
+        "payload {index} of {count} from worker {worker}: {message}"
+    ));
+    let value = err.value(py);
+    // Setting attributes on a fresh exception instance cannot fail in practice;
+    // if it did, the error without them is still the right one to raise.
+    let _ = value.setattr("payload_index", index);
+    let _ = value.setattr("stats", stats_tuple(applied));
+    err
 }
 
 fn keys_slice<'a>(keys: &'a PyReadonlyArray1<'_, u64>) -> PyResult<&'a [u64]> {
@@ -156,13 +154,17 @@ impl DurableIndex {
     /// Opens (or creates) the index in `path` and recovers it (snapshot + log tail).
     #[new]
     #[pyo3(signature = (path, *, durability="interval:10", segment_bytes=64 << 20,
-                        snapshot_every_bytes=64 << 20, snapshot_on_close=true))]
+                        snapshot_every_bytes=4 << 20, snapshot_every_ms=60_000,
+                        snapshot_in_background=true, snapshot_on_close=true))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         path: PathBuf,
         durability: &str,
         segment_bytes: u64,
         snapshot_every_bytes: u64,
+        snapshot_every_ms: u64,
+        snapshot_in_background: bool,
         snapshot_on_close: bool,
     ) -> PyResult<Self> {
         let durability = Durability::parse(durability).map_err(|e| to_py(e, false))?;
@@ -172,6 +174,9 @@ impl DurableIndex {
                 segment_bytes,
             },
             snapshot_every_bytes,
+            snapshot_every: (snapshot_every_ms > 0)
+                .then(|| Duration::from_millis(snapshot_every_ms)),
+            snapshot_in_background,
             snapshot_on_close,
         };
         let p = path.clone();
@@ -237,16 +242,14 @@ impl DurableIndex {
                     applied,
                 },
                 _,
-            )) => {
-                let err = EventDecodeError::new_err(format!(
-                    "payload {index} of {} from worker {worker}: {message}",
-                    slices.len()
-                ));
-                let value = err.value(py);
-                value.setattr("payload_index", index)?;
-                value.setattr("stats", stats_tuple(&applied))?;
-                Err(err)
-            }
+            )) => Err(decode_error(
+                py,
+                worker,
+                index,
+                slices.len(),
+                &message,
+                &applied,
+            )),
         }
     }
 
@@ -390,9 +393,9 @@ impl DurableIndex {
         Ok(out)
     }
 
-    /// `{last_lsn, synced_lsn, snapshot_lsn, disk_bytes, failure}`.
+    /// `{last_lsn, synced_lsn, snapshot_lsn, disk_bytes, failure, snapshot_error}`.
     fn wal_status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (last, synced, snapshot, disk, failure) = self.with_read(py, |d| {
+        let (last, synced, snapshot, disk, failure, snapshot_error) = self.with_read(py, |d| {
             let disk = d.disk_bytes();
             (
                 d.last_lsn(),
@@ -400,6 +403,7 @@ impl DurableIndex {
                 d.snapshot_lsn(),
                 disk,
                 d.failure(),
+                d.snapshot_error().map(str::to_string),
             )
         })?;
         let out = PyDict::new(py);
@@ -408,6 +412,7 @@ impl DurableIndex {
         out.set_item("snapshot_lsn", snapshot)?;
         out.set_item("disk_bytes", disk)?;
         out.set_item("failure", failure)?;
+        out.set_item("snapshot_error", snapshot_error)?;
         Ok(out)
     }
 
@@ -550,14 +555,7 @@ impl KvIndex {
         match failure {
             None => Ok(stats_tuple(&total)),
             Some((i, KvIndexError::Decode(m))) => {
-                let err = EventDecodeError::new_err(format!(
-                    "payload {i} of {} from worker {worker}: {m}",
-                    slices.len()
-                ));
-                let value = err.value(py);
-                value.setattr("payload_index", i)?;
-                value.setattr("stats", stats_tuple(&total))?;
-                Err(err)
+                Err(decode_error(py, worker, i, slices.len(), &m, &total))
             }
             Some((_, e)) => Err(kv_err(e)),
         }
@@ -665,10 +663,5 @@ impl KvIndex {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<KvIndex>()?;
-    let py = m.py();
-    m.add("PersistenceError", py.get_type::<PersistenceError>())?;
-    m.add("CorruptIndexError", py.get_type::<CorruptIndexError>())?;
-    m.add("IngestRefusedError", py.get_type::<IngestRefusedError>())?;
-    m.add("IndexLockedError", py.get_type::<IndexLockedError>())?;
     m.add_class::<DurableIndex>()
 }

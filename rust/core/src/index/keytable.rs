@@ -47,7 +47,7 @@ pub enum KeyField {
 
 #[derive(Debug, Clone)]
 pub struct KeyTable {
-    slots: Vec<u32>,
+    pub(super) slots: Vec<u32>,
     len: usize,
     field: KeyField,
     /// Low bits of a slot that hold the id; every id stored is < `id_mask`, so that

@@ -16,7 +16,7 @@ use super::sources::MixBuild;
 pub const NIL: u32 = u32::MAX;
 
 /// Bit of `Node::depth_flags` saying that `ehash` is set (and in the ehash table).
-const HAS_EHASH: u32 = 1 << 31;
+pub(super) const HAS_EHASH: u32 = 1 << 31;
 
 #[derive(Debug, Clone)]
 pub struct Node {
@@ -50,10 +50,10 @@ impl Node {
 
 #[derive(Debug, Clone)]
 pub struct Tree {
-    nodes: Vec<Node>,
-    table: KeyTable,
+    pub(super) nodes: Vec<Node>,
+    pub(super) table: KeyTable,
     /// Nodes by primary engine hash.
-    by_ehash: KeyTable,
+    pub(super) by_ehash: KeyTable,
     /// Children beyond `Node::first_child`, for the few nodes with several (a shared
     /// prompt's last block, branch points): chains, the common case, cost nothing.
     more_children: HashMap<u32, HashSet<u32, MixBuild>, MixBuild>,

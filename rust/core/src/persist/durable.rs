@@ -13,6 +13,7 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::events::{decode_batch, EventBatch};
@@ -45,8 +46,16 @@ pub const NO_SEQ: u64 = u64::MAX;
 pub struct DurableOptions {
     pub wal: WalOptions,
     /// Take a snapshot once this many log bytes were written since the last one
-    /// (0 = only on demand and on close). Bounds the log replayed at recovery.
+    /// (0 = not by size). Bounds the log replayed at recovery: replaying a byte of
+    /// log costs ~7x loading a byte of snapshot, so the default 4 MiB keeps the tail
+    /// below the load of a 1 M-block snapshot (docs/persistence.md, "Recovery").
     pub snapshot_every_bytes: u64,
+    /// Take a snapshot once this long passed since the last one, if anything was
+    /// logged (None = not by time): bounds the tail of a slowly growing log.
+    pub snapshot_every: Option<Duration>,
+    /// Write periodic snapshots on a background thread: ingest pauses only to clone
+    /// the index, not to serialize, write and fsync it.
+    pub snapshot_in_background: bool,
     /// Take a snapshot on a clean close (fast reopen, at the cost of a slower close).
     pub snapshot_on_close: bool,
 }
@@ -55,10 +64,18 @@ impl Default for DurableOptions {
     fn default() -> Self {
         DurableOptions {
             wal: WalOptions::default(),
-            snapshot_every_bytes: 64 << 20,
+            snapshot_every_bytes: 4 << 20,
+            snapshot_every: Some(Duration::from_secs(60)),
+            snapshot_in_background: true,
             snapshot_on_close: true,
         }
     }
+}
+
+/// A periodic snapshot being written by a background thread.
+struct PendingSnapshot {
+    lsn: u64,
+    handle: JoinHandle<Result<u64, PersistError>>,
 }
 
 /// What recovery did, for logs, metrics and benchmarks.
@@ -93,7 +110,12 @@ pub struct DurableIndex {
     seqs: LastSeqs,
     opts: DurableOptions,
     snapshot_lsn: u64,
+    /// Log bytes and time since the last snapshot was started (the triggers).
     logged_since_snapshot: u64,
+    last_snapshot_at: Instant,
+    pending: Option<PendingSnapshot>,
+    /// Why the last background snapshot failed (the log still holds everything).
+    snapshot_error: Option<String>,
     recovery: RecoveryInfo,
     _lock: fs::File,
 }
@@ -231,6 +253,9 @@ impl DurableIndex {
             opts,
             snapshot_lsn,
             logged_since_snapshot,
+            last_snapshot_at: Instant::now(),
+            pending: None,
+            snapshot_error: None,
             recovery,
             _lock: lock,
         })
@@ -268,6 +293,12 @@ impl DurableIndex {
 
     pub fn snapshot_lsn(&self) -> u64 {
         self.snapshot_lsn
+    }
+
+    /// Why the last background snapshot failed, if it did (ingest goes on: the log
+    /// still holds every record; the next trigger tries again).
+    pub fn snapshot_error(&self) -> Option<&str> {
+        self.snapshot_error.as_deref()
     }
 
     /// `Some(cause)` once a write failed and the index refuses mutations.
@@ -418,11 +449,84 @@ impl DurableIndex {
         Ok(())
     }
 
+    /// The periodic snapshot, checked after each logged call (a group-commit
+    /// boundary): by log bytes or by time since the last one.
     fn maybe_snapshot(&mut self) -> Result<(), PersistError> {
         let every = self.opts.snapshot_every_bytes;
-        if every > 0 && self.logged_since_snapshot >= every {
-            self.snapshot()?;
+        // Backpressure: a snapshot slower than ingest must not let the log (the
+        // replay after a crash) grow without bound behind it.
+        let overdue = every > 0 && self.logged_since_snapshot >= every.saturating_mul(2);
+        self.reap_snapshot(overdue)?;
+        if self.pending.is_some() || self.logged_since_snapshot == 0 {
+            return Ok(());
         }
+        let due = (every > 0 && self.logged_since_snapshot >= every)
+            || self
+                .opts
+                .snapshot_every
+                .is_some_and(|d| self.last_snapshot_at.elapsed() >= d);
+        if !due {
+            return Ok(());
+        }
+        if self.opts.snapshot_in_background {
+            self.start_background_snapshot()
+        } else {
+            self.snapshot().map(|_| ())
+        }
+    }
+
+    /// Rotates the log and hands a clone of the index to a thread that writes it.
+    fn start_background_snapshot(&mut self) -> Result<(), PersistError> {
+        let lsn = self.wal.last_lsn();
+        self.logged_since_snapshot = 0;
+        self.last_snapshot_at = Instant::now();
+        if lsn == self.snapshot_lsn {
+            return Ok(());
+        }
+        self.wal.rotate()?;
+        let (dir, seqs, index) = (self.dir.clone(), self.seqs.clone(), self.index.clone());
+        let handle = std::thread::Builder::new()
+            .name("quillcache-snapshot".into())
+            .spawn(move || snapshot::write(&dir, lsn, &seqs, &index))
+            .map_err(io_err(&self.dir))?;
+        self.pending = Some(PendingSnapshot { lsn, handle });
+        Ok(())
+    }
+
+    /// Collects a finished background snapshot (or waits for it): on success it
+    /// becomes the snapshot and the log it covers is deleted; a failure is kept in
+    /// `snapshot_error` and costs nothing else (the log still has every record).
+    fn reap_snapshot(&mut self, wait: bool) -> Result<(), PersistError> {
+        match &self.pending {
+            Some(p) if wait || p.handle.is_finished() => {}
+            _ => return Ok(()),
+        }
+        let PendingSnapshot { lsn, handle } = self.pending.take().expect("checked");
+        match handle.join() {
+            Ok(Ok(_bytes)) => {
+                self.snapshot_error = None;
+                self.adopt_snapshot(lsn)
+            }
+            Ok(Err(e)) => {
+                self.snapshot_error = Some(e.to_string());
+                Ok(())
+            }
+            Err(_) => {
+                self.snapshot_error = Some("the snapshot thread panicked".into());
+                Ok(())
+            }
+        }
+    }
+
+    /// `lsn`'s snapshot file is complete: make it current, drop the older one and
+    /// the log segments it covers.
+    fn adopt_snapshot(&mut self, lsn: u64) -> Result<(), PersistError> {
+        let old = self.snapshot_lsn;
+        self.snapshot_lsn = lsn;
+        if old != lsn {
+            let _ = fs::remove_file(snapshot::snapshot_path(&self.dir, old));
+        }
+        self.wal.prune_through(lsn)?;
         Ok(())
     }
 
@@ -434,6 +538,7 @@ impl DurableIndex {
     /// Writes a snapshot covering every record so far, then deletes the older
     /// snapshot and the log segments it covers. Returns the lsn covered.
     pub fn snapshot(&mut self) -> Result<u64, PersistError> {
+        self.reap_snapshot(true)?;
         if let Some(cause) = self.wal.failure() {
             return Err(PersistError::Failed {
                 cause,
@@ -446,18 +551,15 @@ impl DurableIndex {
         }
         self.wal.rotate()?;
         snapshot::write(&self.dir, lsn, &self.seqs, &self.index)?;
-        let old = self.snapshot_lsn;
-        self.snapshot_lsn = lsn;
         self.logged_since_snapshot = 0;
-        if old != lsn {
-            let _ = fs::remove_file(snapshot::snapshot_path(&self.dir, old));
-        }
-        self.wal.prune_through(lsn)?;
+        self.last_snapshot_at = Instant::now();
+        self.adopt_snapshot(lsn)?;
         Ok(lsn)
     }
 
     /// Snapshot (if configured and anything changed) and fsync. Consumes the index.
     pub fn close(mut self) -> Result<(), PersistError> {
+        self.reap_snapshot(true)?;
         if self.wal.failure().is_none() {
             if self.opts.snapshot_on_close && self.wal.last_lsn() != self.snapshot_lsn {
                 self.snapshot()?;
@@ -467,5 +569,15 @@ impl DurableIndex {
             }
         }
         Ok(())
+    }
+}
+
+impl Drop for DurableIndex {
+    /// A background snapshot must not outlive the directory lock (another process
+    /// could open the directory while it writes there).
+    fn drop(&mut self) {
+        if let Some(p) = self.pending.take() {
+            let _ = p.handle.join();
+        }
     }
 }

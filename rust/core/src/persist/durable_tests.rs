@@ -124,7 +124,7 @@ enum Op {
     Crash,
 }
 
-fn ev_strategy() -> impl Strategy<Value = Ev> {
+pub(crate) fn ev_strategy() -> impl Strategy<Value = Ev> {
     let medium = prop::sample::select(vec!["GPU", "CPU"]);
     prop_oneof![
         6 => (1u64..12, prop::option::of(1u64..12), 1usize..4, medium.clone(), 0u32..3).prop_map(
@@ -155,13 +155,15 @@ fn op_strategy() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn options(snapshot_every_bytes: u64, segment_bytes: u64) -> DurableOptions {
+fn options(snapshot_every_bytes: u64, segment_bytes: u64, background: bool) -> DurableOptions {
     DurableOptions {
         wal: WalOptions {
             durability: Durability::None,
             segment_bytes,
         },
         snapshot_every_bytes,
+        snapshot_every: None,
+        snapshot_in_background: background,
         snapshot_on_close: true,
     }
 }
@@ -174,9 +176,10 @@ proptest! {
         ops in prop::collection::vec(op_strategy(), 1..60),
         snapshot_every_bytes in prop::sample::select(vec![0u64, 300, 5000]),
         segment_bytes in prop::sample::select(vec![128u64, 1 << 20]),
+        background in any::<bool>(),
     ) {
         let d = TestDir::new("durable-prop");
-        let opts = options(snapshot_every_bytes, segment_bytes);
+        let opts = options(snapshot_every_bytes, segment_bytes, background);
         let mut dur = Some(DurableIndex::open(&d.0, opts.clone()).unwrap());
         let mut reference = Index::new();
         let mut ref_seqs: BTreeMap<SourceKey, u64> = BTreeMap::new();
@@ -246,7 +249,7 @@ fn a_bad_batch_stops_the_call_and_nothing_after_it_is_logged() {
     };
     let good1 = encode(&[stored(1, None, 0)], None);
     let good2 = encode(&[stored(2, Some(1), 5)], None);
-    let mut di = DurableIndex::open(&d.0, options(0, 1 << 20)).unwrap();
+    let mut di = DurableIndex::open(&d.0, options(0, 1 << 20, false)).unwrap();
     let err = di
         .apply(src, &[&good1, b"\x93garbage", &good2], Some(&[10, 11, 12]))
         .unwrap_err();
@@ -262,7 +265,7 @@ fn a_bad_batch_stops_the_call_and_nothing_after_it_is_logged() {
     assert!(di.index().state_eq(&reference));
     assert_eq!(di.last_seqs().get(&src), Some(&10));
     drop(di);
-    let di = DurableIndex::open(&d.0, options(0, 1 << 20)).unwrap();
+    let di = DurableIndex::open(&d.0, options(0, 1 << 20, false)).unwrap();
     assert!(di.index().state_eq(&reference));
     assert_eq!(di.last_seqs().get(&src), Some(&10));
     assert_eq!(di.recovery().wal.records_replayed, 1);
@@ -275,7 +278,7 @@ fn snapshot_prunes_the_log_and_recovery_uses_it() {
         worker: 3,
         dp_rank: 0,
     };
-    let mut di = DurableIndex::open(&d.0, options(0, 256)).unwrap();
+    let mut di = DurableIndex::open(&d.0, options(0, 256, false)).unwrap();
     for i in 0..50u64 {
         let p = encode(&[stored(i + 1, (i > 0).then_some(i), i as u32)], None);
         di.apply(src, &[&p], Some(&[i])).unwrap();
@@ -292,7 +295,7 @@ fn snapshot_prunes_the_log_and_recovery_uses_it() {
     di.apply(src, &[&p], Some(&[50])).unwrap();
     let expected = di.index().logical_state();
     drop(di); // crash: the last batch is only in the log
-    let di = DurableIndex::open(&d.0, options(0, 256)).unwrap();
+    let di = DurableIndex::open(&d.0, options(0, 256, false)).unwrap();
     assert_eq!(di.recovery().snapshot_lsn, Some(50));
     assert_eq!(di.recovery().wal.records_replayed, 1);
     assert_eq!(di.index().logical_state(), expected);
@@ -302,7 +305,7 @@ fn snapshot_prunes_the_log_and_recovery_uses_it() {
 #[test]
 fn a_damaged_snapshot_is_a_clear_error() {
     let d = TestDir::new("durable-badsnap");
-    let mut di = DurableIndex::open(&d.0, options(0, 1 << 20)).unwrap();
+    let mut di = DurableIndex::open(&d.0, options(0, 1 << 20, false)).unwrap();
     let p = encode(&[stored(1, None, 0)], None);
     di.apply(
         SourceKey {
@@ -323,11 +326,46 @@ fn a_damaged_snapshot_is_a_clear_error() {
     let mid = bytes.len() / 2;
     bytes[mid] ^= 1;
     fs::write(&snap, bytes).unwrap();
-    match DurableIndex::open(&d.0, options(0, 1 << 20)) {
+    match DurableIndex::open(&d.0, options(0, 1 << 20, false)) {
         Err(super::PersistError::CorruptSnapshot { reason, .. }) => {
             assert!(reason.contains("checksum"), "{reason}")
         }
         Err(e) => panic!("wrong error {e}"),
         Ok(_) => panic!("a damaged snapshot was accepted"),
+    }
+}
+
+/// Periodic snapshots, by log bytes and by time, written in the background: after
+/// a crash (drop without close) recovery starts from one and replays only the tail.
+#[test]
+fn periodic_background_snapshots_bound_the_replayed_tail() {
+    let src = SourceKey {
+        worker: 2,
+        dp_rank: 0,
+    };
+    let by_bytes = options(2000, 1 << 20, true);
+    let by_time = DurableOptions {
+        snapshot_every_bytes: 0,
+        snapshot_every: Some(std::time::Duration::ZERO),
+        ..options(0, 1 << 20, true)
+    };
+    for (name, opts) in [("bytes", by_bytes), ("time", by_time)] {
+        let d = TestDir::new(&format!("durable-periodic-{name}"));
+        let mut di = DurableIndex::open(&d.0, opts.clone()).unwrap();
+        for i in 0..200u64 {
+            let p = encode(&[stored(i + 1, (i > 0).then_some(i), i as u32)], None);
+            di.apply(src, &[&p], Some(&[i])).unwrap();
+        }
+        let expected = di.index().logical_state();
+        assert!(di.snapshot_error().is_none());
+        drop(di); // a crash: no snapshot on close
+        let di = DurableIndex::open(&d.0, opts).unwrap();
+        let r = di.recovery();
+        let snap = r.snapshot_lsn.expect("a periodic snapshot was taken");
+        assert!(snap > 0, "{name}");
+        assert_eq!(r.wal.records_replayed, 200 - snap, "{name}");
+        assert!(r.wal.records_replayed < 200, "{name}: replayed everything");
+        assert_eq!(di.index().logical_state(), expected, "{name}");
+        assert_eq!(di.last_seqs().get(&src), Some(&199), "{name}");
     }
 }

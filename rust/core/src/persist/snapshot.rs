@@ -140,11 +140,11 @@ pub fn read(dir: &Path, lsn: u64) -> Result<Loaded, PersistError> {
         seqs.insert(SourceKey { worker, dp_rank }, seq);
     }
     let index_len = u64le(take(8)?) as usize;
-    let mut image = take(index_len)?;
+    let image = take(index_len)?;
     if at != body.len() {
         return Err(corrupt(format!("{} trailing bytes", body.len() - at)));
     }
-    let index = Index::read_snapshot(&mut image).map_err(|e| corrupt(e.to_string()))?;
+    let index = Index::from_snapshot_bytes(image).map_err(|e| corrupt(e.to_string()))?;
     Ok(Loaded {
         lsn,
         seqs,

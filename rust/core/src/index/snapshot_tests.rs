@@ -1,0 +1,266 @@
+//! The snapshot image: round trips against the index state, the previous version,
+//! and damaged images that pass the checksum (a writer bug) or do not.
+
+use proptest::prelude::*;
+
+use crate::index::{Index, SourceKey};
+use crate::persist::durable_tests::{encode, ev_strategy, Ev};
+
+use super::{SnapshotError, MAGIC, VERSION_V3};
+
+#[derive(Debug, Clone)]
+enum Op {
+    Apply { worker: u64, events: Vec<Ev> },
+    Pin(Vec<u64>),
+    Unpin(Vec<u64>),
+    RemoveWorker(u64),
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    let keys = prop::collection::vec(1u64..40, 1..4);
+    prop_oneof![
+        10 => (0u64..4, prop::collection::vec(ev_strategy(), 1..4))
+            .prop_map(|(worker, events)| Op::Apply { worker, events }),
+        1 => keys.clone().prop_map(Op::Pin),
+        1 => keys.prop_map(Op::Unpin),
+        1 => (0u64..4).prop_map(Op::RemoveWorker),
+    ]
+}
+
+fn run(index: &mut Index, ops: &[Op]) {
+    for op in ops {
+        match op {
+            Op::Apply { worker, events } => {
+                let src = SourceKey {
+                    worker: *worker,
+                    dp_rank: 0,
+                };
+                index.register_source(src, "m", "t");
+                index.apply_payload(src, &encode(events, None)).unwrap();
+            }
+            Op::Pin(keys) => index.pin(keys),
+            Op::Unpin(keys) => index.unpin(keys),
+            Op::RemoveWorker(w) => {
+                index.remove_worker(*w);
+            }
+        }
+    }
+}
+
+fn image(index: &Index) -> Vec<u8> {
+    let mut out = Vec::new();
+    index.write_snapshot(&mut out).unwrap();
+    out
+}
+
+/// Replaces the trailing CRC so that a deliberate edit passes the checksum.
+fn reseal(buf: &mut [u8]) {
+    let body = buf.len() - 4;
+    let crc = crc32fast::hash(&buf[..body]);
+    buf[body..].copy_from_slice(&crc.to_le_bytes());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    /// The loaded index equals the original, and keeps behaving like it: the same
+    /// further operations on both give equal states (tables, free slots and child
+    /// links were rebuilt correctly, not just the visible state).
+    #[test]
+    fn round_trip_equals_the_index(
+        before in prop::collection::vec(op_strategy(), 0..40),
+        after in prop::collection::vec(op_strategy(), 0..20),
+    ) {
+        let mut original = Index::new();
+        run(&mut original, &before);
+        let mut loaded = Index::from_snapshot_bytes(&image(&original)).unwrap();
+        prop_assert!(loaded.state_eq(&original));
+        prop_assert_eq!(loaded.check_invariants(), Ok(()));
+        prop_assert_eq!(loaded.stats().blocks, original.stats().blocks);
+        run(&mut original, &after);
+        run(&mut loaded, &after);
+        prop_assert!(loaded.state_eq(&original));
+        prop_assert_eq!(loaded.check_invariants(), Ok(()));
+        // Writing the loaded index gives a loadable image of the same state.
+        let again = Index::from_snapshot_bytes(&image(&loaded)).unwrap();
+        prop_assert!(again.state_eq(&original));
+    }
+
+    /// The previous version (v3) still loads, to the same state.
+    #[test]
+    fn version_3_images_still_load(ops in prop::collection::vec(op_strategy(), 0..40)) {
+        let mut original = Index::new();
+        run(&mut original, &ops);
+        let loaded = Index::from_snapshot_bytes(&v3_image(&original)).unwrap();
+        prop_assert!(loaded.state_eq(&original));
+    }
+
+    /// Any single flipped bit or truncation is refused, never loaded differently.
+    #[test]
+    fn damage_is_refused(ops in prop::collection::vec(op_strategy(), 1..20), at in any::<prop::sample::Index>(), bit in 0u8..8) {
+        let mut original = Index::new();
+        run(&mut original, &ops);
+        let good = image(&original);
+        let mut bad = good.clone();
+        let i = at.index(bad.len());
+        bad[i] ^= 1 << bit;
+        prop_assert!(Index::from_snapshot_bytes(&bad).is_err());
+        prop_assert!(Index::from_snapshot_bytes(&good[..i]).is_err());
+    }
+}
+
+/// A chain root → a → b stored by one source; returns the image and the byte offset
+/// of each node record's key, in record order.
+fn chain_image() -> (Vec<u8>, Vec<(u64, usize)>) {
+    let mut index = Index::new();
+    let src = SourceKey {
+        worker: 1,
+        dp_rank: 0,
+    };
+    let ev = Ev::Stored {
+        hashes: vec![11, 12, 13],
+        parent: None,
+        tokens: vec![1, 2, 3, 4, 5, 6],
+        medium: "GPU",
+    };
+    index.apply_payload(src, &encode(&[ev], None)).unwrap();
+    let buf = image(&index);
+    let keys: Vec<u64> = index.entries().map(|e| e.key).collect();
+    let mut at: Vec<(u64, usize)> = keys
+        .iter()
+        .map(|&k| {
+            let pos = buf
+                .windows(8)
+                .position(|w| w == k.to_le_bytes())
+                .expect("every key is in the image");
+            (k, pos)
+        })
+        .collect();
+    at.sort_by_key(|&(_, pos)| pos);
+    (buf, at)
+}
+
+fn parent_field(buf: &[u8], key_at: usize) -> u32 {
+    u32::from_le_bytes(buf[key_at + 8..key_at + 12].try_into().unwrap())
+}
+
+fn corrupt_reason(buf: &[u8]) -> String {
+    match Index::from_snapshot_bytes(buf) {
+        Err(SnapshotError::Corrupt(reason)) => reason,
+        Err(e) => panic!("expected a corrupt-image error, got {e}"),
+        Ok(_) => panic!("a damaged image was loaded"),
+    }
+}
+
+#[test]
+fn a_parent_cycle_is_refused() {
+    let (mut buf, at) = chain_image();
+    // The two non-root records point at each other.
+    let linked: Vec<usize> = at
+        .iter()
+        .map(|&(_, pos)| pos)
+        .filter(|&pos| parent_field(&buf, pos) != u32::MAX)
+        .collect();
+    assert_eq!(linked.len(), 2);
+    let ordinal = |pos: usize| at.iter().position(|&(_, p)| p == pos).unwrap() as u32;
+    let (x, y) = (linked[0], linked[1]);
+    let (ox, oy) = (ordinal(x), ordinal(y));
+    buf[x + 8..x + 12].copy_from_slice(&oy.to_le_bytes());
+    buf[y + 8..y + 12].copy_from_slice(&ox.to_le_bytes());
+    reseal(&mut buf);
+    assert!(corrupt_reason(&buf).contains("cycle"));
+}
+
+#[test]
+fn an_out_of_range_or_self_parent_is_refused() {
+    let (good, at) = chain_image();
+    let child = at
+        .iter()
+        .map(|&(_, pos)| pos)
+        .find(|&pos| parent_field(&good, pos) != u32::MAX)
+        .unwrap();
+    let own = at.iter().position(|&(_, p)| p == child).unwrap() as u32;
+    for parent in [3u32, 1000, own] {
+        let mut buf = good.clone();
+        buf[child + 8..child + 12].copy_from_slice(&parent.to_le_bytes());
+        reseal(&mut buf);
+        assert!(corrupt_reason(&buf).contains("parent"), "parent {parent}");
+    }
+}
+
+#[test]
+fn a_repeated_key_is_refused() {
+    let (mut buf, at) = chain_image();
+    let (first_key, _) = at[0];
+    let second = at[1].1;
+    buf[second..second + 8].copy_from_slice(&first_key.to_le_bytes());
+    reseal(&mut buf);
+    assert!(corrupt_reason(&buf).contains("twice"));
+}
+
+#[test]
+fn an_unknown_version_names_the_supported_ones() {
+    let (mut buf, _) = chain_image();
+    buf[MAGIC.len()..MAGIC.len() + 4].copy_from_slice(&9u32.to_le_bytes());
+    reseal(&mut buf);
+    match Index::from_snapshot_bytes(&buf) {
+        Err(e @ SnapshotError::UnsupportedVersion(9)) => {
+            assert!(e.to_string().contains("versions 3 and 4"), "{e}")
+        }
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+}
+
+/// The version 3 writer (the format before this one), kept to test its reader.
+fn v3_image(index: &Index) -> Vec<u8> {
+    let mut o: Vec<u8> = Vec::new();
+    let u32_ = |o: &mut Vec<u8>, x: u32| o.extend_from_slice(&x.to_le_bytes());
+    let u64_ = |o: &mut Vec<u8>, x: u64| o.extend_from_slice(&x.to_le_bytes());
+    let str_ = |o: &mut Vec<u8>, s: &str| {
+        o.extend_from_slice(&(s.len() as u32).to_le_bytes());
+        o.extend_from_slice(s.as_bytes());
+    };
+    o.extend_from_slice(MAGIC);
+    u32_(&mut o, VERSION_V3);
+    u64_(&mut o, index.media.all().len() as u64);
+    for m in index.media.all() {
+        str_(&mut o, m.as_str());
+    }
+    u64_(&mut o, index.sources.len() as u64);
+    for (slot, s) in index.sources.iter() {
+        u32_(&mut o, slot);
+        u64_(&mut o, s.key.worker);
+        u32_(&mut o, s.key.dp_rank);
+        str_(&mut o, &s.model);
+        str_(&mut o, &s.tokenizer);
+        u64_(&mut o, s.engine.len() as u64);
+        for (&folded, &key) in &s.engine {
+            u64_(&mut o, folded);
+            u64_(&mut o, key);
+        }
+    }
+    u64_(&mut o, index.tree.len() as u64);
+    for id in index.tree.ids() {
+        let n = index.tree.node(id);
+        u64_(&mut o, n.key);
+        u64_(&mut o, index.tree.parent_key(id));
+        o.push((n.parent_id != super::NIL) as u8);
+        u32_(&mut o, n.depth());
+        u32_(&mut o, n.pins);
+        match n.ehash() {
+            Some(e) => {
+                o.push(1);
+                u64_(&mut o, e);
+            }
+            None => o.push(0),
+        }
+        let hs = n.holders.as_slice(&index.tree.spills);
+        u32_(&mut o, hs.len() as u32);
+        for &h in hs {
+            u64_(&mut o, h);
+        }
+    }
+    let crc = crc32fast::hash(&o);
+    u32_(&mut o, crc);
+    o
+}
