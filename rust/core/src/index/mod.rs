@@ -10,11 +10,13 @@
 //! * [`keytable`]: the open-addressing `key → node` table, with prefetch.
 //! * [`sources`]: sources, their engine-hash maps, interned media.
 //! * [`apply`]: BlockStored / BlockRemoved / AllBlocksCleared.
+//! * [`batch`]: many payloads at once, probes overlapped across events.
 //! * [`matching`]: the longest cached prefix per (source, medium).
 //! * [`scan`]: subtree scans, entries, pins, removal of sources.
 //! * [`snapshot`]: a versioned, checksummed binary image of the whole state.
 
 mod apply;
+mod batch;
 pub mod holders;
 mod keytable;
 mod matching;
@@ -26,6 +28,7 @@ mod tree;
 #[cfg(test)]
 mod tests;
 
+pub use batch::PayloadsError;
 pub use matching::MatchHit;
 pub use scan::{EntryOut, HolderOut, LogicalState};
 pub use snapshot::SnapshotError;
