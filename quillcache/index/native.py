@@ -42,6 +42,23 @@ def _match(t: tuple[int, int, str, int]) -> Match:
     return m
 
 
+def _apply_stats(t: tuple[int, int, int, int, int, int, int, int]) -> ApplyStats:
+    # Filling __dict__ directly: a third of the cost of ApplyStats(*t), per apply call.
+    s = _new(ApplyStats)
+    d = s.__dict__
+    (
+        d["batches"],
+        d["events"],
+        d["blocks_stored"],
+        d["blocks_removed"],
+        d["clears"],
+        d["orphan_blocks"],
+        d["unknown_removals"],
+        d["invalid_events"],
+    ) = t
+    return s
+
+
 def _entry(t: tuple[int, int, int, list[tuple[int, int, str, int]], bool]) -> Entry:
     key, parent, depth, holders, pinned = t
     return Entry(key, parent, depth, tuple(Residency(*h) for h in holders), pinned)
@@ -64,11 +81,16 @@ class NativeIndex:
     def apply(self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0) -> ApplyStats:
         check_source(worker, dp_rank)
         try:
-            batch = [p if type(p) is bytes else bytes(p) for p in payloads]
-        except TypeError as exc:
-            raise InvalidIndexInputError(f"payloads must be bytes-like: {exc}") from None
-        try:
-            return ApplyStats(*self._inner.apply(worker, batch, dp_rank))
+            try:  # fast path: a sequence of bytes goes to Rust as it is
+                raw = self._inner.apply(worker, payloads, dp_rank)
+            except TypeError:  # bytearray, memoryview, ...: nothing was applied
+                try:
+                    batch = [p if type(p) is bytes else bytes(p) for p in payloads]
+                except TypeError as exc:
+                    msg = f"payloads must be bytes-like: {exc}"
+                    raise InvalidIndexInputError(msg) from None
+                raw = self._inner.apply(worker, batch, dp_rank)
+            return _apply_stats(raw)
         except EventDecodeError as err:
             err.stats = ApplyStats(*err.stats)  # type: ignore[attr-defined]
             raise

@@ -131,27 +131,19 @@ impl NativeIndex {
     ) -> PyResult<StatsTuple> {
         let slices: Vec<&[u8]> = payloads.iter().map(|b| b.as_bytes()).collect();
         let source = SourceKey { worker, dp_rank };
-        let (total, failure) = py.detach(|| {
-            let mut idx = self.write();
-            let mut total = ApplyStats::default();
-            for (i, payload) in slices.iter().enumerate() {
-                match idx.apply_payload(source, payload) {
-                    Ok(s) => total += s,
-                    Err(e) => return (total, Some((i, e))),
-                }
-            }
-            (total, None)
-        });
-        match failure {
-            None => Ok(stats_tuple(&total)),
-            Some((i, e)) => {
+        let result = py.detach(|| self.write().apply_payloads(source, &slices));
+        match result {
+            Ok(total) => Ok(stats_tuple(&total)),
+            Err(e) => {
+                let i = e.index;
                 let err = EventDecodeError::new_err(format!(
-                    "payload {i} of {} from worker {worker}: {e}",
-                    slices.len()
+                    "payload {i} of {} from worker {worker}: {}",
+                    slices.len(),
+                    e.error
                 ));
                 let value = err.value(py);
                 value.setattr("payload_index", i)?;
-                value.setattr("stats", stats_tuple(&total))?;
+                value.setattr("stats", stats_tuple(&e.applied))?;
                 Err(err)
             }
         }

@@ -29,7 +29,7 @@ mod tree;
 mod tests;
 
 pub use batch::PayloadsError;
-pub use matching::MatchHit;
+pub use matching::{MatchHit, PathLookup};
 pub use scan::{EntryOut, HolderOut, LogicalState};
 pub use snapshot::SnapshotError;
 pub use sources::SourceKey;

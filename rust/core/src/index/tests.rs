@@ -598,14 +598,26 @@ fn match_skips_freed_slots_that_kept_their_key() {
     let keys = keys_of(&t);
     let bs = BS as usize;
     // Slots 0, 1: blocks 0, 1 (source 1); slot 2: an unrelated block.
-    idx.apply_batch(src(1), &batch(vec![stored(&[1, 2], None, t.clone(), Medium::Gpu)]));
-    idx.apply_batch(src(1), &batch(vec![stored(&[7], None, toks(1, 2), Medium::Gpu)]));
-    idx.apply_batch(src(2), &batch(vec![stored(&[1], None, t[..bs].to_vec(), Medium::Gpu)]));
+    idx.apply_batch(
+        src(1),
+        &batch(vec![stored(&[1, 2], None, t.clone(), Medium::Gpu)]),
+    );
+    idx.apply_batch(
+        src(1),
+        &batch(vec![stored(&[7], None, toks(1, 2), Medium::Gpu)]),
+    );
+    idx.apply_batch(
+        src(2),
+        &batch(vec![stored(&[1], None, t[..bs].to_vec(), Medium::Gpu)]),
+    );
     // Free slot 1 (block 1, its key left in place), then slot 2; block 1 comes
     // back in slot 2, so slot 1, right after block 0's, holds a stale copy of its key.
     idx.apply_batch(src(1), &batch(vec![removed(&[2], Medium::Gpu)]));
     idx.apply_batch(src(1), &batch(vec![removed(&[7], Medium::Gpu)]));
-    idx.apply_batch(src(2), &batch(vec![stored(&[2], Some(1), t[bs..].to_vec(), Medium::Gpu)]));
+    idx.apply_batch(
+        src(2),
+        &batch(vec![stored(&[2], Some(1), t[bs..].to_vec(), Medium::Gpu)]),
+    );
     let hits = idx.match_keys(&keys);
     let found: Vec<(u64, u32)> = hits.iter().map(|h| (h.worker, h.blocks)).collect();
     assert_eq!(found, vec![(1, 1), (2, 2)]);
