@@ -12,6 +12,13 @@ first 64 blocks of a random session. Payloads are raw msgpack built by
     python benchmarks/bench_index.py                      # native + memory, table
     python benchmarks/bench_index.py --backends native --json out.json
 
+To compare two builds side by side, build the workload once (`--workload PATH`
+writes it on the first run and reads it afterwards) and alternate the runs:
+
+    for i in 1 2 3; do for d in before after; do
+      PYTHONPATH=$d python benchmarks/bench_index.py --backends native --workload /tmp/w.pkl
+    done; done
+
 Build the extension in release mode first (`maturin develop --release`).
 """
 
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import pickle
 import random
 import statistics
 import sys
@@ -85,6 +93,23 @@ def build_workload(target_blocks: int, seed: int = 42, n_requests: int = 4096) -
         for _ in range(n_requests)
     ]
     return Workload(calls, stored, requests)
+
+
+def load_or_build(path: str | None, size: int) -> Workload:
+    """The workload of `size` blocks, from `path` if it holds one (a trusted local file)."""
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                saved_size, w = pickle.load(f)
+            if saved_size == size and isinstance(w, Workload):
+                return w
+        except FileNotFoundError:
+            pass
+    w = build_workload(size)
+    if path is not None:
+        with open(path, "wb") as f:
+            pickle.dump((size, w), f)
+    return w
 
 
 @dataclass
@@ -164,13 +189,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="ingest repetitions (median)")
     ap.add_argument("--samples", type=int, default=100_000, help="single-match timings")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' = stdout)")
+    ap.add_argument(
+        "--workload",
+        metavar="PATH",
+        help="pickle of the workload: read if it exists, else built and written (native only)",
+    )
     args = ap.parse_args(argv)
     results = []
     workloads: dict[int, Workload] = {}
     for name in args.backends:
         size = args.memory_blocks if name == "memory" else args.blocks
         if size not in workloads:
-            workloads[size] = build_workload(size)
+            workloads[size] = load_or_build(args.workload if name != "memory" else None, size)
         rounds = 1 if name == "memory" else args.rounds
         samples = min(args.samples, 20_000) if name == "memory" else args.samples
         results.append(bench(name, workloads[size], rounds, samples))
