@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import numpy as np
+
 from quillcache import _native
 from quillcache.errors import EventDecodeError, QuillCacheError
 from quillcache.index.inputs import InvalidIndexInputError, as_key_array, check_source
@@ -16,6 +18,9 @@ from quillcache.index.protocol import KeyArray
 from quillcache.index.types import ApplyStats, Entry, IndexStats, Match, Residency
 
 _new = object.__new__
+
+#: The largest capacity hint `reserve` takes (`MAX_RESERVE_BLOCKS` in Rust).
+MAX_RESERVE_BLOCKS = 1 << 26
 
 
 def _new_match(t: tuple[int, int, str, int]) -> Match:
@@ -126,6 +131,16 @@ class NativeIndex:
 
     def unpin(self, keys: KeyArray) -> None:
         self._inner.unpin(as_key_array(keys))
+
+    def reserve(self, blocks: int) -> None:
+        """Pre-size for `blocks` blocks in all: a capacity hint (e.g. the engines'
+        cache sizes), so that ingest up to that size never re-places the tables.
+        The memory is taken now; the index still grows beyond the hint."""
+        if not isinstance(blocks, (int, np.integer)) or not 0 <= blocks <= MAX_RESERVE_BLOCKS:
+            raise InvalidIndexInputError(
+                f"blocks must be an integer in 0 .. {MAX_RESERVE_BLOCKS}, got {blocks!r}"
+            )
+        self._inner.reserve(int(blocks))
 
     def stats(self) -> IndexStats:
         blocks, nodes, pairs, sources, pinned, spilled, memory = self._inner.stats()

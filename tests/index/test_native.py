@@ -132,3 +132,24 @@ def test_apply_rejects_payloads_that_are_not_bytes_like(payloads: object) -> Non
     with pytest.raises(InvalidIndexInputError, match="bytes-like"):
         idx.apply(1, payloads)  # type: ignore[arg-type]
     assert idx.stats().blocks == 0
+
+
+def test_reserve_is_only_a_capacity_hint() -> None:
+    hinted = NativeIndex()
+    before = hinted.stats().memory_bytes
+    hinted.reserve(10_000)
+    assert hinted.stats().memory_bytes >= before + 10_000 * 40
+    t = toks(6)
+    batch = [payload(stored([1, 2, 3], t[:12])), payload(stored([4, 5, 6], t[12:], 3))]
+    plain = NativeIndex()
+    assert hinted.apply(1, batch) == plain.apply(1, batch)
+    assert hinted.state_eq(plain)
+    assert hinted.match(keys(t)) == plain.match(keys(t))
+    hinted.reserve(0)  # smaller than what is there: nothing to do
+
+
+@pytest.mark.parametrize("blocks", [-1, (1 << 26) + 1, 1.5, "10"])
+def test_reserve_rejects_bad_hints(blocks: object) -> None:
+    idx = NativeIndex()
+    with pytest.raises(InvalidIndexInputError, match="blocks must be an integer"):
+        idx.reserve(blocks)  # type: ignore[arg-type]

@@ -189,7 +189,17 @@ fn interleaved(w: &Workload) -> Vec<&(SourceKey, Vec<u8>)> {
 /// One `apply_payloads` call per session (its 8 turns), as the Python benchmark
 /// and a connector that drains its socket do.
 fn build(w: &Workload) -> Index {
+    build_into(Index::new(), w)
+}
+
+/// `build`, on an index pre-sized for the workload's blocks (`Index::reserve`).
+fn build_reserved(w: &Workload) -> Index {
     let mut idx = Index::new();
+    idx.reserve(TARGET_BLOCKS as u64).unwrap();
+    build_into(idx, w)
+}
+
+fn build_into(mut idx: Index, w: &Workload) -> Index {
     let mut i = 0;
     while i < w.payloads.len() {
         let session = w.origin[i].0;
@@ -244,26 +254,30 @@ fn percentiles() {
         black_box(quillcache_core::events::decode_batch(payload).unwrap());
     }
     let decode = t0.elapsed();
-    // One payload per call and a session's payloads per call, alternating, 3 each.
-    let mut passes: [Vec<(f64, f64)>; 2] = [vec![], vec![]];
+    // One payload per call, a session's payloads per call, and the same on an index
+    // given its final size first: alternating, 3 passes each.
+    let mut passes: [Vec<(f64, f64)>; 3] = [vec![], vec![], vec![]];
     let mut idx = Index::new();
-    for round in 0..6 {
+    for round in 0..9 {
         drop(idx);
         let t0 = Instant::now();
         let cpu0 = thread_cpu_seconds();
-        idx = if round % 2 == 0 {
-            build_one_by_one(&w)
-        } else {
-            build(&w)
+        // The last pass is a plain `build`: its index is the one measured below.
+        idx = match round % 3 {
+            0 => build_one_by_one(&w),
+            1 => build_reserved(&w),
+            _ => build(&w),
         };
         let wall = t0.elapsed().as_secs_f64();
         let cpu = thread_cpu_seconds() - cpu0;
-        passes[round % 2].push((wall, cpu));
+        passes[round % 3].push((wall, cpu));
     }
-    for (name, p) in ["one payload per call", "a session's 8 payloads per call"]
-        .iter()
-        .zip(&passes)
-    {
+    let names = [
+        "one payload per call",
+        "a session's 8 payloads per call, reserve(1 M) first",
+        "a session's 8 payloads per call",
+    ];
+    for (name, p) in names.iter().zip(&passes) {
         let best_wall = p.iter().map(|x| x.0).fold(f64::MAX, f64::min);
         let best_cpu = p.iter().map(|x| x.1).fold(f64::MAX, f64::min);
         println!(

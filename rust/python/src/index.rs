@@ -8,12 +8,13 @@
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use numpy::{PyArray1, PyArrayMethods};
+use pyo3::exceptions::{PyMemoryError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
 use quillcache_core::events::Medium;
-use quillcache_core::index::{ApplyStats, EntryOut, Index, SourceKey};
+use quillcache_core::index::{ApplyStats, EntryOut, Index, ReserveError, SourceKey};
 
 use crate::errors::{EventDecodeError, QuillCacheError};
 
@@ -229,6 +230,15 @@ impl NativeIndex {
         let keys = keys_vec(keys)?;
         py.detach(|| self.write().unpin(&keys));
         Ok(())
+    }
+
+    /// Pre-sizes the index for `blocks` blocks in all (a capacity hint).
+    fn reserve(&self, py: Python<'_>, blocks: u64) -> PyResult<()> {
+        py.detach(|| self.write().reserve(blocks))
+            .map_err(|e| match e {
+                ReserveError::TooLarge { .. } => PyValueError::new_err(e.to_string()),
+                ReserveError::OutOfMemory { .. } => PyMemoryError::new_err(e.to_string()),
+            })
     }
 
     /// `(blocks, nodes, resident_pairs, sources, pinned, spilled, memory_bytes)`.

@@ -640,3 +640,45 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(100))]
+
+    /// A capacity hint at any point changes capacity only: same state, same matches.
+    #[test]
+    fn reserve_changes_nothing_but_capacity(
+        ops in proptest::collection::vec(op(), 1..60),
+        at in 0..60usize,
+        blocks in 0..300u64,
+    ) {
+        let mut plain = Index::new();
+        let mut hinted = Index::new();
+        let at = at.min(ops.len());
+        run(&mut plain, &ops);
+        run(&mut hinted, &ops[..at]);
+        hinted.reserve(blocks).unwrap();
+        run(&mut hinted, &ops[at..]);
+        prop_assert!(hinted.state_eq(&plain));
+        hinted.check_invariants().map_err(TestCaseError::fail)?;
+        for alpha in 0..3 {
+            let keys = keys_of(&toks(3, alpha));
+            prop_assert_eq!(hinted.match_keys(&keys), plain.match_keys(&keys));
+        }
+    }
+}
+
+#[test]
+fn reserve_refuses_absurd_hints_and_counts_what_it_takes() {
+    let mut idx = Index::new();
+    let before = idx.stats().memory_bytes;
+    assert_eq!(
+        idx.reserve(MAX_RESERVE_BLOCKS + 1),
+        Err(ReserveError::TooLarge {
+            blocks: MAX_RESERVE_BLOCKS + 1
+        })
+    );
+    assert_eq!(idx.stats().memory_bytes, before);
+    idx.reserve(10_000).unwrap();
+    // 10 000 nodes of 40 B, two tables of 16 384 four-byte slots.
+    assert!(idx.stats().memory_bytes >= before + 400_000 + 2 * 65_536);
+}

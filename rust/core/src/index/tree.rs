@@ -95,6 +95,14 @@ impl Tree {
         }
     }
 
+    /// Makes room for `blocks` nodes in all (slab and both tables).
+    pub fn reserve(&mut self, blocks: usize) -> Result<(), std::collections::TryReserveError> {
+        self.nodes
+            .try_reserve_exact(blocks.saturating_sub(self.nodes.len()))?;
+        self.table.reserve(blocks, &self.nodes)?;
+        self.by_ehash.reserve(blocks, &self.nodes)
+    }
+
     /// Starts loading the key-table slot of `key`.
     #[inline]
     pub fn prefetch_slot(&self, key: u64) {
