@@ -12,6 +12,13 @@ first 64 blocks of a random session. Payloads are raw msgpack built by
     python benchmarks/bench_index.py                      # native + memory, table
     python benchmarks/bench_index.py --backends native --json out.json
 
+To compare two builds side by side, build the workload once (`--workload PATH`
+writes it on the first run and reads it afterwards) and alternate the runs:
+
+    for i in 1 2 3; do for d in before after; do
+      PYTHONPATH=$d python benchmarks/bench_index.py --backends native --workload /tmp/w.pkl
+    done; done
+
 Build the extension in release mode first (`maturin develop --release`).
 """
 
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import pickle
 import random
 import statistics
 import sys
@@ -87,6 +95,23 @@ def build_workload(target_blocks: int, seed: int = 42, n_requests: int = 4096) -
     return Workload(calls, stored, requests)
 
 
+def load_or_build(path: str | None, size: int) -> Workload:
+    """The workload of `size` blocks, from `path` if it holds one (a trusted local file)."""
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                saved_size, w = pickle.load(f)
+            if saved_size == size and isinstance(w, Workload):
+                return w
+        except FileNotFoundError:
+            pass
+    w = build_workload(size)
+    if path is not None:
+        with open(path, "wb") as f:
+            pickle.dump((size, w), f)
+    return w
+
+
 @dataclass
 class Result:
     backend: str
@@ -101,27 +126,30 @@ class Result:
     bytes_per_pair: float
 
 
-def ingest(name: str, w: Workload) -> tuple[Any, float, float]:
+def ingest(name: str, w: Workload, reserve: int = 0) -> tuple[Any, float, float]:
     """Apply the whole workload to a fresh index: (index, wall seconds, CPU seconds).
 
     CPU time (this thread's) is reported too: on a shared, loaded machine the wall
-    time of a long run overstates its cost.
+    time of a long run overstates its cost. `reserve` > 0 passes that capacity hint
+    first (timed with the ingest).
     """
     index = create_backend(name)
     gc.collect()
     t0, c0 = time.perf_counter(), time.thread_time()
+    if reserve:
+        index.reserve(reserve)
     for worker, payloads in w.calls:
         index.apply(worker, payloads)
     return index, time.perf_counter() - t0, time.thread_time() - c0
 
 
-def bench(name: str, w: Workload, rounds: int, samples: int) -> Result:
+def bench(name: str, w: Workload, rounds: int, samples: int, reserve: int = 0) -> Result:
     times, cpu_times = [], []
     index = None
     for _ in range(rounds):
         if index is not None:
             index.close()
-        index, seconds, cpu_seconds = ingest(name, w)
+        index, seconds, cpu_seconds = ingest(name, w, reserve)
         times.append(seconds)
         cpu_times.append(cpu_seconds)
     assert index is not None
@@ -164,16 +192,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="ingest repetitions (median)")
     ap.add_argument("--samples", type=int, default=100_000, help="single-match timings")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' = stdout)")
+    ap.add_argument(
+        "--reserve",
+        action="store_true",
+        help="give the native index its final size as a capacity hint before ingest",
+    )
+    ap.add_argument(
+        "--workload",
+        metavar="PATH",
+        help="pickle of the workload: read if it exists, else built and written (native only)",
+    )
     args = ap.parse_args(argv)
     results = []
     workloads: dict[int, Workload] = {}
     for name in args.backends:
         size = args.memory_blocks if name == "memory" else args.blocks
         if size not in workloads:
-            workloads[size] = build_workload(size)
+            workloads[size] = load_or_build(args.workload if name != "memory" else None, size)
         rounds = 1 if name == "memory" else args.rounds
         samples = min(args.samples, 20_000) if name == "memory" else args.samples
-        results.append(bench(name, workloads[size], rounds, samples))
+        reserve = size if args.reserve and name == "native" else 0
+        results.append(bench(name, workloads[size], rounds, samples, reserve))
     from rich.console import Console
     from rich.table import Table
 

@@ -173,6 +173,10 @@ class NativeIndex:
         """One pin on every block of the path (unknown blocks are created)."""
     def unpin(self, keys: _Keys) -> None:
         """One pin less on every pinned block of the path (no-op for unpinned ones)."""
+    def reserve(self, blocks: int) -> None:
+        """Pre-size for `blocks` blocks in all (a capacity hint: ingest up to that size
+        never re-places the tables). ValueError above 2**26 blocks, MemoryError if the
+        memory is not there; the index still grows beyond the hint."""
     def stats(self) -> tuple[int, int, int, int, int, int, int]:
         """(blocks, nodes, resident_pairs, sources, pinned, spilled, memory_bytes);
         memory_bytes is the exact heap usage of the Rust structures (by capacity)."""

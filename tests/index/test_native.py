@@ -9,6 +9,7 @@ import pytest
 
 from quillcache.errors import QuillCacheError
 from quillcache.events import encode as enc
+from quillcache.index.inputs import InvalidIndexInputError
 from quillcache.index.native import NativeIndex
 from tests.index.helpers import keys, payload, removed, stored, toks
 
@@ -110,3 +111,45 @@ def test_old_two_element_batches_use_the_argument_rank() -> None:
     idx = NativeIndex()
     idx.apply(5, [enc.encode_batch([stored([1], toks(1))], ts=0.0, dp_rank=None)], dp_rank=7)
     assert [(m.worker, m.dp_rank) for m in idx.match(keys(toks(1)))] == [(5, 7)]
+
+
+def test_apply_takes_any_sequence_of_bytes_like_payloads() -> None:
+    t = toks(6)
+    raw = [payload(stored([1, 2, 3], t[:12])), payload(stored([4, 5, 6], t[12:], 3))]
+    want = NativeIndex()
+    want_stats = want.apply(1, raw)
+    assert want_stats.blocks_stored == 6
+    # bytearray / memoryview items take the converting path; a tuple goes straight in.
+    for payloads in (tuple(raw), [bytearray(raw[0]), memoryview(raw[1])]):
+        idx = NativeIndex()
+        assert idx.apply(1, payloads) == want_stats
+        assert idx.state_eq(want)
+
+
+@pytest.mark.parametrize("payloads", ["not a list of bytes", [b"\x90", None], 5])
+def test_apply_rejects_payloads_that_are_not_bytes_like(payloads: object) -> None:
+    idx = NativeIndex()
+    with pytest.raises(InvalidIndexInputError, match="bytes-like"):
+        idx.apply(1, payloads)  # type: ignore[arg-type]
+    assert idx.stats().blocks == 0
+
+
+def test_reserve_is_only_a_capacity_hint() -> None:
+    hinted = NativeIndex()
+    before = hinted.stats().memory_bytes
+    hinted.reserve(10_000)
+    assert hinted.stats().memory_bytes >= before + 10_000 * 40
+    t = toks(6)
+    batch = [payload(stored([1, 2, 3], t[:12])), payload(stored([4, 5, 6], t[12:], 3))]
+    plain = NativeIndex()
+    assert hinted.apply(1, batch) == plain.apply(1, batch)
+    assert hinted.state_eq(plain)
+    assert hinted.match(keys(t)) == plain.match(keys(t))
+    hinted.reserve(0)  # smaller than what is there: nothing to do
+
+
+@pytest.mark.parametrize("blocks", [-1, (1 << 26) + 1, 1.5, "10"])
+def test_reserve_rejects_bad_hints(blocks: object) -> None:
+    idx = NativeIndex()
+    with pytest.raises(InvalidIndexInputError, match="blocks must be an integer"):
+        idx.reserve(blocks)  # type: ignore[arg-type]

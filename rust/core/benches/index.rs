@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use criterion::{criterion_group, BatchSize, Criterion, Throughput};
 use quillcache_core::content_key::chain_block;
-use quillcache_core::index::{Index, SourceKey};
+use quillcache_core::index::{Index, PathLookup, SourceKey};
 use quillcache_core::namespace::Namespace;
 
 const WORKERS: u64 = 64;
@@ -84,6 +84,8 @@ fn encode_stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> Vec<u8>
 
 struct Workload {
     payloads: Vec<(SourceKey, Vec<u8>)>,
+    /// (session, turn) of each payload.
+    origin: Vec<(u64, usize)>,
     blocks_stored: u64,
     requests: Vec<Vec<u64>>,
 }
@@ -117,6 +119,7 @@ fn workload() -> Workload {
     let engine_hash = |key: u64| mix(key ^ 0x5555);
     let mut has_prompt: HashSet<(u64, u64)> = HashSet::new();
     let mut payloads = vec![];
+    let mut origin = vec![];
     let mut sessions: Vec<Vec<u64>> = vec![];
     let mut distinct = PROMPTS as usize * SYS_BLOCKS;
     let mut blocks_stored = 0u64;
@@ -153,6 +156,7 @@ fn workload() -> Workload {
                 };
             blocks_stored += hashes.len() as u64;
             payloads.push((source, encode_stored(&hashes, parent_hash, &tokens)));
+            origin.push((s, t));
             keys.extend(new_keys);
         }
         distinct += TURNS * TURN_BLOCKS;
@@ -164,12 +168,54 @@ fn workload() -> Workload {
         .collect();
     Workload {
         payloads,
+        origin,
         blocks_stored,
         requests,
     }
 }
 
+/// The payloads as 64 concurrent sessions publish them: turn by turn, interleaved
+/// (each session's own order kept). A request's blocks then come from 8 stores
+/// separated by other sessions' blocks instead of one run of slab slots.
+fn interleaved(w: &Workload) -> Vec<&(SourceKey, Vec<u8>)> {
+    let mut order: Vec<usize> = (0..w.payloads.len()).collect();
+    order.sort_by_key(|&i| {
+        let (s, t) = w.origin[i];
+        (s / 64, t, s)
+    });
+    order.into_iter().map(|i| &w.payloads[i]).collect()
+}
+
+/// One `apply_payloads` call per session (its 8 turns), as the Python benchmark
+/// and a connector that drains its socket do.
 fn build(w: &Workload) -> Index {
+    build_into(Index::new(), w)
+}
+
+/// `build`, on an index pre-sized for the workload's blocks (`Index::reserve`).
+fn build_reserved(w: &Workload) -> Index {
+    let mut idx = Index::new();
+    idx.reserve(TARGET_BLOCKS as u64).unwrap();
+    build_into(idx, w)
+}
+
+fn build_into(mut idx: Index, w: &Workload) -> Index {
+    let mut i = 0;
+    while i < w.payloads.len() {
+        let session = w.origin[i].0;
+        let mut j = i;
+        while j < w.payloads.len() && w.origin[j].0 == session {
+            j += 1;
+        }
+        let call: Vec<&[u8]> = w.payloads[i..j].iter().map(|(_, p)| p.as_slice()).collect();
+        idx.apply_payloads(w.payloads[i].0, &call).unwrap();
+        i = j;
+    }
+    idx
+}
+
+/// One `apply_payload` call per payload.
+fn build_one_by_one(w: &Workload) -> Index {
     let mut idx = Index::new();
     for (source, payload) in &w.payloads {
         idx.apply_payload(*source, payload).unwrap();
@@ -208,40 +254,49 @@ fn percentiles() {
         black_box(quillcache_core::events::decode_batch(payload).unwrap());
     }
     let decode = t0.elapsed();
-    let t0 = Instant::now();
-    let cpu0 = thread_cpu_seconds();
-    let idx = build(&w);
-    let ingest = t0.elapsed();
-    let cpu = thread_cpu_seconds() - cpu0;
-    println!(
-        "index/ingest one pass: {:.2} M blocks/s wall, {:.2} M blocks per CPU-second \
-         ({:?} wall, {:.2} s CPU; decoding alone {:?}; {} payloads, {} blocks)",
-        w.blocks_stored as f64 / ingest.as_secs_f64() / 1e6,
-        w.blocks_stored as f64 / cpu / 1e6,
-        ingest,
-        cpu,
-        decode,
-        w.payloads.len(),
-        w.blocks_stored
-    );
-    let st = idx.stats();
-    let mut samples: Vec<u64> = Vec::with_capacity(200_000);
-    for round in 0..200_000usize {
-        let req = &w.requests[(round * 7919) % w.requests.len()];
+    // One payload per call, a session's payloads per call, and the same on an index
+    // given its final size first: alternating, 3 passes each.
+    let mut passes: [Vec<(f64, f64)>; 3] = [vec![], vec![], vec![]];
+    let mut idx = Index::new();
+    for round in 0..9 {
+        drop(idx);
         let t0 = Instant::now();
-        black_box(idx.match_keys(black_box(req)));
-        samples.push(t0.elapsed().as_nanos() as u64);
+        let cpu0 = thread_cpu_seconds();
+        // The last pass is a plain `build`: its index is the one measured below.
+        idx = match round % 3 {
+            0 => build_one_by_one(&w),
+            1 => build_reserved(&w),
+            _ => build(&w),
+        };
+        let wall = t0.elapsed().as_secs_f64();
+        let cpu = thread_cpu_seconds() - cpu0;
+        passes[round % 3].push((wall, cpu));
     }
-    samples.sort_unstable();
-    let pct = |p: f64| samples[((samples.len() - 1) as f64 * p) as usize];
-    let hits: usize = w.requests.iter().map(|r| idx.match_keys(r).len()).sum();
-    println!(
-        "index/match_64_blocks_1M latency: p50 {} ns, p99 {} ns ({} samples, {:.1} holders matched per request)",
-        pct(0.50),
-        pct(0.99),
-        samples.len(),
-        hits as f64 / w.requests.len() as f64
-    );
+    let names = [
+        "one payload per call",
+        "a session's 8 payloads per call, reserve(1 M) first",
+        "a session's 8 payloads per call",
+    ];
+    for (name, p) in names.iter().zip(&passes) {
+        let best_wall = p.iter().map(|x| x.0).fold(f64::MAX, f64::min);
+        let best_cpu = p.iter().map(|x| x.1).fold(f64::MAX, f64::min);
+        println!(
+            "index/ingest, {name}: best of 3 passes {:.2} M blocks/s wall, {:.2} M blocks per CPU-second \
+             (decoding alone {:?}; {} payloads, {} blocks)",
+            w.blocks_stored as f64 / best_wall / 1e6,
+            w.blocks_stored as f64 / best_cpu / 1e6,
+            decode,
+            w.payloads.len(),
+            w.blocks_stored
+        );
+    }
+    let st = idx.stats();
+    print_latency("index/match_64_blocks_1M", &idx, &w.requests);
+    let mut mixed = Index::new();
+    for (source, payload) in interleaved(&w) {
+        mixed.apply_payload(*source, payload).unwrap();
+    }
+    print_latency("index/match_64_blocks_1M_interleaved", &mixed, &w.requests);
     println!(
         "index memory: {} blocks, {} resident pairs, {} sources, {} bytes = {:.1} bytes/pair, {:.1} bytes/block",
         st.blocks,
@@ -251,6 +306,34 @@ fn percentiles() {
         st.memory_bytes as f64 / st.resident_pairs as f64,
         st.memory_bytes as f64 / st.blocks as f64
     );
+}
+
+/// p50/p99 of 200 000 single matches, each timed on its own, for `match_keys`
+/// (runs first) and for the table-only lookup of the previous round, alternating
+/// call by call so that the machine's noise hits both alike.
+fn print_latency(name: &str, idx: &Index, requests: &[Vec<u64>]) {
+    const N: usize = 200_000;
+    let mut samples = [Vec::with_capacity(N), Vec::with_capacity(N)];
+    let lookups = [PathLookup::Runs, PathLookup::Table];
+    for round in 0..2 * N {
+        let req = &requests[(round * 7919) % requests.len()];
+        let which = round % 2;
+        let t0 = Instant::now();
+        black_box(idx.match_keys_using(black_box(req), lookups[which]));
+        samples[which].push(t0.elapsed().as_nanos() as u64);
+    }
+    let hits: usize = requests.iter().map(|r| idx.match_keys(r).len()).sum();
+    for (s, lookup) in samples.iter_mut().zip(lookups) {
+        s.sort_unstable();
+        let pct = |p: f64| s[((s.len() - 1) as f64 * p) as usize];
+        println!(
+            "{name} latency ({lookup:?}): p50 {} ns, p99 {} ns ({} samples, {:.1} holders matched per request)",
+            pct(0.50),
+            pct(0.99),
+            s.len(),
+            hits as f64 / requests.len() as f64
+        );
+    }
 }
 
 /// CPU time of this thread (utime + stime from /proc, 10 ms ticks): on a shared,

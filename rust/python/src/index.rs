@@ -8,12 +8,13 @@
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use numpy::{PyArray1, PyArrayMethods};
+use pyo3::exceptions::{PyMemoryError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
 use quillcache_core::events::Medium;
-use quillcache_core::index::{ApplyStats, EntryOut, Index, SourceKey};
+use quillcache_core::index::{ApplyStats, EntryOut, Index, ReserveError, SourceKey};
 
 use crate::errors::{EventDecodeError, QuillCacheError};
 
@@ -131,27 +132,19 @@ impl NativeIndex {
     ) -> PyResult<StatsTuple> {
         let slices: Vec<&[u8]> = payloads.iter().map(|b| b.as_bytes()).collect();
         let source = SourceKey { worker, dp_rank };
-        let (total, failure) = py.detach(|| {
-            let mut idx = self.write();
-            let mut total = ApplyStats::default();
-            for (i, payload) in slices.iter().enumerate() {
-                match idx.apply_payload(source, payload) {
-                    Ok(s) => total += s,
-                    Err(e) => return (total, Some((i, e))),
-                }
-            }
-            (total, None)
-        });
-        match failure {
-            None => Ok(stats_tuple(&total)),
-            Some((i, e)) => {
+        let result = py.detach(|| self.write().apply_payloads(source, &slices));
+        match result {
+            Ok(total) => Ok(stats_tuple(&total)),
+            Err(e) => {
+                let i = e.index;
                 let err = EventDecodeError::new_err(format!(
-                    "payload {i} of {} from worker {worker}: {e}",
-                    slices.len()
+                    "payload {i} of {} from worker {worker}: {}",
+                    slices.len(),
+                    e.error
                 ));
                 let value = err.value(py);
                 value.setattr("payload_index", i)?;
-                value.setattr("stats", stats_tuple(&total))?;
+                value.setattr("stats", stats_tuple(&e.applied))?;
                 Err(err)
             }
         }
@@ -237,6 +230,15 @@ impl NativeIndex {
         let keys = keys_vec(keys)?;
         py.detach(|| self.write().unpin(&keys));
         Ok(())
+    }
+
+    /// Pre-sizes the index for `blocks` blocks in all (a capacity hint).
+    fn reserve(&self, py: Python<'_>, blocks: u64) -> PyResult<()> {
+        py.detach(|| self.write().reserve(blocks))
+            .map_err(|e| match e {
+                ReserveError::TooLarge { .. } => PyValueError::new_err(e.to_string()),
+                ReserveError::OutOfMemory { .. } => PyMemoryError::new_err(e.to_string()),
+            })
     }
 
     /// `(blocks, nodes, resident_pairs, sources, pinned, spilled, memory_bytes)`.

@@ -7,6 +7,7 @@ use crate::events::{
 use crate::namespace::Namespace;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+use super::batch::Plan;
 use super::holders::{self, holder_id, HolderId, Removed};
 use super::sources::engine_map_key;
 use super::tree::NIL;
@@ -27,6 +28,17 @@ impl Index {
 
     /// Applies one decoded batch for `source` (its dp rank taken as given).
     pub fn apply_batch(&mut self, source: SourceKey, batch: &EventBatch) -> ApplyStats {
+        self.apply_batch_planned(source, batch, &mut Plan::none())
+    }
+
+    /// `apply_batch`, taking each BlockStored's key chain from `plan` when it was
+    /// computed from the parent key the event turns out to have.
+    pub(super) fn apply_batch_planned(
+        &mut self,
+        source: SourceKey,
+        batch: &EventBatch,
+        plan: &mut Plan,
+    ) -> ApplyStats {
         let mut stats = ApplyStats {
             batches: 1,
             events: batch.events.len() as u64,
@@ -35,11 +47,19 @@ impl Index {
         let Some(slot) = self.sources.slot_or_create(source, holders::MAX_SLOT) else {
             // More than 16 M live sources: refuse rather than corrupt holder ids.
             stats.invalid_events = stats.events;
+            plan.skip(batch.events.len());
             return stats;
         };
         for event in &batch.events {
+            let chain = plan.next_event();
+            if let Some(c) = chain {
+                plan.prefetch_through(&self.tree, c.end);
+            }
             match event {
-                Event::BlockStored(ev) => self.store(slot, ev, &mut stats),
+                Event::BlockStored(ev) => {
+                    let planned = chain.map(|c| (c.parent, &plan.keys[c.start..c.end]));
+                    self.store(slot, ev, &mut stats, planned)
+                }
                 Event::BlockRemoved(ev) => self.remove(slot, ev, &mut stats),
                 Event::AllBlocksCleared => {
                     stats.clears += 1;
@@ -74,7 +94,15 @@ impl Index {
         self.tree.collect(id);
     }
 
-    fn store(&mut self, slot: u32, ev: &BlockStored, stats: &mut ApplyStats) {
+    /// `planned`: `(parent key, keys)` computed ahead (batch ingest), used if the
+    /// parent key is that one (the keys are a function of it and the event).
+    fn store(
+        &mut self,
+        slot: u32,
+        ev: &BlockStored,
+        stats: &mut ApplyStats,
+        planned: Option<(u64, &[u64])>,
+    ) {
         let n = ev.block_hashes.len();
         if n == 0 {
             return;
@@ -124,28 +152,27 @@ impl Index {
             }
         };
         // Pass 1: the chain of keys, then prefetches and probes of every key's table
-        // slot and node and every hash's ehash slot. The probes are independent, so
-        // their cache misses overlap; pass 2 then finds those lines in cache.
-        let mut keys = Vec::with_capacity(n);
-        let mut k = parent_key;
-        let mut buf = Vec::new();
-        for (i, tokens) in ev.token_ids.chunks_exact(bs).take(n).enumerate() {
-            k = match mm_items(ev, i) {
-                Some(mm) => chain_block(k, tokens, Some(&mm)),
-                None => chain_block_reusing(&mut buf, k, tokens),
-            };
-            keys.push(k);
-        }
-        self.tree.prefetch_slots(&keys);
-        self.tree
-            .prefetch_ehash(ev.block_hashes.iter().map(|&h| engine_map_key(group, h)));
-        let mut warm = 0u64;
-        for &key in &keys {
-            warm ^= self.tree.find(key).unwrap_or(0) as u64;
-        }
-        std::hint::black_box(warm);
+        // slot and every hash's ehash slot. The probes are independent, so their
+        // cache misses overlap; pass 2 then finds those lines in cache. A planned
+        // chain was prefetched further ahead already (`Plan::prefetch_through`).
+        let mut own = Vec::new();
+        let keys: &[u64] = match planned {
+            Some((p, keys)) if p == parent_key && keys.len() == n => keys,
+            _ => {
+                chain_keys(ev, parent_key, &mut own);
+                self.tree.prefetch_slots(&own);
+                self.tree
+                    .prefetch_ehash(ev.block_hashes.iter().map(|&h| engine_map_key(group, h)));
+                let mut warm = 0u64;
+                for &key in &own {
+                    warm ^= self.tree.find(key).unwrap_or(0) as u64;
+                }
+                std::hint::black_box(warm);
+                &own
+            }
+        };
         // Pass 2: insert.
-        for (&h, &key) in ev.block_hashes.iter().zip(&keys) {
+        for (&h, &key) in ev.block_hashes.iter().zip(keys) {
             let id = self.tree.get_or_insert(key, parent_key, parent_id, depth);
             self.add_holder(slot, id, hid);
             self.set_mapping(slot, engine_map_key(group, h), id);
@@ -157,7 +184,7 @@ impl Index {
     }
 
     /// The namespace of a BlockStored that starts at block 0 (`docs/index.md`).
-    fn namespace_of(&self, slot: u32, ev: &BlockStored) -> Namespace {
+    pub(super) fn namespace_of(&self, slot: u32, ev: &BlockStored) -> Namespace {
         let src = self.sources.get(slot);
         let lora = ev.lora_name.clone().unwrap_or_default();
         let tenant = ev.cache_salt.clone().or_else(|| salt_in_extra_keys(ev));
@@ -274,7 +301,10 @@ impl Index {
     }
 }
 
-fn resolve_rank(source: SourceKey, batch: &EventBatch) -> Result<SourceKey, DecodeError> {
+pub(super) fn resolve_rank(
+    source: SourceKey,
+    batch: &EventBatch,
+) -> Result<SourceKey, DecodeError> {
     match batch.dp_rank {
         None => Ok(source),
         Some(r) => match u32::try_from(r) {
@@ -285,6 +315,33 @@ fn resolve_rank(source: SourceKey, batch: &EventBatch) -> Result<SourceKey, Deco
             }),
         },
     }
+}
+
+/// Appends the content keys of `ev`'s blocks, chained from `parent_key`, to `out`.
+/// The event must carry at least `n_hashes × block_size` tokens (`block_size` > 0).
+pub(super) fn chain_keys(ev: &BlockStored, parent_key: u64, out: &mut Vec<u64>) {
+    let bs = ev.block_size as usize;
+    let n = ev.block_hashes.len();
+    out.reserve(n);
+    let mut k = parent_key;
+    let mut buf = Vec::new();
+    for (i, tokens) in ev.token_ids.chunks_exact(bs).take(n).enumerate() {
+        k = match mm_items(ev, i) {
+            Some(mm) => chain_block(k, tokens, Some(&mm)),
+            None => chain_block_reusing(&mut buf, k, tokens),
+        };
+        out.push(k);
+    }
+}
+
+/// Whether `store` will chain keys for `ev` (it has tokens, enough of them, a
+/// block size): the events a batch plan computes keys for.
+pub(super) fn has_key_chain(ev: &BlockStored) -> bool {
+    let n = ev.block_hashes.len() as u64;
+    n > 0
+        && ev.block_size > 0
+        && !ev.token_ids.is_empty()
+        && ev.token_ids.len() as u64 >= n.saturating_mul(ev.block_size as u64)
 }
 
 /// vLLM's cache salt: a string in block 0's extra keys that is not the LoRA name.

@@ -198,7 +198,33 @@ impl KeyTable {
 
     fn grow(&mut self, nodes: &[Node]) {
         let cap = (self.slots.len() * 2).max(16);
-        let old = std::mem::replace(&mut self.slots, vec![NIL; cap]);
+        self.rebuild(vec![NIL; cap], nodes);
+    }
+
+    /// Makes room for `entries` entries in all, so that inserts up to that many
+    /// never grow the table. `Err` (nothing changed) if the memory is not there.
+    pub fn reserve(
+        &mut self,
+        entries: usize,
+        nodes: &[Node],
+    ) -> Result<(), std::collections::TryReserveError> {
+        // The smallest power of two that keeps `entries` at most 3/4 full.
+        let cap = (entries.saturating_mul(4).div_ceil(3) + 1)
+            .next_power_of_two()
+            .max(16);
+        if cap <= self.slots.len() {
+            return Ok(());
+        }
+        let mut slots = Vec::new();
+        slots.try_reserve_exact(cap)?;
+        slots.resize(cap, NIL);
+        self.rebuild(slots, nodes);
+        Ok(())
+    }
+
+    /// Moves every entry into `slots` (all empty, a larger power of two).
+    fn rebuild(&mut self, slots: Vec<u32>, nodes: &[Node]) {
+        let old = std::mem::replace(&mut self.slots, slots);
         // Re-placing needs every node's key: random reads over the slab. Prefetch a
         // window ahead so that those misses overlap (a 2^21-slot grow reads 1.5 M nodes).
         const AHEAD: usize = 16;
@@ -291,16 +317,22 @@ mod tests {
 
     proptest! {
         /// Against a HashMap, with small keys (many collisions) and interleaved removes;
-        /// starting from 3 id bits, ids outgrow them, so `widen_ids` runs mid-stream.
+        /// starting from 3 id bits, ids outgrow them, so `widen_ids` runs mid-stream;
+        /// a `reserve` at a random step re-places everything.
         #[test]
         fn behaves_like_a_map(
             ops in proptest::collection::vec((any::<bool>(), 0..64u64), 1..400),
             id_bits in prop_oneof![Just(3u32), Just(24u32)],
+            reserve_at in 0..400usize,
+            reserve_to in 0..200usize,
         ) {
             let mut nodes: Vec<Node> = vec![];
             let mut table = KeyTable::with_id_bits(KeyField::Key, id_bits);
             let mut model = std::collections::HashMap::new();
-            for (insert, key) in ops {
+            for (step, (insert, key)) in ops.into_iter().enumerate() {
+                if step == reserve_at {
+                    table.reserve(reserve_to, &nodes).unwrap();
+                }
                 if insert {
                     if table.find(key, &nodes).is_none() {
                         nodes.push(node(key));

@@ -23,6 +23,16 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::default();
 }
 
+/// How `match` finds the nodes of a request's keys (both give the same result;
+/// the choice is exposed for side-by-side benchmarks and tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PathLookup {
+    /// Runs of consecutive slab slots first, then the table (`match_keys`' way).
+    Runs,
+    /// Every key through the table, all slots and nodes prefetched first.
+    Table,
+}
+
 /// One (source, medium) and how many leading blocks of the request it holds (>= 1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MatchHit {
@@ -36,15 +46,39 @@ pub struct MatchHit {
 impl Index {
     /// Sorted by (worker, dp rank, medium name).
     pub fn match_keys(&self, keys: &[u64]) -> Vec<MatchHit> {
+        self.match_keys_using(keys, PathLookup::Runs)
+    }
+
+    /// `match_keys` with a given way of finding the keys' nodes.
+    pub fn match_keys_using(&self, keys: &[u64], lookup: PathLookup) -> Vec<MatchHit> {
+        let resolve = match lookup {
+            PathLookup::Runs => Self::resolve_path,
+            PathLookup::Table => Self::resolve_through_table,
+        };
         SCRATCH.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut scratch) => self.match_with(keys, &mut scratch),
-            Err(_) => self.match_with(keys, &mut Scratch::default()),
+            Ok(mut scratch) => self.match_with(keys, &mut scratch, resolve),
+            Err(_) => self.match_with(keys, &mut Scratch::default(), resolve),
         })
     }
 
-    fn match_with(&self, keys: &[u64], scratch: &mut Scratch) -> Vec<MatchHit> {
+    /// `match_keys` resolving every key through the table, one at a time, without
+    /// prefetching (the plainest reference, for tests).
+    #[cfg(test)]
+    pub(super) fn match_keys_table_only(&self, keys: &[u64]) -> Vec<MatchHit> {
+        let table_only = |idx: &Self, keys: &[u64], ids: &mut Vec<u32>| {
+            ids.extend(keys.iter().map_while(|&k| idx.tree.find(k)));
+        };
+        self.match_with(keys, &mut Scratch::default(), table_only)
+    }
+
+    fn match_with(
+        &self,
+        keys: &[u64],
+        scratch: &mut Scratch,
+        resolve: impl Fn(&Self, &[u64], &mut Vec<u32>),
+    ) -> Vec<MatchHit> {
         scratch.done.clear();
-        self.match_into(keys, scratch);
+        self.match_into(keys, scratch, resolve);
         let mut hits: Vec<MatchHit> = scratch
             .done
             .iter()
@@ -68,24 +102,73 @@ impl Index {
         hits
     }
 
+    /// The node ids of `keys` up to the first unknown key.
+    ///
+    /// The blocks of one BlockStored are inserted one after another, so a path is
+    /// mostly runs of consecutive slab slots. After a key found through the table,
+    /// the following keys are tried at the following slots (prefetched together:
+    /// one sequential stream instead of a table probe and a node read per key).
+    /// After `TABLE_RUNS` runs the path looks fragmented (blocks stored by many
+    /// events, slots reused), and the rest is resolved through the table with every
+    /// slot and node prefetched first, so that those misses overlap. Measured
+    /// (docs/index.md): a path of two runs (a shared prompt, then one long store)
+    /// ~20 % faster than the table alone; a path of 8-block runs ~10 % slower.
+    fn resolve_path(&self, keys: &[u64], ids: &mut Vec<u32>) {
+        const TABLE_RUNS: usize = 2;
+        let tree = &self.tree;
+        // Every key's table slot first, so that a run's first key costs one miss
+        // (its node) rather than two.
+        tree.prefetch_slots(keys);
+        let mut i = 0;
+        for _ in 0..TABLE_RUNS {
+            let Some(&key) = keys.get(i) else {
+                return;
+            };
+            let Some(mut id) = tree.find(key) else {
+                return;
+            };
+            ids.push(id);
+            i += 1;
+            tree.prefetch_nodes(id.wrapping_add(1), keys.len() - i);
+            while let Some(next) = keys
+                .get(i)
+                .and_then(|&k| tree.live_node_with_key(id.wrapping_add(1), k))
+            {
+                ids.push(next);
+                id = next;
+                i += 1;
+            }
+        }
+        self.resolve_through_table(&keys[i.min(keys.len())..], ids);
+    }
+
+    /// The node ids of `keys` up to the first unknown key, through the table, with
+    /// every slot and then every tag-matching node prefetched first.
+    fn resolve_through_table(&self, keys: &[u64], ids: &mut Vec<u32>) {
+        self.tree.prefetch(keys);
+        for &key in keys {
+            match self.tree.find(key) {
+                Some(id) => ids.push(id),
+                None => return,
+            }
+        }
+    }
+
     /// Appends `(holder id, matched blocks)` for every holder with a match >= 1.
-    fn match_into(&self, keys: &[u64], scratch: &mut Scratch) {
+    fn match_into(
+        &self,
+        keys: &[u64],
+        scratch: &mut Scratch,
+        resolve: impl Fn(&Self, &[u64], &mut Vec<u32>),
+    ) {
         let Scratch {
             ids,
             alive,
             next,
             done,
         } = scratch;
-        // Pass 1: resolve the keys up to the first unknown one, after prefetching all
-        // their table slots and nodes, so that the cache misses overlap.
         ids.clear();
-        self.tree.prefetch(keys);
-        for &key in keys {
-            match self.tree.find(key) {
-                Some(id) => ids.push(id),
-                None => break,
-            }
-        }
+        resolve(self, keys, ids);
         let spills = &self.tree.spills;
         let Some((&id0, rest)) = ids.split_first() else {
             return;

@@ -10,11 +10,13 @@
 //! * [`keytable`]: the open-addressing `key → node` table, with prefetch.
 //! * [`sources`]: sources, their engine-hash maps, interned media.
 //! * [`apply`]: BlockStored / BlockRemoved / AllBlocksCleared.
+//! * [`batch`]: many payloads at once, probes overlapped across events.
 //! * [`matching`]: the longest cached prefix per (source, medium).
 //! * [`scan`]: subtree scans, entries, pins, removal of sources.
 //! * [`snapshot`]: a versioned, checksummed binary image of the whole state.
 
 mod apply;
+mod batch;
 pub mod holders;
 mod keytable;
 mod matching;
@@ -26,7 +28,8 @@ mod tree;
 #[cfg(test)]
 mod tests;
 
-pub use matching::MatchHit;
+pub use batch::PayloadsError;
+pub use matching::{MatchHit, PathLookup};
 pub use scan::{EntryOut, HolderOut, LogicalState};
 pub use snapshot::SnapshotError;
 pub use sources::SourceKey;
@@ -80,6 +83,33 @@ pub struct IndexStats {
     pub memory_bytes: u64,
 }
 
+/// The largest capacity hint `Index::reserve` takes: 2^26 blocks (the two tables
+/// then take 1 GiB at once; the slab ~2.7 GB as it fills).
+pub const MAX_RESERVE_BLOCKS: u64 = 1 << 26;
+
+/// Why `Index::reserve` refused a hint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReserveError {
+    TooLarge { blocks: u64 },
+    OutOfMemory { blocks: u64 },
+}
+
+impl std::fmt::Display for ReserveError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::TooLarge { blocks } => write!(
+                f,
+                "capacity hint of {blocks} blocks is above the maximum of {MAX_RESERVE_BLOCKS}"
+            ),
+            Self::OutOfMemory { blocks } => {
+                write!(f, "not enough memory to reserve room for {blocks} blocks")
+            }
+        }
+    }
+}
+
+impl std::error::Error for ReserveError {}
+
 /// The residency index. See the module docs and `docs/index.md`.
 #[derive(Debug, Clone, Default)]
 pub struct Index {
@@ -104,6 +134,21 @@ impl Index {
             s.model = model.to_string();
             s.tokenizer = tokenizer.to_string();
         }
+    }
+
+    /// Pre-sizes the index for `blocks` blocks in all: a capacity hint (a connector
+    /// knows its engines' cache sizes, a restore its snapshot's), so that ingest up
+    /// to that size never re-places the tables or moves the slab. The memory is
+    /// taken now (and counted in `memory_bytes`); the index still grows beyond.
+    /// Hints above [`MAX_RESERVE_BLOCKS`], or memory that is not there, are an
+    /// error that leaves the index as it was (maybe with some capacity added).
+    pub fn reserve(&mut self, blocks: u64) -> Result<(), ReserveError> {
+        if blocks > MAX_RESERVE_BLOCKS {
+            return Err(ReserveError::TooLarge { blocks });
+        }
+        self.tree
+            .reserve(blocks as usize)
+            .map_err(|_| ReserveError::OutOfMemory { blocks })
     }
 
     pub fn stats(&self) -> IndexStats {

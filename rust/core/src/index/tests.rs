@@ -427,3 +427,258 @@ proptest! {
         }
     }
 }
+
+// --- apply_payloads (batch ingest) against apply_payload one by one -------------
+
+/// One event of a generated payload.
+#[derive(Debug, Clone)]
+enum WireOp {
+    Store {
+        blocks: u32,
+        start: Option<u64>,
+        hash0: u64,
+        alpha: u32,
+        cpu: bool,
+        tokenless: bool,
+    },
+    Remove {
+        hash: u64,
+        cpu: bool,
+    },
+    Clear,
+}
+
+fn wire_op() -> impl Strategy<Value = WireOp> {
+    prop_oneof![
+        6 => (1..5u32, proptest::option::of(0..14u64), 0..14u64, 0..3u32, any::<bool>(), proptest::bool::weighted(0.1))
+            .prop_map(|(blocks, start, hash0, alpha, cpu, tokenless)| WireOp::Store { blocks, start, hash0, alpha, cpu, tokenless }),
+        3 => (0..16u64, any::<bool>()).prop_map(|(hash, cpu)| WireOp::Remove { hash, cpu }),
+        1 => Just(WireOp::Clear),
+    ]
+}
+
+/// `[ts, [events as maps], dp_rank]`, vLLM's map form.
+fn encode_payload(dp_rank: u32, ops: &[WireOp]) -> Vec<u8> {
+    use rmp::encode::*;
+    let mut w = vec![];
+    write_array_len(&mut w, 3).unwrap();
+    write_f64(&mut w, 1.0).unwrap();
+    write_array_len(&mut w, ops.len() as u32).unwrap();
+    for op in ops {
+        match op {
+            &WireOp::Store {
+                blocks,
+                start,
+                hash0,
+                alpha,
+                cpu,
+                tokenless,
+            } => {
+                write_map_len(&mut w, 6).unwrap();
+                write_str(&mut w, "type").unwrap();
+                write_str(&mut w, "BlockStored").unwrap();
+                write_str(&mut w, "block_hashes").unwrap();
+                write_array_len(&mut w, blocks).unwrap();
+                for i in 0..blocks as u64 {
+                    write_uint(&mut w, hash0 + i).unwrap();
+                }
+                write_str(&mut w, "parent_block_hash").unwrap();
+                match start {
+                    Some(p) => write_uint(&mut w, p).map(|_| ()).unwrap(),
+                    None => write_nil(&mut w).unwrap(),
+                }
+                let tokens = if tokenless {
+                    vec![]
+                } else {
+                    toks(blocks, alpha)
+                };
+                write_str(&mut w, "token_ids").unwrap();
+                write_array_len(&mut w, tokens.len() as u32).unwrap();
+                for t in tokens {
+                    write_uint(&mut w, t as u64).unwrap();
+                }
+                write_str(&mut w, "block_size").unwrap();
+                write_uint(&mut w, BS as u64).unwrap();
+                write_str(&mut w, "medium").unwrap();
+                write_str(&mut w, if cpu { "CPU" } else { "GPU" }).unwrap();
+            }
+            &WireOp::Remove { hash, cpu } => {
+                write_map_len(&mut w, 3).unwrap();
+                write_str(&mut w, "type").unwrap();
+                write_str(&mut w, "BlockRemoved").unwrap();
+                write_str(&mut w, "block_hashes").unwrap();
+                write_array_len(&mut w, 1).unwrap();
+                write_uint(&mut w, hash).unwrap();
+                write_str(&mut w, "medium").unwrap();
+                write_str(&mut w, if cpu { "CPU" } else { "GPU" }).unwrap();
+            }
+            WireOp::Clear => {
+                write_map_len(&mut w, 1).unwrap();
+                write_str(&mut w, "type").unwrap();
+                write_str(&mut w, "AllBlocksCleared").unwrap();
+            }
+        }
+    }
+    write_uint(&mut w, dp_rank as u64).unwrap();
+    w
+}
+
+/// A call: worker, then payloads of (dp rank, events, truncate to make it corrupt).
+type Call = (u64, Vec<(u32, Vec<WireOp>, bool)>);
+
+fn call() -> impl Strategy<Value = Call> {
+    let payload = (
+        0..2u32,
+        proptest::collection::vec(wire_op(), 1..4),
+        proptest::bool::weighted(0.03),
+    );
+    (0..3u64, proptest::collection::vec(payload, 1..8))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// `apply_payloads` (key chains planned ahead across events and windows) leaves
+    /// exactly the index, stats and errors of `apply_payload` on each payload.
+    #[test]
+    fn apply_payloads_equals_one_by_one(calls in proptest::collection::vec(call(), 1..12)) {
+        let mut batched = Index::new();
+        let mut single = Index::new();
+        for (worker, payloads) in &calls {
+            let source = src(*worker);
+            let bytes: Vec<Vec<u8>> = payloads
+                .iter()
+                .map(|(dp, ops, corrupt)| {
+                    let mut b = encode_payload(*dp, ops);
+                    if *corrupt {
+                        b.truncate(b.len() / 2);
+                    }
+                    b
+                })
+                .collect();
+            let mut want = ApplyStats::default();
+            let mut want_err = None;
+            for (i, p) in bytes.iter().enumerate() {
+                match single.apply_payload(source, p) {
+                    Ok(s) => want += s,
+                    Err(e) => {
+                        want_err = Some((i, e));
+                        break;
+                    }
+                }
+            }
+            match (batched.apply_payloads(source, &bytes), want_err) {
+                (Ok(got), None) => prop_assert_eq!(got, want),
+                (Err(got), Some((i, e))) => {
+                    prop_assert_eq!(got.index, i);
+                    prop_assert_eq!(got.error, e);
+                    prop_assert_eq!(got.applied, want);
+                }
+                (got, want_err) => prop_assert!(false, "got {:?}, want error {:?}", got, want_err),
+            }
+            prop_assert!(batched.state_eq(&single));
+        }
+        batched.check_invariants().map_err(TestCaseError::fail)?;
+        for alpha in 0..3 {
+            for n in 1..6 {
+                let keys = keys_of(&toks(n, alpha));
+                prop_assert_eq!(batched.match_keys(&keys), single.match_keys(&keys));
+            }
+        }
+    }
+}
+
+/// Against a reference that resolves every key through the table alone: match
+/// tries the slot after the previous block first, and must not be fooled by a
+/// freed slot that still holds an old key.
+#[test]
+fn match_skips_freed_slots_that_kept_their_key() {
+    let mut idx = Index::new();
+    let t = toks(2, 1);
+    let keys = keys_of(&t);
+    let bs = BS as usize;
+    // Slots 0, 1: blocks 0, 1 (source 1); slot 2: an unrelated block.
+    idx.apply_batch(
+        src(1),
+        &batch(vec![stored(&[1, 2], None, t.clone(), Medium::Gpu)]),
+    );
+    idx.apply_batch(
+        src(1),
+        &batch(vec![stored(&[7], None, toks(1, 2), Medium::Gpu)]),
+    );
+    idx.apply_batch(
+        src(2),
+        &batch(vec![stored(&[1], None, t[..bs].to_vec(), Medium::Gpu)]),
+    );
+    // Free slot 1 (block 1, its key left in place), then slot 2; block 1 comes
+    // back in slot 2, so slot 1, right after block 0's, holds a stale copy of its key.
+    idx.apply_batch(src(1), &batch(vec![removed(&[2], Medium::Gpu)]));
+    idx.apply_batch(src(1), &batch(vec![removed(&[7], Medium::Gpu)]));
+    idx.apply_batch(
+        src(2),
+        &batch(vec![stored(&[2], Some(1), t[bs..].to_vec(), Medium::Gpu)]),
+    );
+    let hits = idx.match_keys(&keys);
+    let found: Vec<(u64, u32)> = hits.iter().map(|h| (h.worker, h.blocks)).collect();
+    assert_eq!(found, vec![(1, 1), (2, 2)]);
+    assert_eq!(hits, idx.match_keys_table_only(&keys));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Match equals a table-only walk on random streams (runs, reused slots, gaps).
+    #[test]
+    fn match_equals_table_only_walk(ops in proptest::collection::vec(op(), 1..80)) {
+        let mut idx = Index::new();
+        run(&mut idx, &ops);
+        for alpha in 0..3 {
+            for n in 1..5 {
+                let keys = keys_of(&toks(n, alpha));
+                prop_assert_eq!(idx.match_keys(&keys), idx.match_keys_table_only(&keys));
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(100))]
+
+    /// A capacity hint at any point changes capacity only: same state, same matches.
+    #[test]
+    fn reserve_changes_nothing_but_capacity(
+        ops in proptest::collection::vec(op(), 1..60),
+        at in 0..60usize,
+        blocks in 0..300u64,
+    ) {
+        let mut plain = Index::new();
+        let mut hinted = Index::new();
+        let at = at.min(ops.len());
+        run(&mut plain, &ops);
+        run(&mut hinted, &ops[..at]);
+        hinted.reserve(blocks).unwrap();
+        run(&mut hinted, &ops[at..]);
+        prop_assert!(hinted.state_eq(&plain));
+        hinted.check_invariants().map_err(TestCaseError::fail)?;
+        for alpha in 0..3 {
+            let keys = keys_of(&toks(3, alpha));
+            prop_assert_eq!(hinted.match_keys(&keys), plain.match_keys(&keys));
+        }
+    }
+}
+
+#[test]
+fn reserve_refuses_absurd_hints_and_counts_what_it_takes() {
+    let mut idx = Index::new();
+    let before = idx.stats().memory_bytes;
+    assert_eq!(
+        idx.reserve(MAX_RESERVE_BLOCKS + 1),
+        Err(ReserveError::TooLarge {
+            blocks: MAX_RESERVE_BLOCKS + 1
+        })
+    );
+    assert_eq!(idx.stats().memory_bytes, before);
+    idx.reserve(10_000).unwrap();
+    // 10 000 nodes of 40 B, two tables of 16 384 four-byte slots.
+    assert!(idx.stats().memory_bytes >= before + 400_000 + 2 * 65_536);
+}

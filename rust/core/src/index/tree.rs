@@ -95,6 +95,26 @@ impl Tree {
         }
     }
 
+    /// Makes room for `blocks` nodes in all (slab and both tables).
+    pub fn reserve(&mut self, blocks: usize) -> Result<(), std::collections::TryReserveError> {
+        self.nodes
+            .try_reserve_exact(blocks.saturating_sub(self.nodes.len()))?;
+        self.table.reserve(blocks, &self.nodes)?;
+        self.by_ehash.reserve(blocks, &self.nodes)
+    }
+
+    /// Starts loading the key-table slot of `key`.
+    #[inline]
+    pub fn prefetch_slot(&self, key: u64) {
+        self.table.prefetch_slot(key);
+    }
+
+    /// Starts loading the ehash-table slot of `ehash`.
+    #[inline]
+    pub fn prefetch_ehash_slot(&self, ehash: u64) {
+        self.by_ehash.prefetch_slot(ehash);
+    }
+
     /// The node whose primary engine hash is `ehash`.
     #[inline]
     pub fn find_ehash(&self, ehash: u64) -> Option<u32> {
@@ -135,6 +155,30 @@ impl Tree {
             if id != NIL {
                 super::keytable::prefetch(&self.nodes[id as usize]);
             }
+        }
+    }
+
+    /// `id` if it is a live node whose key is `key`: the table's answer for `key`
+    /// (live keys are unique), found without probing the table. Used to try the
+    /// slot after the previous block of a path first: a stored run of blocks gets
+    /// consecutive slots.
+    #[inline]
+    pub fn live_node_with_key(&self, id: u32, key: u64) -> Option<u32> {
+        let n = self.nodes.get(id as usize)?;
+        (n.key == key && n.first_child != id).then_some(id)
+    }
+
+    /// Starts loading the nodes `first .. first + count` (clamped to the slab): every
+    /// cache line they span.
+    #[inline]
+    pub fn prefetch_nodes(&self, first: u32, count: usize) {
+        let lo = (first as usize).min(self.nodes.len());
+        let hi = lo.saturating_add(count).min(self.nodes.len());
+        let bytes = (hi - lo) * std::mem::size_of::<Node>();
+        let base = self.nodes[lo..hi].as_ptr() as *const u8;
+        for off in (0..bytes).step_by(64) {
+            // wrapping_add: stays inside the slice; a prefetch never faults anyway.
+            super::keytable::prefetch(base.wrapping_add(off));
         }
     }
 
@@ -272,6 +316,9 @@ impl Tree {
             holders.release(&mut self.spills);
             let n = &mut self.nodes[id as usize];
             n.holders = holders;
+            // A freed slot points to itself as child (no live node does), so that
+            // `live_node_with_key` can trust a slot without asking the table.
+            n.first_child = id;
             n.parent_id = self.free_head.unwrap_or(NIL);
             self.free_head = Some(id);
             freed += 1;
