@@ -10,7 +10,8 @@ Timed operation (the score of each worker; the lowest wins):
    running decodes' budget share and KV reads (`CostModel.loaded_prefill_time`);
 3. the prefill work a choice adds, weighted by how many requests wait behind it;
 4. decode pile-up: the delay its KV reads impose on the decodes a worker runs above
-   the cluster mean;
+   the cluster mean, for the steps they still overlap once its prefill is done (a
+   long prompt starts decoding after today's decodes have finished);
 5. sessions (requests with a session id): a session's next turns come back to the
    worker holding its history, so a *new* session chooses a home for all of them: it
    also weighs the decode batch it will join there, estimated from the live sessions
@@ -113,38 +114,42 @@ class QuillCacheRouter(Router):
                 waiting = max(w.in_flight - w.running_decodes, 0)
                 lam = min(self.work_weight * (self.work_base + waiting), self.max_work_weight)
             extra += lam * cost.prefill_compute_s(new, request.prompt_tokens - new)
-        out = request.expected_output_tokens
-        excess = w.running_decodes - self._mean_decodes
-        if self.decode_weight and excess > 0 and not self._continuing:
-            # Its KV is read by every step while it decodes, so each co-running decode's
-            # tokens come that much later; counted only for the decodes above the
-            # cluster mean (piling onto one worker), where going elsewhere avoids it.
-            extra += (
-                self.decode_weight * excess * out * cost.kv_read_s(request.prompt_tokens + out / 2)
-            )
-        if self.home_decode_weight and self._session_decodes:
-            # A new session's home: every turn decodes in the batch its sessions make,
-            # each step reading their KV.
-            batch = self._session_decodes.get(w.worker, 0.0)
-            extra += self.home_decode_weight * out * cost.kv_read_s(batch * w.mean_context_tokens)
-        if not self.interference:
-            return (
-                extra
-                + transfer_s
-                + cost.queue_time(w.queued_prefill_tokens)
-                + cost.prefill_time(new, request.prompt_tokens - new)
-            )
-        return (
-            extra
-            + transfer_s
-            + cost.loaded_prefill_time(
+        if self.interference:
+            ttft = transfer_s + cost.loaded_prefill_time(
                 queued_tokens=w.queued_prefill_tokens,
                 new_tokens=new,
                 context_tokens=request.prompt_tokens - new,
                 running_decodes=w.running_decodes,
                 mean_context_tokens=w.mean_context_tokens,
             )
-        )
+        else:
+            ttft = (
+                transfer_s
+                + cost.queue_time(w.queued_prefill_tokens)
+                + cost.prefill_time(new, request.prompt_tokens - new)
+            )
+        out = request.expected_output_tokens
+        excess = w.running_decodes - self._mean_decodes
+        if self.decode_weight and excess > 0 and not self._continuing:
+            # Its KV is read by every step while it decodes, so each co-running decode's
+            # tokens come that much later; counted only for the decodes above the
+            # cluster mean (piling onto one worker), where going elsewhere avoids it,
+            # and only for the steps they still overlap once its prefill is done
+            # (their remaining output taken to be about its own).
+            step = cost.decode_step_time(w.running_decodes, w.mean_context_tokens)
+            overlap = max(out - ttft / step, 0.0) if step > 0 else out
+            extra += (
+                self.decode_weight
+                * excess
+                * overlap
+                * cost.kv_read_s(request.prompt_tokens + out / 2)
+            )
+        if self.home_decode_weight and self._session_decodes:
+            # A new session's home: every turn decodes in the batch its sessions make,
+            # each step reading their KV.
+            batch = self._session_decodes.get(w.worker, 0.0)
+            extra += self.home_decode_weight * out * cost.kv_read_s(batch * w.mean_context_tokens)
+        return extra + ttft
 
     def route(self, request: Request, view: View) -> Decision:
         if not view.workers:

@@ -285,3 +285,17 @@ def test_quillcache_homes_new_sessions_where_few_sessions_live() -> None:
     for s in range(4):
         fresh.route(_req(20, rid=s, session=f"s{s}"), busy_1)
     assert fresh.route(new2, later).worker == 0
+
+
+def test_quillcache_pile_up_counts_only_decodes_still_running_after_the_prefill() -> None:
+    decoding = _decoding(0, 40)  # no queue, but 40 decodes above the others
+    queued = WorkerView(1, in_flight=2, queued_prefill_tokens=3_000)
+    view = _view(decoding, queued)
+    r = create_router("quillcache")
+    short = Request(0, np.arange(1, 126, dtype=np.uint64), 2_000, expected_output_tokens=200)
+    # a short prompt would decode alongside those 40: queue behind 3,000 tokens instead
+    assert r.route(short, view).worker == 1
+    assert create_router("quillcache", decode_weight=0.0).route(short, view).worker == 0
+    # a 50k-token prompt starts decoding after theirs are done: no pile-up to avoid
+    long = Request(1, np.arange(1, 3126, dtype=np.uint64), 50_000, expected_output_tokens=200)
+    assert r.route(long, view).worker == 0
