@@ -16,7 +16,10 @@ Timed operation (the score of each worker; the lowest wins):
    worker holding its history, so a *new* session chooses a home for all of them: it
    also weighs the decode batch it will join there, estimated from the live sessions
    homed on each worker. A continuing session is not moved for decode balance (its
-   home was chosen for that); only its TTFT and the work it adds count.
+   home was chosen for that); only its TTFT and the work it adds count
+   (`continuing_work_weight` scales that work term; 0 = move whenever the queue at
+   home outweighs the recompute elsewhere, which scatters agent fan-out calls: see
+   docs/simulator.md).
 
 Order-only replay (`View.order_only`: no time, load fields are a proxy of recent
 assignments): nothing to trade latency against, so it makes the cache-optimal choice:
@@ -58,11 +61,14 @@ class QuillCacheRouter(Router):
         session_ttl_s: float = 45.0,
         home_decode_weight: float = 1.0,
         pressure_weight: float = 0.02,
+        continuing_work_weight: float = 1.0,
         **kw: Any,
     ) -> None:
         super().__init__(**kw)
         if work_scope not in ("cluster", "worker"):
             raise ConfigError(f"work_scope must be 'cluster' or 'worker', got {work_scope!r}")
+        if continuing_work_weight < 0:
+            raise ConfigError(f"continuing_work_weight must be >= 0, got {continuing_work_weight}")
         if session_ttl_s <= 0:
             raise ConfigError(f"session_ttl_s must be positive, got {session_ttl_s}")
         self.speculative = speculative
@@ -77,6 +83,7 @@ class QuillCacheRouter(Router):
         self.session_ttl_s = session_ttl_s
         self.home_decode_weight = home_decode_weight
         self.pressure_weight = pressure_weight
+        self.continuing_work_weight = continuing_work_weight
         # per-request state, set by `route` before scoring
         self._lambda = work_weight
         self._mean_decodes = 0.0
@@ -113,6 +120,8 @@ class QuillCacheRouter(Router):
             if self.adaptive and self.work_scope == "worker":
                 waiting = max(w.in_flight - w.running_decodes, 0)
                 lam = min(self.work_weight * (self.work_base + waiting), self.max_work_weight)
+            if self._continuing:
+                lam *= self.continuing_work_weight
             extra += lam * cost.prefill_compute_s(new, request.prompt_tokens - new)
         if self.interference:
             ttft = transfer_s + cost.loaded_prefill_time(

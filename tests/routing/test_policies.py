@@ -299,3 +299,18 @@ def test_quillcache_pile_up_counts_only_decodes_still_running_after_the_prefill(
     # a 50k-token prompt starts decoding after theirs are done: no pile-up to avoid
     long = Request(1, np.arange(1, 3126, dtype=np.uint64), 50_000, expected_output_tokens=200)
     assert r.route(long, view).worker == 0
+
+
+def test_quillcache_continuing_work_weight_lets_a_session_leave_a_queue() -> None:
+    # worker 0 holds the session's history but has 1.5x its recompute queued: the
+    # default keeps it home (the recompute elsewhere also delays others), a weight of
+    # 0 moves it as soon as the queue outweighs the recompute (pure TTFT argmin)
+    queued = 90 * BLOCK
+    busy_home = WorkerView(0, gpu_blocks=58, queued_prefill_tokens=queued, in_flight=1)
+    view = _view(busy_home, *(WorkerView(w) for w in (1, 2, 3)))
+    idle = _view(*(WorkerView(w) for w in range(4)))
+    for weight, expect_home in ((1.0, True), (0.0, False)):
+        r = create_router("quillcache", continuing_work_weight=weight)
+        assert r.route(_req(58, session="chat-1"), idle).worker == 0  # homed on 0
+        moved = r.route(_req(60, session="chat-1"), view).worker
+        assert (moved == 0) is expect_home, weight
