@@ -359,6 +359,7 @@ def _execute(
         task = bar.add_task("simulating", total=len(points))
         if parallel:
             # imap yields in the order of `points`: the output does not depend on jobs
+            bar.update(task, description=f"{jobs} processes")
             with mp.get_context("fork").Pool(jobs) as pool:
                 for res in pool.imap(_run_point, points):
                     results.append(res)
