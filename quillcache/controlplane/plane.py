@@ -91,6 +91,7 @@ class ControlPlane:
         speculative_ttl_s: float = 60.0,
         router_options: dict[str, Any] | None = None,
         index_options: dict[str, Any] | None = None,
+        order_only: bool = False,
     ) -> None:
         self.index: IndexBackend = (
             create_backend(index, **(index_options or {})) if isinstance(index, str) else index
@@ -105,6 +106,7 @@ class ControlPlane:
         self.track_load = track_load
         self.speculative = speculative
         self.speculative_ttl_s = speculative_ttl_s
+        self.order_only = order_only  # tells routers there is no time (View.order_only)
         self.latencies = OpLatencies()
         self.apply_stats = ApplyStats()
         self._workers: dict[int, WorkerState] = {}
@@ -113,6 +115,8 @@ class ControlPlane:
         self._pending: dict[int, dict[int, int]] = {}
         self._next_expiry_s = float("inf")
         self._tier_cache: dict[str, str] = {}
+        # routable workers (not draining) by id; None: recompute on the next view
+        self._routable: list[WorkerState] | None = None
 
     # --- workers ------------------------------------------------------------------
 
@@ -135,6 +139,7 @@ class ControlPlane:
         )
         state = WorkerState(worker=worker, capacity_blocks=cap, dp_ranks=dp_ranks)
         self._workers[worker] = state
+        self._routable = None
         self._pending.setdefault(worker, {})
         for rank in range(dp_ranks):
             self.index.register_source(worker, rank, model=model, tokenizer=tokenizer)
@@ -144,6 +149,7 @@ class ControlPlane:
         """Forget a worker (dead or scaled in); returns the resident pairs dropped."""
         self._state(worker)
         del self._workers[worker]
+        self._routable = None
         self._pending.pop(worker, None)
         for rid in [r for r, t in self._tracked.items() if t.worker == worker]:
             del self._tracked[rid]
@@ -152,6 +158,7 @@ class ControlPlane:
     def set_draining(self, worker: int, draining: bool = True) -> None:
         """A draining worker keeps its cache and requests but gets no new ones."""
         self._state(worker).draining = draining
+        self._routable = None
 
     def update_load(self, worker: int, **load: float) -> None:
         """Set load fields reported by the engine (in_flight, queued_prefill_tokens,
@@ -211,32 +218,41 @@ class ControlPlane:
             matches = self.index.match(keys)
             self.latencies.match_ns.append(time.perf_counter_ns() - t0)
             for m in matches:
-                media = per_worker.setdefault(m.worker, {})
-                if m.blocks > media.get(m.medium, 0):
+                media = per_worker.get(m.worker)
+                if media is None:
+                    per_worker[m.worker] = {m.medium: m.blocks}
+                elif m.blocks > media.get(m.medium, 0):
                     media[m.medium] = m.blocks
         if self.speculative and now_s > self._next_expiry_s:
             self._expire(now_s)
         workers: list[WorkerView] = []
         key_list: list[int] | None = None
         tiers = self._tier_cache
-        for wid in sorted(self._workers):
-            s = self._workers[wid]
-            if s.draining:
-                continue
-            media = per_worker.get(wid, _NO_MEDIA)
+        pending_of = self._pending
+        routable = self._routable
+        if routable is None:
+            routable = self._routable = [
+                self._workers[w] for w in sorted(self._workers) if not self._workers[w].draining
+            ]
+        for s in routable:
+            wid = s.worker
+            media = per_worker.get(wid)
             gpu = cpu = disk = 0
-            for medium, blocks in media.items():
-                tier = tiers.get(medium)
-                if tier is None:
-                    tier = tiers[medium] = tier_of(medium)
-                if tier == "gpu":
-                    gpu = max(gpu, blocks)
-                elif tier == "cpu":
-                    cpu = max(cpu, blocks)
-                else:
-                    disk = max(disk, blocks)
+            if media is None:
+                media = {}
+            else:
+                for medium, blocks in media.items():
+                    tier = tiers.get(medium)
+                    if tier is None:
+                        tier = tiers[medium] = tier_of(medium)
+                    if tier == "gpu":
+                        gpu = max(gpu, blocks)
+                    elif tier == "cpu":
+                        cpu = max(cpu, blocks)
+                    else:
+                        disk = max(disk, blocks)
             pending = 0
-            pend = self._pending.get(wid)
+            pend = pending_of.get(wid)
             if pend:
                 if key_list is None:
                     key_list = keys.tolist()
@@ -261,7 +277,13 @@ class ControlPlane:
                     media,
                 )
             )
-        return View(workers=workers, block_size=self.block_size, cost=self.cost, now_s=now_s)
+        return View(
+            workers=workers,
+            block_size=self.block_size,
+            cost=self.cost,
+            now_s=now_s,
+            order_only=self.order_only,
+        )
 
     def route(self, request: Request, now_s: float = 0.0) -> Decision:
         """Route one request: build its view, ask the router, record the decision."""
@@ -363,7 +385,6 @@ class ControlPlane:
         self.index.close()
 
 
-_NO_MEDIA: dict[str, int] = {}
 _LOAD_FIELDS = frozenset(
     {"in_flight", "queued_prefill_tokens", "running_decodes", "kv_usage", "mean_context_tokens"}
 )

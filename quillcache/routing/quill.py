@@ -1,17 +1,39 @@
-"""QuillCache's own policy ("quillcache"): estimated-TTFT argmin with
+"""QuillCache's own policy ("quillcache"): estimated-TTFT argmin plus the cost a choice
+imposes on everybody else, with sessions as long-lived load.
+
+Timed operation (the score of each worker; the lowest wins):
 
 1. speculative residency: blocks being computed right now for an earlier request on a
    worker (`WorkerView.pending_blocks`, from the control plane) count as reusable
    there, since their compute is already in that worker's queue;
 2. decode interference: the queue estimate charges every prefill step with the
-   running decodes' budget share and KV reads (`CostModel.loaded_prefill_time`),
-   so a worker full of long decodes is not mistaken for an idle one.
+   running decodes' budget share and KV reads (`CostModel.loaded_prefill_time`);
+3. the prefill work a choice adds, weighted by how many requests wait behind it;
+4. decode pile-up: the delay its KV reads impose on the decodes a worker runs above
+   the cluster mean, for the steps they still overlap once its prefill is done (a
+   long prompt starts decoding after today's decodes have finished);
+5. sessions (requests with a session id): a session's next turns come back to the
+   worker holding its history, so a *new* session chooses a home for all of them: it
+   also weighs the decode batch it will join there, estimated from the live sessions
+   homed on each worker. A continuing session is not moved for decode balance (its
+   home was chosen for that); only its TTFT and the work it adds count
+   (`continuing_work_weight` scales that work term; 0 = move whenever the queue at
+   home outweighs the recompute elsewhere, which scatters agent fan-out calls: see
+   docs/simulator.md).
+
+Order-only replay (`View.order_only`: no time, load fields are a proxy of recent
+assignments): nothing to trade latency against, so it makes the cache-optimal choice:
+the most reused tokens minus `pressure_weight` x the tokens each worker was recently
+given (the blocks a worker received lately sit at its LRU tail, so placing more there
+evicts younger, likelier-to-be-reused blocks).
 
 Ties go to the longer reusable prefix, then to fewer requests in flight.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from dataclasses import replace
 from typing import Any
 
 from quillcache.errors import ConfigError
@@ -21,7 +43,7 @@ from quillcache.routing.types import Decision, Request, View, WorkerView
 
 class QuillCacheRouter(Router):
     name = "quillcache"
-    summary = "TTFT argmin + the work it adds (load-adaptive), in-flight prefixes, decode load"
+    summary = "TTFT argmin + the work and decode load it adds; sessions choose a home"
     source = "QuillCache (this project); see docs/routing.md"
 
     def __init__(
@@ -35,21 +57,41 @@ class QuillCacheRouter(Router):
         work_scope: str = "cluster",
         work_base: float = 1.0,
         decode_weight: float = 1.0,
+        sessions: bool = True,
+        session_ttl_s: float = 45.0,
+        home_decode_weight: float = 1.0,
+        pressure_weight: float = 0.02,
+        continuing_work_weight: float = 1.0,
         **kw: Any,
     ) -> None:
         super().__init__(**kw)
+        if work_scope not in ("cluster", "worker"):
+            raise ConfigError(f"work_scope must be 'cluster' or 'worker', got {work_scope!r}")
+        if continuing_work_weight < 0:
+            raise ConfigError(f"continuing_work_weight must be >= 0, got {continuing_work_weight}")
+        if session_ttl_s <= 0:
+            raise ConfigError(f"session_ttl_s must be positive, got {session_ttl_s}")
         self.speculative = speculative
         self.interference = interference
         self.work_weight = work_weight
         self.adaptive = adaptive
         self.max_work_weight = max_work_weight
-        if work_scope not in ("cluster", "worker"):
-            raise ConfigError(f"work_scope must be 'cluster' or 'worker', got {work_scope!r}")
         self.work_scope = work_scope
         self.work_base = work_base
         self.decode_weight = decode_weight
+        self.sessions = sessions
+        self.session_ttl_s = session_ttl_s
+        self.home_decode_weight = home_decode_weight
+        self.pressure_weight = pressure_weight
+        self.continuing_work_weight = continuing_work_weight
+        # per-request state, set by `route` before scoring
         self._lambda = work_weight
         self._mean_decodes = 0.0
+        self._continuing = False  # a session seen within the TTL
+        self._session_decodes: dict[int, float] = {}  # worker -> decodes its sessions bring
+        # session id -> (worker it was last sent to, when), least recently seen first
+        self._homes: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self._live: dict[int, int] = {}  # worker -> live sessions homed there
 
     def estimate_s(self, request: Request, view: View, w: WorkerView) -> float:
         cost = view.cost
@@ -78,50 +120,69 @@ class QuillCacheRouter(Router):
             if self.adaptive and self.work_scope == "worker":
                 waiting = max(w.in_flight - w.running_decodes, 0)
                 lam = min(self.work_weight * (self.work_base + waiting), self.max_work_weight)
-            extra = lam * cost.prefill_compute_s(new, request.prompt_tokens - new)
-        excess = w.running_decodes - self._mean_decodes
-        if self.decode_weight and excess > 0:
-            # Its KV is read by every step while it decodes, so each co-running decode's
-            # tokens come that much later; counted only for the decodes above the
-            # cluster mean (piling onto one worker), where going elsewhere avoids it.
-            out = request.expected_output_tokens
-            extra += (
-                self.decode_weight * excess * out * cost.kv_read_s(request.prompt_tokens + out / 2)
-            )
-        if not self.interference:
-            return (
-                extra
-                + transfer_s
-                + cost.queue_time(w.queued_prefill_tokens)
-                + cost.prefill_time(new, request.prompt_tokens - new)
-            )
-        return (
-            extra
-            + transfer_s
-            + cost.loaded_prefill_time(
+            if self._continuing:
+                lam *= self.continuing_work_weight
+            extra += lam * cost.prefill_compute_s(new, request.prompt_tokens - new)
+        if self.interference:
+            ttft = transfer_s + cost.loaded_prefill_time(
                 queued_tokens=w.queued_prefill_tokens,
                 new_tokens=new,
                 context_tokens=request.prompt_tokens - new,
                 running_decodes=w.running_decodes,
                 mean_context_tokens=w.mean_context_tokens,
             )
-        )
+        else:
+            ttft = (
+                transfer_s
+                + cost.queue_time(w.queued_prefill_tokens)
+                + cost.prefill_time(new, request.prompt_tokens - new)
+            )
+        out = request.expected_output_tokens
+        excess = w.running_decodes - self._mean_decodes
+        if self.decode_weight and excess > 0 and not self._continuing:
+            # Its KV is read by every step while it decodes, so each co-running decode's
+            # tokens come that much later; counted only for the decodes above the
+            # cluster mean (piling onto one worker), where going elsewhere avoids it,
+            # and only for the steps they still overlap once its prefill is done
+            # (their remaining output taken to be about its own).
+            step = cost.decode_step_time(w.running_decodes, w.mean_context_tokens)
+            overlap = max(out - ttft / step, 0.0) if step > 0 else out
+            extra += (
+                self.decode_weight
+                * excess
+                * overlap
+                * cost.kv_read_s(request.prompt_tokens + out / 2)
+            )
+        if self.home_decode_weight and self._session_decodes:
+            # A new session's home: every turn decodes in the batch its sessions make,
+            # each step reading their KV.
+            batch = self._session_decodes.get(w.worker, 0.0)
+            extra += self.home_decode_weight * out * cost.kv_read_s(batch * w.mean_context_tokens)
+        return extra + ttft
 
     def route(self, request: Request, view: View) -> Decision:
         if not view.workers:
             return self.no_workers()
+        if view.order_only:
+            return self.decide(request, view, self._cache_choice(request, view))
+        workers = view.workers
         self._lambda = self.work_weight
-        self._mean_decodes = sum(w.running_decodes for w in view.workers) / len(view.workers)
+        self._mean_decodes = sum(w.running_decodes for w in workers) / len(workers)
         if self.adaptive and self.work_scope == "cluster":
             # Each second of compute added delays every request that queues behind it:
             # weigh it by how many are waiting per worker right now.
-            waiting = sum(max(w.in_flight - w.running_decodes, 0) for w in view.workers)
+            waiting = sum(max(w.in_flight - w.running_decodes, 0) for w in workers)
             self._lambda = min(
-                self._lambda * (self.work_base + waiting / len(view.workers)),
+                self._lambda * (self.work_base + waiting / len(workers)),
                 self.max_work_weight,
             )
+        sid = str(request.session_id) if request.session_id is not None else None
+        self._continuing = False
+        self._session_decodes = {}
+        if self.sessions and sid is not None:
+            self._session_load(sid, view)
         best = min(
-            view.workers,
+            workers,
             key=lambda w: (
                 self.estimate_s(request, view, w),
                 -max(w.local_blocks, w.pending_blocks),
@@ -129,8 +190,46 @@ class QuillCacheRouter(Router):
                 w.worker,
             ),
         )
+        if self.sessions and sid is not None:
+            self._homes[sid] = (best.worker, view.now_s)
+            self._live[best.worker] = self._live.get(best.worker, 0) + 1
         if self.speculative and best.pending_blocks > best.gpu_blocks:
-            from dataclasses import replace
-
             best = replace(best, gpu_blocks=best.pending_blocks)
         return self.decide(request, view, best)
+
+    def _cache_choice(self, request: Request, view: View) -> WorkerView:
+        """Order-only: most reused tokens, least recent cache pressure."""
+        bs = view.block_size
+        n = len(request.content_keys)
+        return max(
+            view.workers,
+            key=lambda w: (
+                min(w.local_blocks, n) * bs - self.pressure_weight * w.queued_prefill_tokens,
+                -w.in_flight,
+                -w.worker,
+            ),
+        )
+
+    def _session_load(self, sid: str, view: View) -> None:
+        """Forget sessions idle for longer than the TTL, take this one out of its home
+        (it is being placed now) and, for a new session, estimate the decodes each
+        worker's live sessions bring: live sessions x decodes per live session."""
+        homes, live = self._homes, self._live
+        horizon = view.now_s - self.session_ttl_s
+        while homes:
+            old, (worker, seen) = next(iter(homes.items()))
+            if seen >= horizon:
+                break
+            del homes[old]
+            live[worker] -= 1
+        home = homes.pop(sid, None)
+        if home is not None:
+            live[home[0]] -= 1
+            self._continuing = True
+            return
+        total = sum(live.get(w.worker, 0) for w in view.workers)
+        if total:
+            per_session = sum(w.running_decodes for w in view.workers) / total
+            self._session_decodes = {
+                w.worker: live.get(w.worker, 0) * per_session for w in view.workers
+            }

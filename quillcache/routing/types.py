@@ -89,6 +89,9 @@ class View:
     block_size: int
     cost: CostModel
     now_s: float = 0.0
+    # True in order-only replay (`--timing none`): no time passes, the load fields are
+    # a proxy of recent assignments and no latency is measured
+    order_only: bool = False
 
     def by_id(self, worker: int) -> WorkerView:
         for w in self.workers:

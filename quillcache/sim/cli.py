@@ -105,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--jobs",
         type=int,
         default=0,
-        help="runs in N parallel processes (default 0: one per available CPU)",
+        help="runs in N parallel processes (default 0: one per usable CPU; 1: in-process)",
     )
     out.add_argument("--no-progress", action="store_true")
     out.add_argument("--list-routers", action="store_true", help="list routers and exit")
@@ -347,27 +347,42 @@ def _execute(
         from quillcache.errors import ConfigError
 
         raise ConfigError(f"--jobs must be >= 0 (0: one per CPU), got {jobs}")
-    if jobs == 0:
-        import os
+    # Runs are independent and deterministic: results do not depend on the count.
+    import multiprocessing as mp
 
-        # Runs are independent and deterministic: results do not depend on the count.
-        jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    jobs = min(jobs or usable_cpus(), len(points))
+    # fork: the workers inherit the loaded workload (_SHARED) instead of reloading or
+    # unpickling it; without fork (Windows) the runs stay in this process.
+    parallel = jobs > 1 and "fork" in mp.get_all_start_methods()
+    done = 0
     with Progress(console=err, disable=not show, transient=True) as bar:
         task = bar.add_task("simulating", total=len(points))
-        if jobs > 1 and len(points) > 1:
-            import multiprocessing as mp
-
-            ctx = mp.get_context("fork")
-            with ctx.Pool(min(jobs, len(points))) as pool:
+        if parallel:
+            # imap yields in the order of `points`: the output does not depend on jobs
+            bar.update(task, description=f"{jobs} processes")
+            with mp.get_context("fork").Pool(jobs) as pool:
                 for res in pool.imap(_run_point, points):
                     results.append(res)
-                    bar.advance(task)
+                    done += 1
+                    bar.update(task, advance=1, description=f"{jobs} processes, {done} done")
         else:
             for point in points:
                 bar.update(task, description=f"{point[0]} / {point[1]}")
                 results.append(_run_point(point))
                 bar.advance(task)
     return results
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask), at least 1."""
+    import os
+
+    counter = getattr(os, "process_cpu_count", None)  # Python >= 3.13
+    if counter is not None:
+        return counter() or 1
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
 
 
 if __name__ == "__main__":  # pragma: no cover

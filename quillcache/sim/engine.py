@@ -40,11 +40,25 @@ from quillcache.sim.requests import SimRequest
 _MASK = (1 << 64) - 1
 _NO_TOKENS = b"\x90"  # an empty msgpack array
 _GOLDEN = 0x9E3779B97F4A7C15
+_GOLDEN_U64 = np.uint64(_GOLDEN)
 
 
 def _drain(it: Iterator[object]) -> None:
     """Run an iterator of side effects at C speed."""
     deque(it, maxlen=0)
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Maximal runs [a, b) of consecutive values in ascending `indices`."""
+    out: list[tuple[int, int]] = []
+    start = prev = indices[0]
+    for x in indices[1:]:
+        if x != prev + 1:
+            out.append((start, prev + 1))
+            start = x
+        prev = x
+    out.append((start, prev + 1))
+    return out
 
 
 def engine_hash(key: int, salt: int) -> int:
@@ -221,18 +235,18 @@ class EngineModel:
     def _publish(self, run: Running, new: list[int]) -> None:
         """BlockStored for the blocks at indices `new` (ascending) of `run.keys`."""
         keys = run.keys
+        key_array = run.req.keys  # the same keys as uint64: hashes in one numpy pass
+        salt = np.uint64(self.salt)
         # Publish maximal runs of consecutive new blocks, each chained to its parent.
-        i = 0
-        while i < len(new):
-            j = i
-            while j + 1 < len(new) and new[j + 1] == new[j] + 1:
-                j += 1
-            a, b = new[i], new[j] + 1
+        if not new:
+            return
+        # the usual case, one run: skip the scan
+        runs = [(new[0], new[-1] + 1)] if new[-1] - new[0] == len(new) - 1 else _runs(new)
+        for a, b in runs:
             parent = engine_hash(keys[a - 1], self.salt) if a else None
-            hashes = [engine_hash(keys[x], self.salt) for x in range(a, b)]
+            hashes = (key_array[a:b] ^ salt) * _GOLDEN_U64  # engine_hash, vectorised
             tokens = run.req.packed_block_tokens(a, b)
             self._events.append(wire.block_stored(hashes, parent, tokens, self.block_size))
-            i = j + 1
 
     def pin(self, req: SimRequest) -> None:
         """Keep `req`'s full prompt blocks resident forever (they hold slots)."""

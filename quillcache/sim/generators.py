@@ -5,6 +5,7 @@
 - `sglang_gsp`: SGLang's bench_serving "generated-shared-prefix" dataset (groups of
   questions after one long system prompt per group; defaults as in SGLang: 64 groups x
   16 prompts, 2048-token system prompt, 128-token question, 256 output tokens).
+  Both are groups of requests sharing a prefix (`_group_items`).
 - `multi_turn`: chat sessions; each turn resends the history plus the model's answer.
 - `agent_fanout`: agent tasks: a planner call, N parallel tool/sub-agent calls sharing
   the planner's context, then a join call over everything.
@@ -56,6 +57,28 @@ def _finish(
     return Workload(name=name, requests=reqs, block_size=block_size, model=model, params=params)
 
 
+def _group_items(
+    rng: np.random.Generator,
+    prefixes: list[Tokens],
+    groups: npt.NDArray[np.int64],
+    arrivals: npt.NDArray[np.float64],
+    suffix_len: int,
+    output_tokens: int,
+) -> list[tuple[float, Tokens, int, str | None]]:
+    """Request i: the prefix of group `groups[i]` + `suffix_len` tokens of its own,
+    arriving at `arrivals[i]`, with the group as its session (the shape shared by the
+    shared-prefix and SGLang generated-shared-prefix workloads)."""
+    return [
+        (
+            float(arrivals[i]),
+            np.concatenate([prefixes[g], _tokens(rng, suffix_len)]),
+            output_tokens,
+            f"group-{g}",
+        )
+        for i, g in enumerate(groups.tolist())
+    ]
+
+
 def shared_prefix(
     *,
     requests: int = 2000,
@@ -84,15 +107,7 @@ def shared_prefix(
         groups = rng.integers(0, prefix_groups, size=requests)
     arrivals = _poisson_arrivals(rng, requests, rate)
     tail = unique_blocks * block_size + block_size // 2
-    items = [
-        (
-            arrivals[i],
-            np.concatenate([prefixes[g], _tokens(rng, tail)]),
-            output_tokens,
-            f"group-{g}",
-        )
-        for i, g in enumerate(groups.tolist())
-    ]
+    items = _group_items(rng, prefixes, groups, arrivals, tail, output_tokens)
     params = dict(
         requests=requests,
         prefix_groups=prefix_groups,
@@ -127,18 +142,13 @@ def sglang_gsp(
     model: str = DEFAULT_MODEL,
 ) -> Workload:
     """SGLang's generated-shared-prefix dataset, shuffled, with Poisson arrivals."""
+    if min(num_groups, prompts_per_group, block_size) <= 0:
+        raise ConfigError("groups, prompts per group and block size must be positive")
     rng = np.random.default_rng(seed)
-    items_toks = []
-    for g in range(num_groups):
-        system = _tokens(rng, system_prompt_len)
-        for _ in range(prompts_per_group):
-            items_toks.append((np.concatenate([system, _tokens(rng, question_len)]), g))
-    perm = rng.permutation(len(items_toks))
-    arrivals = _poisson_arrivals(rng, len(items_toks), rate)
-    items = [
-        (arrivals[j], items_toks[i][0], output_len, f"group-{items_toks[i][1]}")
-        for j, i in enumerate(perm.tolist())
-    ]
+    systems = [_tokens(rng, system_prompt_len) for _ in range(num_groups)]
+    groups = rng.permutation(np.repeat(np.arange(num_groups), prompts_per_group))
+    arrivals = _poisson_arrivals(rng, len(groups), rate)
+    items = _group_items(rng, systems, groups, arrivals, question_len, output_len)
     params = dict(
         num_groups=num_groups,
         prompts_per_group=prompts_per_group,

@@ -222,35 +222,58 @@ def attach_layouts(reqs: Sequence[SimRequest], block_size: int) -> None:
 
 
 class KeyChainer:
-    """Content keys for block-id sequences, memoised on (parent key, block id)."""
+    """Content keys for block-id sequences, memoised on (parent key, block id); with
+    `chained=True` (equal id => equal prefix, checked by the trace loader) on the id."""
 
-    def __init__(self, namespace: int, block_size: int) -> None:
+    def __init__(self, namespace: int, block_size: int, *, chained: bool = False) -> None:
         self.namespace = namespace
         self.block_size = block_size
+        self.chained = chained
         self._memo: dict[tuple[int, int], int] = {}
+        self._by_id: dict[int, int] = {}  # chained: id -> key
 
     def keys_for_ids(self, ids: Sequence[int], full_blocks: int) -> list[int]:
         """Keys of the first `full_blocks` blocks of `ids`: memoised prefix, then the
         new tail's synthetic tokens hashed in one native call."""
         from quillcache.hashing import content_keys
 
-        memo = self._memo
-        parent = self.namespace
-        out: list[int] = []
-        for i in range(full_blocks):
-            k = memo.get((parent, ids[i]))
-            if k is None:
-                break
-            out.append(k)
-            parent = k
+        if self.chained:
+            out = self._known_chained_prefix(ids, full_blocks)
+        else:
+            memo = self._memo
+            parent = self.namespace
+            out = []
+            for i in range(full_blocks):
+                k = memo.get((parent, ids[i]))
+                if k is None:
+                    break
+                out.append(k)
+                parent = k
+        parent = out[-1] if out else self.namespace
         tail = ids[len(out) : full_blocks]
         if len(tail):
             tokens = _synthetic_matrix(_as_ids(tail), self.block_size).reshape(-1)
             new = content_keys(tokens, self.block_size, parent).tolist()
-            parents = [parent, *new[:-1]]
-            memo.update(zip(zip(parents, tail, strict=True), new, strict=True))
+            if self.chained:
+                self._by_id.update(zip(tail, new, strict=True))
+            else:
+                parents = [parent, *new[:-1]]
+                self._memo.update(zip(zip(parents, tail, strict=True), new, strict=True))
             out += new
         return out
+
+    def _known_chained_prefix(self, ids: Sequence[int], full_blocks: int) -> list[int]:
+        # In a chained trace an id names its whole prefix, so the ids with a key form a
+        # prefix of `ids`: find its end by bisection, then read the keys.
+        by_id = self._by_id
+        lo, hi = 0, full_blocks  # ids[:lo] known; ids[hi:] not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if ids[mid - 1] in by_id:
+                lo = mid
+            else:
+                hi = mid - 1
+        return [by_id[i] for i in ids[:lo]]
 
 
 def make_request(

@@ -87,6 +87,7 @@ def run(
         cost=cost,
         block_size=bs,
         speculative=config.speculative and config.timing == "full",
+        order_only=config.timing == "none",
     )
     engines = [
         EngineModel(

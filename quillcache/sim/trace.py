@@ -41,7 +41,7 @@ def load_trace(
     except OSError as exc:
         raise ConfigError(f"cannot read trace {p}: {exc}") from None
     ns = sim_namespace(block_size, model)
-    chainer = KeyChainer(ns, block_size)
+    chainer = KeyChainer(ns, block_size, chained=chained)
     parent_of: dict[int, int] = {}
     reqs: list[SimRequest] = []
     with fh:

@@ -52,7 +52,7 @@ def pack_tokens(tokens: npt.NDArray[np.uint32]) -> bytes:
 
 
 def block_stored(
-    hashes: Sequence[int],
+    hashes: Sequence[int] | npt.NDArray[np.uint64],
     parent: int | None,
     tokens: npt.NDArray[np.uint32] | bytes,
     block_size: int,
@@ -63,7 +63,7 @@ def block_stored(
     return b"".join(
         (
             _STORED_HEAD,
-            _pack(list(hashes)),
+            _pack(hashes.tolist() if isinstance(hashes, np.ndarray) else list(hashes)),
             _K_PARENT,
             _pack(parent),
             _K_TOKENS,

@@ -226,3 +226,91 @@ def test_quillcache_scores_peer_fetches_when_allowed() -> None:
     plan, est = plan_and_estimate(req, _view(holder, other, cost=allowed), other)
     assert plan[0].action == Action.FETCH_PEER
     assert fetched == pytest.approx(est.ttft_s)
+
+
+def test_quillcache_order_only_makes_the_cache_choice() -> None:
+    req = _req(400)  # 6,403 tokens; worker 0 holds 380 blocks (6,080 tokens)
+    cached = WorkerView(0, gpu_blocks=380, in_flight=4, queued_prefill_tokens=200_000)
+    idle = WorkerView(1)
+    timed = _view(cached, idle)
+    order_only = View(workers=[cached, idle], block_size=BLOCK, cost=COST, order_only=True)
+    r = create_router("quillcache")
+    # timed: 200k queued tokens outweigh recomputing the prefix
+    assert r.route(req, timed).worker == 1
+    # order-only: the load is a proxy, reuse wins unless the pressure outweighs it
+    assert r.route(req, order_only).worker == 0
+    assert create_router("quillcache", pressure_weight=0.05).route(req, order_only).worker == 1
+    # nothing cached anywhere: the least recently pressed cache
+    fresh = [WorkerView(w, queued_prefill_tokens=q) for w, q in ((0, 9_000), (1, 500), (2, 4_000))]
+    view = View(workers=fresh, block_size=BLOCK, cost=COST, order_only=True)
+    assert r.route(_req(10), view).worker == 1
+
+
+def _decoding(worker: int, decodes: int, **kw: int) -> WorkerView:
+    return WorkerView(
+        worker, in_flight=decodes, running_decodes=decodes, mean_context_tokens=2_000, **kw
+    )
+
+
+def test_quillcache_keeps_a_continuing_session_at_its_home() -> None:
+    # worker 0 holds the prefix but decodes far above the mean (see the pile-up test)
+    view = _view(_decoding(0, 150, gpu_blocks=55), *(WorkerView(w) for w in (1, 2, 3)))
+    req = _req(60, session="chat-1")
+    req.expected_output_tokens = 200
+    r = create_router("quillcache")
+    home = _view(*(WorkerView(w) for w in range(4)))
+    r.route(_req(60, session="chat-1"), home)  # first turn: chat-1 is homed on worker 0
+    assert r.route(req, view).worker == 0  # a later turn stays with its history
+    # without session tracking the same turn is moved off the busy worker
+    assert create_router("quillcache", sessions=False).route(req, view).worker != 0
+
+
+def test_quillcache_homes_new_sessions_where_few_sessions_live() -> None:
+    r = create_router("quillcache")
+    plain = create_router("quillcache", sessions=False)
+    busy_1 = _view(WorkerView(0), _decoding(1, 100))
+    for s in range(4):  # four sessions homed on worker 0 (worker 1 is busy then)
+        assert r.route(_req(20, rid=s, session=f"s{s}"), busy_1).worker == 0
+    equal = _view(_decoding(0, 10), _decoding(1, 10))
+    new = _req(20, rid=9, session="s9")
+    new.expected_output_tokens = 300
+    # the same load now, but worker 0's sessions will keep coming back
+    assert r.route(new, equal).worker == 1
+    assert plain.route(new, equal).worker == 0  # a tie: the lower id
+    # once those sessions are idle longer than the TTL they no longer count
+    later = View(workers=equal.workers, block_size=BLOCK, cost=COST, now_s=1_000.0)
+    new2 = _req(20, rid=10, session="s10")
+    new2.expected_output_tokens = 300
+    fresh = create_router("quillcache", session_ttl_s=10.0)
+    for s in range(4):
+        fresh.route(_req(20, rid=s, session=f"s{s}"), busy_1)
+    assert fresh.route(new2, later).worker == 0
+
+
+def test_quillcache_pile_up_counts_only_decodes_still_running_after_the_prefill() -> None:
+    decoding = _decoding(0, 40)  # no queue, but 40 decodes above the others
+    queued = WorkerView(1, in_flight=2, queued_prefill_tokens=3_000)
+    view = _view(decoding, queued)
+    r = create_router("quillcache")
+    short = Request(0, np.arange(1, 126, dtype=np.uint64), 2_000, expected_output_tokens=200)
+    # a short prompt would decode alongside those 40: queue behind 3,000 tokens instead
+    assert r.route(short, view).worker == 1
+    assert create_router("quillcache", decode_weight=0.0).route(short, view).worker == 0
+    # a 50k-token prompt starts decoding after theirs are done: no pile-up to avoid
+    long = Request(1, np.arange(1, 3126, dtype=np.uint64), 50_000, expected_output_tokens=200)
+    assert r.route(long, view).worker == 0
+
+
+def test_quillcache_continuing_work_weight_lets_a_session_leave_a_queue() -> None:
+    # worker 0 holds the session's history but has 1.5x its recompute queued: the
+    # default keeps it home (the recompute elsewhere also delays others), a weight of
+    # 0 moves it as soon as the queue outweighs the recompute (pure TTFT argmin)
+    queued = 90 * BLOCK
+    busy_home = WorkerView(0, gpu_blocks=58, queued_prefill_tokens=queued, in_flight=1)
+    view = _view(busy_home, *(WorkerView(w) for w in (1, 2, 3)))
+    idle = _view(*(WorkerView(w) for w in range(4)))
+    for weight, expect_home in ((1.0, True), (0.0, False)):
+        r = create_router("quillcache", continuing_work_weight=weight)
+        assert r.route(_req(58, session="chat-1"), idle).worker == 0  # homed on 0
+        moved = r.route(_req(60, session="chat-1"), view).worker
+        assert (moved == 0) is expect_home, weight

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -23,12 +24,15 @@ SMALL = [
 ]
 
 
-def _sim(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def _sim(
+    *args: str, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
         [sys.executable, "-m", "quillcache", "simulate", *args],
         capture_output=True,
         text=True,
         timeout=240,
+        env=env,
     )
     if check:
         assert proc.returncode == 0, proc.stderr
@@ -76,6 +80,23 @@ def test_json_is_deterministic_and_complete() -> None:
     # results in the same order
     assert _sim(*args, "--jobs", "1").stdout == a
     assert _sim(*args, "--jobs", "3").stdout == a
+
+
+def _table_without_timings(out: str) -> list[list[str]]:
+    """The table's rows minus the last two cells (index match µs, wall s: measured)."""
+    rows = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│")]
+    return [[cell.strip() for cell in row[:-2]] for row in rows]
+
+
+def test_table_is_the_same_serial_and_parallel() -> None:
+    args = [*SMALL, "--routers", "random,quillcache,preble,session-affinity"]
+    env = {**os.environ, "COLUMNS": "250"}  # no truncated cells
+    serial = _sim(*args, "--jobs", "1", env=env).stdout
+    parallel = _sim(*args, "--jobs", "2", env=env).stdout
+    rows = _table_without_timings(serial)
+    assert [r[0] for r in rows] == ["random", "quillcache", "preble", "session-affinity"]
+    assert _table_without_timings(parallel) == rows
+    assert serial.splitlines()[0] == parallel.splitlines()[0]  # the title
 
 
 def test_negative_jobs_is_a_clear_error() -> None:
