@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--snapshot-log-ratio",
         type=float,
-        default=0.25,
+        default=0.125,
         help="native-wal: or this x the last snapshot's size, if larger",
     )
     parser.add_argument("--chunk", type=int, default=64, help="event batches per apply call")

@@ -60,7 +60,7 @@ class DurableNativeIndex(NativeIndex):
         durability: str = DEFAULT_DURABILITY,
         segment_bytes: int = 64 << 20,
         snapshot_every_bytes: int = 4 << 20,
-        snapshot_log_ratio: float = 0.25,
+        snapshot_log_ratio: float = 0.125,
         snapshot_every_ms: int = 60_000,
         snapshot_in_background: bool = True,
         snapshot_on_close: bool = True,

@@ -158,7 +158,7 @@ impl DurableIndex {
     /// Opens (or creates) the index in `path` and recovers it (snapshot + log tail).
     #[new]
     #[pyo3(signature = (path, *, durability="interval:10", segment_bytes=64 << 20,
-                        snapshot_every_bytes=4 << 20, snapshot_log_ratio=0.25,
+                        snapshot_every_bytes=4 << 20, snapshot_log_ratio=0.125,
                         snapshot_every_ms=60_000,
                         snapshot_in_background=true, snapshot_on_close=true))]
     #[allow(clippy::too_many_arguments)]

@@ -44,7 +44,7 @@ pub const NO_SEQ: u64 = u64::MAX;
 
 /// Defaults of the size trigger (measured in docs/persistence.md, "Snapshots").
 pub const DEFAULT_SNAPSHOT_MIN_BYTES: u64 = 4 << 20;
-pub const DEFAULT_SNAPSHOT_LOG_RATIO: f64 = 0.25;
+pub const DEFAULT_SNAPSHOT_LOG_RATIO: f64 = 0.125;
 
 #[derive(Debug, Clone)]
 pub struct DurableOptions {
