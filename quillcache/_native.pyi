@@ -219,6 +219,7 @@ class DurableIndex:
         durability: str = "interval:10",
         segment_bytes: int = 67108864,
         snapshot_every_bytes: int = 4194304,
+        snapshot_log_ratio: float = 0.125,
         snapshot_every_ms: int = 60000,
         snapshot_in_background: bool = True,
         snapshot_on_close: bool = True,

@@ -20,6 +20,7 @@ class Recovery:
             self.dir,
             snapshot_on_close=source == "snapshot",
             snapshot_every_bytes=0,
+            snapshot_log_ratio=0,
             snapshot_every_ms=0,
         )
         ix.apply(0, payloads())

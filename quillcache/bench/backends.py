@@ -36,7 +36,10 @@ def backend_factory(
         from quillcache.index.durable import DurableNativeIndex
 
         durability = options.get("durability", "interval:10")
-        return lambda: DurableNativeIndex(path, durability=durability)
+        snapshots = {
+            k: options[k] for k in ("snapshot_every_bytes", "snapshot_log_ratio") if k in options
+        }
+        return lambda: DurableNativeIndex(path, durability=durability, **snapshots)
     if name in ("rocksdb", "kv-memory", "holt"):
         from quillcache.index.holt import HoltIndex
         from quillcache.index.rocks import KvMemoryIndex, RocksDbIndex

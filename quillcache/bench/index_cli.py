@@ -43,6 +43,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--trace", type=Path, default=None, help="mooncake trace (JSONL)")
     parser.add_argument("--durability", default="interval:10", help="native-wal durability")
+    parser.add_argument(
+        "--snapshot-min-mib",
+        type=float,
+        default=4.0,
+        help="native-wal: log MiB that trigger a snapshot at least (snapshot_every_bytes)",
+    )
+    parser.add_argument(
+        "--snapshot-log-ratio",
+        type=float,
+        default=0.125,
+        help="native-wal: or this x the last snapshot's size, if larger",
+    )
     parser.add_argument("--chunk", type=int, default=64, help="event batches per apply call")
     parser.add_argument("--json", metavar="PATH", help="write results as JSON ('-' for stdout)")
     parser.add_argument("--plot", metavar="PATH", help="write a bar chart (PNG) of the results")
@@ -197,7 +209,12 @@ def run(args: argparse.Namespace) -> int:
                 if not ok:
                     results.append({"backend": name, "skipped": why})
                 else:
-                    options = {"durability": args.durability, "chunk": args.chunk}
+                    options = {
+                        "durability": args.durability,
+                        "chunk": args.chunk,
+                        "snapshot_every_bytes": int(args.snapshot_min_mib * (1 << 20)),
+                        "snapshot_log_ratio": args.snapshot_log_ratio,
+                    }
                     try:
                         results.append(
                             run_backend(name, wfile, options, args.workdir, args.timeout or None)

@@ -6,7 +6,7 @@
 //! index or the disk runs with the GIL released.
 
 use std::path::PathBuf;
-use std::sync::RwLock;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use numpy::PyReadonlyArray1;
@@ -20,7 +20,8 @@ use quillcache_core::backends::{open_store, KvIndex as CoreKvIndex, KvStore};
 use quillcache_core::events::Medium;
 use quillcache_core::index::{ApplyStats, EntryOut, SourceKey};
 use quillcache_core::persist::{
-    ApplyError, Durability, DurableIndex as CoreDurable, DurableOptions, PersistError, WalOptions,
+    ApplyError, Durability, DurableIndex as CoreDurable, DurableOptions, PersistError,
+    SharedDurable, SnapshotTicker, WalOptions,
 };
 
 use crate::errors::{
@@ -100,7 +101,10 @@ fn entries_list<'py>(py: Python<'py>, entries: &[EntryOut]) -> PyResult<Bound<'p
 
 #[pyclass(frozen, module = "quillcache._native", name = "DurableIndex")]
 pub struct DurableIndex {
-    inner: RwLock<Option<CoreDurable>>,
+    /// Takes time-triggered snapshots while ingest is idle; stopped by `close`.
+    /// Declared first: dropped (stopped) before the index it ticks.
+    ticker: Mutex<Option<SnapshotTicker>>,
+    inner: Arc<SharedDurable>,
     path: PathBuf,
     durability: String,
 }
@@ -154,7 +158,8 @@ impl DurableIndex {
     /// Opens (or creates) the index in `path` and recovers it (snapshot + log tail).
     #[new]
     #[pyo3(signature = (path, *, durability="interval:10", segment_bytes=64 << 20,
-                        snapshot_every_bytes=4 << 20, snapshot_every_ms=60_000,
+                        snapshot_every_bytes=4 << 20, snapshot_log_ratio=0.125,
+                        snapshot_every_ms=60_000,
                         snapshot_in_background=true, snapshot_on_close=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -163,6 +168,7 @@ impl DurableIndex {
         durability: &str,
         segment_bytes: u64,
         snapshot_every_bytes: u64,
+        snapshot_log_ratio: f64,
         snapshot_every_ms: u64,
         snapshot_in_background: bool,
         snapshot_on_close: bool,
@@ -174,17 +180,29 @@ impl DurableIndex {
                 segment_bytes,
             },
             snapshot_every_bytes,
+            snapshot_log_ratio,
             snapshot_every: (snapshot_every_ms > 0)
                 .then(|| Duration::from_millis(snapshot_every_ms)),
             snapshot_in_background,
             snapshot_on_close,
         };
+        if !(snapshot_log_ratio.is_finite() && snapshot_log_ratio >= 0.0) {
+            return Err(QuillCacheError::new_err(format!(
+                "snapshot_log_ratio must be a finite number >= 0, not {snapshot_log_ratio}"
+            )));
+        }
         let p = path.clone();
         let d = py
             .detach(|| CoreDurable::open(&p, opts))
             .map_err(|e| to_py(e, false))?;
+        let period = d.tick_period();
+        let inner = Arc::new(RwLock::new(Some(d)));
+        let ticker = SnapshotTicker::spawn(Arc::downgrade(&inner), period).map_err(|e| {
+            PersistenceError::new_err(format!("cannot start the snapshot timer: {e}"))
+        })?;
         Ok(Self {
-            inner: RwLock::new(Some(d)),
+            inner,
+            ticker: Mutex::new(Some(ticker)),
             path,
             durability: durability.describe(),
         })
@@ -418,7 +436,12 @@ impl DurableIndex {
 
     /// Snapshot (unless disabled), fsync, release the directory. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let taken = py.detach(|| self.inner.write().unwrap_or_else(|e| e.into_inner()).take());
+        let taken = py.detach(|| {
+            if let Some(mut t) = self.ticker.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                t.stop();
+            }
+            self.inner.write().unwrap_or_else(|e| e.into_inner()).take()
+        });
         match taken {
             None => Ok(()),
             Some(d) => py.detach(|| d.close()).map_err(|e| to_py(e, false)),

@@ -32,6 +32,8 @@ const MAGIC: &[u8; 8] = b"QCIDXSNP";
 const VERSION: u32 = 4;
 /// The previous version, still read.
 const VERSION_V3: u32 = 3;
+/// Below this many nodes the cycle check runs inline (a thread costs more).
+pub(super) const PARALLEL_CHECK_MIN_NODES: usize = 1 << 16;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
@@ -419,7 +421,40 @@ impl Index {
                 self.blocks += 1;
             }
         }
-        check_acyclic(&parents)?;
+        // The cycle check needs only `parents`: on a large image it runs on a second
+        // thread while this one indexes the engine hashes and links the children.
+        let (acyclic, linked) = std::thread::scope(|s| {
+            let check =
+                (n_nodes >= PARALLEL_CHECK_MIN_NODES).then(|| s.spawn(|| check_acyclic(&parents)));
+            let linked = self.index_ehashes_and_link(&ehashes, &parents);
+            let acyclic = match check {
+                Some(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+                None => check_acyclic(&parents),
+            };
+            (acyclic, linked)
+        });
+        acyclic?;
+        linked?;
+        // What `collect` would have freed cannot be in a snapshot of a live index.
+        for id in 0..n_nodes as u32 {
+            let n = self.tree.node(id);
+            if n.holders.is_empty() && n.pins == 0 && n.first_child == NIL {
+                return Err(corrupt(format!(
+                    "node {:#x} has no holder, pin or child",
+                    n.key
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The engine-hash table and the child links of freshly read nodes (linking
+    /// only sets pointers, so it is harmless on an image that turns out cyclic).
+    fn index_ehashes_and_link(
+        &mut self,
+        ehashes: &[u32],
+        parents: &[u32],
+    ) -> Result<(), SnapshotError> {
         // Both passes below touch one random line per node (an ehash-table slot, a
         // parent node): prefetching a window ahead overlaps those cache misses.
         const AHEAD: usize = 16;
@@ -440,16 +475,6 @@ impl Index {
             }
             if parent != NIL {
                 self.tree.link(id as u32, parent);
-            }
-        }
-        // What `collect` would have freed cannot be in a snapshot of a live index.
-        for id in 0..n_nodes as u32 {
-            let n = self.tree.node(id);
-            if n.holders.is_empty() && n.pins == 0 && n.first_child == NIL {
-                return Err(corrupt(format!(
-                    "node {:#x} has no holder, pin or child",
-                    n.key
-                )));
             }
         }
         Ok(())

@@ -6,7 +6,7 @@ use proptest::prelude::*;
 use crate::index::{Index, SourceKey};
 use crate::persist::durable_tests::{encode, ev_strategy, Ev};
 
-use super::{SnapshotError, MAGIC, VERSION_V3};
+use super::{SnapshotError, MAGIC, PARALLEL_CHECK_MIN_NODES, VERSION_V3};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -263,4 +263,45 @@ fn v3_image(index: &Index) -> Vec<u8> {
     let crc = crc32fast::hash(&o);
     u32_(&mut o, crc);
     o
+}
+
+/// An image large enough that the cycle check runs on its own thread: a cycle is
+/// still refused (and reported before anything else).
+#[test]
+fn a_parent_cycle_in_a_large_image_is_refused() {
+    let n = PARALLEL_CHECK_MIN_NODES as u64 + 8;
+    let mut index = Index::new();
+    let ev = Ev::Stored {
+        hashes: (1..=n).collect(),
+        parent: None,
+        tokens: (0..2 * n as u32).collect(),
+        medium: "GPU",
+    };
+    let src = SourceKey {
+        worker: 1,
+        dp_rank: 0,
+    };
+    index.apply_payload(src, &encode(&[ev], None)).unwrap();
+    let mut buf = image(&index);
+    // Two linked nodes in the middle of the chain, by their record ordinals.
+    let order: Vec<(u64, u32)> = index
+        .tree
+        .ids()
+        .map(|id| (index.tree.node(id).key, index.tree.node(id).parent_id))
+        .collect();
+    let linked: Vec<usize> = (0..order.len())
+        .filter(|&o| order[o].1 != u32::MAX)
+        .take(2)
+        .collect();
+    let at = |key: u64| {
+        buf.windows(8)
+            .position(|w| w == key.to_le_bytes())
+            .expect("the key is in the image")
+    };
+    let (x, y) = (at(order[linked[0]].0), at(order[linked[1]].0));
+    buf[x + 8..x + 12].copy_from_slice(&(linked[1] as u32).to_le_bytes());
+    buf[y + 8..y + 12].copy_from_slice(&(linked[0] as u32).to_le_bytes());
+    reseal(&mut buf);
+    assert!(Index::from_snapshot_bytes(&image(&index)).is_ok());
+    assert!(corrupt_reason(&buf).contains("cycle"));
 }

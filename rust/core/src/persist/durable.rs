@@ -42,14 +42,22 @@ pub mod kind {
 /// `seq` of a record that carries none.
 pub const NO_SEQ: u64 = u64::MAX;
 
+/// Defaults of the size trigger (measured in docs/persistence.md, "Snapshots").
+pub const DEFAULT_SNAPSHOT_MIN_BYTES: u64 = 4 << 20;
+pub const DEFAULT_SNAPSHOT_LOG_RATIO: f64 = 0.125;
+
 #[derive(Debug, Clone)]
 pub struct DurableOptions {
     pub wal: WalOptions,
-    /// Take a snapshot once this many log bytes were written since the last one
-    /// (0 = not by size). Bounds the log replayed at recovery: replaying a byte of
-    /// log costs ~7x loading a byte of snapshot, so the default 4 MiB keeps the tail
-    /// below the load of a 1 M-block snapshot (docs/persistence.md, "Recovery").
+    /// The size trigger: take a snapshot once the log written since the last one
+    /// exceeds `max(snapshot_every_bytes, snapshot_log_ratio x the last snapshot's
+    /// size)` (0 = not by size). The ratio bounds the snapshot bytes written per log
+    /// byte to 1/ratio (the idea of Redis's AOF rewrite and of LSM compaction), so a
+    /// large index is not rewritten every few MiB of log; the minimum keeps a small
+    /// index from snapshotting on every call. docs/persistence.md has the trade-off.
     pub snapshot_every_bytes: u64,
+    /// See `snapshot_every_bytes` (0 = a fixed size trigger).
+    pub snapshot_log_ratio: f64,
     /// Take a snapshot once this long passed since the last one, if anything was
     /// logged (None = not by time): bounds the tail of a slowly growing log.
     pub snapshot_every: Option<Duration>,
@@ -64,7 +72,8 @@ impl Default for DurableOptions {
     fn default() -> Self {
         DurableOptions {
             wal: WalOptions::default(),
-            snapshot_every_bytes: 4 << 20,
+            snapshot_every_bytes: DEFAULT_SNAPSHOT_MIN_BYTES,
+            snapshot_log_ratio: DEFAULT_SNAPSHOT_LOG_RATIO,
             snapshot_every: Some(Duration::from_secs(60)),
             snapshot_in_background: true,
             snapshot_on_close: true,
@@ -75,6 +84,7 @@ impl Default for DurableOptions {
 /// A periodic snapshot being written by a background thread.
 struct PendingSnapshot {
     lsn: u64,
+    /// Returns the snapshot's size in bytes.
     handle: JoinHandle<Result<u64, PersistError>>,
 }
 
@@ -110,6 +120,8 @@ pub struct DurableIndex {
     seqs: LastSeqs,
     opts: DurableOptions,
     snapshot_lsn: u64,
+    /// Size of the latest snapshot file (0: none), for the ratio trigger.
+    snapshot_bytes: u64,
     /// Log bytes and time since the last snapshot was started (the triggers).
     logged_since_snapshot: u64,
     last_snapshot_at: Instant,
@@ -252,6 +264,7 @@ impl DurableIndex {
             seqs,
             opts,
             snapshot_lsn,
+            snapshot_bytes: recovery.snapshot_bytes,
             logged_since_snapshot,
             last_snapshot_at: Instant::now(),
             pending: None,
@@ -449,10 +462,18 @@ impl DurableIndex {
         Ok(())
     }
 
+    /// Log bytes since the last snapshot that trigger the next one (0 = never by
+    /// size): `max(snapshot_every_bytes, snapshot_log_ratio x last snapshot size)`.
+    pub fn snapshot_trigger_bytes(&self) -> u64 {
+        let by_ratio = (self.opts.snapshot_log_ratio.max(0.0) * self.snapshot_bytes as f64) as u64;
+        self.opts.snapshot_every_bytes.max(by_ratio)
+    }
+
     /// The periodic snapshot, checked after each logged call (a group-commit
-    /// boundary): by log bytes or by time since the last one.
+    /// boundary) and by [`DurableIndex::tick`]: by log bytes or by time since the
+    /// last one.
     fn maybe_snapshot(&mut self) -> Result<(), PersistError> {
-        let every = self.opts.snapshot_every_bytes;
+        let every = self.snapshot_trigger_bytes();
         // Backpressure: a snapshot slower than ingest must not let the log (the
         // replay after a crash) grow without bound behind it.
         let overdue = every > 0 && self.logged_since_snapshot >= every.saturating_mul(2);
@@ -473,6 +494,27 @@ impl DurableIndex {
         } else {
             self.snapshot().map(|_| ())
         }
+    }
+
+    /// Housekeeping while ingest may be idle, called by a timer
+    /// ([`super::ticker::SnapshotTicker`]) under the same lock as every mutation:
+    /// adopts a finished background snapshot (pruning the log it covers) and takes
+    /// the time-triggered snapshot that `apply` would take if it were called. Does
+    /// nothing once the log failed. An error is kept in `snapshot_error`.
+    pub fn tick(&mut self) {
+        if self.wal.failure().is_some() {
+            return;
+        }
+        if let Err(e) = self.maybe_snapshot() {
+            self.snapshot_error = Some(e.to_string());
+        }
+    }
+
+    /// How often a timer should call [`DurableIndex::tick`]: often enough that the
+    /// time trigger is late by at most ~1/4 of its period (at most 1 s late).
+    pub fn tick_period(&self) -> Duration {
+        let period = self.opts.snapshot_every.unwrap_or(Duration::from_secs(4)) / 4;
+        period.clamp(Duration::from_millis(1), Duration::from_secs(1))
     }
 
     /// Rotates the log and hands a clone of the index to a thread that writes it.
@@ -503,9 +545,9 @@ impl DurableIndex {
         }
         let PendingSnapshot { lsn, handle } = self.pending.take().expect("checked");
         match handle.join() {
-            Ok(Ok(_bytes)) => {
+            Ok(Ok(bytes)) => {
                 self.snapshot_error = None;
-                self.adopt_snapshot(lsn)
+                self.adopt_snapshot(lsn, bytes)
             }
             Ok(Err(e)) => {
                 self.snapshot_error = Some(e.to_string());
@@ -520,9 +562,10 @@ impl DurableIndex {
 
     /// `lsn`'s snapshot file is complete: make it current, drop the older one and
     /// the log segments it covers.
-    fn adopt_snapshot(&mut self, lsn: u64) -> Result<(), PersistError> {
+    fn adopt_snapshot(&mut self, lsn: u64, bytes: u64) -> Result<(), PersistError> {
         let old = self.snapshot_lsn;
         self.snapshot_lsn = lsn;
+        self.snapshot_bytes = bytes;
         if old != lsn {
             let _ = fs::remove_file(snapshot::snapshot_path(&self.dir, old));
         }
@@ -550,10 +593,10 @@ impl DurableIndex {
             return Ok(lsn);
         }
         self.wal.rotate()?;
-        snapshot::write(&self.dir, lsn, &self.seqs, &self.index)?;
+        let bytes = snapshot::write(&self.dir, lsn, &self.seqs, &self.index)?;
         self.logged_since_snapshot = 0;
         self.last_snapshot_at = Instant::now();
-        self.adopt_snapshot(lsn)?;
+        self.adopt_snapshot(lsn, bytes)?;
         Ok(lsn)
     }
 

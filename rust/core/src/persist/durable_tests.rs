@@ -162,6 +162,7 @@ fn options(snapshot_every_bytes: u64, segment_bytes: u64, background: bool) -> D
             segment_bytes,
         },
         snapshot_every_bytes,
+        snapshot_log_ratio: 0.0,
         snapshot_every: None,
         snapshot_in_background: background,
         snapshot_on_close: true,
@@ -177,9 +178,13 @@ proptest! {
         snapshot_every_bytes in prop::sample::select(vec![0u64, 300, 5000]),
         segment_bytes in prop::sample::select(vec![128u64, 1 << 20]),
         background in any::<bool>(),
+        snapshot_log_ratio in prop::sample::select(vec![0.0f64, 0.5]),
     ) {
         let d = TestDir::new("durable-prop");
-        let opts = options(snapshot_every_bytes, segment_bytes, background);
+        let opts = DurableOptions {
+            snapshot_log_ratio,
+            ..options(snapshot_every_bytes, segment_bytes, background)
+        };
         let mut dur = Some(DurableIndex::open(&d.0, opts.clone()).unwrap());
         let mut reference = Index::new();
         let mut ref_seqs: BTreeMap<SourceKey, u64> = BTreeMap::new();
@@ -367,5 +372,178 @@ fn periodic_background_snapshots_bound_the_replayed_tail() {
         assert!(r.wal.records_replayed < 200, "{name}: replayed everything");
         assert_eq!(di.index().logical_state(), expected, "{name}");
         assert_eq!(di.last_seqs().get(&src), Some(&199), "{name}");
+    }
+}
+
+fn snapshot_file_len(dir: &std::path::Path) -> u64 {
+    fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "qcsnap"))
+        .map(|p| fs::metadata(p).unwrap().len())
+        .sum()
+}
+
+/// The size trigger is `max(min bytes, ratio x the last snapshot's size)`: each
+/// inline snapshot comes with the first call that crosses it, not before, not later.
+#[test]
+fn the_size_trigger_scales_with_the_last_snapshot() {
+    let src = SourceKey {
+        worker: 4,
+        dp_rank: 0,
+    };
+    for (min, ratio) in [(600u64, 0.0), (600, 0.5), (200, 2.0)] {
+        let d = TestDir::new("durable-ratio");
+        let opts = DurableOptions {
+            snapshot_log_ratio: ratio,
+            ..options(min, 1 << 20, false)
+        };
+        let mut di = DurableIndex::open(&d.0, opts).unwrap();
+        let (mut since, mut snapshots) = (0u64, 0);
+        for i in 0..400u64 {
+            let p = encode(&[stored(i + 1, (i > 0).then_some(i), i as u32)], None);
+            let trigger = min.max((ratio * snapshot_file_len(&d.0) as f64) as u64);
+            assert_eq!(di.snapshot_trigger_bytes(), trigger);
+            let before = di.snapshot_lsn();
+            di.apply(src, &[&p], Some(&[i])).unwrap();
+            let frame = super::frame::frame_len(p.len()) as u64;
+            since += frame;
+            if di.snapshot_lsn() != before {
+                snapshots += 1;
+                assert!(since >= trigger, "{min} {ratio}: {since} < {trigger}");
+                assert!(since < trigger + frame, "{min} {ratio}: {since} too late");
+                since = 0;
+            } else {
+                assert!(
+                    since < trigger,
+                    "{min} {ratio}: {since} >= {trigger}, no snapshot"
+                );
+            }
+        }
+        assert!(snapshots >= 2, "{min} {ratio}: {snapshots} snapshots");
+    }
+}
+
+fn shared(dir: &std::path::Path, opts: DurableOptions) -> std::sync::Arc<super::SharedDurable> {
+    std::sync::Arc::new(std::sync::RwLock::new(Some(
+        DurableIndex::open(dir, opts).unwrap(),
+    )))
+}
+
+/// With ingest idle, the timer takes the time-triggered snapshot (and adopts it),
+/// so a crash afterwards replays nothing.
+#[test]
+fn the_timer_snapshots_an_idle_index() {
+    let d = TestDir::new("durable-idle");
+    let opts = DurableOptions {
+        snapshot_every: Some(std::time::Duration::from_millis(40)),
+        ..options(0, 1 << 20, true)
+    };
+    let ix = shared(&d.0, opts.clone());
+    let period = ix.read().unwrap().as_ref().unwrap().tick_period();
+    assert_eq!(period, std::time::Duration::from_millis(10));
+    let _ticker = super::SnapshotTicker::spawn(std::sync::Arc::downgrade(&ix), period).unwrap();
+    let src = SourceKey {
+        worker: 1,
+        dp_rank: 0,
+    };
+    {
+        let mut g = ix.write().unwrap();
+        let di = g.as_mut().unwrap();
+        for i in 0..10u64 {
+            let p = encode(&[stored(i + 1, (i > 0).then_some(i), i as u32)], None);
+            di.apply(src, &[&p], Some(&[i])).unwrap();
+        }
+        assert_eq!(di.snapshot_lsn(), 0, "snapshotted before the period passed");
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while ix.read().unwrap().as_ref().unwrap().snapshot_lsn() != 10 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no snapshot while idle"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let expected = ix.read().unwrap().as_ref().unwrap().index().logical_state();
+    drop(ix.write().unwrap().take()); // a crash
+    let di = DurableIndex::open(&d.0, opts).unwrap();
+    assert_eq!(di.recovery().snapshot_lsn, Some(10));
+    assert_eq!(di.recovery().wal.records_replayed, 0);
+    assert_eq!(di.index().logical_state(), expected);
+}
+
+/// A timer snapshotting at every tick (1 ms) while two threads apply and one reads:
+/// no call is lost or half-applied, and a crash recovers exactly the reference.
+#[test]
+fn the_timer_and_concurrent_applies_do_not_race() {
+    for background in [true, false] {
+        let d = TestDir::new("durable-race");
+        let opts = DurableOptions {
+            snapshot_every: Some(std::time::Duration::ZERO),
+            ..options(0, 4096, background)
+        };
+        let ix = shared(&d.0, opts.clone());
+        let mut ticker = super::SnapshotTicker::spawn(
+            std::sync::Arc::downgrade(&ix),
+            std::time::Duration::from_millis(1),
+        )
+        .unwrap();
+        let writers: Vec<_> = (0..2u64)
+            .map(|w| {
+                let ix = std::sync::Arc::clone(&ix);
+                std::thread::spawn(move || {
+                    let src = SourceKey {
+                        worker: w,
+                        dp_rank: 0,
+                    };
+                    for i in 0..300u64 {
+                        let h = w * 1_000_000 + i + 1;
+                        let p = encode(&[stored(h, (i > 0).then_some(h - 1), i as u32)], None);
+                        let mut g = ix.write().unwrap();
+                        g.as_mut().unwrap().apply(src, &[&p], Some(&[i])).unwrap();
+                    }
+                })
+            })
+            .collect();
+        let reader = {
+            let ix = std::sync::Arc::clone(&ix);
+            std::thread::spawn(move || {
+                for _ in 0..300 {
+                    let g = ix.read().unwrap();
+                    let _ = g.as_ref().unwrap().index().logical_state();
+                }
+            })
+        };
+        for t in writers {
+            t.join().unwrap();
+        }
+        reader.join().unwrap();
+        ticker.stop();
+        let mut reference = Index::new();
+        for w in 0..2u64 {
+            for i in 0..300u64 {
+                let h = w * 1_000_000 + i + 1;
+                let p = encode(&[stored(h, (i > 0).then_some(h - 1), i as u32)], None);
+                let src = SourceKey {
+                    worker: w,
+                    dp_rank: 0,
+                };
+                reference.apply_payload(src, &p).unwrap();
+            }
+        }
+        let di = ix.write().unwrap().take().unwrap();
+        assert!(di.index().state_eq(&reference));
+        assert!(di.snapshot_error().is_none(), "{:?}", di.snapshot_error());
+        assert!(di.snapshot_lsn() > 0, "the timer never snapshotted");
+        drop(di); // a crash
+        let di = DurableIndex::open(&d.0, opts).unwrap();
+        assert!(di.index().state_eq(&reference), "background={background}");
+        for w in 0..2u64 {
+            let src = SourceKey {
+                worker: w,
+                dp_rank: 0,
+            };
+            assert_eq!(di.last_seqs().get(&src), Some(&299));
+        }
     }
 }

@@ -6,11 +6,16 @@ pub mod durable;
 pub mod error;
 pub mod frame;
 pub mod snapshot;
+pub mod ticker;
 pub mod wal;
 
-pub use durable::{ApplyError, DurableIndex, DurableOptions, RecoveryInfo};
+pub use durable::{
+    ApplyError, DurableIndex, DurableOptions, RecoveryInfo, DEFAULT_SNAPSHOT_LOG_RATIO,
+    DEFAULT_SNAPSHOT_MIN_BYTES,
+};
 pub use error::PersistError;
 pub use frame::{LoggedRecord, Record};
+pub use ticker::{SharedDurable, SnapshotTicker};
 pub use wal::{Durability, RecoveryReport, TornTail, Wal, WalOptions};
 
 #[cfg(test)]
