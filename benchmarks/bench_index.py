@@ -143,7 +143,14 @@ def ingest(name: str, w: Workload, reserve: int = 0) -> tuple[Any, float, float]
     return index, time.perf_counter() - t0, time.thread_time() - c0
 
 
-def bench(name: str, w: Workload, rounds: int, samples: int, reserve: int = 0) -> Result:
+def bench(
+    name: str,
+    w: Workload,
+    rounds: int,
+    samples: int,
+    reserve: int = 0,
+    after_snapshot: bool = False,
+) -> Result:
     times, cpu_times = [], []
     index = None
     for _ in range(rounds):
@@ -153,6 +160,10 @@ def bench(name: str, w: Workload, rounds: int, samples: int, reserve: int = 0) -
         times.append(seconds)
         cpu_times.append(cpu_seconds)
     assert index is not None
+    if after_snapshot:  # match on the index a restart would restore
+        restored = type(index).from_snapshot(index.snapshot())
+        index.close()
+        index = restored
     lat = np.empty(samples, dtype=np.int64)
     match, reqs, now = index.match, w.requests, time.perf_counter_ns
     gc.disable()
@@ -198,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         help="give the native index its final size as a capacity hint before ingest",
     )
     ap.add_argument(
+        "--after-snapshot",
+        action="store_true",
+        help="time matches on the native index restored from a snapshot of the built one",
+    )
+    ap.add_argument(
         "--workload",
         metavar="PATH",
         help="pickle of the workload: read if it exists, else built and written (native only)",
@@ -212,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         rounds = 1 if name == "memory" else args.rounds
         samples = min(args.samples, 20_000) if name == "memory" else args.samples
         reserve = size if args.reserve and name == "native" else 0
-        results.append(bench(name, workloads[size], rounds, samples, reserve))
+        after_snapshot = args.after_snapshot and name == "native"
+        results.append(bench(name, workloads[size], rounds, samples, reserve, after_snapshot))
     from rich.console import Console
     from rich.table import Table
 

@@ -167,7 +167,7 @@ impl KeyTable {
             self.widen_ids(id);
         }
         if (self.len + 1) * 4 > self.slots.len() * 3 {
-            self.grow(nodes);
+            self.grow(nodes, id);
         }
         self.place(id, self.key_of(&nodes[id as usize]));
         self.len += 1;
@@ -196,9 +196,10 @@ impl KeyTable {
         self.slots[i] = id | tag;
     }
 
-    fn grow(&mut self, nodes: &[Node]) {
+    /// Doubles the table while `pending` (in `nodes`, not yet in the table) waits.
+    fn grow(&mut self, nodes: &[Node], pending: u32) {
         let cap = (self.slots.len() * 2).max(16);
-        self.rebuild(vec![NIL; cap], nodes);
+        self.rebuild(vec![NIL; cap], nodes, pending);
     }
 
     /// Makes room for `entries` entries in all, so that inserts up to that many
@@ -218,28 +219,55 @@ impl KeyTable {
         let mut slots = Vec::new();
         slots.try_reserve_exact(cap)?;
         slots.resize(cap, NIL);
-        self.rebuild(slots, nodes);
+        self.rebuild(slots, nodes, NIL);
         Ok(())
     }
 
+    /// Whether node `id` is one this table indexes, by the tree's conventions: a
+    /// freed slot points to itself as first child (`Tree::collect`), and a node is
+    /// in the ehash table exactly while its HAS_EHASH flag is set.
+    #[inline]
+    fn indexes(&self, id: u32, n: &Node) -> bool {
+        n.first_child != id
+            && match self.field {
+                KeyField::Key => true,
+                KeyField::EHash => n.ehash().is_some(),
+            }
+    }
+
     /// Moves every entry into `slots` (all empty, a larger power of two).
-    fn rebuild(&mut self, slots: Vec<u32>, nodes: &[Node]) {
-        let old = std::mem::replace(&mut self.slots, slots);
-        // Re-placing needs every node's key: random reads over the slab. Prefetch a
-        // window ahead so that those misses overlap (a 2^21-slot grow reads 1.5 M nodes).
+    ///
+    /// Re-placing needs every entry's key. Taken from the old slots, the ids come in
+    /// hash order and each key is a random node read (a 2^21-slot grow reads 1.5 M
+    /// nodes at random); taken from the slab front to back, they are a sequential
+    /// read. The slab pass trusts the tree's conventions (`indexes`), so it is
+    /// used only if it finds exactly `len` entries; else (a caller mid-way through
+    /// restoring, or tests with other conventions) the old slots are the truth.
+    fn rebuild(&mut self, slots: Vec<u32>, nodes: &[Node], pending: u32) {
+        let mut ids: Vec<u32> = Vec::with_capacity(self.len);
+        for (id, n) in (0u32..).zip(nodes) {
+            if id != pending && self.indexes(id, n) {
+                ids.push(id);
+            }
+        }
+        if ids.len() != self.len {
+            ids.clear();
+            ids.extend(self.iter());
+        }
+        self.slots = slots;
+        // The writes land at random in the new table: prefetch each entry's node
+        // 2 x AHEAD entries ahead (a sequential stream in the common case), then
+        // its new slot AHEAD entries ahead, so that those misses overlap.
         const AHEAD: usize = 16;
-        let ids: Vec<u32> = old
-            .iter()
-            .filter(|&&s| s != NIL)
-            .map(|&s| s & self.id_mask)
-            .collect();
-        drop(old);
-        for &id in ids.iter().take(AHEAD) {
+        for &id in ids.iter().take(2 * AHEAD) {
             prefetch(&nodes[id as usize]);
         }
         for (i, &id) in ids.iter().enumerate() {
+            if let Some(&far) = ids.get(i + 2 * AHEAD) {
+                prefetch(&nodes[far as usize]);
+            }
             if let Some(&next) = ids.get(i + AHEAD) {
-                prefetch(&nodes[next as usize]);
+                prefetch(&self.slots[self.locate(self.key_of(&nodes[next as usize])).0]);
             }
             self.place(id, self.key_of(&nodes[id as usize]));
         }
@@ -301,15 +329,21 @@ impl KeyTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::index::tree::HAS_EHASH;
     use proptest::prelude::*;
 
-    fn node(key: u64) -> Node {
+    /// A node keyed `key` in the table's field (the ehash one flagged as the tree does).
+    fn node(key: u64, field: KeyField) -> Node {
+        let (ehash, depth_flags) = match field {
+            KeyField::Key => (0, 0),
+            KeyField::EHash => (key, HAS_EHASH),
+        };
         Node {
             key,
-            ehash: 0,
+            ehash,
             holders: Default::default(),
             parent_id: NIL,
-            depth_flags: 0,
+            depth_flags,
             first_child: NIL,
             pins: 0,
         }
@@ -318,16 +352,21 @@ mod tests {
     proptest! {
         /// Against a HashMap, with small keys (many collisions) and interleaved removes;
         /// starting from 3 id bits, ids outgrow them, so `widen_ids` runs mid-stream;
-        /// a `reserve` at a random step re-places everything.
+        /// a `reserve` at a random step re-places everything. With `tree_marks`, a
+        /// removed node's slot is marked freed as `Tree::collect` does, so that
+        /// rebuilds take the slab pass; without, they must fall back to the old slots.
         #[test]
         fn behaves_like_a_map(
             ops in proptest::collection::vec((any::<bool>(), 0..64u64), 1..400),
             id_bits in prop_oneof![Just(3u32), Just(24u32)],
             reserve_at in 0..400usize,
             reserve_to in 0..200usize,
+            tree_marks in any::<bool>(),
+            by_ehash in any::<bool>(),
         ) {
+            let field = if by_ehash { KeyField::EHash } else { KeyField::Key };
             let mut nodes: Vec<Node> = vec![];
-            let mut table = KeyTable::with_id_bits(KeyField::Key, id_bits);
+            let mut table = KeyTable::with_id_bits(field, id_bits);
             let mut model = std::collections::HashMap::new();
             for (step, (insert, key)) in ops.into_iter().enumerate() {
                 if step == reserve_at {
@@ -335,13 +374,19 @@ mod tests {
                 }
                 if insert {
                     if table.find(key, &nodes).is_none() {
-                        nodes.push(node(key));
+                        nodes.push(node(key, field));
                         let id = (nodes.len() - 1) as u32;
                         table.insert(id, &nodes);
                         model.insert(key, id);
                     }
                 } else {
-                    prop_assert_eq!(table.remove(key, &nodes), model.remove(&key).is_some());
+                    let removed = model.remove(&key);
+                    prop_assert_eq!(table.remove(key, &nodes), removed.is_some());
+                    if let (Some(id), true) = (removed, tree_marks) {
+                        let n = &mut nodes[id as usize];
+                        n.first_child = id;
+                        n.depth_flags &= !HAS_EHASH;
+                    }
                 }
                 prop_assert_eq!(table.len(), model.len());
                 let mut ids: Vec<u32> = table.iter().collect();
