@@ -518,6 +518,15 @@ fn the_timer_and_concurrent_applies_do_not_race() {
             t.join().unwrap();
         }
         reader.join().unwrap();
+        // On a fast release build the writers can finish before the 1 ms timer ever
+        // wins the lock: give it a bounded while to take (and, in the background
+        // mode, adopt) a snapshot before it is stopped.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while ix.read().unwrap().as_ref().unwrap().snapshot_lsn() == 0
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
         ticker.stop();
         let mut reference = Index::new();
         for w in 0..2u64 {
