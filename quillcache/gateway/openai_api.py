@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ import aiohttp
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from quillcache.controlplane import RouterContractError
 from quillcache.errors import QuillCacheError
 from quillcache.gateway import proxy
 from quillcache.gateway.httpio import (
@@ -32,6 +34,8 @@ from quillcache.routing import Request as RouteRequest
 if TYPE_CHECKING:
     from quillcache.gateway.app import Gateway
     from quillcache.gateway.workers import Worker
+
+log = logging.getLogger(__name__)
 
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError)
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
@@ -86,11 +90,15 @@ class OpenAIEndpoints:
         body = parse_object(raw)
         validate_completion(body, chat)
         model = body.get("model")
-        models = gw.pool.models()
-        if model is not None and models and model not in models:
-            known = ", ".join(sorted(models))
+        candidates = gw.pool.serving(model)  # only engines serving the model (or adapter)
+        if candidates is not None and not candidates:
+            known = ", ".join(sorted(gw.pool.models()))
             raise ApiError(
-                404, f"The model `{model}` does not exist; served: {known}", "NotFoundError"
+                404,
+                f"The model `{model}` does not exist; served: {known}",
+                "NotFoundError",
+                code="model_not_found",
+                param="model",
             )
         tenant_header = request.headers.get(gw.config.tenant_header)
         if tenant_header and not body.get("cache_salt"):
@@ -98,13 +106,15 @@ class OpenAIEndpoints:
             raw = json.dumps(body).encode()
         routing_started = time.perf_counter()  # tokenize + hash + route, for /admin/index
         try:
-            route_request, prompt_tokens = await gw.identify(body, chat, request.headers)
+            route_request, prompt_tokens = await gw.identify(
+                body, chat, request.headers, candidates
+            )
         except TokenizationError as exc:
             raise ApiError(400, f"cannot tokenize the request: {exc}") from None
         except (ValueError, TypeError, QuillCacheError) as exc:  # e.g. HashingError
             raise ApiError(400, f"invalid prompt: {exc}") from None
         for attempt in range(2):
-            worker = self._route(route_request, prompt_tokens, routing_started)
+            worker = self._route(route_request, prompt_tokens, routing_started, candidates)
             gw.pre_upstream_samples.append(time.perf_counter() - started)
             try:
                 resp = await gw.upstream.post(
@@ -129,11 +139,23 @@ class OpenAIEndpoints:
             return await self._respond(request, path, resp, worker, route_request, started)
         raise AssertionError("unreachable")
 
-    def _route(self, route_request: RouteRequest, prompt_tokens: int, since: float) -> Worker:
-        """Route one request (raises the 503/429 of a rejection) and count the decision."""
+    def _route(
+        self,
+        route_request: RouteRequest,
+        prompt_tokens: int,
+        since: float,
+        candidates: frozenset[int] | None,
+    ) -> Worker:
+        """Route one request among `candidates` (None: any worker; raises the 503/429 of
+        a rejection) and count the decision."""
         gw = self.gw
-        with gw.index_guard:
-            decision = gw.cp.route(route_request, now_s=time.monotonic())
+        try:
+            with gw.index_guard:
+                decision = gw.cp.route(route_request, now_s=time.monotonic(), only=candidates)
+        except RouterContractError as exc:
+            log.error("gateway: %s", exc)
+            gw.metrics.decision(gw.router_name, "router error", "none")
+            raise ApiError(500, f"routing failed: {exc}", "InternalServerError") from None
         routed_s = time.perf_counter() - since
         gw.metrics.route_time.observe(routed_s)
         gw.route_samples.append(routed_s)
@@ -172,6 +194,7 @@ class OpenAIEndpoints:
 
             def end(failure: BaseException | None) -> None:
                 gw.cp.finish(rid)
+                gw.ingestor.expect_events(worker.id)
                 if isinstance(failure, UPSTREAM_ERRORS):
                     gw.pool.mark_down(worker.id, f"broke mid-stream: {type(failure).__name__}")
                 gw.metrics.completed(path, time.perf_counter() - started)
@@ -191,6 +214,7 @@ class OpenAIEndpoints:
             raise ApiError(502, f"engine failed mid-response: {exc}", "APIError") from None
         finally:
             gw.cp.finish(rid)
+            gw.ingestor.expect_events(worker.id)  # even if every event of it is lost
         if content is None:  # the client left: upstream closed, nothing to send
             return Response(status_code=499)
         elapsed = time.perf_counter() - started

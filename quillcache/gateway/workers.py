@@ -157,6 +157,7 @@ class WorkerPool:
         self.workers: dict[int, Worker] = {}
         self._next_id = 0
         self._models: dict[str, str] | None = None  # cache of models(), reset on changes
+        self._serving: dict[str, frozenset[int]] = {}  # cache of serving(), reset with it
         # last engine seq per (worker, dp_rank) kept by a persistent index: resume there
         self.resume_seqs: dict[tuple[int, int], int] = {}
         self.failures_to_down = 2  # consecutive failed health checks before "down"
@@ -232,6 +233,7 @@ class WorkerPool:
         self.cp.add_worker(w.id, dp_ranks=ranks, model=w.base_model, tokenizer=self.tokenizer_id)
         self.workers[w.id] = w
         self._models = None
+        self._serving = {}
         subscribed = []
         for src in w.sources:
             src = ZmqSourceConfig(
@@ -256,6 +258,7 @@ class WorkerPool:
             self.cp.remove_worker(worker_id)
         del self.workers[worker_id]
         self._models = None
+        self._serving = {}
         return w
 
     def get(self, worker_id: int) -> Worker:
@@ -304,9 +307,20 @@ class WorkerPool:
                 self._models.update(w.models)
         return self._models
 
-    def any_routable(self) -> Worker | None:
+    def serving(self, model: str | None) -> frozenset[int] | None:
+        """The workers whose /v1/models list `model` (a base model or a LoRA adapter),
+        healthy or not; None when any worker will do (no model named, or no workers)."""
+        if not model or not self.workers:
+            return None
+        found = self._serving.get(model)
+        if found is None:
+            found = frozenset(w.id for w in self.workers.values() if model in w.models)
+            self._serving[model] = found
+        return found
+
+    def any_routable(self, only: frozenset[int] | None = None) -> Worker | None:
         for w in self.workers.values():
-            if w.routable:
+            if w.routable and (only is None or w.id in only):
                 return w
         return None
 

@@ -224,6 +224,31 @@ def test_dropped_events_are_replayed(shared_stack: Stack) -> None:
     assert metric(text, "quillcache_kv_stale_sources") == 0
 
 
+def test_a_request_whose_events_are_all_dropped_is_recovered_when_quiet(stack: Stack) -> None:
+    """Every batch of a request is lost and the engine then goes quiet: no later seq
+    reveals the gap; the gateway's quiet-tail check replays it."""
+    engine = stack.engine()
+    gw = stack.start_gateway({"event_quiet_tail_s": 0.5})
+    admin = stack.admin()
+    text = http_get(gw.url + "/metrics").text
+    gaps = metric(text, "quillcache_kv_event_gaps_total")
+    found = metric(text, "quillcache_kv_event_tail_replayed_batches_total")
+    assert http_post(engine.url + "/debug/drop_events", json={"count": 1000}).status_code == 200
+    prompt = long_prompt("quiet-" + uuid.uuid4().hex[:6], blocks=4)
+    answer = http_post(gw.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+    assert answer.is_success
+
+    def known() -> bool:
+        matches = admin.post("/admin/lookup", json={"prompt": prompt}).json()["matches"]
+        return any(m["blocks"] == 4 for m in matches)
+
+    wait_for(known, what="the blocks of the request whose events were all dropped")
+    text = http_get(gw.url + "/metrics").text
+    assert metric(text, "quillcache_kv_event_gaps_total") == gaps
+    assert metric(text, "quillcache_kv_event_tail_replayed_batches_total") > found
+    assert metric(text, "quillcache_kv_event_tail_checks_total") >= 1
+
+
 def test_tenants_never_share_prefixes(shared_stack: Stack) -> None:
     gw = shared_stack.gateway
     assert gw is not None
