@@ -120,7 +120,6 @@ def test_shared_prefixes_go_to_the_worker_that_holds_them(shared_stack: Stack) -
         ("/v1/completions", b'{"max_tokens": 3}', 400),
         ("/v1/completions", b'{"prompt": "x", "max_tokens": -1}', 400),
         ("/v1/completions", b'{"prompt": "x", "stream": "yes"}', 400),
-        ("/v1/completions", b'{"prompt": "x", "model": "nope"}', 404),
         ("/v1/chat/completions", b'{"messages": []}', 400),
         ("/v1/chat/completions", b'{"messages": ["hi"]}', 400),
         ("/v1/chat/completions", b"\xff\xfe", 400),
@@ -350,6 +349,56 @@ def test_lora_requests_have_their_own_namespace(stack: Stack) -> None:
 
     wait_for(lambda: blocks("sql-lora") == 4, what="the adapter's blocks")
     assert blocks("sim-model") == 0  # the base model never matches the adapter's KV
+
+
+@pytest.mark.parametrize(
+    "router", ["round-robin", "quillcache", "tests.online.custom_router:HighestWorker"]
+)
+def test_requests_go_only_to_engines_serving_their_model(stack: Stack, router: str) -> None:
+    """Two engines serving different models (one with a LoRA adapter): each request goes
+    to an engine that lists its model, whatever the router (HighestWorker would always
+    pick worker 1); an unknown model is OpenAI's 404 `model_not_found`; when the only
+    engine of a model is down, 503, never the other model's engine."""
+    a = stack.engine(model="model-a", extra=["--lora-modules", "lora-a"])
+    b = stack.engine(model="model-b")
+    gw = stack.start_gateway({"router": router, "health_interval_s": 0.2})
+    oai = client(gw.url)
+    served = {"model-a": "0", "lora-a": "0", "model-b": "1"}
+    for i in range(4):
+        for model, worker in served.items():
+            prompt = long_prompt(f"{model}-{i}-{uuid.uuid4().hex[:6]}", blocks=2)
+            raw = oai.completions.with_raw_response.create(
+                model=model, prompt=prompt, max_tokens=1
+            )
+            assert raw.headers["x-quillcache-worker"] == worker, (model, router)
+            assert raw.parse().model == model
+    with oai.completions.with_streaming_response.create(
+        model="model-b", prompt="streamed", max_tokens=2, stream=True
+    ) as streamed:
+        assert streamed.headers["x-quillcache-worker"] == "1"
+        assert any(line.startswith("data: [DONE]") for line in streamed.iter_lines())
+    with pytest.raises(openai.NotFoundError) as missing:
+        oai.completions.create(model="model-c", prompt="x", max_tokens=1)
+    assert missing.value.code == "model_not_found"
+    body = missing.value.body
+    assert isinstance(body, dict) and body["param"] == "model" and "model-c" in body["message"]
+    chat = http_post(
+        gw.url + "/v1/chat/completions",
+        json={"model": "model-c", "messages": [{"role": "user", "content": "x"}]},
+    )
+    assert chat.status_code == 404 and chat.json()["error"]["code"] == "model_not_found"
+    # model-b's only engine goes unhealthy: its requests get 503, not model-a's engine
+    assert http_post(b.url + "/debug/health", json={"healthy": False}).status_code == 200
+    admin = stack.admin()
+    wait_for(
+        lambda: not admin.get("/admin/workers").json()["workers"][1]["healthy"],
+        what="worker 1 marked down",
+    )
+    down = http_post(gw.url + "/v1/completions", json={"model": "model-b", "prompt": "x"})
+    assert down.status_code == 503 and down.json()["error"]["message"]
+    ok = http_post(gw.url + "/v1/completions", json={"model": "model-a", "prompt": "x"})
+    assert ok.status_code == 200 and ok.headers["x-quillcache-worker"] == "0"
+    assert a.alive()
 
 
 def test_a_user_router_class_from_the_config(stack: Stack) -> None:
