@@ -105,9 +105,15 @@ class _EngineCollector:
             "Prefix-cache hits, in tokens.",
             "prefix_hits",
         )
-        yield family(
-            CounterMetricFamily, "vllm:request_success", "Finished requests.", "requests_total"
+        done = CounterMetricFamily(
+            "vllm:request_success",
+            "Finished requests, by finish reason (abort: the client went away).",
+            labels=[*labels, "finished_reason"],
         )
+        for r in ranks:
+            done.add_metric([r.config.model, str(r.dp_rank), "length"], float(r.finished_total))
+            done.add_metric([r.config.model, str(r.dp_rank), "abort"], float(r.aborted_total))
+        yield done
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the cache config.",
@@ -410,7 +416,9 @@ class EngineApp:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             gen = _sse(self, stream, rid, created, model, chat, include_usage, usage)
             return StreamingResponse(gen, media_type="text/event-stream")
-        ids = [t async for t in stream]
+        ids = await _collect_or_abort(request, stream)
+        if ids is None:  # the client left: the request is aborted, nobody to answer
+            return Response(status_code=499)
         text = self.tokenizer.decode(ids)
         if chat:
             choice: dict[str, Any] = {
@@ -488,6 +496,35 @@ async def _sse(
         yield b"data: [DONE]\n\n"
     finally:
         await stream.aclose()  # type: ignore[attr-defined]  # frees the engine slot at once
+
+
+async def _collect_or_abort(request: Request, stream: AsyncIterator[int]) -> list[int] | None:
+    """Every generated token, or None when the client disconnects first: then the
+    generator is closed, which aborts the request in the engine (as vLLM's API server
+    does for a non-streamed request, not only for a stream). One watcher task that
+    cancels this one, rather than racing two tasks per request."""
+    me = asyncio.current_task()
+    assert me is not None
+    client_left = False
+
+    async def watch() -> None:
+        nonlocal client_left
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        client_left = True
+        me.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return [t async for t in stream]
+    except asyncio.CancelledError:
+        if not client_left:
+            raise
+        me.uncancel()
+        return None
+    finally:
+        watcher.cancel()
+        await stream.aclose()  # type: ignore[attr-defined]
 
 
 async def _json(request: Request) -> dict[str, Any] | Response:

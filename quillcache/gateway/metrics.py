@@ -37,6 +37,11 @@ class GatewayMetrics:
             ["worker"],
             registry=r,
         )
+        self.client_disconnects = Counter(
+            "quillcache_client_disconnects",
+            "Requests whose client hung up before the answer ended (upstream dropped).",
+            registry=r,
+        )
         self.predicted_hit_tokens = Counter(
             "quillcache_predicted_hit_tokens",
             "Prompt tokens the router expected cached.",

@@ -113,6 +113,46 @@ class OpenAIEndpoints:
             raise ApiError(400, f"cannot tokenize the request: {exc}") from None
         except (ValueError, TypeError, QuillCacheError) as exc:  # e.g. HashingError
             raise ApiError(400, f"invalid prompt: {exc}") from None
+        # From here on a client that hangs up cancels this task: the upstream request is
+        # dropped whether the engine is still computing (no headers yet: a non-streamed
+        # answer only comes when complete) or its body is being read.
+        watch = proxy.DisconnectWatch(request)
+        try:
+            return await self._forward(
+                request,
+                path,
+                raw,
+                route_request,
+                prompt_tokens,
+                candidates,
+                watch,
+                (started, routing_started),
+            )
+        except asyncio.CancelledError:
+            if not watch.client_left:
+                raise  # cancelled for another reason: propagate
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            gw.cp.finish(route_request.request_id)  # idempotent
+            gw.metrics.client_disconnects.inc()
+            return Response(status_code=499)  # nobody reads it; counted by the caller
+        finally:
+            watch.stop()
+
+    async def _forward(
+        self,
+        request: Request,
+        path: str,
+        raw: bytes,
+        route_request: RouteRequest,
+        prompt_tokens: int,
+        candidates: frozenset[int] | None,
+        watch: proxy.DisconnectWatch,
+        times: tuple[float, float],
+    ) -> Response:
+        """Route, send upstream (once more elsewhere when the connect fails), answer.
+        `times`: when the handler started, and when routing (tokenize + hash) started."""
+        gw = self.gw
+        started, routing_started = times
         for attempt in range(2):
             worker = self._route(route_request, prompt_tokens, routing_started, candidates)
             gw.pre_upstream_samples.append(time.perf_counter() - started)
@@ -136,7 +176,7 @@ class OpenAIEndpoints:
                 raise ApiError(
                     502, f"engine {worker.url} failed: {type(exc).__name__}", "APIError"
                 ) from None
-            return await self._respond(request, path, resp, worker, route_request, started)
+            return await self._respond(request, path, resp, worker, route_request, started, watch)
         raise AssertionError("unreachable")
 
     def _route(
@@ -182,11 +222,13 @@ class OpenAIEndpoints:
         worker: Worker,
         route_request: RouteRequest,
         started: float,
+        watch: proxy.DisconnectWatch,
     ) -> Response:
         gw, rid = self.gw, route_request.request_id
         extra = {"x-quillcache-worker": str(worker.id)}
         streaming = "text/event-stream" in resp.headers.get("content-type", "")
         if streaming and resp.status == 200:
+            watch.stop()  # the relay watches the client from here on
 
             def first_byte() -> None:
                 gw.metrics.first_byte(path, time.perf_counter() - started)
@@ -197,6 +239,8 @@ class OpenAIEndpoints:
                 gw.ingestor.expect_events(worker.id)
                 if isinstance(failure, UPSTREAM_ERRORS):
                     gw.pool.mark_down(worker.id, f"broke mid-stream: {type(failure).__name__}")
+                elif failure is not None:  # cancelled or closed: the client went away
+                    gw.metrics.client_disconnects.inc()
                 gw.metrics.completed(path, time.perf_counter() - started)
 
             stream = proxy.relay_stream(
@@ -208,15 +252,17 @@ class OpenAIEndpoints:
             )
             return proxy.streaming_response(resp, stream, extra)
         try:
-            content = await proxy.read_or_cancel(request, resp)
+            content = await resp.read()  # `watch` cancels it if the client leaves
         except UPSTREAM_ERRORS as exc:
             gw.pool.mark_down(worker.id, f"broke mid-response: {type(exc).__name__}")
             raise ApiError(502, f"engine failed mid-response: {exc}", "APIError") from None
+        except asyncio.CancelledError:
+            resp.close()  # dropping the connection is how the engine learns
+            raise
         finally:
+            resp.release()
             gw.cp.finish(rid)
             gw.ingestor.expect_events(worker.id)  # even if every event of it is lost
-        if content is None:  # the client left: upstream closed, nothing to send
-            return Response(status_code=499)
         elapsed = time.perf_counter() - started
         gw.metrics.first_byte(path, elapsed)
         gw.metrics.completed(path, elapsed)

@@ -79,33 +79,29 @@ async def until_disconnect(request: Request) -> None:
             return
 
 
-async def read_or_cancel(request: Request, resp: aiohttp.ClientResponse) -> bytes | None:
-    """The whole upstream body, or None (upstream closed) if the client left first.
+class DisconnectWatch:
+    """Cancels the task that creates it when the client disconnects (its body must have
+    been read). One watcher task per request covers both the wait for the engine's
+    headers (a non-streamed answer has none until it is complete) and the read of a
+    non-streamed body; a streamed body is watched by `RelayResponse`. The owner catches
+    the CancelledError, checks `client_left`, and always calls `stop()`."""
 
-    One watcher task per request (it cancels the read when the client disconnects)
-    instead of racing two tasks: this runs for every non-streaming request."""
-    reader = asyncio.current_task()
-    assert reader is not None
-    client_left = False
+    __slots__ = ("_task", "_watcher", "client_left")
 
-    async def watch() -> None:
-        nonlocal client_left
+    def __init__(self, request: Request) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self.client_left = False
+        self._watcher = asyncio.ensure_future(self._watch(request))
+
+    async def _watch(self, request: Request) -> None:
         await until_disconnect(request)
-        client_left = True
-        reader.cancel()
+        self.client_left = True
+        self._task.cancel()
 
-    watcher = asyncio.ensure_future(watch())
-    try:
-        return await resp.read()
-    except asyncio.CancelledError:
-        if not client_left:
-            raise  # cancelled for another reason: propagate
-        reader.uncancel()
-        resp.close()
-        return None
-    finally:
-        watcher.cancel()
-        resp.release()
+    def stop(self) -> None:
+        self._watcher.cancel()
 
 
 def passthrough_response(

@@ -367,9 +367,7 @@ def test_requests_go_only_to_engines_serving_their_model(stack: Stack, router: s
     for i in range(4):
         for model, worker in served.items():
             prompt = long_prompt(f"{model}-{i}-{uuid.uuid4().hex[:6]}", blocks=2)
-            raw = oai.completions.with_raw_response.create(
-                model=model, prompt=prompt, max_tokens=1
-            )
+            raw = oai.completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=1)
             assert raw.headers["x-quillcache-worker"] == worker, (model, router)
             assert raw.parse().model == model
     with oai.completions.with_streaming_response.create(
