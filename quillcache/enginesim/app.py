@@ -3,6 +3,7 @@
 Only what a gateway relies on (docs/kv-events.md): completions and chat (streaming
 and not), /tokenize, /v1/models, /health, /metrics with vLLM's metric names,
 /kv_event_sources and /reset_prefix_cache; plus /debug/* fault injection for tests.
+`flavor="sglang"` swaps the vLLM-only parts for SGLang's (`sglang.py`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from quillcache import __version__
 from quillcache.enginesim.engine import Admission, EngineConfig, EngineRequestError, SimEngine
 from quillcache.enginesim.publisher import KvEventPublisher
+from quillcache.enginesim.sglang import SglangCollector, server_info
 from quillcache.enginesim.tokenizer import ByteTokenizer, Tokenizer
 from quillcache.events.encode import BlockRemoved, BlockStored, encode_batch
+
+FLAVORS = ("vllm", "sglang")  # whose HTTP surface the simulator serves
 
 
 def error_response(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
@@ -139,7 +144,11 @@ class EngineApp:
         tokenizer: Tokenizer | None = None,
         publisher: KvEventPublisher | list[KvEventPublisher] | None = None,
         data_parallel_size: int = 1,
+        flavor: str = "vllm",
     ) -> None:
+        if flavor not in FLAVORS:
+            raise ValueError(f"unknown flavor {flavor!r}; known: {', '.join(FLAVORS)}")
+        self.flavor = flavor
         self.config = config
         self.tokenizer = tokenizer or ByteTokenizer()
         if isinstance(publisher, list):
@@ -158,7 +167,8 @@ class EngineApp:
         self._flooding = False
         self._flood_task: asyncio.Task[None] | None = None
         self._registry = CollectorRegistry(auto_describe=True)
-        self._registry.register(_EngineCollector(self.ranks))  # type: ignore[arg-type]
+        collector = SglangCollector(self.ranks) if flavor == "sglang" else None
+        self._registry.register(collector or _EngineCollector(self.ranks))  # type: ignore[arg-type]
         self.models = [config.model, *config.lora_modules]
 
     def _publisher_of(self, rank: int) -> Callable[[bytes], None]:
@@ -234,6 +244,10 @@ class EngineApp:
             if p is not None
         ]
         return JSONResponse({"block_size": self.config.block_size, "sources": sources})
+
+    async def server_info(self, request: Request) -> Response:
+        """SGLang's server arguments (`--flavor sglang`), KV-event config included."""
+        return JSONResponse(server_info(self.config, self.publishers, __version__))
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         if not all([r.reset_prefix_cache() for r in self.ranks]):
@@ -446,7 +460,6 @@ class EngineApp:
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models_list, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
-            Route("/kv_event_sources", self.kv_event_sources, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -455,6 +468,11 @@ class EngineApp:
             Route("/debug/health", self.debug_health, methods=["POST"]),
             Route("/debug/flood", self.debug_flood, methods=["GET", "POST", "DELETE"]),
         ]
+        if self.flavor == "sglang":  # where the KV events are: the server arguments
+            routes.append(Route("/server_info", self.server_info, methods=["GET"]))
+            routes.append(Route("/get_server_info", self.server_info, methods=["GET"]))
+        else:
+            routes.append(Route("/kv_event_sources", self.kv_event_sources, methods=["GET"]))
         return Starlette(routes=routes)
 
 

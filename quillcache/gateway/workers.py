@@ -137,6 +137,28 @@ def sources_from_server_info(info: dict[str, Any], host: str) -> list[ZmqSourceC
     return out
 
 
+async def sglang_server_info(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
+    """SGLang's server arguments: `GET /server_info` (current), else `/get_server_info`
+    (older releases). A prefill/decode deployment nests them per role: take the first
+    entry of a role that has `kv_events_config`."""
+    for path in ("/server_info", "/get_server_info"):
+        info = await _get_json(client, url + path)
+        if info is not None:
+            return server_args_of(info)
+    return {}
+
+
+def server_args_of(info: dict[str, Any]) -> dict[str, Any]:
+    """The server arguments in an SGLang server-info answer, flat or nested per role."""
+    if "kv_events_config" in info:
+        return info
+    for role in ("decode", "prefill"):
+        nested = info.get(role)
+        if isinstance(nested, list) and nested and isinstance(nested[0], dict):
+            return nested[0]
+    return info
+
+
 class DiscoveryError(ConfigError):
     """An engine could not be reached or described itself in a way we cannot use."""
 
@@ -195,9 +217,10 @@ class WorkerPool:
                 w.block_size = info.get("block_size") or w.block_size
                 w.sources = sources_from_kv_event_sources(info, host)
             else:  # SGLang: its server args, kv_events_config included
-                info = await _get_json(client, f"{cfg.url}/get_server_info")
-                w.sources = sources_from_server_info(info or {}, host)
-                w.block_size = w.block_size or (info or {}).get("page_size")
+                info = await sglang_server_info(client, cfg.url)
+                w.sources = sources_from_server_info(info, host)
+                page_size = info.get("page_size")
+                w.block_size = w.block_size or (page_size if isinstance(page_size, int) else None)
             if not w.sources:
                 log.warning(
                     "engine %s: no KV event source found; routing without its cache", cfg.url
