@@ -152,7 +152,7 @@ def server_args_of(info: dict[str, Any]) -> dict[str, Any]:
     """The server arguments in an SGLang server-info answer, flat or nested per role."""
     if "kv_events_config" in info:
         return info
-    for role in ("decode", "prefill"):
+    for role in ("prefill", "decode"):  # prefix reuse happens where prompts are computed
         nested = info.get(role)
         if isinstance(nested, list) and nested and isinstance(nested[0], dict):
             return nested[0]

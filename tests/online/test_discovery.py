@@ -68,7 +68,7 @@ def test_sglang_server_info() -> None:
     assert sources_from_server_info({}, "h") == []
     # a prefill/decode deployment nests the server arguments per role
     args = {"kv_events_config": json.dumps(cfg), "page_size": 32}
-    assert server_args_of({"prefill": [{"page_size": 1}], "decode": [args]}) == args
+    assert server_args_of({"decode": [{"page_size": 1}], "prefill": [args]}) == args
     assert server_args_of(args) is args and server_args_of({"x": 1}) == {"x": 1}
 
 
