@@ -138,6 +138,63 @@ def test_malformed_requests_get_a_4xx_json_error(
     assert error["message"] and error["code"] == status
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_upstream_errors_pass_through_unchanged(
+    shared_stack: Stack, path: str, stream: bool
+) -> None:
+    """A request the gateway lets through but the engine refuses (longer than its
+    context): the engine's status and error body reach the client byte for byte."""
+    gw = shared_stack.gateway
+    assert gw is not None
+    body: dict[str, object] = {"max_tokens": 9000, "stream": stream}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "too long an answer"}]
+    else:
+        body["prompt"] = "too long an answer"
+    via_gateway = http_post(gw.url + path, json=body)
+    direct = http_post(shared_stack.engines[0].url + path, json=body)
+    assert via_gateway.status_code == direct.status_code == 400
+    assert via_gateway.content == direct.content
+    assert "maximum context length" in via_gateway.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client(gw.url).completions.create(
+            model="sim-model", prompt="too long an answer", max_tokens=9000
+        )
+
+
+def test_metrics_cover_what_the_issue_lists(shared_stack: Stack) -> None:
+    """Requests, route decisions by router and reason, predicted vs actual hits, events
+    applied, gaps, replays, stale sources, index size, per-worker load, latency
+    histograms: every family is on /metrics (after some traffic)."""
+    gw = shared_stack.gateway
+    assert gw is not None
+    ok = http_post(gw.url + "/v1/completions", json={"prompt": long_prompt("m"), "max_tokens": 1})
+    assert ok.status_code == 200
+    text = http_get(gw.url + "/metrics").text
+    for family in [
+        'quillcache_requests_total{endpoint="/v1/completions",status="200"}',
+        "quillcache_route_decisions_total{reason=",
+        "quillcache_predicted_hit_tokens_total ",
+        "quillcache_actual_hit_tokens_total ",
+        "quillcache_kv_event_batches_applied_total ",
+        "quillcache_kv_event_gaps_total ",
+        "quillcache_kv_event_replays_total ",
+        "quillcache_kv_event_tail_checks_total ",
+        "quillcache_kv_stale_sources ",
+        "quillcache_index_blocks ",
+        'quillcache_worker_in_flight{worker="1"}',
+        'quillcache_worker_engine_running{worker="0"}',
+        'quillcache_worker_kv_usage{worker="1"}',
+        "quillcache_request_seconds_bucket{",
+        "quillcache_time_to_first_byte_seconds_bucket{",
+        "quillcache_route_seconds_bucket{",
+    ]:
+        assert family in text, family
+    assert metric(text, "quillcache_kv_event_batches_applied_total") > 0
+    assert metric(text, "quillcache_index_blocks") > 0
+
+
 def test_admin_needs_the_token(shared_stack: Stack) -> None:
     gw = shared_stack.gateway
     assert gw is not None
