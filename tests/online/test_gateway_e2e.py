@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 import uuid
 
@@ -12,8 +13,9 @@ import openai
 import pytest
 
 from quillcache.enginesim.tokenizer import ByteTokenizer
-from tests.online.conftest import Stack, metric
-from tests.online.helpers import http_get, http_post, wait_for
+from quillcache.up import gateway_args, launch
+from tests.online.conftest import ADMIN, Stack, metric
+from tests.online.helpers import free_port, http_get, http_post, wait_for
 
 
 def long_prompt(tag: str, blocks: int = 12) -> str:
@@ -387,6 +389,80 @@ def test_data_parallel_engine_ranks_are_subscribed_and_targeted(stack: Stack) ->
     assert 'vllm:num_requests_running{engine="1"' in text
 
 
+def _free_port_pair() -> int:
+    """A port p with p + 1 free as well (rank r listens on the base port + r)."""
+    for _ in range(50):
+        base = free_port()
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", base))
+                b.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+            return base
+    raise AssertionError("no two consecutive free ports")
+
+
+def test_configured_endpoints_the_gateway_binds_and_all_blocks_cleared(stack: Stack) -> None:
+    """Endpoints from the config instead of discovery, vLLM's loopback rule (the engine's
+    PUB connects, the gateway binds), two DP ranks on base port + rank, replay on the
+    replay base port + rank; then an AllBlocksCleared (/reset_prefix_cache) empties
+    what the index holds for the engine."""
+    pub, replay = _free_port_pair(), _free_port_pair()
+    kv = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{pub}",  # no `*`: the engine connects
+        "replay_endpoint": f"tcp://*:{replay}",
+    }
+    engine = stack.engine(extra=["--data-parallel-size", "2", "--kv-events-config", json.dumps(kv)])
+    worker = {
+        "url": engine.url,
+        "kv_endpoint": f"tcp://127.0.0.1:{pub}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+        "kv_bind": True,
+        "dp_ranks": 2,
+    }
+    config = stack.workdir / "configured.json"
+    config.write_text(
+        json.dumps({"admin_token": ADMIN, "tokenizer": "builtin", "workers": [worker]})
+    )
+    gw = launch(
+        "gateway-configured", gateway_args([], extra=["--config", str(config)]), stack.workdir
+    )
+    stack.procs.append(gw)
+    stack.gateway = gw
+    admin = stack.admin()
+    (described,) = admin.get("/admin/workers").json()["workers"]
+    assert [(s["endpoint"], s["bind"]) for s in described["kv_sources"]] == [
+        (f"tcp://127.0.0.1:{pub}", True),
+        (f"tcp://127.0.0.1:{pub + 1}", True),
+    ]
+    prompts = [long_prompt(f"cfg-{i}-{uuid.uuid4().hex[:6]}", blocks=4) for i in range(6)]
+    for i, p in enumerate(prompts):  # one per rank, alternately
+        r = http_post(
+            engine.url + "/v1/completions",
+            json={"prompt": p, "max_tokens": 1},
+            headers={"x-data-parallel-rank": str(i % 2)},
+        )
+        assert r.status_code == 200
+
+    def ranks_of(p: str) -> set[int]:
+        matches = admin.post("/admin/lookup", json={"prompt": p}).json()["matches"]
+        return {m["dp_rank"] for m in matches if m["blocks"] == 4}
+
+    wait_for(
+        lambda: [ranks_of(p) for p in prompts] == [{i % 2} for i in range(6)],
+        what="both ranks' events through the sockets the gateway bound",
+    )
+    assert http_post(engine.url + "/reset_prefix_cache").status_code == 200
+    wait_for(
+        lambda: all(not ranks_of(p) for p in prompts), what="AllBlocksCleared to empty the index"
+    )
+    text = http_get(gw.url + "/metrics").text
+    assert metric(text, "quillcache_kv_stale_sources") == 0
+
+
 def test_lora_requests_have_their_own_namespace(stack: Stack) -> None:
     stack.engine(extra=["--lora-modules", "sql-lora"])
     gw = stack.start_gateway()
@@ -421,6 +497,8 @@ def test_requests_go_only_to_engines_serving_their_model(stack: Stack, router: s
     gw = stack.start_gateway({"router": router, "health_interval_s": 0.2})
     oai = client(gw.url)
     served = {"model-a": "0", "lora-a": "0", "model-b": "1"}
+    listed = {m.id: m.parent for m in oai.models.list().data}  # the union of the engines'
+    assert listed == {"model-a": None, "lora-a": "model-a", "model-b": None}
     for i in range(4):
         for model, worker in served.items():
             prompt = long_prompt(f"{model}-{i}-{uuid.uuid4().hex[:6]}", blocks=2)
