@@ -531,7 +531,10 @@ def test_requests_go_only_to_engines_serving_their_model(stack: Stack, router: s
     assert down.status_code == 503 and down.json()["error"]["message"]
     ok = http_post(gw.url + "/v1/completions", json={"model": "model-a", "prompt": "x"})
     assert ok.status_code == 200 and ok.headers["x-quillcache-worker"] == "0"
-    assert a.alive()
+    health = http_get(gw.url + "/health")
+    assert health.status_code == 200 and health.json()["routable_workers"] == [0]
+    assert http_post(a.url + "/debug/health", json={"healthy": False}).status_code == 200
+    wait_for(lambda: http_get(gw.url + "/health").status_code == 503, what="no routable worker")
 
 
 def test_a_user_router_class_from_the_config(stack: Stack) -> None:
