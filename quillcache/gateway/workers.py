@@ -179,7 +179,7 @@ class WorkerPool:
         self.workers: dict[int, Worker] = {}
         self._next_id = 0
         self._models: dict[str, str] | None = None  # cache of models(), reset on changes
-        self._serving: dict[str, frozenset[int]] = {}  # cache of serving(), reset with it
+        self._serving: dict[str, frozenset[int] | None] = {}  # cache of serving()
         # last engine seq per (worker, dp_rank) kept by a persistent index: resume there
         self.resume_seqs: dict[tuple[int, int], int] = {}
         self.failures_to_down = 2  # consecutive failed health checks before "down"
@@ -332,13 +332,20 @@ class WorkerPool:
 
     def serving(self, model: str | None) -> frozenset[int] | None:
         """The workers whose /v1/models list `model` (a base model or a LoRA adapter),
-        healthy or not; None when any worker will do (no model named, or no workers)."""
+        healthy or not; None when any worker will do (no model named, no workers, or
+        every worker serves it: the common case costs the router nothing)."""
         if not model or not self.workers:
             return None
-        found = self._serving.get(model)
-        if found is None:
-            found = frozenset(w.id for w in self.workers.values() if model in w.models)
-            self._serving[model] = found
+        try:
+            return self._serving[model]
+        except KeyError:
+            pass
+        found: frozenset[int] | None = frozenset(
+            w.id for w in self.workers.values() if model in w.models
+        )
+        if found is not None and len(found) == len(self.workers):
+            found = None
+        self._serving[model] = found
         return found
 
     def any_routable(self, only: frozenset[int] | None = None) -> Worker | None:
