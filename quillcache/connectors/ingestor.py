@@ -66,8 +66,11 @@ class SourceStatus:
     restarts: int = 0
     decode_errors: int = 0
     needs_sync: bool = False  # batches were dropped: replay the tail once the queue drains
-    # traffic since the last tail check: ask the replay socket once the source is quiet
-    tail_pending: bool = False
+    # traffic since the last tail check (seen != checked): ask the replay socket once the
+    # source is quiet. Counters, not a flag: traffic noted by another thread while the
+    # applier checks is never lost to the applier's reset.
+    traffic_seen: int = 0
+    traffic_checked: int = 0
     last_traffic_s: float = 0.0  # time.monotonic() of the last batch, drop or expectation
     tail_checks: int = 0  # replays asked for because the source went quiet
     tail_replayed_batches: int = 0  # batches that such a check found missing
@@ -76,6 +79,16 @@ class SourceStatus:
     @property
     def last_seq(self) -> int:
         return self.tracker.last
+
+    @property
+    def tail_pending(self) -> bool:
+        return self.traffic_seen != self.traffic_checked
+
+    def note_traffic(self) -> None:
+        """Any thread. The time first, then the count: a checker that reads the count
+        first and the time second never takes new traffic for an old quiet period."""
+        self.last_traffic_s = time.monotonic()
+        self.traffic_seen += 1
 
     def as_dict(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -205,17 +218,14 @@ class EventIngestor:
     def expect_events(self, worker: int) -> None:
         """The gateway sent `worker` a request: its events should follow. If none arrive
         (all lost), the quiet-tail check still asks its replay socket."""
-        now = time.monotonic()
         for status in list(self.sources.values()):
             if status.worker == worker:
-                status.last_traffic_s = now
-                status.tail_pending = True
+                status.note_traffic()
 
     def _deliver(self, key: SourceKey, seq: int, payload: bytes) -> None:
         status = self.sources.get(key) or self._status(key)
         status.received += 1
-        status.last_traffic_s = time.monotonic()
-        status.tail_pending = True
+        status.note_traffic()
         with self._bytes_lock:
             room = self._queued_bytes + len(payload) <= self.queue_bytes
             if room:
@@ -296,13 +306,17 @@ class EventIngestor:
         if self.quiet_tail_s <= 0:
             return False
         now = time.monotonic()
-        due = [
-            s
-            for s in list(self.sources.values())
-            if s.tail_pending and s.replay_endpoint and now - s.last_traffic_s >= self.quiet_tail_s
-        ]
-        for status in due:
-            status.tail_pending = False
+        due: list[tuple[SourceStatus, int]] = []
+        for s in list(self.sources.values()):
+            seen = s.traffic_seen  # read before last_traffic_s: see note_traffic
+            if (
+                seen != s.traffic_checked
+                and s.replay_endpoint
+                and now - s.last_traffic_s >= self.quiet_tail_s
+            ):
+                due.append((s, seen))
+        for status, seen in due:
+            status.traffic_checked = seen  # traffic noted since then re-arms it
             if self.sources.get((status.worker, status.dp_rank)) is not status:
                 continue  # removed meanwhile
             status.tail_checks += 1
