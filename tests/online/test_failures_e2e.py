@@ -77,6 +77,22 @@ def test_failed_connect_is_retried_on_another_worker(stack: Stack) -> None:
     assert metric(text, "quillcache_worker_healthy") == 1
 
 
+def test_a_failed_connect_is_retried_on_another_engine_serving_the_model(stack: Stack) -> None:
+    """Engines 0 and 2 serve model-b, engine 1 model-a; engine 0 dies unnoticed: the
+    request that meets it is retried on engine 2, never on the other model's engine."""
+    stack.engine(model="model-b")
+    stack.engine(model="model-a")
+    stack.engine(model="model-b")
+    gw = stack.start_gateway({"router": "round-robin", "health_interval_s": 60})
+    stack.engines[0].kill()
+    for i in range(4):
+        body = {"model": "model-b", "prompt": f"retry {i}", "max_tokens": 1}
+        r = http_post(gw.url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-quillcache-worker"] == "2"
+    assert metric(http_get(gw.url + "/metrics").text, "quillcache_upstream_retries_total") == 1
+
+
 def test_engine_restart_resets_its_sequence_and_cache(stack: Stack) -> None:
     http_port, kv_port, replay_port = free_port(), free_port(), free_port()
     kv = {
