@@ -1,4 +1,4 @@
-"""Reading an engine's Prometheus `/metrics` (vLLM's metric names) into load numbers."""
+"""Reading an engine's Prometheus `/metrics` (vLLM's or SGLang's names) into load numbers."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ def parse_engine_metrics(text: str) -> EngineLoad:
         "vllm:gpu_cache_usage_perc": "kv_usage",  # before vLLM 0.10
         "vllm:prefix_cache_queries": "prefix_queries",
         "vllm:prefix_cache_hits": "prefix_hits",
+        # SGLang (served with --enable-metrics)
+        "sglang:num_running_reqs": "running",
+        "sglang:num_queue_reqs": "waiting",
+        "sglang:token_usage": "kv_usage",
     }
     for family in text_string_to_metric_families(text):
         if family.name == "vllm:cache_config_info":

@@ -6,6 +6,13 @@ each source's sequence, replays gaps from the engine's ROUTER socket, and calls
 with the GIL released). Nothing here runs on the request path, and when the queue is
 full new batches are dropped and counted: the gap they leave is replayed later, so a
 flood costs bounded memory and some replay work, never an unbounded backlog.
+
+A gap is normally revealed by the next seq. When the last batches a source sent are
+lost (its PUB or our SUB over the high-water mark, the full queue, a subscription
+still propagating) and the engine then goes quiet, nothing reveals it: so once a
+source has been quiet for `quiet_tail_s` after any traffic (a batch, a drop, or a
+request the gateway sent it: `expect_events`), the applier asks its replay socket
+for everything after the last applied seq, once. An empty answer means up to date.
 """
 
 from __future__ import annotations
@@ -59,11 +66,29 @@ class SourceStatus:
     restarts: int = 0
     decode_errors: int = 0
     needs_sync: bool = False  # batches were dropped: replay the tail once the queue drains
+    # traffic since the last tail check (seen != checked): ask the replay socket once the
+    # source is quiet. Counters, not a flag: traffic noted by another thread while the
+    # applier checks is never lost to the applier's reset.
+    traffic_seen: int = 0
+    traffic_checked: int = 0
+    last_traffic_s: float = 0.0  # time.monotonic() of the last batch, drop or expectation
+    tail_checks: int = 0  # replays asked for because the source went quiet
+    tail_replayed_batches: int = 0  # batches that such a check found missing
     apply: ApplyStats = field(default_factory=ApplyStats)
 
     @property
     def last_seq(self) -> int:
         return self.tracker.last
+
+    @property
+    def tail_pending(self) -> bool:
+        return self.traffic_seen != self.traffic_checked
+
+    def note_traffic(self) -> None:
+        """Any thread. The time first, then the count: a checker that reads the count
+        first and the time second never takes new traffic for an old quiet period."""
+        self.last_traffic_s = time.monotonic()
+        self.traffic_seen += 1
 
     def as_dict(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -90,6 +115,8 @@ class IngestorStats:
     stale_sources: int = 0
     restarts: int = 0
     decode_errors: int = 0
+    tail_checks: int = 0
+    tail_replayed_batches: int = 0
     queue_depth: int = 0
     queue_bytes: int = 0
 
@@ -117,6 +144,7 @@ class EventIngestor:
         drain_batch: int = 512,
         replay_timeout_s: float = 2.0,
         stale_rebuild_s: float = 30.0,
+        quiet_tail_s: float = 1.0,
         apply_bytes: int = 32 * 1024,
         queue_bytes: int = 256 << 20,
         ctx: zmq.Context | None = None,
@@ -132,6 +160,7 @@ class EventIngestor:
         self.ctx = ctx or zmq.Context.instance()
         self.replay_timeout_s = replay_timeout_s
         self.stale_rebuild_s = stale_rebuild_s
+        self.quiet_tail_s = quiet_tail_s  # 0: no tail checks
         self.drain_batch = drain_batch
         self._queue: queue.Queue[tuple[SourceKey, int, bytes]] = queue.Queue(queue_size)
         self.sources: dict[SourceKey, SourceStatus] = {}
@@ -186,9 +215,17 @@ class EventIngestor:
 
     # -- receiving (any thread) ----------------------------------------------------------
 
+    def expect_events(self, worker: int) -> None:
+        """The gateway sent `worker` a request: its events should follow. If none arrive
+        (all lost), the quiet-tail check still asks its replay socket."""
+        for status in list(self.sources.values()):
+            if status.worker == worker:
+                status.note_traffic()
+
     def _deliver(self, key: SourceKey, seq: int, payload: bytes) -> None:
         status = self.sources.get(key) or self._status(key)
         status.received += 1
+        status.note_traffic()
         with self._bytes_lock:
             room = self._queued_bytes + len(payload) <= self.queue_bytes
             if room:
@@ -223,7 +260,9 @@ class EventIngestor:
             try:
                 first = self._queue.get(timeout=0.05)
             except queue.Empty:
-                if not self._sync_dropped_tails():
+                busy = self._sync_dropped_tails()
+                busy = self._check_quiet_tails() or busy
+                if not busy:
                     self._idle.set()
                 self._expire_stale()
                 continue
@@ -243,6 +282,7 @@ class EventIngestor:
                     run_key, run = key, []
                 run.append((seq, payload))
             self._process(run_key, run)
+            self._check_quiet_tails()  # a quiet source next to a busy one
             self._expire_stale()
 
     def _sync_dropped_tails(self) -> bool:
@@ -257,6 +297,44 @@ class EventIngestor:
             except Exception:
                 log.exception("kv events: tail replay of worker %d failed", status.worker)
         return bool(todo)
+
+    def _check_quiet_tails(self) -> bool:
+        """Replay after the last applied seq of every source quiet for `quiet_tail_s` since
+        its last traffic. At most one check per source per quiet period: the next needs
+        new traffic (a replayed batch is not traffic), so an idle gateway never polls.
+        Returns whether there was anything to do."""
+        if self.quiet_tail_s <= 0:
+            return False
+        now = time.monotonic()
+        due: list[tuple[SourceStatus, int]] = []
+        for s in list(self.sources.values()):
+            seen = s.traffic_seen  # read before last_traffic_s: see note_traffic
+            if (
+                seen != s.traffic_checked
+                and s.replay_endpoint
+                and now - s.last_traffic_s >= self.quiet_tail_s
+            ):
+                due.append((s, seen))
+        for status, seen in due:
+            status.traffic_checked = seen  # traffic noted since then re-arms it
+            if self.sources.get((status.worker, status.dp_rank)) is not status:
+                continue  # removed meanwhile
+            status.tail_checks += 1
+            before = status.replayed_batches
+            try:
+                self._replay(status, status.tracker.last + 1, trigger=None)
+            except Exception:
+                log.exception("kv events: tail check of worker %d failed", status.worker)
+            found = status.replayed_batches - before
+            if found:
+                status.tail_replayed_batches += found
+                log.info(
+                    "kv events: worker %d rank %d was quiet with %d batches missing; replayed",
+                    status.worker,
+                    status.dp_rank,
+                    found,
+                )
+        return bool(due)
 
     def _process(self, key: SourceKey, items: list[tuple[int, bytes]]) -> None:
         try:
@@ -439,6 +517,8 @@ class EventIngestor:
             out.stale_sources += s.stale
             out.restarts += s.restarts
             out.decode_errors += s.decode_errors
+            out.tail_checks += s.tail_checks
+            out.tail_replayed_batches += s.tail_replayed_batches
         return out
 
     def close(self) -> None:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
-from quillcache.controlplane.plane import ControlPlane, UnknownWorkerError, WorkerState
+from quillcache.controlplane.plane import (
+    ControlPlane,
+    RouterContractError,
+    UnknownWorkerError,
+    WorkerState,
+)
 
-__all__ = ["ControlPlane", "UnknownWorkerError", "WorkerState"]
+__all__ = ["ControlPlane", "RouterContractError", "UnknownWorkerError", "WorkerState"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,10 @@ from quillcache.errors import ConfigError, QuillCacheError
 from quillcache.index import ApplyStats, IndexBackend, create_backend
 from quillcache.routing import Decision, Request, Router, View, WorkerView, create_router
 from quillcache.routing.types import tier_of
+
+
+class RouterContractError(QuillCacheError):
+    """A router returned a worker that was not in the view it was given."""
 
 
 class UnknownWorkerError(QuillCacheError, KeyError):
@@ -209,8 +214,12 @@ class ControlPlane:
 
     # --- routing ------------------------------------------------------------------
 
-    def view(self, request: Request, now_s: float = 0.0) -> View:
-        """What the router sees: routable workers, their load and their match."""
+    def view(
+        self, request: Request, now_s: float = 0.0, only: AbstractSet[int] | None = None
+    ) -> View:
+        """What the router sees: routable workers, their load and their match. `only`
+        restricts the candidates (e.g. the workers serving the request's model); None:
+        every routable worker."""
         keys = request.content_keys
         per_worker: dict[int, dict[str, int]] = {}
         if len(keys):
@@ -234,6 +243,8 @@ class ControlPlane:
             routable = self._routable = [
                 self._workers[w] for w in sorted(self._workers) if not self._workers[w].draining
             ]
+        if only is not None:
+            routable = [s for s in routable if s.worker in only]
         for s in routable:
             wid = s.worker
             media = per_worker.get(wid)
@@ -285,14 +296,23 @@ class ControlPlane:
             order_only=self.order_only,
         )
 
-    def route(self, request: Request, now_s: float = 0.0) -> Decision:
-        """Route one request: build its view, ask the router, record the decision."""
-        decision = self.router.route(request, self.view(request, now_s))
+    def route(
+        self, request: Request, now_s: float = 0.0, only: AbstractSet[int] | None = None
+    ) -> Decision:
+        """Route one request: build its view (restricted to `only`, see `view`), ask the
+        router, record the decision. An empty candidate set is a rejection, whatever the
+        router; a router choosing outside the view is a `RouterContractError`."""
+        view = self.view(request, now_s, only)
+        if only is not None and not view.workers:
+            return Decision.reject("no routable worker among the candidates")
+        decision = self.router.route(request, view)
         if decision.worker is not None:
-            if decision.worker not in self._workers:
-                raise QuillCacheError(
-                    f"router {self.router.name!r} chose worker {decision.worker}, "
-                    "which is not routable"
+            if decision.worker not in self._workers or (
+                only is not None and decision.worker not in only
+            ):
+                raise RouterContractError(
+                    f"router {self.router.name or type(self.router).__name__!r} chose worker "
+                    f"{decision.worker}, which is not among the candidates it was shown"
                 )
             self._track(request, decision, now_s)
         return decision

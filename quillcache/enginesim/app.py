@@ -3,6 +3,7 @@
 Only what a gateway relies on (docs/kv-events.md): completions and chat (streaming
 and not), /tokenize, /v1/models, /health, /metrics with vLLM's metric names,
 /kv_event_sources and /reset_prefix_cache; plus /debug/* fault injection for tests.
+`flavor="sglang"` swaps the vLLM-only parts for SGLang's (`sglang.py`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from quillcache import __version__
 from quillcache.enginesim.engine import Admission, EngineConfig, EngineRequestError, SimEngine
 from quillcache.enginesim.publisher import KvEventPublisher
+from quillcache.enginesim.sglang import SglangCollector, server_info
 from quillcache.enginesim.tokenizer import ByteTokenizer, Tokenizer
 from quillcache.events.encode import BlockRemoved, BlockStored, encode_batch
+
+FLAVORS = ("vllm", "sglang")  # whose HTTP surface the simulator serves
 
 
 def error_response(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
@@ -105,9 +110,15 @@ class _EngineCollector:
             "Prefix-cache hits, in tokens.",
             "prefix_hits",
         )
-        yield family(
-            CounterMetricFamily, "vllm:request_success", "Finished requests.", "requests_total"
+        done = CounterMetricFamily(
+            "vllm:request_success",
+            "Finished requests, by finish reason (abort: the client went away).",
+            labels=[*labels, "finished_reason"],
         )
+        for r in ranks:
+            done.add_metric([r.config.model, str(r.dp_rank), "length"], float(r.finished_total))
+            done.add_metric([r.config.model, str(r.dp_rank), "abort"], float(r.aborted_total))
+        yield done
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the cache config.",
@@ -133,7 +144,11 @@ class EngineApp:
         tokenizer: Tokenizer | None = None,
         publisher: KvEventPublisher | list[KvEventPublisher] | None = None,
         data_parallel_size: int = 1,
+        flavor: str = "vllm",
     ) -> None:
+        if flavor not in FLAVORS:
+            raise ValueError(f"unknown flavor {flavor!r}; known: {', '.join(FLAVORS)}")
+        self.flavor = flavor
         self.config = config
         self.tokenizer = tokenizer or ByteTokenizer()
         if isinstance(publisher, list):
@@ -152,7 +167,8 @@ class EngineApp:
         self._flooding = False
         self._flood_task: asyncio.Task[None] | None = None
         self._registry = CollectorRegistry(auto_describe=True)
-        self._registry.register(_EngineCollector(self.ranks))  # type: ignore[arg-type]
+        collector = SglangCollector(self.ranks) if flavor == "sglang" else None
+        self._registry.register(collector or _EngineCollector(self.ranks))  # type: ignore[arg-type]
         self.models = [config.model, *config.lora_modules]
 
     def _publisher_of(self, rank: int) -> Callable[[bytes], None]:
@@ -228,6 +244,10 @@ class EngineApp:
             if p is not None
         ]
         return JSONResponse({"block_size": self.config.block_size, "sources": sources})
+
+    async def server_info(self, request: Request) -> Response:
+        """SGLang's server arguments (`--flavor sglang`), KV-event config included."""
+        return JSONResponse(server_info(self.config, self.publishers, __version__))
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         if not all([r.reset_prefix_cache() for r in self.ranks]):
@@ -410,7 +430,9 @@ class EngineApp:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             gen = _sse(self, stream, rid, created, model, chat, include_usage, usage)
             return StreamingResponse(gen, media_type="text/event-stream")
-        ids = [t async for t in stream]
+        ids = await _collect_or_abort(request, stream)
+        if ids is None:  # the client left: the request is aborted, nobody to answer
+            return Response(status_code=499)
         text = self.tokenizer.decode(ids)
         if chat:
             choice: dict[str, Any] = {
@@ -438,7 +460,6 @@ class EngineApp:
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models_list, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
-            Route("/kv_event_sources", self.kv_event_sources, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -447,6 +468,11 @@ class EngineApp:
             Route("/debug/health", self.debug_health, methods=["POST"]),
             Route("/debug/flood", self.debug_flood, methods=["GET", "POST", "DELETE"]),
         ]
+        if self.flavor == "sglang":  # where the KV events are: the server arguments
+            routes.append(Route("/server_info", self.server_info, methods=["GET"]))
+            routes.append(Route("/get_server_info", self.server_info, methods=["GET"]))
+        else:
+            routes.append(Route("/kv_event_sources", self.kv_event_sources, methods=["GET"]))
         return Starlette(routes=routes)
 
 
@@ -488,6 +514,35 @@ async def _sse(
         yield b"data: [DONE]\n\n"
     finally:
         await stream.aclose()  # type: ignore[attr-defined]  # frees the engine slot at once
+
+
+async def _collect_or_abort(request: Request, stream: AsyncIterator[int]) -> list[int] | None:
+    """Every generated token, or None when the client disconnects first: then the
+    generator is closed, which aborts the request in the engine (as vLLM's API server
+    does for a non-streamed request, not only for a stream). One watcher task that
+    cancels this one, rather than racing two tasks per request."""
+    me = asyncio.current_task()
+    assert me is not None
+    client_left = False
+
+    async def watch() -> None:
+        nonlocal client_left
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        client_left = True
+        me.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return [t async for t in stream]
+    except asyncio.CancelledError:
+        if not client_left:
+            raise
+        me.uncancel()
+        return None
+    finally:
+        watcher.cancel()
+        await stream.aclose()  # type: ignore[attr-defined]
 
 
 async def _json(request: Request) -> dict[str, Any] | Response:

@@ -44,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="engine cores (DP ranks), each with its own KV-event socket at the base port + rank",
     )
+    a(
+        "--flavor",
+        choices=["vllm", "sglang"],
+        default="vllm",
+        help="whose HTTP surface to serve: vLLM's (/kv_event_sources, vllm: metrics) or "
+        "SGLang's (/server_info with kv_events_config, sglang: metrics)",
+    )
     a("--ready-file", default=None, help="write the resolved addresses here as JSON when up")
     a("--log-level", default="warning")
 
@@ -132,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
                 )
             )
     publisher = publishers[0] if publishers else None
-    app = EngineApp(config, tokenizer, publishers or None, args.data_parallel_size)
+    app = EngineApp(
+        config, tokenizer, publishers or None, args.data_parallel_size, flavor=args.flavor
+    )
 
     async def serve() -> None:
         from quillcache.gateway.serve import serve_app

@@ -94,6 +94,8 @@ class SimEngine:
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which cached
         self.requests_total = 0
+        self.finished_total = 0  # ran to max_tokens
+        self.aborted_total = 0  # closed early: the client went away (vLLM's "abort")
 
     # -- state for /metrics ----------------------------------------------------------
 
@@ -185,6 +187,8 @@ class SimEngine:
         finally:
             if not stream.finished:
                 self._abort(stream)
+            else:
+                self.finished_total += 1
             self._streams.pop(req.rid, None)
 
     async def _fixed(
@@ -208,14 +212,23 @@ class SimEngine:
         self.requests_total += 1
         if on_admitted is not None:
             on_admitted(Admission(len(prompt), 0))
-        await asyncio.sleep(ttft_s)
-        for i in range(max_tokens):
-            if i:
-                await asyncio.sleep(itl_s)
-            yield next_token(i)
+        done = False
+        try:
+            await asyncio.sleep(ttft_s)
+            for i in range(max_tokens):
+                if i:
+                    await asyncio.sleep(itl_s)
+                yield next_token(i)
+            done = True
+        finally:
+            if done:
+                self.finished_total += 1
+            else:
+                self.aborted_total += 1
 
     def _abort(self, stream: _Stream) -> None:
         """The client went away: drop the request from the scheduler, free its blocks."""
+        self.aborted_total += 1
         m, run = self.model, stream.run
         if run in m.waiting:
             m.waiting.remove(run)

@@ -53,7 +53,9 @@ class AdminApi:
 
     async def drain(self, request: Request) -> Response:
         body = await self._body(request, default=b"{}")
-        draining = bool(body.get("draining", True))
+        draining = body.get("draining", True)
+        if not isinstance(draining, bool):
+            raise ApiError(400, "'draining' must be true or false")
         worker = self._worker_call(request, self.gw.pool.get)
         self.gw.pool.set_draining(worker.id, draining)
         return JSONResponse(worker.as_dict())

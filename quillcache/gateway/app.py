@@ -138,6 +138,7 @@ class Gateway:
             queue_bytes=cfg.event_queue_bytes,
             replay_timeout_s=cfg.replay_timeout_s,
             stale_rebuild_s=cfg.stale_rebuild_s,
+            quiet_tail_s=cfg.event_quiet_tail_s,
         )
         self.pool = WorkerPool(self.cp, self.ingestor, self.client, tokenizer_id=cfg.tokenizer_id)
         self.pool.guard = self.index_guard
@@ -208,10 +209,15 @@ class Gateway:
         return namespace(base, self.config.tokenizer_id, lora, tenant, self.cp.block_size)
 
     async def identify(
-        self, body: dict[str, Any], chat: bool, headers: Mapping[str, str]
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        headers: Mapping[str, str],
+        candidates: frozenset[int] | None = None,
     ) -> tuple[RouteRequest, int]:
-        """The routing request of a completion body, and its prompt length in tokens."""
-        any_worker = self.pool.any_routable()
+        """The routing request of a completion body, and its prompt length in tokens
+        (tokenized by one of the `candidates` when the engine tokenizes)."""
+        any_worker = self.pool.any_routable(candidates)
         tokens = await self.tokenizer.tokens(body, chat, any_worker.url if any_worker else None)
         ns = self.namespace_of(body.get("model"), str(body.get("cache_salt") or ""))
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16

@@ -74,6 +74,12 @@ class GatewayConfig(BaseModel):
     event_queue_bytes: int = Field(default=256 << 20, ge=1 << 16)
     replay_timeout_s: float = Field(default=2.0, gt=0)
     stale_rebuild_s: float = Field(default=30.0, ge=0)
+    event_quiet_tail_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="ask a source's replay socket once it is quiet this long after traffic "
+        "(its last batches may be lost with nothing after them); 0 = never",
+    )
     parity_check: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "warning"
 

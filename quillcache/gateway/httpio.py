@@ -19,20 +19,45 @@ from starlette.responses import JSONResponse
 class ApiError(Exception):
     """A 4xx/5xx answer with a message the client can act on."""
 
-    def __init__(self, status: int, message: str, kind: str = "BadRequestError") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "BadRequestError",
+        *,
+        code: str | int | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.kind = kind
+        self.code = code
+        self.param = param
 
     def response(self) -> JSONResponse:
-        return error_json(self.status, self.message, self.kind)
+        return error_json(self.status, self.message, self.kind, code=self.code, param=self.param)
 
 
-def error_json(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
-    """OpenAI's error shape (the `openai` client maps it to typed exceptions)."""
+def error_json(
+    status: int,
+    message: str,
+    kind: str = "BadRequestError",
+    *,
+    code: str | int | None = None,
+    param: str | None = None,
+) -> JSONResponse:
+    """OpenAI's error shape (the `openai` client maps it to typed exceptions); `code` is
+    the status unless OpenAI has a name for the case (e.g. "model_not_found")."""
     return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}},
+        {
+            "error": {
+                "message": message,
+                "type": kind,
+                "param": param,
+                "code": status if code is None else code,
+            }
+        },
         status_code=status,
     )
 

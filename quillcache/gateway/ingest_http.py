@@ -41,6 +41,11 @@ class IngestEndpoint:
             raise ApiError(
                 404, f"unknown worker {worker}; known: {sorted(gw.pool.workers)}", "NotFoundError"
             )
+        ranks = gw.cp.worker(worker).dp_ranks
+        if not 0 <= dp_rank < ranks:
+            raise ApiError(400, f"dp_rank {dp_rank} out of range: worker {worker} has {ranks}")
+        if seq is not None and seq < 0:  # negative values are the ingestor's own markers
+            raise ApiError(400, f"seq must be >= 0, got {seq}")
         for i, payload in enumerate(payloads):
             error = decode_error(payload)
             if error is not None:

@@ -37,6 +37,11 @@ class GatewayMetrics:
             ["worker"],
             registry=r,
         )
+        self.client_disconnects = Counter(
+            "quillcache_client_disconnects",
+            "Requests whose client hung up before the answer ended (upstream dropped).",
+            registry=r,
+        )
         self.predicted_hit_tokens = Counter(
             "quillcache_predicted_hit_tokens",
             "Prompt tokens the router expected cached.",
@@ -137,6 +142,16 @@ _INGEST_COUNTERS = (
     ("quillcache_kv_source_stale_marks", "Times a source was marked stale.", "stale_marks"),
     ("quillcache_kv_engine_restarts", "Engine restarts seen (seq backwards).", "restarts"),
     ("quillcache_kv_event_decode_errors", "Undecodable batches.", "decode_errors"),
+    (
+        "quillcache_kv_event_tail_checks",
+        "Replays asked for because a source went quiet after traffic.",
+        "tail_checks",
+    ),
+    (
+        "quillcache_kv_event_tail_replayed_batches",
+        "Batches such quiet-tail checks found missing (lost with nothing after them).",
+        "tail_replayed_batches",
+    ),
 )
 _INGEST_GAUGES = (
     ("quillcache_kv_stale_sources", "Sources whose residency is unknown.", "stale_sources"),

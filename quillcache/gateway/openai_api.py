@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ import aiohttp
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from quillcache.controlplane import RouterContractError
 from quillcache.errors import QuillCacheError
 from quillcache.gateway import proxy
 from quillcache.gateway.httpio import (
@@ -32,6 +34,8 @@ from quillcache.routing import Request as RouteRequest
 if TYPE_CHECKING:
     from quillcache.gateway.app import Gateway
     from quillcache.gateway.workers import Worker
+
+log = logging.getLogger(__name__)
 
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError)
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
@@ -86,11 +90,15 @@ class OpenAIEndpoints:
         body = parse_object(raw)
         validate_completion(body, chat)
         model = body.get("model")
-        models = gw.pool.models()
-        if model is not None and models and model not in models:
-            known = ", ".join(sorted(models))
+        candidates = gw.pool.serving(model)  # only engines serving the model (or adapter)
+        if candidates is not None and not candidates:
+            known = ", ".join(sorted(gw.pool.models()))
             raise ApiError(
-                404, f"The model `{model}` does not exist; served: {known}", "NotFoundError"
+                404,
+                f"The model `{model}` does not exist; served: {known}",
+                "NotFoundError",
+                code="model_not_found",
+                param="model",
             )
         tenant_header = request.headers.get(gw.config.tenant_header)
         if tenant_header and not body.get("cache_salt"):
@@ -98,13 +106,55 @@ class OpenAIEndpoints:
             raw = json.dumps(body).encode()
         routing_started = time.perf_counter()  # tokenize + hash + route, for /admin/index
         try:
-            route_request, prompt_tokens = await gw.identify(body, chat, request.headers)
+            route_request, prompt_tokens = await gw.identify(
+                body, chat, request.headers, candidates
+            )
         except TokenizationError as exc:
             raise ApiError(400, f"cannot tokenize the request: {exc}") from None
         except (ValueError, TypeError, QuillCacheError) as exc:  # e.g. HashingError
             raise ApiError(400, f"invalid prompt: {exc}") from None
+        # From here on a client that hangs up cancels this task: the upstream request is
+        # dropped whether the engine is still computing (no headers yet: a non-streamed
+        # answer only comes when complete) or its body is being read.
+        watch = proxy.DisconnectWatch(request)
+        try:
+            return await self._forward(
+                request,
+                path,
+                raw,
+                route_request,
+                prompt_tokens,
+                candidates,
+                watch,
+                (started, routing_started),
+            )
+        except asyncio.CancelledError:
+            if not watch.client_left:
+                raise  # cancelled for another reason: propagate
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            gw.cp.finish(route_request.request_id)  # idempotent
+            gw.metrics.client_disconnects.inc()
+            return Response(status_code=499)  # nobody reads it; counted by the caller
+        finally:
+            watch.stop()
+
+    async def _forward(
+        self,
+        request: Request,
+        path: str,
+        raw: bytes,
+        route_request: RouteRequest,
+        prompt_tokens: int,
+        candidates: frozenset[int] | None,
+        watch: proxy.DisconnectWatch,
+        times: tuple[float, float],
+    ) -> Response:
+        """Route, send upstream (once more elsewhere when the connect fails), answer.
+        `times`: when the handler started, and when routing (tokenize + hash) started."""
+        gw = self.gw
+        started, routing_started = times
         for attempt in range(2):
-            worker = self._route(route_request, prompt_tokens, routing_started)
+            worker = self._route(route_request, prompt_tokens, routing_started, candidates)
             gw.pre_upstream_samples.append(time.perf_counter() - started)
             try:
                 resp = await gw.upstream.post(
@@ -126,14 +176,26 @@ class OpenAIEndpoints:
                 raise ApiError(
                     502, f"engine {worker.url} failed: {type(exc).__name__}", "APIError"
                 ) from None
-            return await self._respond(request, path, resp, worker, route_request, started)
+            return await self._respond(request, path, resp, worker, route_request, started, watch)
         raise AssertionError("unreachable")
 
-    def _route(self, route_request: RouteRequest, prompt_tokens: int, since: float) -> Worker:
-        """Route one request (raises the 503/429 of a rejection) and count the decision."""
+    def _route(
+        self,
+        route_request: RouteRequest,
+        prompt_tokens: int,
+        since: float,
+        candidates: frozenset[int] | None,
+    ) -> Worker:
+        """Route one request among `candidates` (None: any worker; raises the 503/429 of
+        a rejection) and count the decision."""
         gw = self.gw
-        with gw.index_guard:
-            decision = gw.cp.route(route_request, now_s=time.monotonic())
+        try:
+            with gw.index_guard:
+                decision = gw.cp.route(route_request, now_s=time.monotonic(), only=candidates)
+        except RouterContractError as exc:
+            log.error("gateway: %s", exc)
+            gw.metrics.decision(gw.router_name, "router error", "none")
+            raise ApiError(500, f"routing failed: {exc}", "InternalServerError") from None
         routed_s = time.perf_counter() - since
         gw.metrics.route_time.observe(routed_s)
         gw.route_samples.append(routed_s)
@@ -160,11 +222,13 @@ class OpenAIEndpoints:
         worker: Worker,
         route_request: RouteRequest,
         started: float,
+        watch: proxy.DisconnectWatch,
     ) -> Response:
         gw, rid = self.gw, route_request.request_id
         extra = {"x-quillcache-worker": str(worker.id)}
         streaming = "text/event-stream" in resp.headers.get("content-type", "")
         if streaming and resp.status == 200:
+            watch.stop()  # the relay watches the client from here on
 
             def first_byte() -> None:
                 gw.metrics.first_byte(path, time.perf_counter() - started)
@@ -172,8 +236,11 @@ class OpenAIEndpoints:
 
             def end(failure: BaseException | None) -> None:
                 gw.cp.finish(rid)
+                gw.ingestor.expect_events(worker.id)
                 if isinstance(failure, UPSTREAM_ERRORS):
                     gw.pool.mark_down(worker.id, f"broke mid-stream: {type(failure).__name__}")
+                elif failure is not None:  # cancelled or closed: the client went away
+                    gw.metrics.client_disconnects.inc()
                 gw.metrics.completed(path, time.perf_counter() - started)
 
             stream = proxy.relay_stream(
@@ -185,14 +252,17 @@ class OpenAIEndpoints:
             )
             return proxy.streaming_response(resp, stream, extra)
         try:
-            content = await proxy.read_or_cancel(request, resp)
+            content = await resp.read()  # `watch` cancels it if the client leaves
         except UPSTREAM_ERRORS as exc:
             gw.pool.mark_down(worker.id, f"broke mid-response: {type(exc).__name__}")
             raise ApiError(502, f"engine failed mid-response: {exc}", "APIError") from None
+        except asyncio.CancelledError:
+            resp.close()  # dropping the connection is how the engine learns
+            raise
         finally:
+            resp.release()
             gw.cp.finish(rid)
-        if content is None:  # the client left: upstream closed, nothing to send
-            return Response(status_code=499)
+            gw.ingestor.expect_events(worker.id)  # even if every event of it is lost
         elapsed = time.perf_counter() - started
         gw.metrics.first_byte(path, elapsed)
         gw.metrics.completed(path, elapsed)

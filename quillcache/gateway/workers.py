@@ -137,6 +137,28 @@ def sources_from_server_info(info: dict[str, Any], host: str) -> list[ZmqSourceC
     return out
 
 
+async def sglang_server_info(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
+    """SGLang's server arguments: `GET /server_info` (current), else `/get_server_info`
+    (older releases). A prefill/decode deployment nests them per role: take the first
+    entry of a role that has `kv_events_config`."""
+    for path in ("/server_info", "/get_server_info"):
+        info = await _get_json(client, url + path)
+        if info is not None:
+            return server_args_of(info)
+    return {}
+
+
+def server_args_of(info: dict[str, Any]) -> dict[str, Any]:
+    """The server arguments in an SGLang server-info answer, flat or nested per role."""
+    if "kv_events_config" in info:
+        return info
+    for role in ("prefill", "decode"):  # prefix reuse happens where prompts are computed
+        nested = info.get(role)
+        if isinstance(nested, list) and nested and isinstance(nested[0], dict):
+            return nested[0]
+    return info
+
+
 class DiscoveryError(ConfigError):
     """An engine could not be reached or described itself in a way we cannot use."""
 
@@ -157,6 +179,7 @@ class WorkerPool:
         self.workers: dict[int, Worker] = {}
         self._next_id = 0
         self._models: dict[str, str] | None = None  # cache of models(), reset on changes
+        self._serving: dict[str, frozenset[int] | None] = {}  # cache of serving()
         # last engine seq per (worker, dp_rank) kept by a persistent index: resume there
         self.resume_seqs: dict[tuple[int, int], int] = {}
         self.failures_to_down = 2  # consecutive failed health checks before "down"
@@ -194,9 +217,10 @@ class WorkerPool:
                 w.block_size = info.get("block_size") or w.block_size
                 w.sources = sources_from_kv_event_sources(info, host)
             else:  # SGLang: its server args, kv_events_config included
-                info = await _get_json(client, f"{cfg.url}/get_server_info")
-                w.sources = sources_from_server_info(info or {}, host)
-                w.block_size = w.block_size or (info or {}).get("page_size")
+                info = await sglang_server_info(client, cfg.url)
+                w.sources = sources_from_server_info(info, host)
+                page_size = info.get("page_size")
+                w.block_size = w.block_size or (page_size if isinstance(page_size, int) else None)
             if not w.sources:
                 log.warning(
                     "engine %s: no KV event source found; routing without its cache", cfg.url
@@ -232,6 +256,7 @@ class WorkerPool:
         self.cp.add_worker(w.id, dp_ranks=ranks, model=w.base_model, tokenizer=self.tokenizer_id)
         self.workers[w.id] = w
         self._models = None
+        self._serving = {}
         subscribed = []
         for src in w.sources:
             src = ZmqSourceConfig(
@@ -256,6 +281,7 @@ class WorkerPool:
             self.cp.remove_worker(worker_id)
         del self.workers[worker_id]
         self._models = None
+        self._serving = {}
         return w
 
     def get(self, worker_id: int) -> Worker:
@@ -304,9 +330,27 @@ class WorkerPool:
                 self._models.update(w.models)
         return self._models
 
-    def any_routable(self) -> Worker | None:
+    def serving(self, model: str | None) -> frozenset[int] | None:
+        """The workers whose /v1/models list `model` (a base model or a LoRA adapter),
+        healthy or not; None when any worker will do (no model named, no workers, or
+        every worker serves it: the common case costs the router nothing)."""
+        if not model or not self.workers:
+            return None
+        try:
+            return self._serving[model]
+        except KeyError:
+            pass
+        found: frozenset[int] | None = frozenset(
+            w.id for w in self.workers.values() if model in w.models
+        )
+        if found is not None and len(found) == len(self.workers):
+            found = None
+        self._serving[model] = found
+        return found
+
+    def any_routable(self, only: frozenset[int] | None = None) -> Worker | None:
         for w in self.workers.values():
-            if w.routable:
+            if w.routable and (only is None or w.id in only):
                 return w
         return None
 

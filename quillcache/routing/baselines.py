@@ -86,17 +86,24 @@ class SessionAffinity(Router):
         self._ring_for: tuple[int, ...] = ()
         self._points: list[int] = []
         self._owners: list[int] = []
+        # rings of recent worker sets: a gateway shows each model's workers in turn
+        self._rings: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}
 
     def _ring(self, workers: tuple[int, ...]) -> None:
         if workers == self._ring_for:
             return
-        ring = sorted(
-            (xxhash.xxh3_64_intdigest(f"{w}#{v}".encode()), w)
-            for w in workers
-            for v in range(self.vnodes)
-        )
-        self._points = [p for p, _ in ring]
-        self._owners = [w for _, w in ring]
+        cached = self._rings.get(workers)
+        if cached is None:
+            ring = sorted(
+                (xxhash.xxh3_64_intdigest(f"{w}#{v}".encode()), w)
+                for w in workers
+                for v in range(self.vnodes)
+            )
+            cached = ([p for p, _ in ring], [w for _, w in ring])
+            if len(self._rings) >= 32:
+                self._rings.clear()
+            self._rings[workers] = cached
+        self._points, self._owners = cached
         self._ring_for = workers
 
     def route(self, request: Request, view: View) -> Decision:

@@ -141,3 +141,48 @@ def test_malformed_messages_are_counted_not_fatal() -> None:
             assert ing._receivers[(0, 0)].malformed == 1
         finally:
             rogue.close(0)
+
+
+def test_a_lost_tail_is_replayed_once_the_source_goes_quiet() -> None:
+    """The last batches are lost and nothing follows to reveal the gap: the quiet-tail
+    check finds them; then, with no new traffic, it does not ask again."""
+    sink = RecordingSink()
+    with publisher() as pub, ingestor(sink, quiet_tail_s=0.3) as ing:
+        ing.add_zmq_source(ZmqSourceConfig(0, pub.endpoint, pub.replay_endpoint))
+        wait_for(lambda: ing.sources[(0, 0)].replays, what="sync")
+        time.sleep(0.2)
+        publish(pub, 0, 10)
+        wait_for(lambda: len(sink.seen()) == 10, what="the live batches")
+        status = ing.sources[(0, 0)]
+        gaps = status.gaps
+        pub.drop_next(3)  # 10..12 never go out live, and the engine then goes quiet
+        publish(pub, 10, 13)
+        wait_for(lambda: len(sink.seen()) == 13, what="the lost tail")
+        assert sink.seen() == [float(i) for i in range(13)]
+        assert status.gaps == gaps  # no later seq revealed it: the quiet check did
+        assert status.tail_replayed_batches == 3 and ing.stats().tail_replayed_batches == 3
+        checks, replays = status.tail_checks, status.replays
+        time.sleep(1.0)  # > 3 quiet periods without traffic: no more asking
+        assert (status.tail_checks, status.replays) == (checks, replays)
+
+
+def test_a_request_whose_events_are_all_lost_is_checked_too() -> None:
+    """Nothing at all arrives after a request (every batch lost): `expect_events` (the
+    gateway calls it when a request to that worker ends) arms the quiet-tail check."""
+    sink = RecordingSink()
+    with publisher() as pub, ingestor(sink, quiet_tail_s=0.3) as ing:
+        ing.add_zmq_source(ZmqSourceConfig(0, pub.endpoint, pub.replay_endpoint))
+        wait_for(lambda: ing.sources[(0, 0)].replays, what="sync")
+        time.sleep(0.2)
+        publish(pub, 0, 4)
+        wait_for(lambda: len(sink.seen()) == 4, what="the live batches")
+        status = ing.sources[(0, 0)]
+        wait_for(lambda: status.tail_checks >= 1, what="the first (empty) tail check")
+        assert status.tail_replayed_batches == 0  # up to date: an empty answer
+        pub.drop_next(2)
+        publish(pub, 4, 6)  # both lost: nothing reaches the ingestor
+        assert not status.tail_pending
+        ing.expect_events(0)
+        wait_for(lambda: len(sink.seen()) == 6, what="the lost request's batches")
+        assert sink.seen() == [float(i) for i in range(6)]
+        assert status.tail_replayed_batches == 2

@@ -4,6 +4,7 @@ restarts (seq back to 0), client disconnects, API keys and bad configuration."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -76,6 +77,22 @@ def test_failed_connect_is_retried_on_another_worker(stack: Stack) -> None:
     assert metric(text, "quillcache_worker_healthy") == 1
 
 
+def test_a_failed_connect_is_retried_on_another_engine_serving_the_model(stack: Stack) -> None:
+    """Engines 0 and 2 serve model-b, engine 1 model-a; engine 0 dies unnoticed: the
+    request that meets it is retried on engine 2, never on the other model's engine."""
+    stack.engine(model="model-b")
+    stack.engine(model="model-a")
+    stack.engine(model="model-b")
+    gw = stack.start_gateway({"router": "round-robin", "health_interval_s": 60})
+    stack.engines[0].kill()
+    for i in range(4):
+        body = {"model": "model-b", "prompt": f"retry {i}", "max_tokens": 1}
+        r = http_post(gw.url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-quillcache-worker"] == "2"
+    assert metric(http_get(gw.url + "/metrics").text, "quillcache_upstream_retries_total") == 1
+
+
 def test_engine_restart_resets_its_sequence_and_cache(stack: Stack) -> None:
     http_port, kv_port, replay_port = free_port(), free_port(), free_port()
     kv = {
@@ -143,11 +160,55 @@ def test_client_disconnect_cancels_the_upstream_request(stack: Stack) -> None:
         timeout=3,
         what="the engine to abort the request",
     )
+    assert aborted(engine.url) == 1
     # and the gateway counts it in flight no more, also after scraping the engine's load
     # (a scrape that saw the request still running used to latch it there for good)
     time.sleep(1.5)  # > scrape_interval_s
     in_flight = metric(http_get(gw.url + "/metrics").text, "quillcache_worker_in_flight")
     assert in_flight == 0
+
+
+def aborted(engine_url: str) -> float:
+    """vLLM's count of requests finished by an abort (the client went away)."""
+    text = http_get(engine_url + "/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line
+    )
+
+
+def test_client_disconnect_cancels_a_non_streamed_request(stack: Stack) -> None:
+    """A non-streamed request: the client hangs up while the engine is generating; the
+    gateway closes its upstream connection and the engine aborts the request."""
+    engine = stack.engine()
+    gw = stack.start_gateway()
+    body = json.dumps({"prompt": "a long answer please", "max_tokens": 2000}).encode()
+    host, port = gw.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    try:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        running = lambda: metric(  # noqa: E731
+            http_get(engine.url + "/metrics").text, "vllm:num_requests_running"
+        )
+        wait_for(lambda: running() == 1, what="the engine to run the request")
+        assert aborted(engine.url) == 0
+    finally:
+        sock.close()  # the client leaves ~10 s before the answer would be complete
+    wait_for(lambda: aborted(engine.url) == 1, timeout=5, what="the engine to abort it")
+    assert running() == 0
+    wait_for(
+        lambda: metric(http_get(gw.url + "/metrics").text, "quillcache_worker_in_flight") == 0,
+        what="the gateway to forget the request",
+    )
+    assert metric(http_get(gw.url + "/metrics").text, "quillcache_client_disconnects_total") == 1
+    # the engine still serves, and a completed request is no abort
+    ok = http_post(gw.url + "/v1/completions", json={"prompt": "short", "max_tokens": 2})
+    assert ok.status_code == 200 and aborted(engine.url) == 1
 
 
 def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 import uuid
 
@@ -12,8 +13,9 @@ import openai
 import pytest
 
 from quillcache.enginesim.tokenizer import ByteTokenizer
-from tests.online.conftest import Stack, metric
-from tests.online.helpers import http_get, http_post, wait_for
+from quillcache.up import gateway_args, launch
+from tests.online.conftest import ADMIN, Stack, metric
+from tests.online.helpers import free_port, http_get, http_post, wait_for
 
 
 def long_prompt(tag: str, blocks: int = 12) -> str:
@@ -120,7 +122,6 @@ def test_shared_prefixes_go_to_the_worker_that_holds_them(shared_stack: Stack) -
         ("/v1/completions", b'{"max_tokens": 3}', 400),
         ("/v1/completions", b'{"prompt": "x", "max_tokens": -1}', 400),
         ("/v1/completions", b'{"prompt": "x", "stream": "yes"}', 400),
-        ("/v1/completions", b'{"prompt": "x", "model": "nope"}', 404),
         ("/v1/chat/completions", b'{"messages": []}', 400),
         ("/v1/chat/completions", b'{"messages": ["hi"]}', 400),
         ("/v1/chat/completions", b"\xff\xfe", 400),
@@ -137,6 +138,63 @@ def test_malformed_requests_get_a_4xx_json_error(
     assert resp.status_code == status
     error = resp.json()["error"]
     assert error["message"] and error["code"] == status
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_upstream_errors_pass_through_unchanged(
+    shared_stack: Stack, path: str, stream: bool
+) -> None:
+    """A request the gateway lets through but the engine refuses (longer than its
+    context): the engine's status and error body reach the client byte for byte."""
+    gw = shared_stack.gateway
+    assert gw is not None
+    body: dict[str, object] = {"max_tokens": 9000, "stream": stream}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "too long an answer"}]
+    else:
+        body["prompt"] = "too long an answer"
+    via_gateway = http_post(gw.url + path, json=body)
+    direct = http_post(shared_stack.engines[0].url + path, json=body)
+    assert via_gateway.status_code == direct.status_code == 400
+    assert via_gateway.content == direct.content
+    assert "maximum context length" in via_gateway.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client(gw.url).completions.create(
+            model="sim-model", prompt="too long an answer", max_tokens=9000
+        )
+
+
+def test_metrics_cover_what_the_issue_lists(shared_stack: Stack) -> None:
+    """Requests, route decisions by router and reason, predicted vs actual hits, events
+    applied, gaps, replays, stale sources, index size, per-worker load, latency
+    histograms: every family is on /metrics (after some traffic)."""
+    gw = shared_stack.gateway
+    assert gw is not None
+    ok = http_post(gw.url + "/v1/completions", json={"prompt": long_prompt("m"), "max_tokens": 1})
+    assert ok.status_code == 200
+    text = http_get(gw.url + "/metrics").text
+    for family in [
+        'quillcache_requests_total{endpoint="/v1/completions",status="200"}',
+        "quillcache_route_decisions_total{reason=",
+        "quillcache_predicted_hit_tokens_total ",
+        "quillcache_actual_hit_tokens_total ",
+        "quillcache_kv_event_batches_applied_total ",
+        "quillcache_kv_event_gaps_total ",
+        "quillcache_kv_event_replays_total ",
+        "quillcache_kv_event_tail_checks_total ",
+        "quillcache_kv_stale_sources ",
+        "quillcache_index_blocks ",
+        'quillcache_worker_in_flight{worker="1"}',
+        'quillcache_worker_engine_running{worker="0"}',
+        'quillcache_worker_kv_usage{worker="1"}',
+        "quillcache_request_seconds_bucket{",
+        "quillcache_time_to_first_byte_seconds_bucket{",
+        "quillcache_route_seconds_bucket{",
+    ]:
+        assert family in text, family
+    assert metric(text, "quillcache_kv_event_batches_applied_total") > 0
+    assert metric(text, "quillcache_index_blocks") > 0
 
 
 def test_admin_needs_the_token(shared_stack: Stack) -> None:
@@ -224,6 +282,31 @@ def test_dropped_events_are_replayed(shared_stack: Stack) -> None:
     assert metric(text, "quillcache_kv_stale_sources") == 0
 
 
+def test_a_request_whose_events_are_all_dropped_is_recovered_when_quiet(stack: Stack) -> None:
+    """Every batch of a request is lost and the engine then goes quiet: no later seq
+    reveals the gap; the gateway's quiet-tail check replays it."""
+    engine = stack.engine()
+    gw = stack.start_gateway({"event_quiet_tail_s": 0.5})
+    admin = stack.admin()
+    text = http_get(gw.url + "/metrics").text
+    gaps = metric(text, "quillcache_kv_event_gaps_total")
+    found = metric(text, "quillcache_kv_event_tail_replayed_batches_total")
+    assert http_post(engine.url + "/debug/drop_events", json={"count": 1000}).status_code == 200
+    prompt = long_prompt("quiet-" + uuid.uuid4().hex[:6], blocks=4)
+    answer = http_post(gw.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+    assert answer.is_success
+
+    def known() -> bool:
+        matches = admin.post("/admin/lookup", json={"prompt": prompt}).json()["matches"]
+        return any(m["blocks"] == 4 for m in matches)
+
+    wait_for(known, what="the blocks of the request whose events were all dropped")
+    text = http_get(gw.url + "/metrics").text
+    assert metric(text, "quillcache_kv_event_gaps_total") == gaps
+    assert metric(text, "quillcache_kv_event_tail_replayed_batches_total") > found
+    assert metric(text, "quillcache_kv_event_tail_checks_total") >= 1
+
+
 def test_tenants_never_share_prefixes(shared_stack: Stack) -> None:
     gw = shared_stack.gateway
     assert gw is not None
@@ -306,6 +389,80 @@ def test_data_parallel_engine_ranks_are_subscribed_and_targeted(stack: Stack) ->
     assert 'vllm:num_requests_running{engine="1"' in text
 
 
+def _free_port_pair() -> int:
+    """A port p with p + 1 free as well (rank r listens on the base port + r)."""
+    for _ in range(50):
+        base = free_port()
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", base))
+                b.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+            return base
+    raise AssertionError("no two consecutive free ports")
+
+
+def test_configured_endpoints_the_gateway_binds_and_all_blocks_cleared(stack: Stack) -> None:
+    """Endpoints from the config instead of discovery, vLLM's loopback rule (the engine's
+    PUB connects, the gateway binds), two DP ranks on base port + rank, replay on the
+    replay base port + rank; then an AllBlocksCleared (/reset_prefix_cache) empties
+    what the index holds for the engine."""
+    pub, replay = _free_port_pair(), _free_port_pair()
+    kv = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{pub}",  # no `*`: the engine connects
+        "replay_endpoint": f"tcp://*:{replay}",
+    }
+    engine = stack.engine(extra=["--data-parallel-size", "2", "--kv-events-config", json.dumps(kv)])
+    worker = {
+        "url": engine.url,
+        "kv_endpoint": f"tcp://127.0.0.1:{pub}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+        "kv_bind": True,
+        "dp_ranks": 2,
+    }
+    config = stack.workdir / "configured.json"
+    config.write_text(
+        json.dumps({"admin_token": ADMIN, "tokenizer": "builtin", "workers": [worker]})
+    )
+    gw = launch(
+        "gateway-configured", gateway_args([], extra=["--config", str(config)]), stack.workdir
+    )
+    stack.procs.append(gw)
+    stack.gateway = gw
+    admin = stack.admin()
+    (described,) = admin.get("/admin/workers").json()["workers"]
+    assert [(s["endpoint"], s["bind"]) for s in described["kv_sources"]] == [
+        (f"tcp://127.0.0.1:{pub}", True),
+        (f"tcp://127.0.0.1:{pub + 1}", True),
+    ]
+    prompts = [long_prompt(f"cfg-{i}-{uuid.uuid4().hex[:6]}", blocks=4) for i in range(6)]
+    for i, p in enumerate(prompts):  # one per rank, alternately
+        r = http_post(
+            engine.url + "/v1/completions",
+            json={"prompt": p, "max_tokens": 1},
+            headers={"x-data-parallel-rank": str(i % 2)},
+        )
+        assert r.status_code == 200
+
+    def ranks_of(p: str) -> set[int]:
+        matches = admin.post("/admin/lookup", json={"prompt": p}).json()["matches"]
+        return {m["dp_rank"] for m in matches if m["blocks"] == 4}
+
+    wait_for(
+        lambda: [ranks_of(p) for p in prompts] == [{i % 2} for i in range(6)],
+        what="both ranks' events through the sockets the gateway bound",
+    )
+    assert http_post(engine.url + "/reset_prefix_cache").status_code == 200
+    wait_for(
+        lambda: all(not ranks_of(p) for p in prompts), what="AllBlocksCleared to empty the index"
+    )
+    text = http_get(gw.url + "/metrics").text
+    assert metric(text, "quillcache_kv_stale_sources") == 0
+
+
 def test_lora_requests_have_their_own_namespace(stack: Stack) -> None:
     stack.engine(extra=["--lora-modules", "sql-lora"])
     gw = stack.start_gateway()
@@ -325,6 +482,59 @@ def test_lora_requests_have_their_own_namespace(stack: Stack) -> None:
 
     wait_for(lambda: blocks("sql-lora") == 4, what="the adapter's blocks")
     assert blocks("sim-model") == 0  # the base model never matches the adapter's KV
+
+
+@pytest.mark.parametrize(
+    "router", ["round-robin", "quillcache", "tests.online.custom_router:HighestWorker"]
+)
+def test_requests_go_only_to_engines_serving_their_model(stack: Stack, router: str) -> None:
+    """Two engines serving different models (one with a LoRA adapter): each request goes
+    to an engine that lists its model, whatever the router (HighestWorker would always
+    pick worker 1); an unknown model is OpenAI's 404 `model_not_found`; when the only
+    engine of a model is down, 503, never the other model's engine."""
+    a = stack.engine(model="model-a", extra=["--lora-modules", "lora-a"])
+    b = stack.engine(model="model-b")
+    gw = stack.start_gateway({"router": router, "health_interval_s": 0.2})
+    oai = client(gw.url)
+    served = {"model-a": "0", "lora-a": "0", "model-b": "1"}
+    listed = {m.id: m.parent for m in oai.models.list().data}  # the union of the engines'
+    assert listed == {"model-a": None, "lora-a": "model-a", "model-b": None}
+    for i in range(4):
+        for model, worker in served.items():
+            prompt = long_prompt(f"{model}-{i}-{uuid.uuid4().hex[:6]}", blocks=2)
+            raw = oai.completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=1)
+            assert raw.headers["x-quillcache-worker"] == worker, (model, router)
+            assert raw.parse().model == model
+    with oai.completions.with_streaming_response.create(
+        model="model-b", prompt="streamed", max_tokens=2, stream=True
+    ) as streamed:
+        assert streamed.headers["x-quillcache-worker"] == "1"
+        assert any(line.startswith("data: [DONE]") for line in streamed.iter_lines())
+    with pytest.raises(openai.NotFoundError) as missing:
+        oai.completions.create(model="model-c", prompt="x", max_tokens=1)
+    assert missing.value.code == "model_not_found"
+    body = missing.value.body
+    assert isinstance(body, dict) and body["param"] == "model" and "model-c" in body["message"]
+    chat = http_post(
+        gw.url + "/v1/chat/completions",
+        json={"model": "model-c", "messages": [{"role": "user", "content": "x"}]},
+    )
+    assert chat.status_code == 404 and chat.json()["error"]["code"] == "model_not_found"
+    # model-b's only engine goes unhealthy: its requests get 503, not model-a's engine
+    assert http_post(b.url + "/debug/health", json={"healthy": False}).status_code == 200
+    admin = stack.admin()
+    wait_for(
+        lambda: not admin.get("/admin/workers").json()["workers"][1]["healthy"],
+        what="worker 1 marked down",
+    )
+    down = http_post(gw.url + "/v1/completions", json={"model": "model-b", "prompt": "x"})
+    assert down.status_code == 503 and down.json()["error"]["message"]
+    ok = http_post(gw.url + "/v1/completions", json={"model": "model-a", "prompt": "x"})
+    assert ok.status_code == 200 and ok.headers["x-quillcache-worker"] == "0"
+    health = http_get(gw.url + "/health")
+    assert health.status_code == 200 and health.json()["routable_workers"] == [0]
+    assert http_post(a.url + "/debug/health", json={"healthy": False}).status_code == 200
+    wait_for(lambda: http_get(gw.url + "/health").status_code == 503, what="no routable worker")
 
 
 def test_a_user_router_class_from_the_config(stack: Stack) -> None:

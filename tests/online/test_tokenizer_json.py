@@ -48,10 +48,16 @@ def test_hf_tokenizer_and_chat_template(tokenizer_dir: Path) -> None:
         load_tokenizer(str(tokenizer_dir / "missing.json"))
 
 
-def test_gateway_and_engine_share_a_tokenizer_json(stack: Stack, tokenizer_dir: Path) -> None:
+@pytest.mark.parametrize("where", ["gateway", "engine"])
+def test_gateway_and_engine_share_a_tokenizer_json(
+    stack: Stack, tokenizer_dir: Path, where: str
+) -> None:
+    """The tokenizer.json (and its chat template) loaded by the gateway itself, or used
+    through the engine's own `/tokenize` (with `messages` for chat)."""
     stack.engine(extra=["--tokenizer", str(tokenizer_dir)])
     stack.engine(extra=["--tokenizer", str(tokenizer_dir)])
-    gw = stack.start_gateway({"tokenizer": str(tokenizer_dir), "router": "quillcache"})
+    spec = str(tokenizer_dir) if where == "gateway" else "engine"
+    gw = stack.start_gateway({"tokenizer": spec, "router": "quillcache"})
     admin = stack.admin()
     wait_for(
         lambda: [w["parity"] for w in admin.get("/admin/workers").json()["workers"]] == ["ok"] * 2,
