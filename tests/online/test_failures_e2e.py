@@ -96,6 +96,23 @@ def test_unreachable_tokenize_engine_is_marked_down_and_another_asked(stack: Sta
     assert r.json()["error"]["message"]
 
 
+def test_parity_probe_events_lost_without_a_later_batch_are_replayed(stack: Stack) -> None:
+    """The probe's batches never reach the gateway and nothing follows them to reveal the
+    gap (seen with real vLLM: published before its connecting PUB had the subscription):
+    the check fetches them from the replay socket instead of reporting a mismatch."""
+    engine = stack.engine()
+    assert http_post(engine.url + "/debug/drop_events", json={"count": 20}).status_code == 200
+    stack.start_gateway({"tokenizer": "engine"})
+    with stack.admin() as admin:
+        wait_for(
+            lambda: admin.get("/admin/workers").json()["workers"][0]["parity"] != "unchecked",
+            timeout=20,
+            what="the parity check",
+        )
+        worker = admin.get("/admin/workers").json()["workers"][0]
+    assert worker["parity"] == "ok"
+
+
 def test_engine_restart_resets_its_sequence_and_cache(stack: Stack) -> None:
     http_port, kv_port, replay_port = free_port(), free_port(), free_port()
     kv = {
