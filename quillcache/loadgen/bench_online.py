@@ -12,6 +12,9 @@
    route, measured inside the gateway) without and with a third engine flooding it
    with KV events, alternated, and the blocks/s it applied meanwhile.
 
+4. routers: the same workload through the gateway with each router (engine simulators);
+5. `--only real-vllm`: the same comparison on two real vLLM servers (bench_real_vllm).
+
 Each phase alternates its two sides `--repeats` times in one run, so that the load of
 a shared machine falls on both.
 
