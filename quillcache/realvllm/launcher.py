@@ -9,6 +9,7 @@ endpoint, on which vLLM's PUB *connects*: the gateway binds the KV port.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -78,10 +79,29 @@ def _clean_env() -> dict[str, str]:
     return {**env, **ENGINE_ENV}
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port *below* the kernel's ephemeral range. vLLM binds its ports
+    20-200 s after they are chosen; meanwhile any socket bound to port 0 (other servers,
+    vLLM's own internal ZMQ sockets) may take a port from that range: seen as
+    "Address already in use" when two engines started at once."""
+    high = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(high // 2, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in [{high // 2}, {high})")
 
 
 def make_tiny_model(python: str, path: Path) -> Path:

@@ -35,7 +35,7 @@ if not os.environ.get(ENV_VAR):  # the cheap check at collection; the import pro
     )
 
 KV_BLOCKS = 256  # per engine: 8,192 tokens of KV cache, nothing is evicted in this suite
-PREFIX = " ".join(f"w{i}" for i in range(400))  # ~800 tokens of the tiny model: 25 blocks
+PREFIX = " ".join(f"w{i}" for i in range(400))  # ~870 tokens of the tiny model: 27 blocks
 
 
 @pytest.fixture(scope="module")
