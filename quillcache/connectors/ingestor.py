@@ -191,6 +191,15 @@ class EventIngestor:
             self._queue.put((config.key, _SYNC, b""))  # catch up on what we missed
         return status
 
+    def request_tail_replay(self, worker: int) -> None:
+        """Replay what each source of `worker` published after its last applied seq, once
+        the queue drains. A lost batch with nothing after it shows no gap: e.g. the batch
+        of a parity probe sent before a connecting publisher (real vLLM on a loopback
+        endpoint) had received the gateway's subscription."""
+        for status in list(self.sources.values()):
+            if status.worker == worker and status.replay_endpoint:
+                status.needs_sync = True
+
     def bound_endpoint(self, worker: int, dp_rank: int = 0) -> str | None:
         receiver = self._receivers.get((worker, dp_rank))
         return receiver.bound_endpoint if receiver else None

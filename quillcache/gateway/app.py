@@ -38,7 +38,7 @@ from quillcache.gateway.keys import content_keys, namespace
 from quillcache.gateway.metrics import GatewayMetrics, state_metrics
 from quillcache.gateway.openai_api import CHAT_COMPLETIONS, COMPLETIONS, OpenAIEndpoints
 from quillcache.gateway.parity import parity_check
-from quillcache.gateway.tokenization import RequestTokenizer
+from quillcache.gateway.tokenization import EngineUnreachable, RequestTokenizer
 from quillcache.gateway.workers import Worker, WorkerPool
 from quillcache.index.native import NativeIndex
 from quillcache.routing import Request as RouteRequest
@@ -217,8 +217,7 @@ class Gateway:
     ) -> tuple[RouteRequest, int]:
         """The routing request of a completion body, and its prompt length in tokens
         (tokenized by one of the `candidates` when the engine tokenizes)."""
-        any_worker = self.pool.any_routable(candidates)
-        tokens = await self.tokenizer.tokens(body, chat, any_worker.url if any_worker else None)
+        tokens = await self._tokens(body, chat, candidates)
         ns = self.namespace_of(body.get("model"), str(body.get("cache_salt") or ""))
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
         request = RouteRequest(
@@ -232,6 +231,25 @@ class Gateway:
             arrival_s=time.monotonic(),
         )
         return request, len(tokens)
+
+    async def _tokens(
+        self, body: dict[str, Any], chat: bool, candidates: frozenset[int] | None
+    ) -> list[int]:
+        """Tokenize (with some routable engine's /tokenize when configured so). An engine
+        that cannot be reached is marked down and, once, another one asked: the health
+        check may not have seen it die yet (real vLLM killed between two checks)."""
+        for attempt in range(2):
+            w = self.pool.any_routable(candidates)
+            try:
+                return await self.tokenizer.tokens(body, chat, w.url if w else None)
+            except EngineUnreachable:
+                if w is None:  # no engine left to ask
+                    raise
+                self.pool.mark_down(w.id, "its /tokenize is unreachable")
+                if attempt == 1:
+                    raise
+                self.metrics.retries.labels(str(w.id)).inc()
+        raise AssertionError("unreachable")
 
     # -- small endpoints and checks ------------------------------------------------------
 

@@ -27,7 +27,7 @@ from quillcache.gateway.httpio import (
     read_body,
     validate_completion,
 )
-from quillcache.gateway.tokenization import TokenizationError
+from quillcache.gateway.tokenization import EngineUnreachable, TokenizationError
 from quillcache.routing import Action
 from quillcache.routing import Request as RouteRequest
 
@@ -109,6 +109,10 @@ class OpenAIEndpoints:
             route_request, prompt_tokens = await gw.identify(
                 body, chat, request.headers, candidates
             )
+        except EngineUnreachable as exc:  # dead engines, not a bad request
+            raise ApiError(
+                503, f"cannot tokenize the request: {exc}", "ServiceUnavailableError"
+            ) from None
         except TokenizationError as exc:
             raise ApiError(400, f"cannot tokenize the request: {exc}") from None
         except (ValueError, TypeError, QuillCacheError) as exc:  # e.g. HashingError

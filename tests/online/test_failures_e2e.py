@@ -93,6 +93,43 @@ def test_a_failed_connect_is_retried_on_another_engine_serving_the_model(stack: 
     assert metric(http_get(gw.url + "/metrics").text, "quillcache_upstream_retries_total") == 1
 
 
+def test_unreachable_tokenize_engine_is_marked_down_and_another_asked(stack: Stack) -> None:
+    """With the engines' own /tokenize, a dead engine the health check has not seen yet
+    must not turn requests into 400s: found by real vLLM killed between two checks."""
+    stack.engine()
+    stack.engine()
+    gw = stack.start_gateway({"tokenizer": "engine", "health_interval_s": 60})
+    stack.engines[0].kill()  # worker 0 is the first routable one: it is asked to tokenize
+    for i in range(3):
+        r = http_post(gw.url + "/v1/completions", json={"prompt": f"tok {i}", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-quillcache-worker"] == "1"
+    text = http_get(gw.url + "/metrics").text
+    assert metric(text, "quillcache_upstream_retries_total") == 1  # then it is known down
+    assert metric(text, "quillcache_worker_healthy") == 1
+    stack.engines[1].kill()  # no engine left to tokenize with: 503, never a 400 or 500
+    r = http_post(gw.url + "/v1/completions", json={"prompt": "tok", "max_tokens": 1})
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["message"]
+
+
+def test_parity_probe_events_lost_without_a_later_batch_are_replayed(stack: Stack) -> None:
+    """The probe's batches never reach the gateway and nothing follows them to reveal the
+    gap (seen with real vLLM: published before its connecting PUB had the subscription):
+    the check fetches them from the replay socket instead of reporting a mismatch."""
+    engine = stack.engine()
+    assert http_post(engine.url + "/debug/drop_events", json={"count": 20}).status_code == 200
+    stack.start_gateway({"tokenizer": "engine"})
+    with stack.admin() as admin:
+        wait_for(
+            lambda: admin.get("/admin/workers").json()["workers"][0]["parity"] != "unchecked",
+            timeout=20,
+            what="the parity check",
+        )
+        worker = admin.get("/admin/workers").json()["workers"][0]
+    assert worker["parity"] == "ok"
+
+
 def test_engine_restart_resets_its_sequence_and_cache(stack: Stack) -> None:
     http_port, kv_port, replay_port = free_port(), free_port(), free_port()
     kv = {
