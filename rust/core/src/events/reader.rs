@@ -171,7 +171,18 @@ impl<'a> Reader<'a> {
     }
 
     /// The raw bytes of a str value (not yet UTF-8 checked), or None if it is not a str.
+    #[inline]
     fn str_bytes(&mut self) -> Result<Option<&'a [u8]>, DecodeError> {
+        // A fixstr that fits (every field name and common value): no marker decoding.
+        if let Some(&b) = self.buf.get(self.pos) {
+            if b & 0xe0 == 0xa0 {
+                let n = (b & 0x1f) as usize;
+                if let Some(s) = self.buf.get(self.pos + 1..self.pos + 1 + n) {
+                    self.pos += 1 + n;
+                    return Ok(Some(s));
+                }
+            }
+        }
         let n = match self.peek()? {
             Marker::FixStr(n) => {
                 self.pos += 1;
@@ -202,6 +213,7 @@ impl<'a> Reader<'a> {
 
     /// The bytes of a str value, not UTF-8 checked: a caller that compares them with
     /// known ASCII names checks (with [`Reader::utf8`]) only what matches none.
+    #[inline]
     pub fn str_raw(&mut self, what: &str) -> Result<&'a [u8], DecodeError> {
         let start = self.pos;
         match self.str_bytes()? {
