@@ -190,7 +190,10 @@ impl Index {
     pub(super) fn namespace_of(&self, slot: u32, ev: &StoredRef<'_>) -> Namespace {
         let src = self.sources.get(slot);
         let lora = ev.lora_name.unwrap_or_default().to_owned();
-        let tenant = ev.cache_salt.map(str::to_owned).or_else(|| salt_in_extra_keys(ev));
+        let tenant = ev
+            .cache_salt
+            .map(str::to_owned)
+            .or_else(|| salt_in_extra_keys(ev));
         Namespace {
             model: src.model.clone(),
             tokenizer: src.tokenizer.clone(),

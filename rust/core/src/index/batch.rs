@@ -146,12 +146,8 @@ impl Index {
                     }
                     Err(error) => {
                         // A batch whose dp rank is bad was decoded: drop its events.
-                        if let Some(&(_, ref last)) = window.batches.last() {
-                            let keep = last.end;
-                            window.flat.events.truncate(keep);
-                        } else {
-                            window.flat.events.clear();
-                        }
+                        let keep = window.batches.last().map_or(0, |(_, last)| last.end);
+                        window.flat.events.truncate(keep);
                         failure = Some(error);
                         break;
                     }
