@@ -84,21 +84,26 @@ class NativeIndex:
         self._inner.register_source(worker, dp_rank, model=model, tokenizer=tokenizer)
 
     def apply(self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0) -> ApplyStats:
-        check_source(worker, dp_rank)
+        # The per-call cost matters (a connector calls this for every few payloads):
+        # plain ints go straight to Rust, which range-checks them (OverflowError);
+        # anything else, or an error, takes the checking path for the typed error.
+        if type(worker) is not int or type(dp_rank) is not int:
+            check_source(worker, dp_rank)
         try:
             try:  # fast path: a sequence of bytes goes to Rust as it is
                 raw = self._inner.apply(worker, payloads, dp_rank)
-            except TypeError:  # bytearray, memoryview, ...: nothing was applied
-                try:
+            except (TypeError, OverflowError):  # nothing was applied
+                check_source(worker, dp_rank)
+                try:  # bytearray, memoryview, ...
                     batch = [p if type(p) is bytes else bytes(p) for p in payloads]
                 except TypeError as exc:
                     msg = f"payloads must be bytes-like: {exc}"
                     raise InvalidIndexInputError(msg) from None
                 raw = self._inner.apply(worker, batch, dp_rank)
-            return _apply_stats(raw)
         except EventDecodeError as err:
             err.stats = ApplyStats(*err.stats)  # type: ignore[attr-defined]
             raise
+        return _apply_stats(raw)
 
     def match(self, keys: KeyArray) -> list[Match]:
         try:  # fast path: already a contiguous 1-D uint64 array

@@ -6,8 +6,12 @@
 //! field names are validated whatever the event type; unknown keys and trailing
 //! positional fields are skipped (depth-bounded). Duplicate keys: the last one wins.
 
+use std::cell::RefCell;
+use std::ops::Range;
+
+use super::flat::{BatchHeader, FlatEvent, FlatEvents, FlatStored};
 use super::reader::{Path, Reader, WireInt};
-use super::types::{BlockRemoved, BlockStored, EngineHash, Event, EventBatch, ExtraKey, Medium};
+use super::types::{EngineHash, EventBatch, ExtraKey, Medium};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message} (at byte {offset})")]
@@ -62,10 +66,14 @@ enum Kind {
 
 impl Kind {
     fn parse(name: &str) -> Option<Kind> {
+        Self::parse_bytes(name.as_bytes())
+    }
+
+    fn parse_bytes(name: &[u8]) -> Option<Kind> {
         match name {
-            "BlockStored" => Some(Kind::Stored),
-            "BlockRemoved" => Some(Kind::Removed),
-            "AllBlocksCleared" => Some(Kind::Cleared),
+            b"BlockStored" => Some(Kind::Stored),
+            b"BlockRemoved" => Some(Kind::Removed),
+            b"AllBlocksCleared" => Some(Kind::Cleared),
             _ => None,
         }
     }
@@ -91,9 +99,11 @@ impl Kind {
 /// Every field we interpret, whichever event it came from. `None` = absent or nil.
 #[derive(Default)]
 struct Fields {
-    block_hashes: Option<Vec<EngineHash>>,
+    /// Ranges of the output's `hashes` / `tokens` (a duplicate key appends again;
+    /// the last range wins, as the last value does).
+    block_hashes: Option<Range<usize>>,
     parent_block_hash: Option<EngineHash>,
-    token_ids: Option<Vec<u32>>,
+    token_ids: Option<Range<usize>>,
     block_size: Option<u32>,
     lora_id: Option<i64>,
     medium: Option<Medium>,
@@ -103,8 +113,33 @@ struct Fields {
     cache_salt: Option<String>,
 }
 
+thread_local! {
+    /// `decode_batch`'s flat buffers, reused: it then allocates only what it returns.
+    static SCRATCH: RefCell<FlatEvents> = RefCell::new(FlatEvents::default());
+}
+
 /// Decodes one event batch. Never panics; allocations are bounded by the input size.
 pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
+    SCRATCH.with(|scratch| {
+        let mut flat = scratch.borrow_mut();
+        flat.clear();
+        let header = decode_batch_into(bytes, &mut flat)?;
+        Ok(flat.take_batch(header))
+    })
+}
+
+/// Decodes one event batch and appends its events to `out` (the same grammar and
+/// errors as [`decode_batch`]). On an error `out` is left as it was.
+pub fn decode_batch_into(bytes: &[u8], out: &mut FlatEvents) -> Result<BatchHeader, DecodeError> {
+    let lens = (out.hashes.len(), out.tokens.len(), out.events.len());
+    let result = decode_flat(bytes, out);
+    if result.is_err() {
+        out.truncate(lens.0, lens.1, lens.2);
+    }
+    result
+}
+
+fn decode_flat(bytes: &[u8], out: &mut FlatEvents) -> Result<BatchHeader, DecodeError> {
     let mut r = Reader::new(bytes);
     let n = r.array_len("the batch")?;
     if !(2..=3).contains(&n) {
@@ -117,9 +152,11 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
     let ts = r.number("a timestamp")?;
     r.path = Path::BatchField("events");
     let count = r.array_len("the event list")?;
-    let mut events = Vec::with_capacity(count);
+    let first = out.events.len();
+    out.events.reserve(count);
     for index in 0..count {
-        events.push(decode_event(&mut r, index)?);
+        let event = decode_event(&mut r, index, out)?;
+        out.events.push(event);
     }
     let mut dp_rank = None;
     if n == 3 {
@@ -135,14 +172,18 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
             r.remaining()
         )));
     }
-    Ok(EventBatch {
+    Ok(BatchHeader {
         ts,
-        events,
         dp_rank,
+        events: first..out.events.len(),
     })
 }
 
-fn decode_event(r: &mut Reader<'_>, index: usize) -> Result<Event, DecodeError> {
+fn decode_event(
+    r: &mut Reader<'_>,
+    index: usize,
+    out: &mut FlatEvents,
+) -> Result<FlatEvent, DecodeError> {
     use rmp::Marker;
     let start = r.pos();
     r.path = Path::Event(index);
@@ -153,13 +194,27 @@ fn decode_event(r: &mut Reader<'_>, index: usize) -> Result<Event, DecodeError> 
             let mut type_at = start;
             for _ in 0..r.map_len()? {
                 r.path = Path::Event(index);
-                let name = r.str("a field name")?;
-                if name == "type" {
+                // Names are compared as bytes; only one that matches no known name
+                // is checked for UTF-8 (the same error, at the same point).
+                let name_at = r.pos();
+                let name = r.str_raw("a field name")?;
+                if name == b"type" {
                     r.path = Path::EventField(index, "type");
                     type_at = r.pos();
-                    kind_name = Some(r.str("the event type")?);
+                    let raw = r.str_raw("the event type")?;
+                    kind_name = Some(match Kind::parse_bytes(raw) {
+                        Some(kind) => kind.name(),
+                        None => r.utf8(raw, type_at, "the event type")?,
+                    });
                 } else {
-                    read_field(r, index, name, &mut fields)?;
+                    let known = match known_field(name) {
+                        Some(known) => Some(known),
+                        None => {
+                            r.utf8(name, name_at, "a field name")?;
+                            None
+                        }
+                    };
+                    read_field(r, index, known, &mut fields, out)?;
                 }
             }
             r.path = Path::Event(index);
@@ -190,7 +245,7 @@ fn decode_event(r: &mut Reader<'_>, index: usize) -> Result<Event, DecodeError> 
             }
             for i in 0..n - 1 {
                 match names.get(i) {
-                    Some(name) => read_field(r, index, name, &mut fields)?,
+                    Some(name) => read_field(r, index, Some(name), &mut fields, out)?,
                     None => {
                         r.path = Path::EventField(index, "<extra positional field>");
                         r.skip(FIELD_DEPTH)?;
@@ -217,20 +272,21 @@ fn parse_kind(r: &Reader<'_>, name: &str, at: usize) -> Result<Kind, DecodeError
     })
 }
 
-/// Reads the value of field `name`, or skips it if we do not interpret it.
+/// Reads the value of a known field (`known_field`), or skips an unknown one (None).
 fn read_field(
     r: &mut Reader<'_>,
     index: usize,
-    name: &str,
+    known: Option<&'static str>,
     f: &mut Fields,
+    out: &mut FlatEvents,
 ) -> Result<(), DecodeError> {
-    let Some(known) = known_field(name) else {
+    let Some(known) = known else {
         r.path = Path::EventField(index, "<unknown field>");
         return r.skip(FIELD_DEPTH);
     };
     r.path = Path::EventField(index, known);
     match known {
-        "block_hashes" => f.block_hashes = Some(hash_list(r)?),
+        "block_hashes" => f.block_hashes = Some(hash_list(r, &mut out.hashes)?),
         "parent_block_hash" => {
             f.parent_block_hash = if r.eat_nil()? {
                 None
@@ -238,10 +294,10 @@ fn read_field(
                 Some(engine_hash(r, None)?)
             }
         }
-        "token_ids" => f.token_ids = Some(token_list(r)?),
+        "token_ids" => f.token_ids = Some(token_list(r, &mut out.tokens)?),
         "block_size" => f.block_size = Some(r.int_in("block_size", 1, U32_MAX)? as u32),
         "lora_id" => f.lora_id = nil_or(r, |r| Ok(r.int_in("lora_id", I64_MIN, I64_MAX)? as i64))?,
-        "medium" => f.medium = nil_or(r, |r| Ok(Medium::parse(Some(r.str("medium")?))))?,
+        "medium" => f.medium = nil_or(r, medium)?,
         "lora_name" => f.lora_name = nil_or(r, |r| Ok(r.str("lora_name")?.to_owned()))?,
         "extra_keys" => f.extra_keys = nil_or(r, extra_keys)?,
         "group_idx" => f.group_idx = nil_or(r, |r| Ok(r.int_in("group_idx", 0, U32_MAX)? as u32))?,
@@ -252,26 +308,38 @@ fn read_field(
 }
 
 /// The field names we know (`STORED_POSITIONAL` ∪ `REMOVED_POSITIONAL`), as a match
-/// (compiled to length + byte comparisons; a linear scan was a hot spot).
-fn known_field(name: &str) -> Option<&'static str> {
+/// on the raw bytes (compiled to length + byte comparisons; a linear scan was a hot
+/// spot, and so was checking every name for UTF-8 first).
+fn known_field(name: &[u8]) -> Option<&'static str> {
     Some(match name {
-        "block_hashes" => "block_hashes",
-        "parent_block_hash" => "parent_block_hash",
-        "token_ids" => "token_ids",
-        "block_size" => "block_size",
-        "lora_id" => "lora_id",
-        "medium" => "medium",
-        "lora_name" => "lora_name",
-        "extra_keys" => "extra_keys",
-        "group_idx" => "group_idx",
-        "kv_cache_spec_kind" => "kv_cache_spec_kind",
-        "kv_cache_spec_sliding_window" => "kv_cache_spec_sliding_window",
-        "locality" => "locality",
-        "ownership" => "ownership",
-        "session_id" => "session_id",
-        "lookahead_token_ids" => "lookahead_token_ids",
-        "cache_salt" => "cache_salt",
+        b"block_hashes" => "block_hashes",
+        b"parent_block_hash" => "parent_block_hash",
+        b"token_ids" => "token_ids",
+        b"block_size" => "block_size",
+        b"lora_id" => "lora_id",
+        b"medium" => "medium",
+        b"lora_name" => "lora_name",
+        b"extra_keys" => "extra_keys",
+        b"group_idx" => "group_idx",
+        b"kv_cache_spec_kind" => "kv_cache_spec_kind",
+        b"kv_cache_spec_sliding_window" => "kv_cache_spec_sliding_window",
+        b"locality" => "locality",
+        b"ownership" => "ownership",
+        b"session_id" => "session_id",
+        b"lookahead_token_ids" => "lookahead_token_ids",
+        b"cache_salt" => "cache_salt",
         _ => return None,
+    })
+}
+
+/// A medium string; the names engines send all the time skip the UTF-8 check.
+fn medium(r: &mut Reader<'_>) -> Result<Medium, DecodeError> {
+    let start = r.pos();
+    Ok(match r.str_raw("medium")? {
+        b"GPU" => Medium::Gpu,
+        b"CPU" => Medium::Cpu,
+        b"DISK" => Medium::Disk,
+        raw => Medium::parse(Some(r.utf8(raw, start, "medium")?)),
     })
 }
 
@@ -288,6 +356,9 @@ fn nil_or<'a, T>(
 
 /// One engine hash: uint64 as is, int64 by its bits, a digest by its last 8 bytes BE.
 fn engine_hash(r: &mut Reader<'_>, element: Option<usize>) -> Result<EngineHash, DecodeError> {
+    if let Some(v) = r.fast_u64() {
+        return Ok(v); // uint64 or positive fixint: the common wire forms
+    }
     let start = r.pos();
     let at = |i: Option<usize>| i.map(|i| format!("[{i}]")).unwrap_or_default();
     if let Some(v) = r.try_int()? {
@@ -323,21 +394,25 @@ fn engine_hash(r: &mut Reader<'_>, element: Option<usize>) -> Result<EngineHash,
     ))
 }
 
-fn hash_list(r: &mut Reader<'_>) -> Result<Vec<EngineHash>, DecodeError> {
+/// Appends the hashes to `out`; returns where they are.
+fn hash_list(r: &mut Reader<'_>, out: &mut Vec<EngineHash>) -> Result<Range<usize>, DecodeError> {
     let n = r.array_len("block_hashes")?;
-    let mut out = Vec::with_capacity(n);
+    let start = out.len();
+    out.reserve(n);
     for i in 0..n {
         out.push(engine_hash(r, Some(i))?);
     }
-    Ok(out)
+    Ok(start..out.len())
 }
 
-fn token_list(r: &mut Reader<'_>) -> Result<Vec<u32>, DecodeError> {
+/// Appends the token ids to `out`; returns where they are.
+fn token_list(r: &mut Reader<'_>, out: &mut Vec<u32>) -> Result<Range<usize>, DecodeError> {
     let n = r.array_len("token_ids")?;
-    let mut out = Vec::with_capacity(n);
+    let first = out.len();
+    let end = first + n;
     loop {
-        r.fast_u32_run(n, &mut out);
-        let i = out.len();
+        r.fast_u32_run(end, out);
+        let i = out.len() - first;
         if i == n {
             break;
         }
@@ -356,7 +431,7 @@ fn token_list(r: &mut Reader<'_>) -> Result<Vec<u32>, DecodeError> {
             }
         }
     }
-    Ok(out)
+    Ok(first..end)
 }
 
 fn extra_keys(r: &mut Reader<'_>) -> Result<Vec<Option<Vec<ExtraKey>>>, DecodeError> {
@@ -401,7 +476,7 @@ fn classify_extra_key(raw: &[u8]) -> ExtraKey {
     ExtraKey::Raw(raw.to_vec())
 }
 
-fn build(r: &Reader<'_>, kind: Kind, f: Fields, start: usize) -> Result<Event, DecodeError> {
+fn build(r: &Reader<'_>, kind: Kind, f: Fields, start: usize) -> Result<FlatEvent, DecodeError> {
     let missing = |name: &str| {
         r.error_at(
             start,
@@ -409,10 +484,10 @@ fn build(r: &Reader<'_>, kind: Kind, f: Fields, start: usize) -> Result<Event, D
         )
     };
     Ok(match kind {
-        Kind::Stored => Event::BlockStored(BlockStored {
-            block_hashes: f.block_hashes.ok_or_else(|| missing("block_hashes"))?,
+        Kind::Stored => FlatEvent::BlockStored(FlatStored {
+            hashes: f.block_hashes.ok_or_else(|| missing("block_hashes"))?,
             parent_block_hash: f.parent_block_hash,
-            token_ids: f.token_ids.ok_or_else(|| missing("token_ids"))?,
+            tokens: f.token_ids.ok_or_else(|| missing("token_ids"))?,
             block_size: f.block_size.ok_or_else(|| missing("block_size"))?,
             lora_id: f.lora_id,
             medium: f.medium.unwrap_or(Medium::Gpu),
@@ -421,12 +496,12 @@ fn build(r: &Reader<'_>, kind: Kind, f: Fields, start: usize) -> Result<Event, D
             group_idx: f.group_idx.unwrap_or(0),
             cache_salt: f.cache_salt,
         }),
-        Kind::Removed => Event::BlockRemoved(BlockRemoved {
-            block_hashes: f.block_hashes.ok_or_else(|| missing("block_hashes"))?,
+        Kind::Removed => FlatEvent::BlockRemoved {
+            hashes: f.block_hashes.ok_or_else(|| missing("block_hashes"))?,
             medium: f.medium.unwrap_or(Medium::Gpu),
             group_idx: f.group_idx.unwrap_or(0),
-        }),
-        Kind::Cleared => Event::AllBlocksCleared,
+        },
+        Kind::Cleared => FlatEvent::AllBlocksCleared,
     })
 }
 
@@ -437,9 +512,9 @@ mod field_name_tests {
     #[test]
     fn every_positional_name_is_known() {
         for name in STORED_POSITIONAL.iter().chain(REMOVED_POSITIONAL.iter()) {
-            assert_eq!(known_field(name), Some(*name));
+            assert_eq!(known_field(name.as_bytes()), Some(*name));
         }
-        assert_eq!(known_field("type"), None);
-        assert_eq!(known_field("block_hashes "), None);
+        assert_eq!(known_field(b"type"), None);
+        assert_eq!(known_field(b"block_hashes "), None);
     }
 }

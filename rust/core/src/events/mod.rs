@@ -3,12 +3,14 @@
 //! than the input can justify.
 
 mod decode;
+mod flat;
 mod reader;
 mod types;
 
 #[cfg(test)]
 mod tests;
 
-pub use decode::{decode_batch, DecodeError};
+pub use decode::{decode_batch, decode_batch_into, DecodeError};
+pub use flat::{BatchHeader, EventRef, FlatEvent, FlatEvents, FlatStored, RemovedRef, StoredRef};
 pub use reader::MAX_DEPTH;
 pub use types::{BlockRemoved, BlockStored, EngineHash, Event, EventBatch, ExtraKey, Medium};

@@ -171,7 +171,18 @@ impl<'a> Reader<'a> {
     }
 
     /// The raw bytes of a str value (not yet UTF-8 checked), or None if it is not a str.
+    #[inline]
     fn str_bytes(&mut self) -> Result<Option<&'a [u8]>, DecodeError> {
+        // A fixstr that fits (every field name and common value): no marker decoding.
+        if let Some(&b) = self.buf.get(self.pos) {
+            if b & 0xe0 == 0xa0 {
+                let n = (b & 0x1f) as usize;
+                if let Some(s) = self.buf.get(self.pos + 1..self.pos + 1 + n) {
+                    self.pos += 1 + n;
+                    return Ok(Some(s));
+                }
+            }
+        }
         let n = match self.peek()? {
             Marker::FixStr(n) => {
                 self.pos += 1;
@@ -196,10 +207,43 @@ impl<'a> Reader<'a> {
 
     pub fn str(&mut self, what: &str) -> Result<&'a str, DecodeError> {
         let start = self.pos;
+        let bytes = self.str_raw(what)?;
+        self.utf8(bytes, start, what)
+    }
+
+    /// The bytes of a str value, not UTF-8 checked: a caller that compares them with
+    /// known ASCII names checks (with [`Reader::utf8`]) only what matches none.
+    #[inline]
+    pub fn str_raw(&mut self, what: &str) -> Result<&'a [u8], DecodeError> {
+        let start = self.pos;
         match self.str_bytes()? {
-            Some(bytes) => std::str::from_utf8(bytes)
-                .map_err(|e| self.error_at(start, format_args!("{what} is not valid UTF-8 ({e})"))),
+            Some(bytes) => Ok(bytes),
             None => Err(self.unexpected(start, &format!("{what} (a string)"), self.peek()?)),
+        }
+    }
+
+    /// `bytes` (a str value that started at `start`) as UTF-8, or the error `str` gives.
+    pub fn utf8(&self, bytes: &'a [u8], start: usize, what: &str) -> Result<&'a str, DecodeError> {
+        std::str::from_utf8(bytes)
+            .map_err(|e| self.error_at(start, format_args!("{what} is not valid UTF-8 ({e})")))
+    }
+
+    /// Fast path for an engine hash: a uint64 or a positive fixint. None (nothing
+    /// consumed) otherwise; the caller then takes the general path.
+    #[inline]
+    pub fn fast_u64(&mut self) -> Option<u64> {
+        let rest = &self.buf[self.pos..];
+        match *rest.first()? {
+            0xcf => {
+                let b: [u8; 8] = rest.get(1..9)?.try_into().ok()?;
+                self.pos += 9;
+                Some(u64::from_be_bytes(b))
+            }
+            b @ 0x00..=0x7f => {
+                self.pos += 1;
+                Some(b as u64)
+            }
+            _ => None,
         }
     }
 
@@ -232,6 +276,22 @@ impl<'a> Reader<'a> {
                 }
                 return;
             };
+            // uint16 ids (vocabularies of 256..65535 tokens: most of them) four at a
+            // time, with fixed offsets instead of a chain of variable-length steps.
+            if w[0] == 0xcd && n - out.len() >= 4 {
+                if let Some(q) = buf.get(pos..pos + 12) {
+                    if q[3] == 0xcd && q[6] == 0xcd && q[9] == 0xcd {
+                        out.extend_from_slice(&[
+                            u16::from_be_bytes([q[1], q[2]]) as u32,
+                            u16::from_be_bytes([q[4], q[5]]) as u32,
+                            u16::from_be_bytes([q[7], q[8]]) as u32,
+                            u16::from_be_bytes([q[10], q[11]]) as u32,
+                        ]);
+                        pos += 12;
+                        continue;
+                    }
+                }
+            }
             let (v, len) = match w[0] {
                 b @ 0x00..=0x7f => (b as u32, 1),
                 0xcd => (u16::from_be_bytes([w[1], w[2]]) as u32, 3),

@@ -567,6 +567,57 @@ proptest! {
         let _ = decode_batch(&bytes);
         let _ = decode_batch(&bytes[..cut.index(bytes.len())]);
     }
+
+    /// `decode_batch_into` appends to flat buffers that already hold other batches:
+    /// each batch's events read back (borrowed) as `decode_batch` gives them, and a
+    /// payload that fails (mutated or cut) leaves the buffers exactly as they were,
+    /// with the same error as `decode_batch`.
+    #[test]
+    fn flat_decoding_appends_and_undoes_failures(
+        batches in proptest::collection::vec(
+            (
+                proptest::collection::vec(wire_event(), 0..4),
+                any::<bool>(),
+                proptest::option::of((any::<prop::sample::Index>(), any::<u8>())),
+                proptest::option::of(any::<prop::sample::Index>()),
+            ),
+            1..5,
+        ),
+    ) {
+        let mut flat = FlatEvents::default();
+        let mut kept: Vec<(BatchHeader, EventBatch)> = vec![];
+        for (events, positional, flip, cut) in batches {
+            let mut bytes = encode(2.0, &events, Some(1), positional);
+            if let Some((at, value)) = flip {
+                let i = at.index(bytes.len());
+                bytes[i] = value;
+            }
+            if let Some(cut) = cut {
+                bytes.truncate(cut.index(bytes.len() + 1));
+            }
+            let before = flat.clone();
+            match (decode_batch_into(&bytes, &mut flat), decode_batch(&bytes)) {
+                (Ok(header), Ok(batch)) => {
+                    prop_assert_eq!(header.ts.to_bits(), batch.ts.to_bits());
+                    prop_assert_eq!(header.dp_rank, batch.dp_rank);
+                    kept.push((header, batch));
+                }
+                (Err(a), Err(b)) => {
+                    prop_assert_eq!(a, b);
+                    prop_assert_eq!(&flat.hashes, &before.hashes);
+                    prop_assert_eq!(&flat.tokens, &before.tokens);
+                    prop_assert_eq!(&flat.events, &before.events);
+                }
+                (a, b) => prop_assert!(false, "flat {:?}, owned {:?}", a, b),
+            }
+        }
+        for (header, batch) in &kept {
+            prop_assert_eq!(header.events.len(), batch.events.len());
+            for (i, event) in header.events.clone().zip(&batch.events) {
+                prop_assert_eq!(format!("{:?}", flat.get(i)), format!("{:?}", event.as_ref()));
+            }
+        }
+    }
 }
 
 /// A token as some encoder may write it: minimal width or not, signed markers, or an
@@ -597,6 +648,33 @@ proptest! {
     fn token_arrays_of_mixed_widths(
         tokens in proptest::collection::vec(wire_token(), 0..64),
     ) {
+        check_token_array(&tokens)?;
+    }
+
+    /// Mostly uint16 ids (the common case, decoded four at a time), with other
+    /// widths and invalid elements at any position of a run.
+    #[test]
+    fn token_arrays_of_uint16_runs(
+        tokens in proptest::collection::vec(
+            prop_oneof![
+                24 => any::<u16>().prop_map(|v| {
+                    let mut o = vec![];
+                    rmp::encode::write_u16(&mut o, v).unwrap();
+                    (o, Ok(v as u32))
+                }),
+                2 => wire_token(),
+            ],
+            0..80,
+        ),
+    ) {
+        check_token_array(&tokens)?;
+    }
+}
+
+/// Decodes a BlockStored with these token elements: the values, or an error that
+/// names the first invalid element.
+fn check_token_array(tokens: &[(Vec<u8>, Result<u32, ()>)]) -> Result<(), TestCaseError> {
+    {
         let mut bytes = vec![0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x91, 0x84];
         write_str(&mut bytes, "type");
         write_str(&mut bytes, "BlockStored");
@@ -604,7 +682,7 @@ proptest! {
         bytes.push(0x90);
         write_str(&mut bytes, "token_ids");
         rmp::encode::write_array_len(&mut bytes, tokens.len() as u32).unwrap();
-        for (raw, _) in &tokens {
+        for (raw, _) in tokens {
             bytes.extend_from_slice(raw);
         }
         write_str(&mut bytes, "block_size");
@@ -626,4 +704,5 @@ proptest! {
             (got, bad) => prop_assert!(false, "decoded {:?}, first bad element {:?}", got, bad),
         }
     }
+    Ok(())
 }

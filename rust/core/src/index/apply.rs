@@ -2,7 +2,7 @@
 
 use crate::content_key::{chain_block, MmItem, SEED};
 use crate::events::{
-    decode_batch, BlockRemoved, BlockStored, DecodeError, Event, EventBatch, ExtraKey,
+    decode_batch, DecodeError, Event, EventBatch, EventRef, ExtraKey, RemovedRef, StoredRef,
 };
 use crate::namespace::Namespace;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -28,40 +28,43 @@ impl Index {
 
     /// Applies one decoded batch for `source` (its dp rank taken as given).
     pub fn apply_batch(&mut self, source: SourceKey, batch: &EventBatch) -> ApplyStats {
-        self.apply_batch_planned(source, batch, &mut Plan::none())
+        let events = batch.events.iter().map(Event::as_ref);
+        self.apply_events_planned(source, batch.events.len(), events, &mut Plan::none())
     }
 
-    /// `apply_batch`, taking each BlockStored's key chain from `plan` when it was
-    /// computed from the parent key the event turns out to have.
-    pub(super) fn apply_batch_planned(
+    /// Applies the `count` events of one batch for `source`, taking each
+    /// BlockStored's key chain from `plan` when it was computed from the parent key
+    /// the event turns out to have.
+    pub(super) fn apply_events_planned<'e>(
         &mut self,
         source: SourceKey,
-        batch: &EventBatch,
+        count: usize,
+        events: impl Iterator<Item = EventRef<'e>>,
         plan: &mut Plan,
     ) -> ApplyStats {
         let mut stats = ApplyStats {
             batches: 1,
-            events: batch.events.len() as u64,
+            events: count as u64,
             ..Default::default()
         };
         let Some(slot) = self.sources.slot_or_create(source, holders::MAX_SLOT) else {
             // More than 16 M live sources: refuse rather than corrupt holder ids.
             stats.invalid_events = stats.events;
-            plan.skip(batch.events.len());
+            plan.skip(count);
             return stats;
         };
-        for event in &batch.events {
+        for event in events {
             let chain = plan.next_event();
             if let Some(c) = chain {
                 plan.prefetch_through(&self.tree, c.end);
             }
             match event {
-                Event::BlockStored(ev) => {
+                EventRef::BlockStored(ev) => {
                     let planned = chain.map(|c| (c.parent, &plan.keys[c.start..c.end]));
-                    self.store(slot, ev, &mut stats, planned)
+                    self.store(slot, &ev, &mut stats, planned)
                 }
-                Event::BlockRemoved(ev) => self.remove(slot, ev, &mut stats),
-                Event::AllBlocksCleared => {
+                EventRef::BlockRemoved(ev) => self.remove(slot, &ev, &mut stats),
+                EventRef::AllBlocksCleared => {
                     stats.clears += 1;
                     self.clear_slot(slot);
                 }
@@ -99,7 +102,7 @@ impl Index {
     fn store(
         &mut self,
         slot: u32,
-        ev: &BlockStored,
+        ev: &StoredRef<'_>,
         stats: &mut ApplyStats,
         planned: Option<(u64, &[u64])>,
     ) {
@@ -107,7 +110,7 @@ impl Index {
         if n == 0 {
             return;
         }
-        let Some(medium) = self.media.intern(&ev.medium) else {
+        let Some(medium) = self.media.intern(ev.medium) else {
             stats.invalid_events += 1;
             return;
         };
@@ -116,7 +119,7 @@ impl Index {
         if ev.token_ids.is_empty() {
             // An offload tier storing blocks it got from another medium: the source
             // already knows these hashes (with their keys) from that medium.
-            for &h in &ev.block_hashes {
+            for &h in ev.block_hashes {
                 let known = self.resolve(slot, engine_map_key(group, h));
                 match known.and_then(|key| self.tree.find(key)) {
                     Some(id) => {
@@ -184,10 +187,13 @@ impl Index {
     }
 
     /// The namespace of a BlockStored that starts at block 0 (`docs/index.md`).
-    pub(super) fn namespace_of(&self, slot: u32, ev: &BlockStored) -> Namespace {
+    pub(super) fn namespace_of(&self, slot: u32, ev: &StoredRef<'_>) -> Namespace {
         let src = self.sources.get(slot);
-        let lora = ev.lora_name.clone().unwrap_or_default();
-        let tenant = ev.cache_salt.clone().or_else(|| salt_in_extra_keys(ev));
+        let lora = ev.lora_name.unwrap_or_default().to_owned();
+        let tenant = ev
+            .cache_salt
+            .map(str::to_owned)
+            .or_else(|| salt_in_extra_keys(ev));
         Namespace {
             model: src.model.clone(),
             tokenizer: src.tokenizer.clone(),
@@ -198,9 +204,9 @@ impl Index {
         }
     }
 
-    fn remove(&mut self, slot: u32, ev: &BlockRemoved, stats: &mut ApplyStats) {
-        let medium = self.media.find(&ev.medium);
-        for &h in &ev.block_hashes {
+    fn remove(&mut self, slot: u32, ev: &RemovedRef<'_>, stats: &mut ApplyStats) {
+        let medium = self.media.find(ev.medium);
+        for &h in ev.block_hashes {
             let map_key = engine_map_key(ev.group_idx, h);
             let Some(key) = self.resolve(slot, map_key) else {
                 stats.unknown_removals += 1;
@@ -305,7 +311,12 @@ pub(super) fn resolve_rank(
     source: SourceKey,
     batch: &EventBatch,
 ) -> Result<SourceKey, DecodeError> {
-    match batch.dp_rank {
+    rank_of(source, batch.dp_rank)
+}
+
+/// `source` with the batch's own dp rank, if it carries one.
+pub(super) fn rank_of(source: SourceKey, dp_rank: Option<i64>) -> Result<SourceKey, DecodeError> {
+    match dp_rank {
         None => Ok(source),
         Some(r) => match u32::try_from(r) {
             Ok(dp_rank) => Ok(SourceKey { dp_rank, ..source }),
@@ -319,24 +330,33 @@ pub(super) fn resolve_rank(
 
 /// Appends the content keys of `ev`'s blocks, chained from `parent_key`, to `out`.
 /// The event must carry at least `n_hashes × block_size` tokens (`block_size` > 0).
-pub(super) fn chain_keys(ev: &BlockStored, parent_key: u64, out: &mut Vec<u64>) {
+pub(super) fn chain_keys(ev: &StoredRef<'_>, parent_key: u64, out: &mut Vec<u64>) {
     let bs = ev.block_size as usize;
     let n = ev.block_hashes.len();
     out.reserve(n);
     let mut k = parent_key;
-    let mut buf = Vec::new();
-    for (i, tokens) in ev.token_ids.chunks_exact(bs).take(n).enumerate() {
-        k = match mm_items(ev, i) {
-            Some(mm) => chain_block(k, tokens, Some(&mm)),
-            None => chain_block_reusing(&mut buf, k, tokens),
-        };
-        out.push(k);
-    }
+    IMAGE.with(|image| {
+        let mut fresh = Vec::new();
+        let mut kept = image.try_borrow_mut();
+        let buf = kept.as_deref_mut().unwrap_or(&mut fresh);
+        for (i, tokens) in ev.token_ids.chunks_exact(bs).take(n).enumerate() {
+            k = match mm_items(ev, i) {
+                Some(mm) => chain_block(k, tokens, Some(&mm)),
+                None => chain_block_reusing(buf, k, tokens),
+            };
+            out.push(k);
+        }
+    })
+}
+
+thread_local! {
+    /// The byte image of a block being hashed (`chain_block_reusing`), kept.
+    static IMAGE: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Whether `store` will chain keys for `ev` (it has tokens, enough of them, a
 /// block size): the events a batch plan computes keys for.
-pub(super) fn has_key_chain(ev: &BlockStored) -> bool {
+pub(super) fn has_key_chain(ev: &StoredRef<'_>) -> bool {
     let n = ev.block_hashes.len() as u64;
     n > 0
         && ev.block_size > 0
@@ -345,32 +365,34 @@ pub(super) fn has_key_chain(ev: &BlockStored) -> bool {
 }
 
 /// vLLM's cache salt: a string in block 0's extra keys that is not the LoRA name.
-fn salt_in_extra_keys(ev: &BlockStored) -> Option<String> {
+fn salt_in_extra_keys(ev: &StoredRef<'_>) -> Option<String> {
     let first = ev.extra_keys.first()?.as_ref()?;
     first.iter().find_map(|k| match k {
-        ExtraKey::Str(s) if Some(s.as_str()) != ev.lora_name.as_deref() => Some(s.clone()),
+        ExtraKey::Str(s) if Some(s.as_str()) != ev.lora_name => Some(s.clone()),
         _ => None,
     })
 }
 
 /// `chain_block(parent, tokens, None)` with the byte image built in a buffer reused
 /// across the blocks of an event: large blocks (vLLM's 512-token blocks in the
-/// simulator's traces) otherwise cost an allocation and a per-token append each.
+/// simulator's traces) otherwise cost an allocation and a per-token append each,
+/// and small ones the zeroing of `chain_block`'s whole 520-byte stack buffer. Every
+/// byte of `buf[..len]` is overwritten, so it is zeroed only when it grows.
 pub(super) fn chain_block_reusing(buf: &mut Vec<u8>, parent: u64, tokens: &[u32]) -> u64 {
-    if tokens.len() <= 128 {
-        return chain_block(parent, tokens, None); // its stack buffer
+    let len = 8 + 4 * tokens.len();
+    if buf.len() < len {
+        buf.resize(len, 0);
     }
-    buf.clear();
-    buf.resize(8 + 4 * tokens.len(), 0);
-    buf[..8].copy_from_slice(&parent.to_le_bytes());
-    for (dst, t) in buf[8..].chunks_exact_mut(4).zip(tokens) {
+    let image = &mut buf[..len];
+    image[..8].copy_from_slice(&parent.to_le_bytes());
+    for (dst, t) in image[8..].chunks_exact_mut(4).zip(tokens) {
         dst.copy_from_slice(&t.to_le_bytes());
     }
-    xxh3_64_with_seed(buf, SEED)
+    xxh3_64_with_seed(image, SEED)
 }
 
 /// The multimodal items of block `i`, in the engine's order; None if it has none.
-fn mm_items(ev: &BlockStored, i: usize) -> Option<Vec<MmItem>> {
+fn mm_items(ev: &StoredRef<'_>, i: usize) -> Option<Vec<MmItem>> {
     let keys = ev.extra_keys.get(i)?.as_ref()?;
     let items: Vec<MmItem> = keys
         .iter()

@@ -9,10 +9,18 @@
 //! being loaded. A planned chain is used only if the event's parent key, as found
 //! when it is applied, is the one it was computed from, so the result is exactly
 //! that of applying the payloads one by one (tested against it).
+//!
+//! The window is decoded into flat buffers ([`FlatEvents`]) that live as long as
+//! the thread: after the first calls, decoding a payload allocates nothing (an
+//! [`EventBatch`](crate::events::EventBatch) costs an allocation and a free for
+//! the event list and for each event's hashes and tokens).
 
-use crate::events::{decode_batch, DecodeError, Event, EventBatch};
+use std::cell::RefCell;
+use std::ops::Range;
 
-use super::apply::{chain_keys, has_key_chain, resolve_rank};
+use crate::events::{decode_batch_into, DecodeError, EventRef, FlatEvent, FlatEvents};
+
+use super::apply::{chain_keys, has_key_chain, rank_of};
 use super::sources::engine_map_key;
 use super::tree::Tree;
 use super::{ApplyStats, Index, SourceKey};
@@ -22,6 +30,18 @@ use super::{ApplyStats, Index, SourceKey};
 const WINDOW_BLOCKS: usize = if cfg!(test) { 6 } else { 1024 };
 /// How many blocks ahead of the one being applied the table slots are prefetched.
 const AHEAD: usize = 24;
+
+thread_local! {
+    /// The decoded window of `apply_payloads`, kept for the thread's next calls.
+    static WINDOW: RefCell<Window> = RefCell::new(Window::default());
+}
+
+/// Decoded payloads of a window: the batches' sources and their events' ranges.
+#[derive(Debug, Default)]
+struct Window {
+    flat: FlatEvents,
+    batches: Vec<(SourceKey, Range<usize>)>,
+}
 
 /// A payload of an `apply_payloads` call failed to decode: the ones before it are
 /// applied (`applied`), it and the later ones are not.
@@ -88,32 +108,57 @@ impl Index {
         source: SourceKey,
         payloads: &[P],
     ) -> Result<ApplyStats, PayloadsError> {
+        WINDOW.with(|w| match w.try_borrow_mut() {
+            Ok(mut window) => self.apply_payloads_in(source, payloads, &mut window),
+            // Only if a caller re-entered from inside a call: a window of its own.
+            Err(_) => self.apply_payloads_in(source, payloads, &mut Window::default()),
+        })
+    }
+
+    fn apply_payloads_in<P: AsRef<[u8]>>(
+        &mut self,
+        source: SourceKey,
+        payloads: &[P],
+        window: &mut Window,
+    ) -> Result<ApplyStats, PayloadsError> {
         let mut applied = ApplyStats::default();
         let mut start = 0;
-        let mut window: Vec<(SourceKey, EventBatch)> = Vec::new();
         while start < payloads.len() {
-            window.clear();
+            window.flat.clear();
+            window.batches.clear();
             let mut blocks = 0;
             let mut failure = None;
             let mut end = start;
             while end < payloads.len() && blocks < WINDOW_BLOCKS {
-                let decoded = decode_batch(payloads[end].as_ref())
-                    .and_then(|b| Ok((resolve_rank(source, &b)?, b)));
+                let hashes_before = window.flat.hashes.len();
+                let decoded = decode_batch_into(payloads[end].as_ref(), &mut window.flat)
+                    .and_then(|h| Ok((rank_of(source, h.dp_rank)?, h)));
                 match decoded {
-                    Ok((src, batch)) => {
-                        blocks += stored_blocks(&batch);
-                        window.push((src, batch));
+                    Ok((src, header)) => {
+                        // Hashes of stored and removed blocks, + 1 per clear.
+                        blocks += window.flat.hashes.len() - hashes_before
+                            + window.flat.events[header.events.clone()]
+                                .iter()
+                                .filter(|e| matches!(e, FlatEvent::AllBlocksCleared))
+                                .count();
+                        window.batches.push((src, header.events));
                         end += 1;
                     }
                     Err(error) => {
+                        // A batch whose dp rank is bad was decoded: drop its events.
+                        let keep = window.batches.last().map_or(0, |(_, last)| last.end);
+                        window.flat.events.truncate(keep);
                         failure = Some(error);
                         break;
                     }
                 }
             }
-            let mut plan = self.plan(&window);
-            for (src, batch) in &window {
-                applied += self.apply_batch_planned(*src, batch, &mut plan);
+            let mut plan = self.plan(window);
+            for (src, events) in &window.batches {
+                let flat = &window.flat;
+                let count = events.len();
+                let refs = events.clone().map(|i| flat.get(i));
+                applied += self.apply_events_planned(*src, count, refs, &mut plan);
             }
             if let Some(error) = failure {
                 return Err(PayloadsError {
@@ -129,18 +174,18 @@ impl Index {
 
     /// The key chains of the window's BlockStored events, as far as they can be
     /// guessed before applying anything.
-    fn plan(&self, window: &[(SourceKey, EventBatch)]) -> Plan {
+    fn plan(&self, window: &Window) -> Plan {
         let mut plan = Plan::default();
         // (slot, engine-map key, content key) of the last block planned.
         let mut last: Option<(u32, u64, u64)> = None;
-        for (src, batch) in window {
+        for (src, events) in &window.batches {
             let slot = self.sources.slot(*src);
-            for event in &batch.events {
-                let chain = match (slot, event) {
-                    (Some(slot), Event::BlockStored(ev)) if has_key_chain(ev) => {
+            for i in events.clone() {
+                let chain = match (slot, window.flat.get(i)) {
+                    (Some(slot), EventRef::BlockStored(ev)) if has_key_chain(&ev) => {
                         let group = ev.group_idx;
                         let parent = match ev.parent_block_hash {
-                            None => Some(self.namespace_of(slot, ev).id()),
+                            None => Some(self.namespace_of(slot, &ev).id()),
                             Some(ph) => {
                                 let mk = engine_map_key(group, ph);
                                 match last {
@@ -151,7 +196,7 @@ impl Index {
                         };
                         parent.map(|parent| {
                             let start = plan.keys.len();
-                            chain_keys(ev, parent, &mut plan.keys);
+                            chain_keys(&ev, parent, &mut plan.keys);
                             plan.map_keys
                                 .extend(ev.block_hashes.iter().map(|&h| engine_map_key(group, h)));
                             last = Some((
@@ -173,15 +218,4 @@ impl Index {
         }
         plan
     }
-}
-
-fn stored_blocks(batch: &EventBatch) -> usize {
-    batch
-        .events
-        .iter()
-        .map(|e| match e {
-            Event::BlockStored(ev) => ev.block_hashes.len(),
-            _ => 1,
-        })
-        .sum()
 }

@@ -457,8 +457,8 @@ fn wire_op() -> impl Strategy<Value = WireOp> {
     ]
 }
 
-/// `[ts, [events as maps], dp_rank]`, vLLM's map form.
-fn encode_payload(dp_rank: u32, ops: &[WireOp]) -> Vec<u8> {
+/// `[ts, [events as maps], dp_rank]`, vLLM's map form (a negative rank is invalid).
+fn encode_payload(dp_rank: i64, ops: &[WireOp]) -> Vec<u8> {
     use rmp::encode::*;
     let mut w = vec![];
     write_array_len(&mut w, 3).unwrap();
@@ -519,16 +519,17 @@ fn encode_payload(dp_rank: u32, ops: &[WireOp]) -> Vec<u8> {
             }
         }
     }
-    write_uint(&mut w, dp_rank as u64).unwrap();
+    write_sint(&mut w, dp_rank).unwrap();
     w
 }
 
 /// A call: worker, then payloads of (dp rank, events, truncate to make it corrupt).
-type Call = (u64, Vec<(u32, Vec<WireOp>, bool)>);
+type Call = (u64, Vec<(i64, Vec<WireOp>, bool)>);
 
 fn call() -> impl Strategy<Value = Call> {
     let payload = (
-        0..2u32,
+        // Now and then a rank that is not one: an error after a decoded batch.
+        prop_oneof![30 => 0..2i64, 1 => Just(-1i64)],
         proptest::collection::vec(wire_op(), 1..4),
         proptest::bool::weighted(0.03),
     );
