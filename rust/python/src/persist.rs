@@ -16,7 +16,7 @@ use crate::index::hits_list;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use quillcache_core::backends::kv_index::KvIndexError;
-use quillcache_core::backends::{open_store, KvIndex as CoreKvIndex, KvStore};
+use quillcache_core::backends::{open_store, KvErrorKind, KvIndex as CoreKvIndex, KvStore};
 use quillcache_core::events::Medium;
 use quillcache_core::index::{ApplyStats, EntryOut, SourceKey};
 use quillcache_core::persist::{
@@ -462,6 +462,9 @@ impl DurableIndex {
 fn kv_err(e: KvIndexError) -> PyErr {
     match e {
         KvIndexError::Decode(m) => EventDecodeError::new_err(m),
+        KvIndexError::Store(e) if e.kind == KvErrorKind::Refused => {
+            IngestRefusedError::new_err(e.to_string())
+        }
         KvIndexError::Store(e) => PersistenceError::new_err(e.to_string()),
         KvIndexError::Corrupt { .. } => CorruptIndexError::new_err(e.to_string()),
     }
