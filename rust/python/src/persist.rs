@@ -675,14 +675,18 @@ impl KvIndex {
         self.with_mut(py, |ix| ix.store_mut().flush().map_err(KvIndexError::from))
     }
 
-    /// Flushes and releases the store. Idempotent.
+    /// Flushes and releases the store (a store that refuses calls is only
+    /// released). Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let taken = py.detach(|| self.inner.write().unwrap_or_else(|e| e.into_inner()).take());
         match taken {
             None => Ok(()),
-            Some(mut ix) => py
-                .detach(|| ix.store_mut().flush().map_err(KvIndexError::from))
-                .map_err(kv_err),
+            Some(mut ix) => match py.detach(|| ix.store_mut().flush()) {
+                // A store that refuses calls reported why when it started to; closing
+                // it only releases it.
+                Err(e) if e.kind == KvErrorKind::Refused => Ok(()),
+                r => r.map_err(|e| kv_err(e.into())),
+            },
         }
     }
 }
