@@ -88,7 +88,10 @@ fn the_slot_limit_refuses_the_write_and_a_reopen_recovers_the_acknowledged_state
     let reopened = HoltKv::open(&path, true).unwrap();
     let got: BTreeMap<Vec<u8>, Vec<u8>> = reopened.scan_prefix(b"").unwrap().into_iter().collect();
     assert_eq!(got.len(), acked.len());
-    assert!(got == acked, "reopened state differs from the acknowledged writes");
+    assert!(
+        got == acked,
+        "reopened state differs from the acknowledged writes"
+    );
 }
 
 /// Why `HoltKv` poisons itself: Holt 0.9.2 applies an atomic batch op by op and

@@ -114,9 +114,8 @@ pub fn open_store(
     path: Option<&std::path::Path>,
     sync: bool,
 ) -> Result<Box<dyn KvStore>, KvError> {
-    let need_path = |store: &'static str| {
-        path.ok_or(KvError::new(store, "a directory is required"))
-    };
+    let need_path =
+        |store: &'static str| path.ok_or(KvError::new(store, "a directory is required"));
     let _ = (&need_path, sync);
     match kind {
         "memory" => Ok(Box::new(mem_kv::MemKv::new())),
