@@ -12,12 +12,13 @@
 //! get out of) leaves the earlier ops of the batch visible in memory but not in the
 //! log. Holt's background checkpointer (and its final round on drop) would then write
 //! that half batch into the blob files. So this store runs with the checkpointer off
-//! and checkpoints itself between batches only; after a failed write it refuses
-//! every call ([`KvErrorKind::Refused`]), and dropping it writes no blob frame, so a
-//! reopen recovers exactly the logged batches (checkpoint + WAL replay): with `sync`,
-//! every acknowledged batch.
+//! and checkpoints itself between batches only (every 500 ms or 8 MiB written);
+//! after a failed write it refuses every call ([`KvErrorKind::Refused`]), and
+//! dropping it writes no blob frame, so a reopen recovers exactly the logged batches
+//! (checkpoint + WAL replay): with `sync`, every acknowledged batch.
 
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use holt::{CheckpointConfig, Durability, RangeEntry, Tree, TreeBuilder};
 
@@ -27,8 +28,11 @@ use super::{KvError, KvOp, KvPair, KvStore};
 pub const HOLT_MAX_SLOTS: u32 = 10_240;
 
 /// Checkpoint (write dirty blob frames, truncate the WAL) once this many key and
-/// value bytes were written since the last one: bounds the WAL replayed at open.
+/// value bytes were written since the last one, or this much time passed (the
+/// cadence of Holt's own checkpointer, `CheckpointConfig::idle_interval`): bounds
+/// the WAL replayed at open.
 const CHECKPOINT_EVERY_BYTES: usize = 8 << 20;
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(500);
 
 fn engine_err(e: holt::Error) -> KvError {
     KvError::new("holt", e.to_string())
@@ -39,8 +43,9 @@ pub struct HoltKv {
     path: PathBuf,
     /// Holt's WAL is fsynced on every write.
     sync: bool,
-    /// Key and value bytes written since the last checkpoint.
+    /// Key and value bytes written since the last checkpoint, and when it was.
     since_checkpoint: usize,
+    last_checkpoint: Instant,
     /// Why the store refuses every call, after a failed write.
     poisoned: Option<String>,
 }
@@ -61,6 +66,7 @@ impl HoltKv {
             path: path.to_path_buf(),
             sync,
             since_checkpoint: 0,
+            last_checkpoint: Instant::now(),
             poisoned: None,
         })
     }
@@ -183,7 +189,9 @@ impl KvStore for HoltKv {
             .iter()
             .map(|(k, v)| k.len() + v.as_ref().map_or(0, Vec::len))
             .sum::<usize>();
-        if self.since_checkpoint >= CHECKPOINT_EVERY_BYTES {
+        if self.since_checkpoint >= CHECKPOINT_EVERY_BYTES
+            || self.last_checkpoint.elapsed() >= CHECKPOINT_EVERY
+        {
             if let Err(e) = self.flush() {
                 // The batch is in the WAL, but the caller will take it as failed:
                 // refuse everything until a reopen reads the true state back.
@@ -204,6 +212,7 @@ impl KvStore for HoltKv {
         self.check_usable()?;
         self.tree.checkpoint().map_err(engine_err)?;
         self.since_checkpoint = 0;
+        self.last_checkpoint = Instant::now();
         Ok(())
     }
 }
