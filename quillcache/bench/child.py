@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from quillcache.bench.backends import backend_factory
+from quillcache.errors import QuillCacheError
 
 
 def proc_io_write_bytes() -> int:
@@ -67,8 +68,21 @@ def ingest(spec: dict[str, Any]) -> None:
     io0 = proc_io_write_bytes()
     t0 = time.perf_counter()
     stored = 0
-    for worker, payloads in calls:
-        stored += backend.apply(worker, payloads).blocks_stored
+    for done, (worker, payloads) in enumerate(calls):
+        try:
+            stored += backend.apply(worker, payloads).blocks_stored
+        except QuillCacheError as e:  # reported as this backend's result, not a crash
+            emit(
+                {
+                    "phase": "failed",
+                    "error": f"{type(e).__name__}: {e}",
+                    "calls_done": done,
+                    "calls": len(calls),
+                    "blocks_stored": stored,
+                }
+            )
+            backend.close()
+            return
     ingest_s = time.perf_counter() - t0
     io1 = proc_io_write_bytes()
     stats = backend.stats()

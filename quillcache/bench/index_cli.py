@@ -138,7 +138,10 @@ def render_table(results: list[dict[str, Any]], title: str) -> Any:
         t.add_column(col, justify="left" if col == "backend" else "right")
     for r in results:
         if "skipped" in r:
-            t.add_row(r["backend"], "[dim]skipped[/dim]", *[""] * 10)
+            failed = r["skipped"].startswith("failed")
+            t.add_row(
+                r["backend"], "[red]failed[/red]" if failed else "[dim]skipped[/dim]", *[""] * 10
+            )
             continue
         t.add_row(
             r["backend"],
@@ -239,7 +242,9 @@ def run(args: argparse.Namespace) -> int:
     out.print(render_table(results, title))
     for r in results:
         if "skipped" in r:
-            out.print(f"[dim]{r['backend']}: skipped: {r['skipped']}[/dim]")
+            reason = r["skipped"]
+            label = reason if reason.startswith("failed") else f"skipped: {reason}"
+            out.print(f"[dim]{r['backend']}: {label}[/dim]")
     report = {
         "command": " ".join(["quillcache", "bench-index", *sys.argv[2:]]),
         "date": started,

@@ -55,6 +55,12 @@ def _lines(
                 continue
             obj = json.loads(line)
             out.append(obj)
+            if obj.get("phase") == "failed":
+                proc.wait()
+                raise BenchError(
+                    f"{obj['error']} (after {obj['calls_done']:,} of {obj['calls']:,} apply "
+                    f"calls, {obj['blocks_stored']:,} blocks stored)"
+                )
             if until is not None and obj.get("phase") == until:
                 return out
         proc.wait()

@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from quillcache.bench import workloads
+from quillcache.bench.runner import BenchError, _lines
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,3 +64,27 @@ def test_bench_index_reports_every_measure(tmp_path: Path) -> None:
     assert wal["recovery_kill_detail"]["wal_records_replayed"] > 0
     assert wal["disk_bytes"] > 0
     assert "recovery_kill_s" not in by_name["native"]
+
+
+def test_a_child_whose_ingest_fails_is_reported_with_its_error() -> None:
+    """A backend that raises during ingest (e.g. Holt's slot limit) is a failed
+    result with the error and how far it got, not a child traceback."""
+    line = json.dumps(
+        {
+            "phase": "failed",
+            "error": "IngestRefusedError: holt error: alloc: blob slot table exhausted",
+            "calls_done": 360,
+            "calls": 10529,
+            "blocks_stored": 9959,
+        }
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", f"print({line!r})"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    with pytest.raises(BenchError) as err:
+        _lines(proc, until="ready")
+    assert "slot table exhausted" in str(err.value)
+    assert "after 360 of 10,529 apply calls, 9,959 blocks stored" in str(err.value)

@@ -16,7 +16,7 @@ use crate::index::hits_list;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use quillcache_core::backends::kv_index::KvIndexError;
-use quillcache_core::backends::{open_store, KvIndex as CoreKvIndex, KvStore};
+use quillcache_core::backends::{open_store, KvErrorKind, KvIndex as CoreKvIndex, KvStore};
 use quillcache_core::events::Medium;
 use quillcache_core::index::{ApplyStats, EntryOut, SourceKey};
 use quillcache_core::persist::{
@@ -462,6 +462,9 @@ impl DurableIndex {
 fn kv_err(e: KvIndexError) -> PyErr {
     match e {
         KvIndexError::Decode(m) => EventDecodeError::new_err(m),
+        KvIndexError::Store(e) if e.kind == KvErrorKind::Refused => {
+            IngestRefusedError::new_err(e.to_string())
+        }
         KvIndexError::Store(e) => PersistenceError::new_err(e.to_string()),
         KvIndexError::Corrupt { .. } => CorruptIndexError::new_err(e.to_string()),
     }
@@ -672,14 +675,18 @@ impl KvIndex {
         self.with_mut(py, |ix| ix.store_mut().flush().map_err(KvIndexError::from))
     }
 
-    /// Flushes and releases the store. Idempotent.
+    /// Flushes and releases the store (a store that refuses calls is only
+    /// released). Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let taken = py.detach(|| self.inner.write().unwrap_or_else(|e| e.into_inner()).take());
         match taken {
             None => Ok(()),
-            Some(mut ix) => py
-                .detach(|| ix.store_mut().flush().map_err(KvIndexError::from))
-                .map_err(kv_err),
+            Some(mut ix) => match py.detach(|| ix.store_mut().flush()) {
+                // A store that refuses calls reported why when it started to; closing
+                // it only releases it.
+                Err(e) if e.kind == KvErrorKind::Refused => Ok(()),
+                r => r.map_err(|e| kv_err(e.into())),
+            },
         }
     }
 }

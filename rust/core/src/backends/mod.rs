@@ -22,12 +22,41 @@ pub type KvPair = (Vec<u8>, Vec<u8>);
 /// A put (`Some`) or a delete (`None`).
 pub type KvOp = (Vec<u8>, Option<Vec<u8>>);
 
+/// What kind of failure a [`KvError`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvErrorKind {
+    /// The store reported an error; it stays usable.
+    Engine,
+    /// The store refuses this and every later call (a failed write may have left
+    /// it inconsistent in memory); reopening recovers the acknowledged state.
+    Refused,
+}
+
 /// An error of the underlying store, with its message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{store} error: {message}")]
 pub struct KvError {
     pub store: &'static str,
     pub message: String,
+    pub kind: KvErrorKind,
+}
+
+impl KvError {
+    pub fn new(store: &'static str, message: impl Into<String>) -> Self {
+        KvError {
+            store,
+            message: message.into(),
+            kind: KvErrorKind::Engine,
+        }
+    }
+
+    pub fn refused(store: &'static str, message: impl Into<String>) -> Self {
+        KvError {
+            store,
+            message: message.into(),
+            kind: KvErrorKind::Refused,
+        }
+    }
 }
 
 /// The few operations the index needs from an ordered key-value store.
@@ -85,12 +114,8 @@ pub fn open_store(
     path: Option<&std::path::Path>,
     sync: bool,
 ) -> Result<Box<dyn KvStore>, KvError> {
-    let need_path = |store: &'static str| {
-        path.ok_or(KvError {
-            store,
-            message: "a directory is required".into(),
-        })
-    };
+    let need_path =
+        |store: &'static str| path.ok_or(KvError::new(store, "a directory is required"));
     let _ = (&need_path, sync);
     match kind {
         "memory" => Ok(Box::new(mem_kv::MemKv::new())),
@@ -98,13 +123,13 @@ pub fn open_store(
         "rocksdb" => Ok(Box::new(rocks::RocksKv::open(need_path("rocksdb")?, sync)?)),
         #[cfg(feature = "holt")]
         "holt" => Ok(Box::new(holt_kv::HoltKv::open(need_path("holt")?, sync)?)),
-        other => Err(KvError {
-            store: "backend",
-            message: format!(
+        other => Err(KvError::new(
+            "backend",
+            format!(
                 "store {other:?} is not available in this build (known: memory{}); \
                  rebuild with `maturin develop --release --features {other}`",
                 if cfg!(feature = "holt") { ", holt" } else { "" }
             ),
-        }),
+        )),
     }
 }

@@ -16,10 +16,7 @@ use rocksdb::{
 use super::{KvError, KvOp, KvPair, KvStore};
 
 fn err(e: rocksdb::Error) -> KvError {
-    KvError {
-        store: "rocksdb",
-        message: e.into_string(),
-    }
+    KvError::new("rocksdb", e.into_string())
 }
 
 pub struct RocksKv {
