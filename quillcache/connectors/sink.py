@@ -113,3 +113,5 @@ class ControlPlaneSink:
                 self.stale.add((worker, dp_rank))
             else:
                 self.stale.discard((worker, dp_rank))
+        with self.guard:
+            self.plane.set_source_stale(worker, dp_rank, stale)

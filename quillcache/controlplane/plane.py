@@ -61,6 +61,9 @@ class WorkerState:
     kv_usage: float = 0.0
     mean_context_tokens: float = 0.0
     resident_blocks: int = 0  # stored - removed, from ingested events (all media)
+    # dp ranks whose events were lost beyond replay: until rebuilt, the index holds less
+    # than the engine does, so what it says of this worker is a lower bound
+    stale_ranks: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -205,6 +208,18 @@ class ControlPlane:
         self.apply_stats += stats
         return stats
 
+    def set_source_stale(self, worker: int, dp_rank: int, stale: bool) -> None:
+        """Mark a source's residency unknown (events lost beyond replay) or known again.
+        Routers see it as `WorkerView.residency_known`."""
+        state = self._workers.get(worker)
+        if state is None:  # removed while its events were being handled
+            return
+        ranks = state.stale_ranks
+        if stale:
+            ranks.add(dp_rank)
+        else:
+            ranks.discard(dp_rank)
+
     def clear(self, worker: int, dp_rank: int = 0) -> int:
         """The source dropped its cache without an event (restart seen by seq reset)."""
         state = self._state(worker)
@@ -286,6 +301,7 @@ class ControlPlane:
                     disk,
                     pending,
                     media,
+                    not s.stale_ranks,
                 )
             )
         return View(

@@ -74,6 +74,10 @@ class WorkerView:
     disk_blocks: int = 0  # ... in a disk / storage tier
     pending_blocks: int = 0  # ... being computed for an earlier request (speculative)
     matches: dict[str, int] = field(default_factory=dict)  # raw medium name -> blocks
+    # False while a source of this worker lost events that replay could not cover: the
+    # match fields are then a lower bound (the built-in routers treat the missing part
+    # as not cached, i.e. cold, until the source is rebuilt)
+    residency_known: bool = True
 
     @property
     def local_blocks(self) -> int:

@@ -130,3 +130,31 @@ def test_bad_payload_is_a_typed_error_and_earlier_batches_apply(cp: ControlPlane
     with pytest.raises(EventDecodeError):
         cp.ingest(1, [good, b"\xc1not msgpack"])
     assert {w.worker: w.gpu_blocks for w in cp.view(_request()).workers}[1] == 2
+
+
+def test_a_stale_source_makes_its_workers_residency_unknown_until_rebuilt(
+    cp: ControlPlane,
+) -> None:
+    """The ingestor marks a source stale through the sink (events lost beyond replay):
+    routers see that worker's match as a lower bound until the source is rebuilt, and a
+    worker with two ranks stays unknown while either of them is stale."""
+    from quillcache.connectors.sink import ControlPlaneSink
+
+    sink = ControlPlaneSink(cp)
+    cp.ingest(1, [_stored([11, 12], None, TOKENS[:8])])
+
+    def known() -> dict[int, bool]:
+        return {w.worker: w.residency_known for w in cp.view(_request()).workers}
+
+    assert known() == {0: True, 1: True, 2: True}
+    sink.set_stale(1, 0, True)
+    sink.set_stale(1, 1, True)
+    assert known() == {0: True, 1: False, 2: True}
+    assert {w.worker: w.gpu_blocks for w in cp.view(_request()).workers}[1] == 2
+    sink.set_stale(1, 0, False)
+    assert known()[1] is False  # rank 1 is still being rebuilt
+    sink.set_stale(1, 1, False)
+    assert known() == {0: True, 1: True, 2: True}
+    cp.remove_worker(2)
+    sink.set_stale(2, 0, True)  # a worker removed meanwhile: nothing to mark, no error
+    assert known() == {0: True, 1: True}
