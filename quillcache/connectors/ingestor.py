@@ -13,6 +13,13 @@ still propagating) and the engine then goes quiet, nothing reveals it: so once a
 source has been quiet for `quiet_tail_s` after any traffic (a batch, a drop, or a
 request the gateway sent it: `expect_events`), the applier asks its replay socket
 for everything after the last applied seq, once. An empty answer means up to date.
+
+A new connection with the engine (the socket monitor sees it) counts as traffic too,
+and makes that check a restart probe: ask from the last applied seq itself. A healthy
+engine still holds it, with the same bytes; a restarted one numbers from 0 again, so
+it answers nothing there or other bytes, and the source is cleared and rebuilt from
+the new life's seq 0. This catches an engine that restarts and goes quiet before any
+of its new batches reach us, and one that restarted while the gateway was down.
 """
 
 from __future__ import annotations
@@ -74,6 +81,8 @@ class SourceStatus:
     last_traffic_s: float = 0.0  # time.monotonic() of the last batch, drop or expectation
     tail_checks: int = 0  # replays asked for because the source went quiet
     tail_replayed_batches: int = 0  # batches that such a check found missing
+    peer_connects: int = 0  # connections with the engine set up (first one and reconnects)
+    restart_probe: bool = False  # a connection was set up: the next tail check verifies `last`
     apply: ApplyStats = field(default_factory=ApplyStats)
 
     @property
@@ -180,7 +189,7 @@ class EventIngestor:
         status.replay_endpoint = config.replay_endpoint
         if resume_from > status.tracker.last:
             status.tracker.last = resume_from
-        receiver = ZmqReceiver(self.ctx, config, self._deliver)
+        receiver = ZmqReceiver(self.ctx, config, self._deliver, self._on_peer)
         receiver.start()
         with self._lock:
             old = self._receivers.pop(config.key, None)
@@ -230,6 +239,15 @@ class EventIngestor:
         for status in list(self.sources.values()):
             if status.worker == worker:
                 status.note_traffic()
+
+    def _on_peer(self, key: SourceKey) -> None:
+        """A receiver thread saw a connection with the engine set up."""
+        status = self.sources.get(key)
+        if status is None:
+            return
+        status.peer_connects += 1
+        status.restart_probe = True
+        status.note_traffic()
 
     def _deliver(self, key: SourceKey, seq: int, payload: bytes) -> None:
         status = self.sources.get(key) or self._status(key)
@@ -328,12 +346,16 @@ class EventIngestor:
             status.traffic_checked = seen  # traffic noted since then re-arms it
             if self.sources.get((status.worker, status.dp_rank)) is not status:
                 continue  # removed meanwhile
-            status.tail_checks += 1
             before = status.replayed_batches
             try:
-                self._replay(status, status.tracker.last + 1, trigger=None)
+                if status.restart_probe and status.tracker.last >= 0:
+                    self._probe_restart(status)
+                else:
+                    status.restart_probe = False
+                    self._replay(status, status.tracker.last + 1, trigger=None)
             except Exception:
                 log.exception("kv events: tail check of worker %d failed", status.worker)
+            status.tail_checks += 1  # counted once done: observers see its effects
             found = status.replayed_batches - before
             if found:
                 status.tail_replayed_batches += found
@@ -386,7 +408,7 @@ class EventIngestor:
                 status.duplicates += 1
             elif verdict is Verdict.APPLY:
                 pending.append((seq, payload))
-                tracker.applied(seq)
+                tracker.applied(seq, digest)
             elif verdict is Verdict.GAP:
                 self._apply(status, pending)
                 pending = []
@@ -395,10 +417,42 @@ class EventIngestor:
                 verdict = tracker.classify(seq, digest)
                 if verdict is Verdict.APPLY or verdict is Verdict.GAP:  # GAP: stale, start over
                     pending.append((seq, payload))
-                    tracker.applied(seq)
+                    tracker.applied(seq, digest)
                 else:
                     status.duplicates += 1
         self._apply(status, pending)
+
+    def _probe_restart(self, status: SourceStatus) -> None:
+        """After a new connection: does the engine still hold our last applied batch?"""
+        status.restart_probe = False
+        tracker = status.tracker
+        last, digest = tracker.last, tracker.last_digest
+        assert status.replay_endpoint is not None
+        status.replays += 1
+        try:
+            result = fetch_replay(self.ctx, status.replay_endpoint, last, self.replay_timeout_s)
+        except ReplayError as exc:
+            status.replay_failures += 1
+            log.warning("kv events: restart probe of worker %d failed: %s", status.worker, exc)
+            return
+        head = next(((s, p) for s, p in result.batches if s >= last), None)
+        if head is None or (
+            head[0] == last and digest is not None and xxhash.xxh3_64_intdigest(head[1]) != digest
+        ):
+            status.restarts += 1
+            log.warning(
+                "kv events: worker %d rank %d restarted (its replay socket no longer holds "
+                "seq %d as applied); clearing it and replaying its new life",
+                status.worker,
+                status.dp_rank,
+                last,
+            )
+            self.sink.clear_source(status.worker, status.dp_rank)
+            tracker.restarted()
+            self._replay(status, 0, trigger=None)
+            return
+        newer = [(s, p) for s, p in result.batches if s > last]
+        self._take_replay(status, last + 1, None, newer)
 
     def _replay(self, status: SourceStatus, start: int, trigger: int | None) -> None:
         """Fill [start, trigger) from the replay socket, or mark the source stale."""
@@ -416,7 +470,18 @@ class EventIngestor:
             else:
                 log.warning("kv events: initial replay of worker %d failed: %s", status.worker, exc)
             return
-        batches = [(s, p) for s, p in result.batches if s >= start]
+        self._take_replay(status, start, trigger, result.batches)
+
+    def _take_replay(
+        self,
+        status: SourceStatus,
+        start: int,
+        trigger: int | None,
+        replayed: list[tuple[int, bytes]],
+    ) -> None:
+        """Apply replayed batches from `start` on, or mark the source stale if they do not
+        reach `trigger` (or, with no trigger, do not start at `start`)."""
+        batches = [(s, p) for s, p in replayed if s >= start]
         covers = bool(batches) and batches[0][0] == start
         if trigger is not None:
             covers = covers and batches[-1][0] >= trigger - 1

@@ -31,6 +31,7 @@ class Verdict(enum.Enum):
 class SequenceTracker:
     last: int = -1  # last applied seq; -1 = nothing applied yet (a fresh publisher starts at 0)
     replayed_digests: dict[int, int] = field(default_factory=dict)  # seq -> payload digest
+    last_digest: int | None = None  # of the batch `last`, when known: tells a restart apart
 
     def classify(self, seq: int, digest: int | None = None) -> Verdict:
         if seq == self.last + 1:
@@ -42,18 +43,21 @@ class SequenceTracker:
             return Verdict.DUPLICATE
         return Verdict.RESTART
 
-    def applied(self, seq: int) -> None:
+    def applied(self, seq: int, digest: int | None = None) -> None:
         """Record that `seq` is applied; moving past the replayed range ends the duplicates."""
         if seq > self.last:
             self.last = seq
+            self.last_digest = digest
             self.replayed_digests.clear()
 
     def replayed(self, digests: dict[int, int]) -> None:
         """A replay applied these contiguous batches (seq -> payload digest)."""
         if digests:
-            self.applied(max(digests))
+            top = max(digests)
+            self.applied(top, digests[top])
             self.replayed_digests = dict(digests)
 
     def restarted(self) -> None:
         self.last = -1
+        self.last_digest = None
         self.replayed_digests.clear()

@@ -4,6 +4,11 @@ The thread creates its socket and sits in `poll` from the start: a binding SUB
 gets nothing from a connecting PUB until it is blocked in poll/recv (libzmq), and a
 short poll timeout lets it notice `stop()`. It does nothing but move
 `(seq, payload)` into the ingestor's bounded queue, so it never falls behind.
+
+A socket monitor reports each new connection with the engine (it connected to us, or
+we reached it again). Batches published while a connection is being set up are lost
+without a gap to show it, and a reconnect may be a restarted engine: the ingestor
+checks the replay socket after either.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +54,8 @@ def with_rank(endpoint: str, dp_rank: int) -> str:
 
 
 Deliver = Callable[[tuple[int, int], int, bytes], None]
+OnPeer = Callable[[tuple[int, int]], None]
+_PEER_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED
 
 
 class ZmqReceiver:
@@ -55,10 +63,18 @@ class ZmqReceiver:
 
     POLL_MS = 50
 
-    def __init__(self, ctx: zmq.Context, config: ZmqSourceConfig, deliver: Deliver) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        config: ZmqSourceConfig,
+        deliver: Deliver,
+        on_peer: OnPeer | None = None,
+    ) -> None:
         self.ctx = ctx
         self.config = config
         self._deliver = deliver
+        self._on_peer = on_peer
+        self.peer_connects = 0
         self._stop = threading.Event()
         self._ready = threading.Event()
         self.malformed = 0
@@ -85,6 +101,8 @@ class ZmqReceiver:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.SUBSCRIBE, cfg.topic.encode())
+        # before bind/connect, or the first connection may be set up unseen
+        monitor = sock.get_monitor_socket(_PEER_EVENTS)
         try:
             if cfg.bind:
                 sock.bind(cfg.endpoint)
@@ -94,26 +112,51 @@ class ZmqReceiver:
         except zmq.ZMQError as exc:
             self.error = f"cannot {'bind' if cfg.bind else 'connect'} {cfg.endpoint}: {exc}"
             self._ready.set()
+            sock.disable_monitor()
+            monitor.close(0)
             sock.close(0)
             return
         self._ready.set()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not sock.poll(self.POLL_MS):
-                    continue
-                while True:  # drain everything ready before polling again
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if len(frames) != 3 or len(frames[1]) != 8:
-                        self.malformed += 1
-                        log.warning(
-                            "kv events from %s: malformed message (%d frames), ignored",
-                            cfg.endpoint,
-                            len(frames),
-                        )
-                        continue
-                    self._deliver(cfg.key, int.from_bytes(frames[1], "big"), frames[2])
+                ready = dict(poller.poll(self.POLL_MS))
+                if monitor in ready:
+                    self._drain_monitor(monitor)
+                if sock in ready:
+                    self._drain(sock)
         finally:
+            sock.disable_monitor()
+            monitor.close(0)
             sock.close(0)
+
+    def _drain_monitor(self, monitor: zmq.Socket) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] & _PEER_EVENTS:
+                self.peer_connects += 1
+                if self._on_peer is not None:
+                    self._on_peer(self.config.key)
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        """Everything ready, before polling again."""
+        cfg = self.config
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self.malformed += 1
+                log.warning(
+                    "kv events from %s: malformed message (%d frames), ignored",
+                    cfg.endpoint,
+                    len(frames),
+                )
+                continue
+            self._deliver(cfg.key, int.from_bytes(frames[1], "big"), frames[2])

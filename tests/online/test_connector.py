@@ -105,6 +105,87 @@ def test_engine_restart_clears_the_source_and_starts_over() -> None:
         assert sink.clears == [(1, 0)]
 
 
+def test_batches_lost_while_the_engine_connects_are_replayed() -> None:
+    """A connecting PUB drops what it sends before the connection is up, and nothing
+    after it shows a gap: the new connection itself triggers the quiet-tail check."""
+    sink = RecordingSink()
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    with ingestor(sink, quiet_tail_s=0.3) as ing:
+        ing.add_zmq_source(ZmqSourceConfig(1, addr, bind=True, replay_endpoint=None))
+        with publisher(endpoint=addr) as pub:
+            ing.sources[(1, 0)].replay_endpoint = pub.replay_endpoint
+            pub.drop_next(30)  # none goes out live; the replay buffer has them all
+            publish(pub, 0, 30)
+            wait_for(lambda: len(sink.seen(1)) == 30, what="the lost batches")
+            assert sink.seen(1) == [float(i) for i in range(30)]
+            status = ing.sources[(1, 0)]
+            assert status.peer_connects == 1 and status.tail_replayed_batches == 30
+
+
+@pytest.mark.parametrize("new_life", [0, 4], ids=["silent-new-life", "lost-new-life"])
+def test_a_restarted_engine_that_goes_quiet_is_cleared(new_life: int) -> None:
+    """The engine restarts and none of its new batches reach us (there are none, or all
+    are lost while it connects): the reconnect's probe still finds the restart."""
+    sink = RecordingSink()
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    with ingestor(sink, quiet_tail_s=0.3) as ing:
+        ing.add_zmq_source(ZmqSourceConfig(1, addr, replay, bind=True))
+        with publisher(endpoint=addr, replay_endpoint=replay) as pub:
+            wait_for(lambda: ing.sources[(1, 0)].peer_connects == 1, what="first connection")
+            time.sleep(0.2)
+            publish(pub, 0, 10)
+            wait_for(lambda: len(sink.seen(1)) == 10, what="first life")
+        with publisher(endpoint=addr, replay_endpoint=replay) as pub2:
+            pub2.drop_next(new_life)
+            publish(pub2, 100, 100 + new_life)
+            expected = [float(i) for i in range(100, 100 + new_life)]
+            wait_for(lambda: sink.clears == [(1, 0)], what="the restart")
+            wait_for(lambda: sink.seen(1) == expected, what="the new life")
+        status = ing.sources[(1, 0)]
+        assert status.restarts == 1 and not status.stale
+
+
+def test_a_reconnect_to_a_healthy_engine_keeps_its_residency() -> None:
+    """Re-adding the source makes a new connection; the engine still holds our last
+    batch with the same bytes, so nothing is cleared and only newer batches apply."""
+    sink = RecordingSink()
+    with publisher() as pub, ingestor(sink, quiet_tail_s=0.3) as ing:
+        config = ZmqSourceConfig(2, pub.endpoint, pub.replay_endpoint)
+        ing.add_zmq_source(config)
+        wait_for(lambda: ing.sources[(2, 0)].replays, what="sync")
+        time.sleep(0.2)
+        publish(pub, 0, 8)
+        wait_for(lambda: len(sink.seen(2)) == 8, what="first batches")
+        wait_for(lambda: not ing.sources[(2, 0)].tail_pending, what="quiet check")
+        ing.add_zmq_source(config)  # a new receiver: a new connection
+        pub.drop_next(2)
+        publish(pub, 8, 10)
+        wait_for(lambda: len(sink.seen(2)) == 10, what="the batches lost meanwhile")
+        wait_for(lambda: not ing.sources[(2, 0)].tail_pending, what="quiet check")
+        assert sink.seen(2) == [float(i) for i in range(10)]
+        assert not sink.clears and ing.sources[(2, 0)].restarts == 0
+
+
+@pytest.mark.parametrize("restarted", [False, True], ids=["healthy-engine", "restarted-engine"])
+def test_after_a_gateway_restart_the_probe_tells_a_restarted_engine_apart(restarted: bool) -> None:
+    """Resuming from a persisted seq with no digest: a healthy engine holds that seq,
+    a restarted one (fewer batches in its new life) does not."""
+    sink = RecordingSink()
+    with publisher() as pub:
+        publish(pub, 0, 3 if restarted else 12)
+        with ingestor(sink, quiet_tail_s=0.3) as ing:
+            config = ZmqSourceConfig(4, pub.endpoint, pub.replay_endpoint)
+            status = ing.add_zmq_source(config, resume_from=9)  # the old life reached seq 9
+            wait_for(lambda: status.tail_checks >= 1, what="the probe after connecting")
+            assert status.peer_connects == 1
+            if restarted:
+                assert sink.clears == [(4, 0)] and sink.seen(4) == [0.0, 1.0, 2.0]
+                assert status.restarts == 1
+            else:
+                assert not sink.clears and sink.seen(4) == [10.0, 11.0]
+
+
 @pytest.mark.parametrize(
     "bounds",
     [{"queue_size": 4}, {"queue_bytes": 3 * len(batch(0))}],
