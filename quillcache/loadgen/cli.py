@@ -22,7 +22,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--concurrency", type=int, default=16)
     a("--rate", type=float, default=None, help="requests/s (Poisson) instead of closed loop")
     a("--requests", type=int, default=200)
-    a("--warmup", type=int, default=0, help="requests sent first and not measured")
+    a(
+        "--warmup",
+        type=int,
+        default=0,
+        help="requests sent first, in the same session (connections open, pipeline full), "
+        "and not measured",
+    )
     a("--max-tokens", type=int, default=16)
     a("--prefixes", type=int, default=8, help="synthetic: shared prefixes")
     a("--prefix-chars", type=int, default=1024)
@@ -77,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"loadgen: {exc}", file=sys.stderr)
         return 2
-    warm, measured = reqs[: args.warmup], reqs[args.warmup :]
+    measured = reqs[args.warmup :]
     results: dict[str, dict[str, object]] = {}
     for i, url in enumerate(args.url):
         name = names[i] if names else url
@@ -91,14 +97,11 @@ def run(args: argparse.Namespace) -> int:
             use_arrivals=args.trace_timing,
             api_key=args.api_key,
             seed=args.seed,
+            warmup=args.warmup,
         )
-        if warm:
-            run_loop(
-                run_load(RunConfig(**{**vars(cfg), "rate": None, "use_arrivals": False}), warm)
-            )
         with Progress(console=console, transient=True, disable=args.no_progress) as progress:
             task = progress.add_task(f"{name}", total=len(measured))
-            samples, wall = run_loop(run_load(cfg, measured, lambda s, t=task: progress.advance(t)))
+            samples, wall = run_loop(run_load(cfg, reqs, lambda s, t=task: progress.advance(t)))
         results[name] = summarize(samples, wall)
     if args.json:
         text = json.dumps(results, indent=2)

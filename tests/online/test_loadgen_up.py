@@ -10,13 +10,15 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from quillcache.errors import ConfigError
+from quillcache.gateway.serve import run_loop
 from quillcache.loadgen.report import summarize
-from quillcache.loadgen.runner import Sample
+from quillcache.loadgen.runner import RunConfig, Sample, run_load
 from quillcache.loadgen.workload import mooncake_trace, synthetic
-from tests.online.conftest import Stack
+from tests.online.conftest import Stack, metric
 from tests.online.helpers import http_post, wait_for
 
 pytestmark = pytest.mark.slow  # whole CLIs as subprocesses
@@ -92,6 +94,20 @@ def test_loadgen_against_an_engine_and_through_the_gateway(stack: Stack) -> None
     assert chat.returncode == 0, chat.stderr
     r = json.loads(chat.stdout)[gw.url]
     assert r["requests"] == 10 and r["errors"] == 0 and r["ttft_ms_p50"] == r["e2e_ms_p50"]
+
+
+def test_warmup_requests_are_sent_in_the_same_session_but_not_measured(stack: Stack) -> None:
+    engine = stack.engine(time_scale=0.0)
+    reqs = synthetic(12, prefixes=2, prefix_chars=64, suffix_chars=8, max_tokens=2)
+
+    def finished() -> float:
+        return metric(httpx.get(engine.url + "/metrics").text, "vllm:request_success_total")
+
+    before = finished()
+    cfg = RunConfig(url=engine.url, concurrency=3, warmup=5)
+    samples, wall = run_loop(run_load(cfg, reqs))
+    assert len(samples) == 7 and all(s.ok for s in samples) and wall > 0
+    assert finished() - before == 12  # the 5 warm-up requests did run
 
 
 def test_loadgen_counts_errors() -> None:
