@@ -62,15 +62,16 @@ def launch(
     workdir: Path,
     timeout_s: float = 20.0,
     tree: Path | None = None,
+    module: str = "quillcache",
 ) -> Proc:
-    """Start `python -m quillcache <args> --ready-file ...` and wait for its READY.
+    """Start `python -m <module> <args> --ready-file ...` and wait for its READY.
     `tree`: run the quillcache of that source tree instead (a baseline to compare with)."""
     ready_file = workdir / f"{name}.ready.json"
     log_path = workdir / f"{name}.log"
     ready_file.unlink(missing_ok=True)
     log = open(log_path, "wb")  # noqa: SIM115 - the child owns it for its life
     popen = subprocess.Popen(
-        [sys.executable, "-m", "quillcache", *args, "--ready-file", str(ready_file)],
+        [sys.executable, "-m", module, *args, "--ready-file", str(ready_file)],
         stdout=log,
         stderr=subprocess.STDOUT,
         env={

@@ -90,12 +90,14 @@ def overhead(
     engine: str = "fixed:100,25",
     repeats: int = 3,
     baseline: Path | None = None,
+    floor: bool = False,
 ) -> dict[str, Any]:
     """One engine simulator, called directly and through the gateway (the same engine
     behind it), alternated `repeats` times with the same 64-stream workload; the engine's
     prefix cache is reset before every run so that each starts cold. Returns every run,
     each process's CPU per request, and the median of the added latencies. `baseline`:
-    a source tree whose gateway runs as a third side (before vs after).
+    a source tree whose gateway runs as a third side (before vs after). `floor`: a
+    do-nothing proxy (`floor_proxy`) as one more side, the cost of the hop itself.
 
     `engine` "fixed:TTFT,ITL" (ms): every request takes exactly that upstream, so the
     gateway is the only difference between the two sides; "model:SCALE": the engine
@@ -116,6 +118,13 @@ def overhead(
         if baseline is not None:
             sides["baseline gateway"] = _gateway(
                 [upstream], workdir, "ov-baseline", router, baseline
+            )
+        if floor:
+            sides["floor proxy"] = launch(
+                "ov-floor",
+                ["--upstream", upstream.url],
+                workdir,
+                module="quillcache.loadgen.floor_proxy",
             )
         procs += list(sides.values())[1:]
         pids = {"loadgen": os.getpid(), "engine": upstream.popen.pid}
@@ -418,6 +427,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="another quillcache source tree: its gateway runs as a third side (before/after)",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="overhead phase: also a do-nothing Python proxy (uvicorn + aiohttp, no routing) "
+        "as a side, the cost of one more hop on this machine",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     from rich.console import Console
@@ -434,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.overhead_engine,
                 args.repeats,
                 args.baseline_tree,
+                args.floor,
             )
         if args.only in (None, "throughput"):
             out["throughput"] = throughput(

@@ -18,6 +18,7 @@ from quillcache.gateway.serve import run_loop
 from quillcache.loadgen.report import summarize
 from quillcache.loadgen.runner import RunConfig, Sample, run_load
 from quillcache.loadgen.workload import mooncake_trace, synthetic
+from quillcache.up import launch
 from tests.online.conftest import Stack, metric
 from tests.online.helpers import http_post, wait_for
 
@@ -108,6 +109,32 @@ def test_warmup_requests_are_sent_in_the_same_session_but_not_measured(stack: St
     samples, wall = run_loop(run_load(cfg, reqs))
     assert len(samples) == 7 and all(s.ok for s in samples) and wall > 0
     assert finished() - before == 12  # the 5 warm-up requests did run
+
+
+def test_the_floor_proxy_relays_streams_unchanged(stack: Stack) -> None:
+    """bench_online's `--floor` side: a plain relay, so its answers are the engine's."""
+    engine = stack.engine(time_scale=0.0)
+    floor = launch(
+        "floor",
+        ["--upstream", engine.url],
+        stack.workdir,
+        module="quillcache.loadgen.floor_proxy",
+    )
+    stack.procs.append(floor)
+    body = {"model": "sim-model", "prompt": "the same prompt", "max_tokens": 5, "stream": True}
+
+    def chunks(url: str) -> list[str]:
+        with httpx.stream("POST", url + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            return [line for line in resp.iter_lines() if line.startswith("data: ")]
+
+    direct, relayed = chunks(engine.url), chunks(floor.url)
+    assert len(relayed) == len(direct) >= 6 and relayed[-1] == "data: [DONE]"
+    text = [json.loads(c[6:])["choices"][0]["text"] for c in relayed[:-1]]
+    assert text == [json.loads(c[6:])["choices"][0]["text"] for c in direct[:-1]]
+    bad = httpx.post(floor.url + "/v1/completions", content=b"{not json")
+    assert bad.status_code == 400  # the engine's own error, passed through
 
 
 def test_loadgen_counts_errors() -> None:
