@@ -6,11 +6,16 @@
 //! before it. Any corruption is an error, never a silently different index.
 //!
 //! Version 4 (written) is laid out for loading speed: it records the capacities of
-//! the two hash tables, and the nodes in key-table slot order with their parent as an
-//! *ordinal* in that order. The loader sizes the tables as the writer's were, so its
-//! inserts walk the table front to back (no growth, no rehash, no probe clusters
-//! from inserting in hash order into a smaller table: 4.6 s at 1 M nodes with the
-//! v3 loader), and links parents by ordinal (no lookups). Node record:
+//! the two hash tables, and the nodes in slab order (live ids ascending) with their
+//! parent as an *ordinal* in that order. The loader puts record k in slot k (a
+//! request's path, stored block after block, stays a run of consecutive slots that
+//! `match` walks without the table), then fills the key table in one pass with the
+//! slots prefetched ahead, sized as the writer's was (no growth, no rehash, no probe
+//! clusters from inserting into a smaller table: 4.6 s at 1 M nodes with the v3
+//! loader), and links parents by ordinal (no lookups). Images written before
+//! 2026-12-03 have the nodes in key-table slot order; they load the same way (any
+//! order does), but a restored index then had a path's nodes scattered over the slab
+//! (`match` 2-3x slower until it turned over). Node record:
 //! key u64, parent ordinal u32 (`u32::MAX` for a root, then its parent key u64),
 //! depth u32, pins u32, u8 flags (1 = primary engine hash, then it as u64), u32
 //! holder count, packed holders (u64, with claim bits).
@@ -189,6 +194,20 @@ fn check_acyclic(parents: &[u32]) -> Result<(), SnapshotError> {
 
 impl Index {
     pub fn write_snapshot<W: Write>(&self, w: &mut W) -> std::io::Result<()> {
+        // The live nodes in slab order (freed slots left out).
+        let mut live = vec![false; self.tree.nodes.len()];
+        for id in self.tree.ids() {
+            live[id as usize] = true;
+        }
+        let order: Vec<u32> = (0..live.len() as u32)
+            .filter(|&id| live[id as usize])
+            .collect();
+        w.write_all(&self.image_in_order(&order))
+    }
+
+    /// The image with the node records in `order` (every live id once): slab order,
+    /// or key-table order as images written before 2026-12-03 (tests of their load).
+    fn image_in_order(&self, order: &[u32]) -> Vec<u8> {
         let mut o = Out(Vec::with_capacity(64 + self.tree.len() * 48));
         o.0.extend_from_slice(MAGIC);
         o.u32(VERSION);
@@ -212,12 +231,12 @@ impl Index {
         o.u8(log2_of(self.tree.table.slots.len()));
         o.u8(log2_of(self.tree.by_ehash.slots.len()));
         o.u64(self.tree.len() as u64);
-        // Ordinal of each live node in table order, indexed by node id.
+        // Ordinal of each live node in `order`, by node id.
         let mut ordinal = vec![NIL; self.tree.nodes.len()];
-        for (ord, id) in self.tree.ids().enumerate() {
+        for (ord, &id) in order.iter().enumerate() {
             ordinal[id as usize] = ord as u32;
         }
-        for id in self.tree.ids() {
+        for &id in order {
             let n = self.tree.node(id);
             o.u64(n.key);
             if n.parent_id == NIL {
@@ -243,7 +262,7 @@ impl Index {
         }
         let crc = crc32fast::hash(&o.0);
         o.u32(crc);
-        w.write_all(&o.0)
+        o.0
     }
 
     pub fn read_snapshot<R: Read>(r: &mut R) -> Result<Self, SnapshotError> {
@@ -398,12 +417,9 @@ impl Index {
                     "node {key:#x}: parent #{parent} is invalid"
                 )));
             }
-            // A fresh tree hands out ids 0, 1, 2...: the id is the ordinal unless
-            // the key was already there.
-            let id = self.tree.get_or_insert(key, root_parent, NIL, depth);
-            if id != ord {
-                return Err(corrupt(format!("node {key:#x} appears twice")));
-            }
+            // Record k goes to slot k; its key is indexed after the loop.
+            let id = self.tree.push_loaded(key, root_parent, depth);
+            debug_assert_eq!(id, ord);
             parents.push(parent);
             self.tree.node_mut(id).pins = pins;
             if pins > 0 {
@@ -420,6 +436,9 @@ impl Index {
             if self.visible(id) {
                 self.blocks += 1;
             }
+        }
+        if let Err(key) = self.tree.index_loaded_keys() {
+            return Err(corrupt(format!("node {key:#x} appears twice")));
         }
         // The cycle check needs only `parents`: on a large image it runs on a second
         // thread while this one indexes the engine hashes and links the children.

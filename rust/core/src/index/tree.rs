@@ -237,6 +237,45 @@ impl Tree {
         id
     }
 
+    /// Snapshot restore: appends a node (no holders, no links, not yet in the key
+    /// table: `index_loaded_keys` does that for all at once). Returns its id.
+    pub(super) fn push_loaded(&mut self, key: u64, root_parent: u64, depth: u32) -> u32 {
+        let id = self.nodes.len() as u32;
+        self.nodes.push(Node {
+            key,
+            ehash: 0,
+            holders: HolderSet::default(),
+            parent_id: NIL,
+            depth_flags: depth.min(!HAS_EHASH),
+            first_child: NIL,
+            pins: 0,
+        });
+        if root_parent != 0 {
+            self.root_parent.insert(id, root_parent);
+        }
+        id
+    }
+
+    /// Snapshot restore: puts every node of the slab into the (presized, empty) key
+    /// table, the slots of the nodes a few ahead prefetched: in slab order the keys'
+    /// slots are random, and without it each insert would wait for its own miss.
+    /// `Err(key)` if a key is there twice.
+    pub(super) fn index_loaded_keys(&mut self) -> Result<(), u64> {
+        const AHEAD: usize = 16;
+        debug_assert!(self.table.len() == 0);
+        for id in 0..self.nodes.len() {
+            if let Some(next) = self.nodes.get(id + AHEAD) {
+                self.table.prefetch_slot(next.key);
+            }
+            let key = self.nodes[id].key;
+            if self.find(key).is_some() {
+                return Err(key);
+            }
+            self.table.insert(id as u32, &self.nodes);
+        }
+        Ok(())
+    }
+
     /// Re-parents a node created as a root (snapshot restore).
     pub fn link(&mut self, id: u32, parent_id: u32) {
         self.root_parent.remove(&id);
