@@ -126,20 +126,26 @@ class Result:
     bytes_per_pair: float
 
 
-def ingest(name: str, w: Workload, reserve: int = 0) -> tuple[Any, float, float]:
+def ingest(name: str, w: Workload, reserve: int = 0, many: int = 0) -> tuple[Any, float, float]:
     """Apply the whole workload to a fresh index: (index, wall seconds, CPU seconds).
 
     CPU time (this thread's) is reported too: on a shared, loaded machine the wall
     time of a long run overstates its cost. `reserve` > 0 passes that capacity hint
-    first (timed with the ingest).
+    first (timed with the ingest). `many` > 0: `apply_many` with that many sessions
+    per call (what a connector draining its queue passes) instead of one `apply` per
+    session.
     """
     index = create_backend(name)
     gc.collect()
     t0, c0 = time.perf_counter(), time.thread_time()
     if reserve:
         index.reserve(reserve)
-    for worker, payloads in w.calls:
-        index.apply(worker, payloads)
+    if many:
+        for at in range(0, len(w.calls), many):
+            index.apply_many(w.calls[at : at + many])
+    else:
+        for worker, payloads in w.calls:
+            index.apply(worker, payloads)
     return index, time.perf_counter() - t0, time.thread_time() - c0
 
 
@@ -150,13 +156,14 @@ def bench(
     samples: int,
     reserve: int = 0,
     after_snapshot: bool = False,
+    many: int = 0,
 ) -> Result:
     times, cpu_times = [], []
     index = None
     for _ in range(rounds):
         if index is not None:
             index.close()
-        index, seconds, cpu_seconds = ingest(name, w, reserve)
+        index, seconds, cpu_seconds = ingest(name, w, reserve, many)
         times.append(seconds)
         cpu_times.append(cpu_seconds)
     assert index is not None
@@ -177,7 +184,7 @@ def bench(
     st = index.stats()
     index.close()
     return Result(
-        backend=name,
+        backend=f"{name} (apply_many x{many})" if many else name,
         blocks=st.blocks,
         resident_pairs=st.resident_pairs,
         ingest_blocks_per_s=w.blocks_stored / statistics.median(times),
@@ -214,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
         help="time matches on the native index restored from a snapshot of the built one",
     )
     ap.add_argument(
+        "--apply-many",
+        type=int,
+        default=0,
+        metavar="N",
+        help="native: ingest with apply_many, N sessions (of 8 payloads) per call",
+    )
+    ap.add_argument(
         "--workload",
         metavar="PATH",
         help="pickle of the workload: read if it exists, else built and written (native only)",
@@ -229,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         samples = min(args.samples, 20_000) if name == "memory" else args.samples
         reserve = size if args.reserve and name == "native" else 0
         after_snapshot = args.after_snapshot and name == "native"
-        results.append(bench(name, workloads[size], rounds, samples, reserve, after_snapshot))
+        many = args.apply_many if name == "native" else 0
+        w = workloads[size]
+        results.append(bench(name, w, rounds, samples, reserve, after_snapshot, many))
     from rich.console import Console
     from rich.table import Table
 

@@ -156,6 +156,11 @@ class NativeIndex:
         not decode, raises EventDecodeError("payload i of n from worker w: ...") with
         attributes `payload_index` (int) and `stats` (_ApplyTuple of the batches
         applied before it, which stay applied)."""
+    def apply_many(self, items: list[tuple[int, list[bytes]]], dp_rank: int = 0) -> _ApplyTuple:
+        """`apply` for each (worker, payloads) item in order; one GIL release for the
+        whole list, the write lock taken per item. On a batch that does not decode,
+        raises EventDecodeError with `item_index`, `payload_index` and `stats` (an
+        _ApplyTuple of everything applied before it, which stays applied)."""
     def match(self, keys: _Keys) -> list[_MatchTuple]:
         """Longest run from block 0 of `keys` that each (source, medium) holds (>= 1)."""
     def match_many(self, requests: list[_Keys]) -> list[list[_MatchTuple]]:

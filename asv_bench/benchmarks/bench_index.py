@@ -36,6 +36,23 @@ class Ingest:
         ix.close()
 
 
+class IngestMany:
+    """The same payloads in one `apply_many` call per 64 chunks (native only)."""
+
+    def setup(self) -> None:
+        self.items = [(0, chunk) for chunk in _chunks(payloads(), 64)]
+
+    def time_ingest_seed_apply_many(self) -> None:
+        ix = create_backend("native")
+        for i in range(0, len(self.items), 64):
+            ix.apply_many(self.items[i : i + 64])  # type: ignore[attr-defined]
+        ix.close()
+
+
+def _chunks(items: list[bytes], n: int) -> list[list[bytes]]:
+    return [items[i : i + n] for i in range(0, len(items), n)]
+
+
 class Match:
     params = ["native", "native-wal"]
     param_names = ["backend"]

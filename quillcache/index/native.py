@@ -69,6 +69,25 @@ def _entry(t: tuple[int, int, int, list[tuple[int, int, str, int]], bool]) -> En
     return Entry(key, parent, depth, tuple(Residency(*h) for h in holders), pinned)
 
 
+def _checked_items(
+    items: Sequence[tuple[int, Sequence[bytes]]], dp_rank: int
+) -> list[tuple[int, list[bytes]]]:
+    """`apply_many`'s items as the native call takes them, or the typed error naming
+    the first bad one (nothing is applied before the check)."""
+    out = []
+    for at, item in enumerate(items):
+        try:
+            worker, payloads = item
+            check_source(worker, dp_rank)
+            out.append((worker, [p if type(p) is bytes else bytes(p) for p in payloads]))
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, InvalidIndexInputError):
+                raise InvalidIndexInputError(f"item {at}: {exc}") from None
+            msg = f"item {at}: expected (worker, [bytes-like payloads]): {exc}"
+            raise InvalidIndexInputError(msg) from None
+    return out
+
+
 class NativeIndex:
     """`IndexBackend` over `quillcache._native.NativeIndex`."""
 
@@ -100,6 +119,27 @@ class NativeIndex:
                     msg = f"payloads must be bytes-like: {exc}"
                     raise InvalidIndexInputError(msg) from None
                 raw = self._inner.apply(worker, batch, dp_rank)
+        except EventDecodeError as err:
+            err.stats = ApplyStats(*err.stats)  # type: ignore[attr-defined]
+            raise
+        return _apply_stats(raw)
+
+    def apply_many(
+        self, items: Sequence[tuple[int, Sequence[bytes]]], dp_rank: int = 0
+    ) -> ApplyStats:
+        """`apply` for many `(worker, payloads)` items in order: one call, the GIL
+        released once, the index's write lock taken per item. On a batch that does not
+        decode, raises `EventDecodeError` with `item_index`, `payload_index` and the
+        `stats` of everything applied before it (which stays applied)."""
+        if type(dp_rank) is not int:
+            check_source(0, dp_rank)
+        try:
+            try:  # fast path: a list of (int, list of bytes) goes to Rust as it is
+                raw = self._inner.apply_many(items, dp_rank)
+            # Raised while converting the arguments, before anything is applied (a
+            # decode error is an EventDecodeError, which is none of these).
+            except (TypeError, ValueError, OverflowError):
+                raw = self._inner.apply_many(_checked_items(items, dp_rank), dp_rank)
         except EventDecodeError as err:
             err.stats = ApplyStats(*err.stats)  # type: ignore[attr-defined]
             raise

@@ -6,11 +6,14 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from quillcache.errors import QuillCacheError
+from quillcache.errors import EventDecodeError, QuillCacheError
 from quillcache.events import encode as enc
 from quillcache.index.inputs import InvalidIndexInputError
 from quillcache.index.native import NativeIndex
+from quillcache.index.types import ApplyStats
 from tests.index.helpers import keys, payload, removed, stored, toks
 
 
@@ -153,3 +156,53 @@ def test_reserve_rejects_bad_hints(blocks: object) -> None:
     idx = NativeIndex()
     with pytest.raises(InvalidIndexInputError, match="blocks must be an integer"):
         idx.reserve(blocks)  # type: ignore[arg-type]
+
+
+_event = st.one_of(
+    st.builds(
+        lambda hashes, base, parent: stored(hashes, toks(len(hashes), base=base), parent),
+        st.lists(st.integers(1, 12), min_size=1, max_size=4, unique=True),
+        st.integers(0, 2),
+        st.none() | st.integers(1, 12),
+    ),
+    st.builds(removed, st.lists(st.integers(1, 12), min_size=1, max_size=4)),
+)
+_items = st.lists(
+    st.tuples(st.integers(1, 4), st.lists(st.builds(payload, _event), max_size=3)),
+    max_size=8,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(items=_items)
+def test_apply_many_equals_apply_item_by_item(items: list[tuple[int, list[bytes]]]) -> None:
+    one_by_one, batched = NativeIndex(), NativeIndex()
+    want = ApplyStats()
+    for worker, payloads in items:
+        want += one_by_one.apply(worker, payloads)
+    assert batched.apply_many(items) == want
+    assert batched.state_eq(one_by_one)
+
+
+def test_apply_many_stops_at_a_bad_batch_and_says_where() -> None:
+    good = payload(stored([1, 2], toks(2)))
+    later = payload(stored([3], toks(1, base=1)))
+    idx = NativeIndex()
+    with pytest.raises(EventDecodeError, match="item 1: payload 1") as info:
+        idx.apply_many([(1, [good]), (2, [good, b"\xc1 not msgpack", later]), (3, [later])])
+    err = info.value
+    assert (err.item_index, err.payload_index) == (1, 1)  # type: ignore[attr-defined]
+    assert err.stats.blocks_stored == 4  # type: ignore[attr-defined]
+    # What came before the bad batch stays applied; nothing after it is.
+    assert sorted(m.worker for m in idx.match(keys(toks(2)))) == [1, 2]
+    assert idx.match(keys(toks(1, base=1))) == []
+
+
+@pytest.mark.parametrize(
+    "items", [[(1, [b"\x90"]), ("w", [b"\x90"])], [(1, [b"\x90"]), (2, None)], [(1,)], [5]]
+)
+def test_apply_many_rejects_malformed_items_before_applying_any(items: object) -> None:
+    idx = NativeIndex()
+    with pytest.raises(InvalidIndexInputError, match="item"):
+        idx.apply_many(items)  # type: ignore[arg-type]
+    assert idx.stats().blocks == 0

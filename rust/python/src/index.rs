@@ -150,6 +150,59 @@ impl NativeIndex {
         }
     }
 
+    /// `apply` for many `(worker, payloads)` items in order, the GIL released once for
+    /// the whole list and the write lock taken per item (a `match` never waits behind
+    /// the whole list). On a decode error the items before stay applied, and so do
+    /// the failing item's payloads before the bad one; `EventDecodeError` carries
+    /// `item_index`, `payload_index` and the `stats` of everything applied.
+    #[pyo3(signature = (items, dp_rank=0))]
+    fn apply_many(
+        &self,
+        py: Python<'_>,
+        items: Vec<(u64, Vec<Bound<'_, PyBytes>>)>,
+        dp_rank: u32,
+    ) -> PyResult<StatsTuple> {
+        let calls: Vec<(u64, Vec<&[u8]>)> = items
+            .iter()
+            .map(|(worker, payloads)| (*worker, payloads.iter().map(|b| b.as_bytes()).collect()))
+            .collect();
+        let result = py.detach(|| {
+            let mut total = ApplyStats::default();
+            for (at, (worker, slices)) in calls.iter().enumerate() {
+                let source = SourceKey {
+                    worker: *worker,
+                    dp_rank,
+                };
+                match self.write().apply_payloads(source, slices) {
+                    Ok(stats) => total += stats,
+                    Err(e) => {
+                        total += e.applied;
+                        return Err(Box::new((at, e, total)));
+                    }
+                }
+            }
+            Ok(total)
+        });
+        match result {
+            Ok(total) => Ok(stats_tuple(&total)),
+            Err(failed) => {
+                let (at, e, total) = *failed;
+                let (worker, slices) = &calls[at];
+                let i = e.index;
+                let err = EventDecodeError::new_err(format!(
+                    "item {at}: payload {i} of {} from worker {worker}: {}",
+                    slices.len(),
+                    e.error
+                ));
+                let value = err.value(py);
+                value.setattr("item_index", at)?;
+                value.setattr("payload_index", i)?;
+                value.setattr("stats", stats_tuple(&total))?;
+                Err(err)
+            }
+        }
+    }
+
     /// `[(worker, dp_rank, medium, blocks), ...]` sorted by (worker, dp_rank, medium).
     #[pyo3(name = "match")]
     fn match_keys<'py>(
