@@ -158,7 +158,8 @@ class NativeIndex:
         applied before it, which stay applied)."""
     def apply_many(self, items: list[tuple[int, list[bytes]]], dp_rank: int = 0) -> _ApplyTuple:
         """`apply` for each (worker, payloads) item in order; one GIL release for the
-        whole list, the write lock taken per item. On a batch that does not decode,
+        whole list (a large one decoded on a second thread), the write lock taken per
+        window of ~1,024 blocks. On a batch that does not decode,
         raises EventDecodeError with `item_index`, `payload_index` and `stats` (an
         _ApplyTuple of everything applied before it, which stays applied)."""
     def match(self, keys: _Keys) -> list[_MatchTuple]:

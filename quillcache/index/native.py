@@ -128,7 +128,9 @@ class NativeIndex:
         self, items: Sequence[tuple[int, Sequence[bytes]]], dp_rank: int = 0
     ) -> ApplyStats:
         """`apply` for many `(worker, payloads)` items in order: one call, the GIL
-        released once, the index's write lock taken per item. On a batch that does not
+        released once. A large list (64 KiB of payloads or more) is decoded on a second
+        thread while this one applies, and the index's write lock is taken per window
+        of ~1,024 blocks, never for the whole list. On a batch that does not
         decode, raises `EventDecodeError` with `item_index`, `payload_index` and the
         `stats` of everything applied before it (which stays applied)."""
         if type(dp_rank) is not int:

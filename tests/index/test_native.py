@@ -206,3 +206,34 @@ def test_apply_many_rejects_malformed_items_before_applying_any(items: object) -
     with pytest.raises(InvalidIndexInputError, match="item"):
         idx.apply_many(items)  # type: ignore[arg-type]
     assert idx.stats().blocks == 0
+
+
+@pytest.mark.parametrize("bad_item", [None, 0, 211, 299])
+def test_a_large_apply_many_runs_the_decoding_thread_and_equals_apply(
+    bad_item: int | None,
+) -> None:
+    """Over 64 KiB of payloads: decoded on a second thread, windows spanning items."""
+    items = []
+    for i in range(300):
+        t = toks(8, base=i % 7)
+        hashes = [1000 * i + j for j in range(8)]
+        first = payload(stored(hashes[:4], t[:64]))
+        second = payload(stored(hashes[4:], t[64:], hashes[3]), removed(hashes[:1]))
+        items.append((i % 5, [first, second]))
+    assert sum(len(p) for _, ps in items for p in ps) > 64 * 1024
+    if bad_item is not None:
+        items[bad_item][1][1] = b"\xc1 not msgpack"
+    one_by_one, batched = NativeIndex(), NativeIndex()
+    want = ApplyStats()
+    for worker, payloads in items[:bad_item]:
+        want += one_by_one.apply(worker, payloads)
+    if bad_item is None:
+        assert batched.apply_many(items) == want
+    else:
+        want += one_by_one.apply(items[bad_item][0], items[bad_item][1][:1])
+        with pytest.raises(EventDecodeError) as info:
+            batched.apply_many(items)
+        assert info.value.item_index == bad_item  # type: ignore[attr-defined]
+        assert info.value.payload_index == 1  # type: ignore[attr-defined]
+        assert info.value.stats == want  # type: ignore[attr-defined]
+    assert batched.state_eq(one_by_one)

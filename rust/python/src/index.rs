@@ -151,8 +151,9 @@ impl NativeIndex {
     }
 
     /// `apply` for many `(worker, payloads)` items in order, the GIL released once for
-    /// the whole list and the write lock taken per item (a `match` never waits behind
-    /// the whole list). On a decode error the items before stay applied, and so do
+    /// the whole list; a large list is decoded on a second thread while the caller's
+    /// applies (`Index::apply_many`), the write lock taken per window of ~1,024 blocks
+    /// (a `match` never waits behind the whole list). On a decode error the items before stay applied, and so do
     /// the failing item's payloads before the bad one; `EventDecodeError` carries
     /// `item_index`, `payload_index` and the `stats` of everything applied.
     #[pyo3(signature = (items, dp_rank=0))]
@@ -162,42 +163,32 @@ impl NativeIndex {
         items: Vec<(u64, Vec<Bound<'_, PyBytes>>)>,
         dp_rank: u32,
     ) -> PyResult<StatsTuple> {
-        let calls: Vec<(u64, Vec<&[u8]>)> = items
+        let calls: Vec<(SourceKey, Vec<&[u8]>)> = items
             .iter()
-            .map(|(worker, payloads)| (*worker, payloads.iter().map(|b| b.as_bytes()).collect()))
-            .collect();
-        let result = py.detach(|| {
-            let mut total = ApplyStats::default();
-            for (at, (worker, slices)) in calls.iter().enumerate() {
+            .map(|(worker, payloads)| {
                 let source = SourceKey {
                     worker: *worker,
                     dp_rank,
                 };
-                match self.write().apply_payloads(source, slices) {
-                    Ok(stats) => total += stats,
-                    Err(e) => {
-                        total += e.applied;
-                        return Err(Box::new((at, e, total)));
-                    }
-                }
-            }
-            Ok(total)
-        });
-        match result {
+                (source, payloads.iter().map(|b| b.as_bytes()).collect())
+            })
+            .collect();
+        match py.detach(|| Index::apply_many(&calls, || self.write())) {
             Ok(total) => Ok(stats_tuple(&total)),
-            Err(failed) => {
-                let (at, e, total) = *failed;
-                let (worker, slices) = &calls[at];
-                let i = e.index;
+            Err(e) => {
+                let (source, slices) = &calls[e.item];
                 let err = EventDecodeError::new_err(format!(
-                    "item {at}: payload {i} of {} from worker {worker}: {}",
+                    "item {}: payload {} of {} from worker {}: {}",
+                    e.item,
+                    e.payload,
                     slices.len(),
+                    source.worker,
                     e.error
                 ));
                 let value = err.value(py);
-                value.setattr("item_index", at)?;
-                value.setattr("payload_index", i)?;
-                value.setattr("stats", stats_tuple(&total))?;
+                value.setattr("item_index", e.item)?;
+                value.setattr("payload_index", e.payload)?;
+                value.setattr("stats", stats_tuple(&e.applied))?;
                 Err(err)
             }
         }

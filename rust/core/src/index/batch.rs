@@ -27,7 +27,7 @@ use super::{ApplyStats, Index, SourceKey};
 
 /// Blocks decoded and planned at a time (bounds the memory of a large call; tiny in
 /// tests, so that calls span several windows).
-const WINDOW_BLOCKS: usize = if cfg!(test) { 6 } else { 1024 };
+pub(super) const WINDOW_BLOCKS: usize = if cfg!(test) { 6 } else { 1024 };
 /// How many blocks ahead of the one being applied the table slots are prefetched.
 const AHEAD: usize = 24;
 
@@ -38,9 +38,46 @@ thread_local! {
 
 /// Decoded payloads of a window: the batches' sources and their events' ranges.
 #[derive(Debug, Default)]
-struct Window {
-    flat: FlatEvents,
-    batches: Vec<(SourceKey, Range<usize>)>,
+pub(super) struct Window {
+    pub(super) flat: FlatEvents,
+    pub(super) batches: Vec<(SourceKey, Range<usize>)>,
+}
+
+impl Window {
+    pub(super) fn clear(&mut self) {
+        self.flat.clear();
+        self.batches.clear();
+    }
+
+    /// Decodes one payload of `source` into the window; returns the blocks it adds
+    /// (hashes of stored and removed blocks, + 1 per clear). On an error the window
+    /// holds exactly the batches decoded before.
+    pub(super) fn decode(
+        &mut self,
+        source: SourceKey,
+        payload: &[u8],
+    ) -> Result<usize, DecodeError> {
+        let hashes_before = self.flat.hashes.len();
+        let decoded = decode_batch_into(payload, &mut self.flat)
+            .and_then(|h| Ok((rank_of(source, h.dp_rank)?, h)));
+        match decoded {
+            Ok((src, header)) => {
+                let blocks = self.flat.hashes.len() - hashes_before
+                    + self.flat.events[header.events.clone()]
+                        .iter()
+                        .filter(|e| matches!(e, FlatEvent::AllBlocksCleared))
+                        .count();
+                self.batches.push((src, header.events));
+                Ok(blocks)
+            }
+            Err(error) => {
+                // A batch whose dp rank is bad was decoded: drop its events.
+                let keep = self.batches.last().map_or(0, |(_, last)| last.end);
+                self.flat.events.truncate(keep);
+                Err(error)
+            }
+        }
+    }
 }
 
 /// A payload of an `apply_payloads` call failed to decode: the ones before it are
@@ -124,42 +161,23 @@ impl Index {
         let mut applied = ApplyStats::default();
         let mut start = 0;
         while start < payloads.len() {
-            window.flat.clear();
-            window.batches.clear();
+            window.clear();
             let mut blocks = 0;
             let mut failure = None;
             let mut end = start;
             while end < payloads.len() && blocks < WINDOW_BLOCKS {
-                let hashes_before = window.flat.hashes.len();
-                let decoded = decode_batch_into(payloads[end].as_ref(), &mut window.flat)
-                    .and_then(|h| Ok((rank_of(source, h.dp_rank)?, h)));
-                match decoded {
-                    Ok((src, header)) => {
-                        // Hashes of stored and removed blocks, + 1 per clear.
-                        blocks += window.flat.hashes.len() - hashes_before
-                            + window.flat.events[header.events.clone()]
-                                .iter()
-                                .filter(|e| matches!(e, FlatEvent::AllBlocksCleared))
-                                .count();
-                        window.batches.push((src, header.events));
+                match window.decode(source, payloads[end].as_ref()) {
+                    Ok(n) => {
+                        blocks += n;
                         end += 1;
                     }
                     Err(error) => {
-                        // A batch whose dp rank is bad was decoded: drop its events.
-                        let keep = window.batches.last().map_or(0, |(_, last)| last.end);
-                        window.flat.events.truncate(keep);
                         failure = Some(error);
                         break;
                     }
                 }
             }
-            let mut plan = self.plan(window);
-            for (src, events) in &window.batches {
-                let flat = &window.flat;
-                let count = events.len();
-                let refs = events.clone().map(|i| flat.get(i));
-                applied += self.apply_events_planned(*src, count, refs, &mut plan);
-            }
+            applied += self.apply_window(window);
             if let Some(error) = failure {
                 return Err(PayloadsError {
                     index: end,
@@ -170,6 +188,19 @@ impl Index {
             start = end;
         }
         Ok(applied)
+    }
+
+    /// Plans and applies a decoded window, batch by batch in order.
+    pub(super) fn apply_window(&mut self, window: &Window) -> ApplyStats {
+        let mut applied = ApplyStats::default();
+        let mut plan = self.plan(window);
+        for (src, events) in &window.batches {
+            let flat = &window.flat;
+            let count = events.len();
+            let refs = events.clone().map(|i| flat.get(i));
+            applied += self.apply_events_planned(*src, count, refs, &mut plan);
+        }
+        applied
     }
 
     /// The key chains of the window's BlockStored events, as far as they can be

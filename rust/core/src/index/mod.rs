@@ -19,6 +19,7 @@ mod apply;
 mod batch;
 pub mod holders;
 mod keytable;
+mod many;
 mod matching;
 mod scan;
 mod snapshot;
@@ -29,6 +30,7 @@ mod tree;
 mod tests;
 
 pub use batch::PayloadsError;
+pub use many::ManyError;
 pub use matching::{MatchHit, PathLookup};
 pub use scan::{EntryOut, HolderOut, LogicalState};
 pub use snapshot::SnapshotError;
