@@ -2,7 +2,7 @@
 //!
 //! Decoding is about a third of ingest. For a call large enough to pay for a thread
 //! (`PIPELINE_MIN_BYTES`), one thread decodes the payloads into windows of about
-//! `WINDOW_BLOCKS` blocks while the caller's thread plans and applies the previous
+//! `PIPELINE_WINDOW_BLOCKS` blocks while the caller's thread plans and applies the previous
 //! window: wall time drops when the second core is free, CPU time does not. Windows
 //! go back to the decoder for reuse, so decoding allocates nothing after the first
 //! two. The caller's `lock` is taken per window, not for the whole call, so readers
@@ -15,12 +15,17 @@ use std::sync::mpsc::{channel, sync_channel, Receiver, SyncSender};
 
 use crate::events::DecodeError;
 
-use super::batch::{Window, WINDOW_BLOCKS};
+use super::batch::Window;
 use super::{ApplyStats, Index, SourceKey};
 
 /// Below this many payload bytes in all, the thread costs more than it saves
 /// (1 in tests, so that the pipeline runs on small inputs too).
 const PIPELINE_MIN_BYTES: usize = if cfg!(test) { 1 } else { 64 * 1024 };
+
+/// Blocks per window handed between the threads: each hand-off may wake a thread
+/// (tens of µs on a VM), so windows are larger than `apply_payloads`' ones; the
+/// caller's lock is held for one window (~1-2 ms at this size).
+const PIPELINE_WINDOW_BLOCKS: usize = if cfg!(test) { 6 } else { 8192 };
 
 /// A payload of an `apply_many` call failed to decode: everything before it (earlier
 /// items, and the earlier payloads of its item) is applied (`applied`), nothing after.
@@ -123,7 +128,7 @@ fn decode_all<P: AsRef<[u8]>>(
                     return;
                 }
             }
-            if blocks >= WINDOW_BLOCKS {
+            if blocks >= PIPELINE_WINDOW_BLOCKS {
                 if full
                     .send(Decoded {
                         window,
