@@ -74,7 +74,6 @@ class ZmqReceiver:
         self.config = config
         self._deliver = deliver
         self._on_peer = on_peer
-        self.peer_connects = 0
         self._stop = threading.Event()
         self._ready = threading.Event()
         self.malformed = 0
@@ -138,10 +137,8 @@ class ZmqReceiver:
                 event = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] & _PEER_EVENTS:
-                self.peer_connects += 1
-                if self._on_peer is not None:
-                    self._on_peer(self.config.key)
+            if event["event"] & _PEER_EVENTS and self._on_peer is not None:
+                self._on_peer(self.config.key)
 
     def _drain(self, sock: zmq.Socket) -> None:
         """Everything ready, before polling again."""

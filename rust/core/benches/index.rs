@@ -199,25 +199,9 @@ fn build_reserved(w: &Workload) -> Index {
     build_into(idx, w)
 }
 
-fn build_into(mut idx: Index, w: &Workload) -> Index {
-    let mut i = 0;
-    while i < w.payloads.len() {
-        let session = w.origin[i].0;
-        let mut j = i;
-        while j < w.payloads.len() && w.origin[j].0 == session {
-            j += 1;
-        }
-        let call: Vec<&[u8]> = w.payloads[i..j].iter().map(|(_, p)| p.as_slice()).collect();
-        idx.apply_payloads(w.payloads[i].0, &call).unwrap();
-        i = j;
-    }
-    idx
-}
-
-/// `Index::apply_many` with 512 sessions per call on a reserved index: decoding on a
-/// second thread while this one applies (a connector draining a full queue).
-fn build_many_reserved(w: &Workload) -> Index {
-    let mut items: Vec<(SourceKey, Vec<&[u8]>)> = Vec::new();
+/// The workload's payloads grouped by session (its 8 turns), with their source.
+fn sessions(w: &Workload) -> Vec<(SourceKey, Vec<&[u8]>)> {
+    let mut out = Vec::new();
     let mut i = 0;
     while i < w.payloads.len() {
         let session = w.origin[i].0;
@@ -226,13 +210,26 @@ fn build_many_reserved(w: &Workload) -> Index {
             j += 1;
         }
         let call = w.payloads[i..j].iter().map(|(_, p)| p.as_slice()).collect();
-        items.push((w.payloads[i].0, call));
+        out.push((w.payloads[i].0, call));
         i = j;
     }
+    out
+}
+
+fn build_into(mut idx: Index, w: &Workload) -> Index {
+    for (source, call) in sessions(w) {
+        idx.apply_payloads(source, &call).unwrap();
+    }
+    idx
+}
+
+/// `Index::apply_many` with 512 sessions per call on a reserved index: decoding on a
+/// second thread while this one applies (a connector draining a full queue).
+fn build_many_reserved(w: &Workload) -> Index {
     let mut idx = Index::new();
     idx.reserve(TARGET_BLOCKS as u64).unwrap();
     let idx = std::sync::Mutex::new(idx);
-    for chunk in items.chunks(512) {
+    for chunk in sessions(w).chunks(512) {
         Index::apply_many(chunk, || idx.lock().unwrap()).unwrap();
     }
     idx.into_inner().unwrap()
