@@ -12,6 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from quillcache.events.types import EventBatch
+from quillcache.index.types import Match
 
 __version__: str
 
@@ -127,8 +128,6 @@ def decode_batch(payload: bytes) -> EventBatch:
 
 # --- index (rust/python/src/index.rs) ---
 
-#: (worker, dp_rank, medium, blocks): one Match, sorted by (worker, dp_rank, medium).
-_MatchTuple: TypeAlias = tuple[int, int, str, int]
 #: (worker, dp_rank, medium, refcount): one Residency.
 _HolderTuple: TypeAlias = tuple[int, int, str, int]
 #: (key, parent, depth, holders, pinned): one Entry.
@@ -159,12 +158,13 @@ class NativeIndex:
     def apply_many(self, items: list[tuple[int, list[bytes]]], dp_rank: int = 0) -> _ApplyTuple:
         """`apply` for each (worker, payloads) item in order; one GIL release for the
         whole list (a large one decoded on a second thread), the write lock taken per
-        window of ~1,024 blocks. On a batch that does not decode,
+        window of ~8,192 blocks. On a batch that does not decode,
         raises EventDecodeError with `item_index`, `payload_index` and `stats` (an
         _ApplyTuple of everything applied before it, which stays applied)."""
-    def match(self, keys: _Keys) -> list[_MatchTuple]:
-        """Longest run from block 0 of `keys` that each (source, medium) holds (>= 1)."""
-    def match_many(self, requests: list[_Keys]) -> list[list[_MatchTuple]]:
+    def match(self, keys: _Keys) -> list[Match]:
+        """Longest run from block 0 of `keys` that each (source, medium) holds (>= 1),
+        sorted by (worker, dp_rank, medium). The `Match` objects are shared (cached)."""
+    def match_many(self, requests: list[_Keys]) -> list[list[Match]]:
         """`match` for each request; one GIL release for the whole list."""
     def remove_worker(self, worker: int) -> int:
         """Forget every dp rank of the worker; returns the resident pairs dropped."""
@@ -248,10 +248,8 @@ class DurableIndex:
         seqs: list[int] | None = None,
     ) -> tuple[int, int, int, int, int, int, int, int]:
         """Decode, log (one write) and apply; `seqs`: the engine's seq of each batch."""
-    def match(self, keys: npt.NDArray[np.uint64]) -> list[tuple[int, int, str, int]]: ...
-    def match_many(
-        self, requests: list[npt.NDArray[np.uint64]]
-    ) -> list[list[tuple[int, int, str, int]]]: ...
+    def match(self, keys: npt.NDArray[np.uint64]) -> list[Match]: ...
+    def match_many(self, requests: list[npt.NDArray[np.uint64]]) -> list[list[Match]]: ...
     def remove_worker(self, worker: int) -> int: ...
     def clear_source(self, worker: int, dp_rank: int = 0) -> int: ...
     def scan(
@@ -289,10 +287,8 @@ class KvIndex:
     def apply(
         self, worker: int, payloads: list[bytes], dp_rank: int = 0
     ) -> tuple[int, int, int, int, int, int, int, int]: ...
-    def match(self, keys: npt.NDArray[np.uint64]) -> list[tuple[int, int, str, int]]: ...
-    def match_many(
-        self, requests: list[npt.NDArray[np.uint64]]
-    ) -> list[list[tuple[int, int, str, int]]]: ...
+    def match(self, keys: npt.NDArray[np.uint64]) -> list[Match]: ...
+    def match_many(self, requests: list[npt.NDArray[np.uint64]]) -> list[list[Match]]: ...
     def remove_worker(self, worker: int) -> int: ...
     def clear_source(self, worker: int, dp_rank: int = 0) -> int: ...
     def scan(

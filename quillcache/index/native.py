@@ -23,30 +23,6 @@ _new = object.__new__
 MAX_RESERVE_BLOCKS = 1 << 26
 
 
-def _new_match(t: tuple[int, int, str, int]) -> Match:
-    # Match is a frozen dataclass; filling its __dict__ directly skips the frozen
-    # __setattr__ (3x faster than Match(*t)).
-    m = _new(Match)
-    d = m.__dict__
-    d["worker"], d["dp_rank"], d["medium"], d["blocks"] = t
-    return m
-
-
-#: Matches are immutable values from a small set (workers x ranks x media x lengths),
-#: so they are shared: a dict hit costs a fraction of building the object.
-_MATCH_CACHE: dict[tuple[int, int, str, int], Match] = {}
-_MATCH_CACHE_MAX = 1 << 16
-
-
-def _match(t: tuple[int, int, str, int]) -> Match:
-    m = _MATCH_CACHE.get(t)
-    if m is None:
-        if len(_MATCH_CACHE) >= _MATCH_CACHE_MAX:
-            _MATCH_CACHE.clear()
-        m = _MATCH_CACHE[t] = _new_match(t)
-    return m
-
-
 def _apply_stats(t: tuple[int, int, int, int, int, int, int, int]) -> ApplyStats:
     # Filling __dict__ directly: a third of the cost of ApplyStats(*t), per apply call.
     s = _new(ApplyStats)
@@ -130,7 +106,7 @@ class NativeIndex:
         """`apply` for many `(worker, payloads)` items in order: one call, the GIL
         released once. A large list (64 KiB of payloads or more) is decoded on a second
         thread while this one applies, and the index's write lock is taken per window
-        of ~1,024 blocks, never for the whole list. On a batch that does not
+        of ~8,192 blocks, never for the whole list. On a batch that does not
         decode, raises `EventDecodeError` with `item_index`, `payload_index` and the
         `stats` of everything applied before it (which stays applied)."""
         if type(dp_rank) is not int:
@@ -148,16 +124,15 @@ class NativeIndex:
         return _apply_stats(raw)
 
     def match(self, keys: KeyArray) -> list[Match]:
+        # The binding returns shared `Match` objects (rust/python/src/matches.rs).
         try:  # fast path: already a contiguous 1-D uint64 array
-            raw = self._inner.match(keys)
+            return self._inner.match(keys)
         except (TypeError, QuillCacheError):
-            raw = self._inner.match(as_key_array(keys))
-        return [_match(t) for t in raw]
+            return self._inner.match(as_key_array(keys))
 
     def match_many(self, requests: Sequence[KeyArray]) -> list[list[Match]]:
         """`match` for many requests in one call (one GIL release)."""
-        raw = self._inner.match_many([as_key_array(k) for k in requests])
-        return [[_match(t) for t in hits] for hits in raw]
+        return self._inner.match_many([as_key_array(k) for k in requests])
 
     def remove_worker(self, worker: int) -> int:
         check_source(worker, 0)

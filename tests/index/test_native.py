@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +16,7 @@ from quillcache.errors import EventDecodeError, QuillCacheError
 from quillcache.events import encode as enc
 from quillcache.index.inputs import InvalidIndexInputError
 from quillcache.index.native import NativeIndex
-from quillcache.index.types import ApplyStats
+from quillcache.index.types import ApplyStats, Match
 from tests.index.helpers import keys, payload, removed, stored, toks
 
 
@@ -237,3 +240,63 @@ def test_a_large_apply_many_runs_the_decoding_thread_and_equals_apply(
         assert info.value.payload_index == 1  # type: ignore[attr-defined]
         assert info.value.stats == want  # type: ignore[attr-defined]
     assert batched.state_eq(one_by_one)
+
+
+def chain_on_workers(workers: range, n_blocks: int) -> tuple[NativeIndex, np.ndarray]:
+    """One chain of `n_blocks` stored by every worker in `workers`: a match of its
+    first k keys hits every worker with k blocks."""
+    idx, t = NativeIndex(), toks(n_blocks)
+    pl = payload(stored(list(range(1, n_blocks + 1)), t))
+    idx.apply_many([(w, [pl]) for w in workers])
+    return idx, keys(t)
+
+
+def test_matches_stay_right_past_the_binding_cache_bound() -> None:
+    """72,000 distinct (worker, length) hits, more than the binding keeps (1 << 16
+    shared Match objects): every result is still right after the cache is cleared."""
+    workers, n_blocks = range(1000, 1240), 300
+    idx, full = chain_on_workers(workers, n_blocks)
+    for _ in range(2):  # the second round hits what the first one left cached
+        for k in range(1, n_blocks + 1):
+            assert idx.match(full[:k]) == [Match(w, 0, "GPU", k) for w in workers]
+
+
+_THREADED_MATCHES = """
+import sys, threading
+from quillcache.index.types import Match
+from tests.index.test_native import chain_on_workers
+
+workers, n_blocks = range(5000, 5064), 200
+idx, full = chain_on_workers(workers, n_blocks)
+wrong = []
+
+def matcher(lengths):
+    for k in lengths:
+        if idx.match(full[:k]) != [Match(w, 0, "GPU", k) for w in workers]:
+            wrong.append(k)
+
+sys.setswitchinterval(1e-6)
+threads = [threading.Thread(target=matcher, args=(range(i, n_blocks + 1, 4),)) for i in range(1, 5)]
+for th in threads:
+    th.start()
+for th in threads:
+    th.join()
+print("wrong", wrong)
+"""
+
+
+def test_threads_building_new_match_objects_neither_hang_nor_mix_up() -> None:
+    """Every match here misses the binding's cache, so it runs Python code (building
+    a Match) while other threads want the same cache; with the GIL switching every
+    microsecond, holding the cache's lock across that call would deadlock with the
+    GIL held, so the scenario runs in a child process the test can kill."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", _THREADED_MATCHES],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "wrong []"

@@ -9,14 +9,13 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::{PyMemoryError, PyValueError};
-use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyTuple};
 
-use quillcache_core::events::Medium;
 use quillcache_core::index::{ApplyStats, EntryOut, Index, ReserveError, SourceKey};
 
 use crate::errors::{EventDecodeError, QuillCacheError};
+use crate::matches::{match_list, Hit};
 
 /// `(batches, events, blocks_stored, blocks_removed, clears, orphan_blocks,
 /// unknown_removals, invalid_events)`: the fields of `quillcache.index.ApplyStats`.
@@ -51,7 +50,7 @@ impl NativeIndex {
     }
 
     /// Match with the medium resolved (cloning a `Medium` of the common kinds is free).
-    fn named_hits(&self, keys: &[u64]) -> Vec<(u64, u32, Medium, u32)> {
+    fn named_hits(&self, keys: &[u64]) -> Vec<Hit> {
         let idx = self.read();
         idx.match_keys(keys)
             .into_iter()
@@ -60,33 +59,11 @@ impl NativeIndex {
     }
 }
 
-/// `[(worker, dp_rank, medium, blocks), ...]`; shared with the persistent indexes.
-pub(crate) fn hits_list<'py>(
-    py: Python<'py>,
-    hits: &[(u64, u32, Medium, u32)],
-) -> PyResult<Bound<'py, PyList>> {
-    let out = PyList::empty(py);
-    for (worker, dp_rank, medium, blocks) in hits {
-        out.append((*worker, *dp_rank, medium_str(py, medium), *blocks))?;
-    }
-    Ok(out)
-}
-
 /// The keys, copied while the GIL is held (a request is ~64 keys; the copy is
 /// cheaper than numpy's tracked borrow and leaves nothing shared once released).
 fn keys_vec(keys: &Bound<'_, PyArray1<u64>>) -> PyResult<Vec<u64>> {
     keys.to_vec()
         .map_err(|_| QuillCacheError::new_err("keys must be a contiguous 1-D uint64 array"))
-}
-
-/// The name of a medium as a Python string; the common ones are interned.
-fn medium_str<'py>(py: Python<'py>, m: &Medium) -> Bound<'py, PyString> {
-    match m {
-        Medium::Gpu => intern!(py, "GPU").clone(),
-        Medium::Cpu => intern!(py, "CPU").clone(),
-        Medium::Disk => intern!(py, "DISK").clone(),
-        Medium::Other(s) => PyString::new(py, s),
-    }
 }
 
 fn entry_tuple<'py>(py: Python<'py>, e: &EntryOut) -> PyResult<Bound<'py, PyTuple>> {
@@ -152,7 +129,7 @@ impl NativeIndex {
 
     /// `apply` for many `(worker, payloads)` items in order, the GIL released once for
     /// the whole list; a large list is decoded on a second thread while the caller's
-    /// applies (`Index::apply_many`), the write lock taken per window of ~1,024 blocks
+    /// applies (`Index::apply_many`), the write lock taken per window of ~8,192 blocks
     /// (a `match` never waits behind the whole list). On a decode error the items before stay applied, and so do
     /// the failing item's payloads before the bad one; `EventDecodeError` carries
     /// `item_index`, `payload_index` and the `stats` of everything applied.
@@ -194,7 +171,8 @@ impl NativeIndex {
         }
     }
 
-    /// `[(worker, dp_rank, medium, blocks), ...]` sorted by (worker, dp_rank, medium).
+    /// `[Match, ...]` sorted by (worker, dp_rank, medium); the objects are shared
+    /// (`matches.rs`).
     #[pyo3(name = "match")]
     fn match_keys<'py>(
         &self,
@@ -203,7 +181,7 @@ impl NativeIndex {
     ) -> PyResult<Bound<'py, PyList>> {
         let keys = keys_vec(keys)?;
         let hits = py.detach(|| self.named_hits(&keys));
-        hits_list(py, &hits)
+        match_list(py, &hits)
     }
 
     /// One `match` per request; the GIL is released once for the whole batch.
@@ -224,7 +202,7 @@ impl NativeIndex {
         });
         let out = PyList::empty(py);
         for hits in &all {
-            out.append(hits_list(py, hits)?)?;
+            out.append(match_list(py, hits)?)?;
         }
         Ok(out)
     }

@@ -7,6 +7,7 @@ mod errors;
 mod events;
 mod hashing;
 mod index;
+mod matches;
 mod persist;
 
 #[pymodule]

@@ -12,12 +12,11 @@ use std::time::Duration;
 use numpy::PyReadonlyArray1;
 use pyo3::prelude::*;
 
-use crate::index::hits_list;
+use crate::matches::{match_list, Hit};
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use quillcache_core::backends::kv_index::KvIndexError;
 use quillcache_core::backends::{open_store, KvErrorKind, KvIndex as CoreKvIndex, KvStore};
-use quillcache_core::events::Medium;
 use quillcache_core::index::{ApplyStats, EntryOut, SourceKey};
 use quillcache_core::persist::{
     ApplyError, Durability, DurableIndex as CoreDurable, DurableOptions, PersistError,
@@ -279,14 +278,14 @@ impl DurableIndex {
         keys: PyReadonlyArray1<'py, u64>,
     ) -> PyResult<Bound<'py, PyList>> {
         let keys = keys_slice(&keys)?;
-        let hits: Vec<(u64, u32, Medium, u32)> = self.with_read(py, |d| {
+        let hits: Vec<Hit> = self.with_read(py, |d| {
             let idx = d.index();
             idx.match_keys(keys)
                 .into_iter()
                 .map(|h| (h.worker, h.dp_rank, idx.medium(h.medium).clone(), h.blocks))
                 .collect()
         })?;
-        hits_list(py, &hits)
+        match_list(py, &hits)
     }
 
     fn match_many<'py>(
