@@ -11,6 +11,7 @@
 //! it exposes a prefetch of a key's home slot and its tag-matching node, so `match`
 //! and ingest can issue the cache misses of all of a request's keys at once.
 
+use super::hugepages;
 use super::tree::{Node, NIL};
 
 /// Ids below 2^24 - 1 (16 M nodes) leave 8 bits of tag: 1 false node read per 256
@@ -199,7 +200,7 @@ impl KeyTable {
     /// Doubles the table while `pending` (in `nodes`, not yet in the table) waits.
     fn grow(&mut self, nodes: &[Node], pending: u32) {
         let cap = (self.slots.len() * 2).max(16);
-        self.rebuild(vec![NIL; cap], nodes, pending);
+        self.rebuild(hugepages::filled(cap, NIL), nodes, pending);
     }
 
     /// Makes room for `entries` entries in all, so that inserts up to that many
@@ -218,6 +219,7 @@ impl KeyTable {
         }
         let mut slots = Vec::new();
         slots.try_reserve_exact(cap)?;
+        hugepages::advise(&slots);
         slots.resize(cap, NIL);
         self.rebuild(slots, nodes, NIL);
         Ok(())

@@ -8,6 +8,7 @@
 //! * [`holders`]: the compact per-block holder set.
 //! * [`tree`]: nodes in a slab, found by content key.
 //! * [`keytable`]: the open-addressing `key → node` table, with prefetch.
+//! * [`hugepages`]: transparent huge pages for the slab and the tables.
 //! * [`sources`]: sources, their engine-hash maps, interned media.
 //! * [`apply`]: BlockStored / BlockRemoved / AllBlocksCleared.
 //! * [`batch`]: many payloads at once, probes overlapped across events.
@@ -18,6 +19,7 @@
 mod apply;
 mod batch;
 pub mod holders;
+mod hugepages;
 mod keytable;
 mod many;
 mod matching;

@@ -28,6 +28,7 @@ use std::io::{Read, Write};
 use crate::events::Medium;
 
 use super::holders::{self, claimed, id_of, medium_of, refcount_of, slot_of};
+use super::hugepages;
 use super::keytable::prefetch;
 use super::sources::{Source, SourceKey};
 use super::tree::{Tree, HAS_EHASH, NIL};
@@ -148,8 +149,9 @@ impl Tree {
     fn presize(&mut self, nodes: usize, key_slots: usize, ehash_slots: usize) {
         debug_assert!(self.len() == 0);
         self.nodes.reserve_exact(nodes);
-        self.table.slots = vec![NIL; key_slots];
-        self.by_ehash.slots = vec![NIL; ehash_slots];
+        hugepages::advise(&self.nodes);
+        self.table.slots = hugepages::filled(key_slots, NIL);
+        self.by_ehash.slots = hugepages::filled(ehash_slots, NIL);
     }
 }
 

@@ -10,6 +10,7 @@ use hashbrown::{HashMap, HashSet};
 use super::keytable::{KeyField, KeyTable};
 
 use super::holders::{HolderSet, Spills};
+use super::hugepages;
 use super::sources::MixBuild;
 
 /// "No node" in parent links and the free list.
@@ -99,6 +100,7 @@ impl Tree {
     pub fn reserve(&mut self, blocks: usize) -> Result<(), std::collections::TryReserveError> {
         self.nodes
             .try_reserve_exact(blocks.saturating_sub(self.nodes.len()))?;
+        hugepages::advise(&self.nodes);
         self.table.reserve(blocks, &self.nodes)?;
         self.by_ehash.reserve(blocks, &self.nodes)
     }
@@ -224,7 +226,7 @@ impl Tree {
                 id
             }
             None => {
-                self.nodes.push(node);
+                self.push(node);
                 (self.nodes.len() - 1) as u32
             }
         };
@@ -237,11 +239,21 @@ impl Tree {
         id
     }
 
+    /// Appends to the slab; a slab that grew gets huge pages (`hugepages`).
+    #[inline]
+    fn push(&mut self, node: Node) {
+        let capacity = self.nodes.capacity();
+        self.nodes.push(node);
+        if self.nodes.capacity() != capacity {
+            hugepages::advise(&self.nodes);
+        }
+    }
+
     /// Snapshot restore: appends a node (no holders, no links, not yet in the key
     /// table: `index_loaded_keys` does that for all at once). Returns its id.
     pub(super) fn push_loaded(&mut self, key: u64, root_parent: u64, depth: u32) -> u32 {
         let id = self.nodes.len() as u32;
-        self.nodes.push(Node {
+        self.push(Node {
             key,
             ehash: 0,
             holders: HolderSet::default(),
