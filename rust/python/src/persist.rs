@@ -17,6 +17,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 
 use quillcache_core::backends::kv_index::KvIndexError;
 use quillcache_core::backends::{open_store, KvErrorKind, KvIndex as CoreKvIndex, KvStore};
+use quillcache_core::events::Medium;
 use quillcache_core::index::{ApplyStats, EntryOut, SourceKey};
 use quillcache_core::persist::{
     ApplyError, Durability, DurableIndex as CoreDurable, DurableOptions, PersistError,
@@ -593,12 +594,13 @@ impl KvIndex {
         keys: PyReadonlyArray1<'py, u64>,
     ) -> PyResult<Bound<'py, PyList>> {
         let keys = keys_slice(&keys)?;
-        let hits = self.with(py, |ix| ix.match_keys(keys))?;
-        let out = PyList::empty(py);
-        for (worker, dp_rank, medium, blocks) in &hits {
-            out.append((*worker, *dp_rank, medium.as_str(), *blocks))?;
-        }
-        Ok(out)
+        let hits: Vec<Hit> = self
+            .with(py, |ix| ix.match_keys(keys))?
+            .into_iter()
+            // The store keeps the name of a parsed medium: parsing it again is exact.
+            .map(|(w, rank, medium, blocks)| (w, rank, Medium::parse(Some(&medium)), blocks))
+            .collect();
+        match_list(py, &hits)
     }
 
     fn match_many<'py>(
