@@ -1,7 +1,8 @@
 """`NativeIndex`: the Rust residency index behind the `IndexBackend` protocol.
 
-A thin wrapper: input validation and conversion of the binding's tuples into the
-protocol's dataclasses. The work (decode, apply, match, scan) runs in Rust with the
+A thin wrapper: input validation and conversion of the binding's tuples (stats,
+entries) into the protocol's dataclasses; `match` gets `Match` objects from the
+binding as they are. The work (decode, apply, match, scan) runs in Rust with the
 GIL released; see `docs/index.md` for the data structure and its numbers.
 """
 
