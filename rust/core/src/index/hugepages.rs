@@ -6,7 +6,7 @@
 //! ~10 % of an ingest's time (perf). An array advised `MADV_HUGEPAGE` is faulted
 //! 2 MiB at a time, and its random reads (matching, table probes) walk fewer TLB
 //! entries. The advice is only advice: where the system's THP mode is `never`, or
-//! off Linux, nothing changes. Measured in docs/index.md ("Huge pages").
+//! off Linux, nothing changes. Measured in docs/index.md (2026-12-03, third session).
 
 /// Arrays smaller than one huge page are left alone.
 const MIN_BYTES: usize = 2 << 20;
@@ -16,29 +16,45 @@ const MIN_BYTES: usize = 2 << 20;
 /// array filled at once, before filling it (the fill is what faults the pages).
 pub(super) fn advise<T>(v: &Vec<T>) {
     let bytes = v.capacity().saturating_mul(std::mem::size_of::<T>());
-    if let Some((first, end)) = advised_span(v.as_ptr() as usize, bytes) {
+    if bytes < MIN_BYTES {
+        return;
+    }
+    if let Some((first, end)) = advised_span(v.as_ptr() as usize, bytes, page_size()) {
         madvise_huge(first, end);
     }
 }
 
-/// The page-aligned inside `[first, end)` of an allocation of `bytes` at `start`,
-/// if the allocation is large enough to advise.
-fn advised_span(start: usize, bytes: usize) -> Option<(usize, usize)> {
-    // madvise wants a page-aligned start; 4 KiB divides every page size.
-    const PAGE: usize = 4096;
-    let first = start.checked_next_multiple_of(PAGE)?;
-    let end = start.checked_add(bytes)? & !(PAGE - 1);
-    (bytes >= MIN_BYTES && end > first).then_some((first, end))
+/// The inside `[first, end)` of an allocation of `bytes` at `start` aligned to
+/// `page` (madvise takes page-aligned ranges only), if it is not empty.
+fn advised_span(start: usize, bytes: usize, page: usize) -> Option<(usize, usize)> {
+    let first = start.checked_next_multiple_of(page)?;
+    let end = start.checked_add(bytes)? & !(page - 1);
+    (end > first).then_some((first, end))
+}
+
+#[cfg(target_os = "linux")]
+fn page_size() -> usize {
+    // SAFETY: sysconf reads a constant of the system.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(page)
+        .ok()
+        .filter(|p| p.is_power_of_two())
+        .unwrap_or(4096)
 }
 
 #[cfg(target_os = "linux")]
 fn madvise_huge(first: usize, end: usize) {
     // SAFETY: [first, end) lies inside one live allocation; MADV_HUGEPAGE changes how
     // its pages are backed, never their contents. A failure (a kernel without THP)
-    // leaves the 4 KiB pages, which is fine.
+    // leaves the small pages, which is fine.
     unsafe {
         libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE);
     }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn page_size() -> usize {
+    4096
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -57,17 +73,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_span_is_the_page_aligned_inside_of_large_allocations() {
+    fn the_span_is_the_page_aligned_inside_of_the_allocation() {
+        let mib = 1 << 20;
         assert_eq!(
-            advised_span(4096, MIN_BYTES),
-            Some((4096, 4096 + MIN_BYTES))
+            advised_span(4096, 2 * mib, 4096),
+            Some((4096, 4096 + 2 * mib))
         );
         assert_eq!(
-            advised_span(4097, MIN_BYTES),
-            Some((8192, 4096 + MIN_BYTES))
+            advised_span(4097, 2 * mib, 4096),
+            Some((8192, 4096 + 2 * mib))
         );
-        assert_eq!(advised_span(4096, MIN_BYTES - 1), None);
-        assert_eq!(advised_span(usize::MAX - 10, MIN_BYTES), None);
+        assert_eq!(advised_span(4097, 2 * mib, 65536), Some((65536, 2 * mib)));
+        assert_eq!(advised_span(4097, 4000, 4096), None);
+        assert_eq!(advised_span(usize::MAX - 10, 2 * mib, 4096), None);
     }
 
     /// The mappings of /proc/self/smaps whose VmFlags have `hg` (MADV_HUGEPAGE).
@@ -103,7 +121,8 @@ mod tests {
         if !std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists() {
             return; // a kernel without THP refuses the advice
         }
-        let (first, end) = advised_span(v.as_ptr() as usize, v.capacity() * 4).unwrap();
+        let (first, end) =
+            advised_span(v.as_ptr() as usize, v.capacity() * 4, page_size()).unwrap();
         let mappings = advised_mappings();
         let advised = |p: usize| mappings.iter().any(|&(a, b)| a <= p && p < b);
         assert!(
