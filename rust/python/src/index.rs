@@ -15,7 +15,7 @@ use pyo3::types::{PyBytes, PyList, PyTuple};
 use quillcache_core::index::{ApplyStats, EntryOut, Index, ReserveError, SourceKey};
 
 use crate::errors::{EventDecodeError, QuillCacheError};
-use crate::matches::{match_list, Hit};
+use crate::matches::{match_list, named_hits};
 
 /// `(batches, events, blocks_stored, blocks_removed, clears, orphan_blocks,
 /// unknown_removals, invalid_events)`: the fields of `quillcache.index.ApplyStats`.
@@ -47,15 +47,6 @@ impl NativeIndex {
 
     fn write(&self) -> RwLockWriteGuard<'_, Index> {
         self.inner.write().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Match with the medium resolved (cloning a `Medium` of the common kinds is free).
-    fn named_hits(&self, keys: &[u64]) -> Vec<Hit> {
-        let idx = self.read();
-        idx.match_keys(keys)
-            .into_iter()
-            .map(|h| (h.worker, h.dp_rank, idx.medium(h.medium).clone(), h.blocks))
-            .collect()
     }
 }
 
@@ -180,7 +171,7 @@ impl NativeIndex {
         keys: &Bound<'py, PyArray1<u64>>,
     ) -> PyResult<Bound<'py, PyList>> {
         let keys = keys_vec(keys)?;
-        let hits = py.detach(|| self.named_hits(&keys));
+        let hits = py.detach(|| named_hits(&self.read(), &keys));
         match_list(py, &hits)
     }
 
@@ -197,7 +188,7 @@ impl NativeIndex {
         let all = py.detach(|| {
             slices
                 .iter()
-                .map(|k| self.named_hits(k))
+                .map(|k| named_hits(&self.read(), k))
                 .collect::<Vec<_>>()
         });
         let out = PyList::empty(py);

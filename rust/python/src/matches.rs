@@ -16,6 +16,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyList, PyString};
 
 use quillcache_core::events::Medium;
+use quillcache_core::index::Index;
 
 /// `(worker, dp_rank, medium, blocks)` of one hit.
 pub(crate) type Hit = (u64, u32, Medium, u32);
@@ -42,8 +43,17 @@ fn matches(py: Python<'_>) -> PyResult<&Matches> {
     })
 }
 
+/// `idx`'s matches of `keys` with each medium resolved to its name (cloning a
+/// `Medium` of the common kinds is free); shared by every index class.
+pub(crate) fn named_hits(idx: &Index, keys: &[u64]) -> Vec<Hit> {
+    idx.match_keys(keys)
+        .into_iter()
+        .map(|h| (h.worker, h.dp_rank, idx.medium(h.medium).clone(), h.blocks))
+        .collect()
+}
+
 /// The name of a medium as a Python string; the common ones are interned.
-pub(crate) fn medium_str<'py>(py: Python<'py>, m: &Medium) -> Bound<'py, PyString> {
+fn medium_str<'py>(py: Python<'py>, m: &Medium) -> Bound<'py, PyString> {
     match m {
         Medium::Gpu => intern!(py, "GPU").clone(),
         Medium::Cpu => intern!(py, "CPU").clone(),
@@ -71,12 +81,7 @@ pub(crate) fn match_list<'py>(py: Python<'py>, hits: &[Hit]) -> PyResult<Bound<'
                 let obj = m.class.bind(py).call1(args)?.unbind();
                 let evicted = {
                     let mut cache = lock();
-                    let full = cache.len() >= MAX_CACHED;
-                    let evicted = if full {
-                        std::mem::take(&mut *cache)
-                    } else {
-                        HashMap::new()
-                    };
+                    let evicted = (cache.len() >= MAX_CACHED).then(|| std::mem::take(&mut *cache));
                     cache.insert(hit.clone(), obj.clone_ref(py));
                     evicted
                 };

@@ -12,7 +12,7 @@ use std::time::Duration;
 use numpy::PyReadonlyArray1;
 use pyo3::prelude::*;
 
-use crate::matches::{match_list, Hit};
+use crate::matches::{match_list, named_hits, Hit};
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use quillcache_core::backends::kv_index::KvIndexError;
@@ -279,13 +279,7 @@ impl DurableIndex {
         keys: PyReadonlyArray1<'py, u64>,
     ) -> PyResult<Bound<'py, PyList>> {
         let keys = keys_slice(&keys)?;
-        let hits: Vec<Hit> = self.with_read(py, |d| {
-            let idx = d.index();
-            idx.match_keys(keys)
-                .into_iter()
-                .map(|h| (h.worker, h.dp_rank, idx.medium(h.medium).clone(), h.blocks))
-                .collect()
-        })?;
+        let hits = self.with_read(py, |d| named_hits(d.index(), keys))?;
         match_list(py, &hits)
     }
 
