@@ -53,7 +53,7 @@ build-ci:
 test-rust:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	cargo nextest run -p quillcache-core --no-fail-fast
+	cargo nextest run -p quillcache-core -p quillcache-relay --no-fail-fast
 	cargo test -p quillcache-core --doc -q
 
 test-rust-features:  ## the key-value stores' Rust tests (release: reuses build-ci's C++ builds)

@@ -6,7 +6,7 @@ Every call that does real work releases the GIL.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeAlias
+from typing import Literal, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -301,3 +301,66 @@ class KvIndex:
     def disk_bytes(self) -> int: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
+
+RelayEvent = (
+    tuple[Literal["request"], int, str, list[tuple[str, bytes]], bytes, float]
+    | tuple[Literal["upstream_failed"], int, bool, str]
+    | tuple[Literal["first_byte"], int, float]
+    | tuple[Literal["usage"], int, bytes]
+    | tuple[
+        Literal["end"],
+        int,
+        int,
+        bool,
+        Literal["complete", "upstream_failed", "client_left"],
+        str,
+        float,
+    ]
+)
+
+class Relay:
+    """The gateway's data path (``rust/relay``): an HTTP/1.1 server on its own thread.
+    POSTs to ``hot_paths`` become ``("request", id, path, headers, body, waited_s)``
+    events, answered with `forward`, `respond` or `delegate`; every other request is
+    proxied to ``127.0.0.1:backend_port``. Watch `fileno` and call `take`.
+
+    Events: ``("upstream_failed", id, connect, message)`` (reply again),
+    ``("first_byte", id, elapsed_s)``, ``("usage", id, chunk)`` (a chunk mentioning
+    ``cached_tokens``), ``("end", id, status, streamed, outcome, detail, elapsed_s)``
+    (once per forwarded request)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        backend_port: int,
+        hot_paths: list[str],
+        *,
+        max_body_bytes: int,
+        connect_timeout_s: float,
+        request_timeout_s: float,
+    ) -> None:
+        """Binds ``host:port`` (an IP address; port 0 = any) and starts serving.
+        Raises OSError when it cannot bind."""
+    @property
+    def port(self) -> int: ...
+    def fileno(self) -> int: ...
+    def take(self) -> list[RelayEvent]: ...
+    def forward(
+        self,
+        id: int,
+        url: str,
+        headers: list[tuple[str, bytes]],
+        body: bytes,
+        response_headers: list[tuple[str, bytes]],
+    ) -> bool:
+        """Send ``body`` to ``url`` (``http://``) and relay the answer. False when nobody
+        waits for ``id`` any more (its client left)."""
+    def respond(
+        self, id: int, status: int, headers: list[tuple[str, bytes]], body: bytes
+    ) -> bool: ...
+    def delegate(self, id: int) -> bool:
+        """Let the backend app serve the request as it came."""
+    def waiting(self) -> int: ...
+    def stop(self) -> None:
+        """Stop accepting and close every connection (waits for the relay's thread)."""

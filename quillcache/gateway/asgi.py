@@ -46,7 +46,7 @@ def admin_only(handler: Handler, token: Callable[[], str | None]) -> Handler:
                 "the admin API is disabled: set admin_token in the config",
                 "PermissionDeniedError",
             )
-        check_bearer(request, [expected], "admin token")
+        check_bearer(request.headers, [expected], "admin token")
         return await handler(request)
 
     return api_errors(wrapped)

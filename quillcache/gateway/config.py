@@ -81,6 +81,11 @@ class GatewayConfig(BaseModel):
         "(its last batches may be lost with nothing after them); 0 = never",
     )
     parity_check: bool = True
+    relay: Literal["native", "python"] = Field(
+        default="native",
+        description="the data path: 'native' (the Rust relay serves the port, Python decides) "
+        "or 'python' (everything in the Starlette app)",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "warning"
 
 

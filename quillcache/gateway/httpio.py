@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -96,14 +96,14 @@ async def json_object(request: Request, limit: int, default: bytes = b"") -> dic
     return parse_object(await read_body(request, limit) or default)
 
 
-def bearer(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
+def bearer(headers: Mapping[str, str]) -> str | None:
+    auth = headers.get("authorization", "")
     return auth[7:].strip() if auth.lower().startswith("bearer ") else None
 
 
-def check_bearer(request: Request, accepted: Iterable[str], what: str) -> None:
-    """401 unless the request carries one of the `accepted` bearer tokens."""
-    given = bearer(request)
+def check_bearer(headers: Mapping[str, str], accepted: Iterable[str], what: str) -> None:
+    """401 unless the request's `headers` carry one of the `accepted` bearer tokens."""
+    given = bearer(headers)
     if not given or not any(hmac.compare_digest(given, a) for a in accepted):
         raise ApiError(
             401, f"missing or invalid {what} (Authorization: Bearer <key>)", "AuthenticationError"

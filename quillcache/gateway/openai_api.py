@@ -11,6 +11,8 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -43,6 +45,17 @@ COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 
 
+@dataclass(slots=True)
+class Prepared:
+    """A checked, tokenized request, ready to route."""
+
+    raw: bytes  # the body to forward (with the tenant's cache_salt, if one was added)
+    route_request: RouteRequest
+    prompt_tokens: int
+    candidates: frozenset[int] | None  # engines serving its model; None = any
+    routing_started: float  # perf_counter() when tokenizing began
+
+
 class OpenAIEndpoints:
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
@@ -54,7 +67,7 @@ class OpenAIEndpoints:
         return await self._counted(request, CHAT_COMPLETIONS, chat=True)
 
     async def models(self, request: Request) -> Response:
-        self._check_api_key(request)
+        self.check_api_key(request.headers)
         gw, now = self.gw, int(time.time())
         data = [
             {
@@ -78,15 +91,14 @@ class OpenAIEndpoints:
         self.gw.metrics.request_done(path, response.status_code)
         return response
 
-    def _check_api_key(self, request: Request) -> None:
+    def check_api_key(self, headers: Mapping[str, str]) -> None:
         if self.gw.config.api_keys:
-            check_bearer(request, self.gw.config.api_keys, "API key")
+            check_bearer(headers, self.gw.config.api_keys, "API key")
 
-    async def _proxy(self, request: Request, path: str, *, chat: bool) -> Response:
+    async def prepare(self, headers: Mapping[str, str], raw: bytes, chat: bool) -> Prepared:
+        """Check the body (API key checked already), then tokenize and hash it for routing.
+        Shared by both data paths (this ASGI app's and the native relay's)."""
         gw = self.gw
-        started = time.perf_counter()
-        self._check_api_key(request)
-        raw = await read_body(request, gw.config.max_body_bytes)
         body = parse_object(raw)
         validate_completion(body, chat)
         model = body.get("model")
@@ -100,15 +112,13 @@ class OpenAIEndpoints:
                 code="model_not_found",
                 param="model",
             )
-        tenant_header = request.headers.get(gw.config.tenant_header)
+        tenant_header = headers.get(gw.config.tenant_header)
         if tenant_header and not body.get("cache_salt"):
             body["cache_salt"] = tenant_header  # the engine must isolate it too
             raw = json.dumps(body).encode()
         routing_started = time.perf_counter()  # tokenize + hash + route, for /admin/index
         try:
-            route_request, prompt_tokens = await gw.identify(
-                body, chat, request.headers, candidates
-            )
+            route_request, prompt_tokens = await gw.identify(body, chat, headers, candidates)
         except EngineUnreachable as exc:  # dead engines, not a bad request
             raise ApiError(
                 503, f"cannot tokenize the request: {exc}", "ServiceUnavailableError"
@@ -117,21 +127,21 @@ class OpenAIEndpoints:
             raise ApiError(400, f"cannot tokenize the request: {exc}") from None
         except (ValueError, TypeError, QuillCacheError) as exc:  # e.g. HashingError
             raise ApiError(400, f"invalid prompt: {exc}") from None
+        return Prepared(raw, route_request, prompt_tokens, candidates, routing_started)
+
+    async def _proxy(self, request: Request, path: str, *, chat: bool) -> Response:
+        started = time.perf_counter()
+        self.check_api_key(request.headers)
+        raw = await read_body(request, self.gw.config.max_body_bytes)
+        prepared = await self.prepare(request.headers, raw, chat)
+        route_request = prepared.route_request
+        gw = self.gw
         # From here on a client that hangs up cancels this task: the upstream request is
         # dropped whether the engine is still computing (no headers yet: a non-streamed
         # answer only comes when complete) or its body is being read.
         watch = proxy.DisconnectWatch(request)
         try:
-            return await self._forward(
-                request,
-                path,
-                raw,
-                route_request,
-                prompt_tokens,
-                candidates,
-                watch,
-                (started, routing_started),
-            )
+            return await self._forward(request, path, prepared, watch, started)
         except asyncio.CancelledError:
             if not watch.client_left:
                 raise  # cancelled for another reason: propagate
@@ -146,25 +156,20 @@ class OpenAIEndpoints:
         self,
         request: Request,
         path: str,
-        raw: bytes,
-        route_request: RouteRequest,
-        prompt_tokens: int,
-        candidates: frozenset[int] | None,
+        prepared: Prepared,
         watch: proxy.DisconnectWatch,
-        times: tuple[float, float],
+        started: float,
     ) -> Response:
-        """Route, send upstream (once more elsewhere when the connect fails), answer.
-        `times`: when the handler started, and when routing (tokenize + hash) started."""
-        gw = self.gw
-        started, routing_started = times
+        """Route, send upstream (once more elsewhere when the connect fails), answer."""
+        gw, route_request = self.gw, prepared.route_request
         for attempt in range(2):
-            worker = self._route(route_request, prompt_tokens, routing_started, candidates)
+            worker = self.route(prepared)
             gw.pre_upstream_samples.append(time.perf_counter() - started)
             try:
                 resp = await gw.upstream.post(
                     worker.url + path,
-                    data=raw,
-                    headers=self._upstream_headers(request, worker, route_request),
+                    data=prepared.raw,
+                    headers=self.upstream_headers(request.headers, worker, route_request),
                 )
             except _CONNECT_ERRORS as exc:
                 gw.cp.finish(route_request.request_id)
@@ -183,16 +188,11 @@ class OpenAIEndpoints:
             return await self._respond(request, path, resp, worker, route_request, started, watch)
         raise AssertionError("unreachable")
 
-    def _route(
-        self,
-        route_request: RouteRequest,
-        prompt_tokens: int,
-        since: float,
-        candidates: frozenset[int] | None,
-    ) -> Worker:
-        """Route one request among `candidates` (None: any worker; raises the 503/429 of
-        a rejection) and count the decision."""
-        gw = self.gw
+    def route(self, prepared: Prepared) -> Worker:
+        """Route one request among its candidates (None: any worker; raises the 503/429
+        of a rejection) and count the decision."""
+        gw, route_request = self.gw, prepared.route_request
+        candidates, prompt_tokens = prepared.candidates, prepared.prompt_tokens
         try:
             with gw.index_guard:
                 decision = gw.cp.route(route_request, now_s=time.monotonic(), only=candidates)
@@ -200,7 +200,7 @@ class OpenAIEndpoints:
             log.error("gateway: %s", exc)
             gw.metrics.decision(gw.router_name, "router error", "none")
             raise ApiError(500, f"routing failed: {exc}", "InternalServerError") from None
-        routed_s = time.perf_counter() - since
+        routed_s = time.perf_counter() - prepared.routing_started
         gw.metrics.route_time.observe(routed_s)
         gw.route_samples.append(routed_s)
         if decision.rejected:
@@ -276,14 +276,14 @@ class OpenAIEndpoints:
                 gw.metrics.actual_hit_tokens.inc(cached)
         return proxy.passthrough_response(resp, content, extra)
 
-    def _upstream_headers(
-        self, request: Request, worker: Worker, route_request: RouteRequest
+    def upstream_headers(
+        self, headers: Mapping[str, str], worker: Worker, route_request: RouteRequest
     ) -> dict[str, str]:
         """Forwarded headers; for a data-parallel engine, also vLLM's `X-data-parallel-rank`
         naming the rank that holds the longest prefix (its internal balancer would not
         know which one does)."""
         gw = self.gw
-        headers = {k: v for k in proxy.FORWARDED_HEADERS if (v := request.headers.get(k))}
+        forwarded = {k: v for k in proxy.FORWARDED_HEADERS if (v := headers.get(k))}
         if len(worker.sources) > 1 and len(route_request.content_keys):
             with gw.index_guard:
                 matches = gw.cp.index.match(route_request.content_keys)
@@ -293,5 +293,5 @@ class OpenAIEndpoints:
                 default=None,
             )
             if best is not None:
-                headers["x-data-parallel-rank"] = str(best.dp_rank)
-        return headers
+                forwarded["x-data-parallel-rank"] = str(best.dp_rank)
+        return forwarded

@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import sys
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from quillcache.gateway.config import GatewayConfig
+
+if TYPE_CHECKING:
+    from quillcache.gateway.relay import RelayHost
 
 T = TypeVar("T")
 
@@ -38,8 +42,16 @@ def announce(ready: dict[str, Any], ready_file: str | None) -> None:
 
 
 async def serve_app(
-    app: Any, host: str, port: int, log_level: str, extra: dict[str, Any], ready_file: str | None
+    app: Any,
+    host: str,
+    port: int,
+    log_level: str,
+    extra: dict[str, Any],
+    ready_file: str | None,
+    on_started: Callable[[int], dict[str, Any]] | None = None,
 ) -> None:
+    """Serve `app` until stopped. Once it listens: `on_started(port)` (whose result is
+    announced instead) or the announcement of `host:port`."""
     import uvicorn
 
     server = uvicorn.Server(
@@ -62,7 +74,17 @@ async def serve_app(
         await asyncio.sleep(0.01)
     if server.started:
         bound = server.servers[0].sockets[0].getsockname()[1]
-        announce({"url": f"http://{host}:{bound}", "port": bound, **extra}, ready_file)
+        try:
+            ready = (
+                on_started(bound)
+                if on_started
+                else {"url": f"http://{host}:{bound}", "port": bound}
+            )
+        except BaseException:
+            server.should_exit = True
+            await task
+            raise
+        announce({**ready, **extra}, ready_file)
     await task
 
 
@@ -70,6 +92,7 @@ def serve_gateway(config: GatewayConfig, ready_file: str | None = None) -> None:
     """Start the gateway (discovery, subscriptions) before listening, so a bad config or
     an unreachable engine fails with its own error instead of a server exit code."""
     from quillcache.gateway.app import Gateway
+    from quillcache.gateway.relay import HOT_PATHS, RelayHost
 
     # The event ingestor is a thread: let the request loop take the GIL back within
     # 0.5 ms instead of the default 5 ms (routing p99 under an event flood).
@@ -82,10 +105,46 @@ def serve_gateway(config: GatewayConfig, ready_file: str | None = None) -> None:
         except BaseException:
             await gateway.shutdown()  # close what startup opened before failing
             raise
+        app = gateway.starlette(with_lifespan=False)
+        host: RelayHost | None = None
+
+        def start_relay(backend_port: int) -> dict[str, Any]:
+            """The relay on the gateway's port, the Starlette app behind it on loopback."""
+            nonlocal host
+            from quillcache._native import Relay
+
+            relay = Relay(
+                _ip_of(config.host),
+                config.port,
+                backend_port,
+                list(HOT_PATHS),
+                max_body_bytes=config.max_body_bytes,
+                connect_timeout_s=config.connect_timeout_s,
+                request_timeout_s=config.request_timeout_s,
+            )
+            host = RelayHost(gateway, relay)
+            host.start()
+            return {"url": f"http://{config.host}:{relay.port}", "port": relay.port}
+
         try:
-            app = gateway.starlette(with_lifespan=False)
-            await serve_app(app, config.host, config.port, config.log_level, {}, ready_file)
+            if config.relay == "native":
+                await serve_app(
+                    app, "127.0.0.1", 0, config.log_level, {}, ready_file, on_started=start_relay
+                )
+            else:
+                await serve_app(app, config.host, config.port, config.log_level, {}, ready_file)
         finally:
+            if host is not None:
+                host.stop()
             await gateway.shutdown()
 
     run_loop(main())
+
+
+def _ip_of(host: str) -> str:
+    """The relay binds an IP address: resolve a name such as `localhost`."""
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
+        return host
+    except OSError:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]  # type: ignore[return-value]

@@ -9,6 +9,7 @@ mod hashing;
 mod index;
 mod matches;
 mod persist;
+mod relay;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -18,5 +19,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     events::register(m)?;
     index::register(m)?;
     persist::register(m)?;
+    relay::register(m)?;
     Ok(())
 }

@@ -1,0 +1,196 @@
+//! `Relay`: the gateway's Rust data path (`quillcache-relay`), driven from asyncio.
+//! Events come out as tuples (see `_native.pyi`); replies go in by request id.
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use bytes::Bytes;
+use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use quillcache_relay::{Event, Header, Outcome, Relay, RelayConfig, Reply, RequestId};
+
+#[pyclass(module = "quillcache._native", name = "Relay", frozen)]
+pub struct PyRelay {
+    relay: Relay,
+}
+
+type PyHeaders = Vec<(String, Vec<u8>)>;
+
+fn headers(list: PyHeaders) -> Vec<Header> {
+    list.into_iter().map(|(k, v)| (k, Bytes::from(v))).collect()
+}
+
+fn address(host: &str, port: u16) -> PyResult<SocketAddr> {
+    let ip: IpAddr = host
+        .parse()
+        .map_err(|_| PyValueError::new_err(format!("not an IP address: {host:?}")))?;
+    Ok(SocketAddr::new(ip, port))
+}
+
+fn seconds(value: f64, what: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(value)
+        .map_err(|_| PyValueError::new_err(format!("{what} must be a positive number of seconds")))
+}
+
+#[pymethods]
+impl PyRelay {
+    #[new]
+    #[pyo3(signature = (host, port, backend_port, hot_paths, *, max_body_bytes, connect_timeout_s, request_timeout_s))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        host: &str,
+        port: u16,
+        backend_port: u16,
+        hot_paths: Vec<String>,
+        max_body_bytes: usize,
+        connect_timeout_s: f64,
+        request_timeout_s: f64,
+    ) -> PyResult<Self> {
+        let config = RelayConfig {
+            listen: address(host, port)?,
+            backend: SocketAddr::from(([127, 0, 0, 1], backend_port)),
+            hot_paths,
+            max_body_bytes,
+            connect_timeout: seconds(connect_timeout_s, "connect_timeout_s")?,
+            request_timeout: seconds(request_timeout_s, "request_timeout_s")?,
+        };
+        let relay = py.detach(|| Relay::start(config)).map_err(|e| {
+            PyOSError::new_err(format!("cannot start the relay on {host}:{port}: {e}"))
+        })?;
+        Ok(Self { relay })
+    }
+
+    #[getter]
+    fn port(&self) -> u16 {
+        self.relay.local_addr().port()
+    }
+
+    /// Readable when `take` has events.
+    fn fileno(&self) -> i32 {
+        self.relay.inbox().fd()
+    }
+
+    /// Every event so far, oldest first.
+    fn take<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let bytes = |b: &Bytes| PyBytes::new(py, b);
+        self.relay
+            .inbox()
+            .take()
+            .into_iter()
+            .map(|event| match event {
+                Event::Request {
+                    id,
+                    path,
+                    headers,
+                    body,
+                    waited,
+                } => {
+                    let headers: Vec<_> = headers
+                        .iter()
+                        .map(|(k, v)| (k.as_str(), bytes(v)))
+                        .collect();
+                    (
+                        "request",
+                        id,
+                        path,
+                        headers,
+                        bytes(&body),
+                        waited.as_secs_f64(),
+                    )
+                        .into_pyobject(py)
+                        .map(|t| t.into_any())
+                }
+                Event::UpstreamFailed {
+                    id,
+                    connect,
+                    message,
+                } => ("upstream_failed", id, connect, message)
+                    .into_pyobject(py)
+                    .map(|t| t.into_any()),
+                Event::FirstByte { id, elapsed } => ("first_byte", id, elapsed.as_secs_f64())
+                    .into_pyobject(py)
+                    .map(|t| t.into_any()),
+                Event::Usage { id, chunk } => ("usage", id, bytes(&chunk))
+                    .into_pyobject(py)
+                    .map(|t| t.into_any()),
+                Event::End {
+                    id,
+                    status,
+                    streamed,
+                    outcome,
+                    elapsed,
+                } => {
+                    let (outcome, detail) = match outcome {
+                        Outcome::Complete => ("complete", String::new()),
+                        Outcome::UpstreamFailed(message) => ("upstream_failed", message),
+                        Outcome::ClientLeft => ("client_left", String::new()),
+                    };
+                    (
+                        "end",
+                        id,
+                        status,
+                        streamed,
+                        outcome,
+                        detail,
+                        elapsed.as_secs_f64(),
+                    )
+                        .into_pyobject(py)
+                        .map(|t| t.into_any())
+                }
+            })
+            .collect()
+    }
+
+    /// Send the request to `url` and relay the answer; False if nobody waits for it.
+    fn forward(
+        &self,
+        id: RequestId,
+        url: String,
+        headers: PyHeaders,
+        body: Vec<u8>,
+        response_headers: PyHeaders,
+    ) -> bool {
+        self.relay.reply(
+            id,
+            Reply::Forward {
+                url,
+                headers: self::headers(headers),
+                body: Bytes::from(body),
+                response_headers: self::headers(response_headers),
+            },
+        )
+    }
+
+    /// Answer the client directly; False if nobody waits for it.
+    fn respond(&self, id: RequestId, status: u16, headers: PyHeaders, body: Vec<u8>) -> bool {
+        self.relay.reply(
+            id,
+            Reply::Respond {
+                status,
+                headers: self::headers(headers),
+                body: Bytes::from(body),
+            },
+        )
+    }
+
+    /// Let the backend app serve it; False if nobody waits for it.
+    fn delegate(&self, id: RequestId) -> bool {
+        self.relay.reply(id, Reply::Delegate)
+    }
+
+    /// Requests waiting for a reply.
+    fn waiting(&self) -> usize {
+        self.relay.inbox().waiting()
+    }
+
+    /// Stop accepting and close every connection.
+    fn stop(&self, py: Python<'_>) {
+        py.detach(|| self.relay.stop());
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyRelay>()
+}

@@ -1,0 +1,283 @@
+//! One request: a hot one decided by the host and forwarded to an engine, or any other
+//! proxied to the host's backend app.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::header::{HeaderName, HeaderValue, CACHE_CONTROL, CONTENT_LENGTH, CONTENT_TYPE};
+use hyper::http::request::Parts;
+use hyper::{HeaderMap, Method, Request, Response, StatusCode, Uri};
+
+use crate::body::{error_response, full, mentions_usage, Body, EndReport, RelayStream};
+use crate::server::State;
+use crate::{Event, Header, Inbox, Outcome, Reply, RequestId};
+
+pub async fn handle(request: Request<Incoming>, state: Arc<State>) -> Response<Body> {
+    if request.method() == Method::POST && state.is_hot(request.uri().path()) {
+        hot(request, state).await
+    } else {
+        let (parts, body) = request.into_parts();
+        to_backend(&state, parts, body.map_err(Into::into).boxed_unsync()).await
+    }
+}
+
+/// Forgets a request's pending reply when its handler is dropped (the client left).
+struct Waiting<'a> {
+    inbox: &'a Inbox,
+    id: RequestId,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.inbox.forget(self.id);
+    }
+}
+
+async fn hot(request: Request<Incoming>, state: Arc<State>) -> Response<Body> {
+    let arrived = Instant::now();
+    let (parts, body) = request.into_parts();
+    let limit = state.config.max_body_bytes;
+    let declared = parts
+        .headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return too_big(limit);
+    }
+    let body = match Limited::new(body, limit).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(err) if err.is::<http_body_util::LengthLimitError>() => return too_big(limit),
+        Err(err) => {
+            let message = format!("could not read the request body: {err}");
+            return error_response(400, &message, "BadRequestError");
+        }
+    };
+    let inbox = &*state.inbox;
+    let id = inbox.new_id();
+    let _waiting = Waiting { inbox, id };
+    let mut reply = inbox.expect_reply(id);
+    inbox.push(Event::Request {
+        id,
+        path: parts.uri.path().to_owned(),
+        headers: header_list(&parts.headers),
+        body: body.clone(),
+        waited: arrived.elapsed(),
+    });
+    loop {
+        let Ok(decided) = reply.await else {
+            return error_response(
+                503,
+                "the gateway is shutting down",
+                "ServiceUnavailableError",
+            );
+        };
+        match decided {
+            Reply::Respond {
+                status,
+                headers,
+                body,
+            } => return respond(status, &headers, body),
+            Reply::Delegate => return to_backend(&state, parts, full(body)).await,
+            Reply::Forward {
+                url,
+                headers,
+                body,
+                response_headers,
+            } => {
+                // From here on the host expects one End, even if the client leaves
+                // before the engine's answer starts (a whole answer can take minutes).
+                let mut report = EndReport::new(id, Arc::clone(&state.inbox), arrived);
+                match forward(&state, &url, &headers, body).await {
+                    Ok(answer) => {
+                        return relay_answer(&state, report, arrived, answer, &response_headers)
+                            .await
+                    }
+                    Err((connect, message)) => {
+                        report.disarm(); // the host hears this instead, and replies again
+                        reply = inbox.expect_reply(id);
+                        inbox.push(Event::UpstreamFailed {
+                            id,
+                            connect,
+                            message,
+                        });
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn too_big(limit: usize) -> Response<Body> {
+    let message = format!("request body larger than {limit} bytes");
+    error_response(413, &message, "PayloadTooLarge")
+}
+
+fn header_list(headers: &HeaderMap) -> Vec<Header> {
+    headers
+        .iter()
+        .map(|(k, v)| (k.as_str().to_owned(), Bytes::copy_from_slice(v.as_bytes())))
+        .collect()
+}
+
+fn respond(status: u16, headers: &[Header], body: Bytes) -> Response<Body> {
+    let mut response = Response::new(full(body));
+    *response.status_mut() =
+        StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    add_headers(response.headers_mut(), headers);
+    response
+}
+
+fn add_headers(map: &mut HeaderMap, headers: &[Header]) {
+    for (name, value) in headers {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_bytes(value),
+        ) {
+            map.insert(name, value);
+        }
+    }
+}
+
+/// Sends the request; `Err((connect failed, message))` when no answer head came.
+async fn forward(
+    state: &State,
+    url: &str,
+    headers: &[Header],
+    body: Bytes,
+) -> Result<Response<Incoming>, (bool, String)> {
+    let uri: Uri = url
+        .parse()
+        .map_err(|e| (false, format!("bad upstream url {url:?}: {e}")))?;
+    let mut request = Request::post(uri)
+        .body(full(body))
+        .map_err(|e| (false, e.to_string()))?;
+    add_headers(request.headers_mut(), headers);
+    let timeout = state.config.request_timeout;
+    match tokio::time::timeout(timeout, state.client.request(request)).await {
+        Ok(Ok(answer)) => Ok(answer),
+        Ok(Err(err)) => Err((err.is_connect(), describe(&err))),
+        Err(_) => Err((false, "request timeout".into())),
+    }
+}
+
+/// The error and its causes in one line ("client error (Connect): ... refused").
+fn describe(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+async fn relay_answer(
+    state: &State,
+    mut report: EndReport,
+    arrived: Instant,
+    answer: Response<Incoming>,
+    extra: &[Header],
+) -> Response<Body> {
+    let status = answer.status();
+    let content_type = answer.headers().get(CONTENT_TYPE).cloned();
+    let streamed = status == StatusCode::OK
+        && content_type
+            .as_ref()
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.contains("text/event-stream"));
+    report.status = status.as_u16();
+    report.streamed = streamed;
+    let deadline = tokio::time::Instant::from_std(arrived) + state.config.request_timeout;
+    let mut response = if streamed {
+        let stream = RelayStream::new(
+            answer.into_body(),
+            Box::pin(tokio::time::sleep_until(deadline)),
+            report,
+        );
+        let mut response = Response::new(stream.boxed_unsync());
+        response
+            .headers_mut()
+            .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        response
+    } else {
+        // Dropped here if the client leaves: `report` says so, the engine connection closes.
+        match tokio::time::timeout_at(deadline, answer.into_body().collect()).await {
+            Ok(Ok(collected)) => {
+                let content = collected.to_bytes();
+                report.first_byte();
+                if status == StatusCode::OK && mentions_usage(&content) {
+                    report.usage(content.clone());
+                }
+                report.finish(Outcome::Complete);
+                let mut response = Response::new(full(content));
+                *response.status_mut() = status;
+                response
+            }
+            failed => {
+                let message = match failed {
+                    Ok(Err(err)) => describe(&err),
+                    _ => "request timeout".to_owned(),
+                };
+                report.status = 502;
+                report.finish(Outcome::UpstreamFailed(message.clone()));
+                let message = format!("engine failed mid-response: {message}");
+                return error_response(502, &message, "APIError");
+            }
+        }
+    };
+    let default_type = if streamed {
+        "text/event-stream"
+    } else {
+        "application/json"
+    };
+    let headers = response.headers_mut();
+    headers.insert(
+        CONTENT_TYPE,
+        content_type.unwrap_or(HeaderValue::from_static(default_type)),
+    );
+    add_headers(headers, extra);
+    response
+}
+
+/// Headers that belong to one connection, not to the message (RFC 9110, 7.6.1).
+const HOP_BY_HOP: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+}
+
+async fn to_backend(state: &State, mut parts: Parts, body: Body) -> Response<Body> {
+    let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let Ok(uri) = format!("http://{}{target}", state.config.backend).parse::<Uri>() else {
+        return error_response(400, "invalid request target", "BadRequestError");
+    };
+    parts.uri = uri;
+    strip_hop_by_hop(&mut parts.headers);
+    let request = Request::from_parts(parts, body);
+    match state.client.request(request).await {
+        Ok(answer) => {
+            let (mut parts, body) = answer.into_parts();
+            strip_hop_by_hop(&mut parts.headers);
+            Response::from_parts(parts, body.map_err(Into::into).boxed_unsync())
+        }
+        Err(err) => {
+            let message = format!("the gateway's backend app failed: {}", describe(&err));
+            error_response(502, &message, "APIError")
+        }
+    }
+}

@@ -1,0 +1,73 @@
+//! Accepting client connections and serving HTTP/1.1 on each.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+use crate::body::Body;
+use crate::{exchange, Inbox, RelayConfig};
+
+pub struct State {
+    pub config: RelayConfig,
+    pub inbox: Arc<Inbox>,
+    /// Engines and the backend app, pooled keep-alive connections.
+    pub client: Client<HttpConnector, Body>,
+}
+
+impl State {
+    pub fn new(config: RelayConfig, inbox: Arc<Inbox>) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(config.connect_timeout));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(connector);
+        Self {
+            config,
+            inbox,
+            client,
+        }
+    }
+
+    pub fn is_hot(&self, path: &str) -> bool {
+        self.config.hot_paths.iter().any(|p| p == path)
+    }
+}
+
+pub async fn serve(listener: TcpListener, state: State, mut stop: oneshot::Receiver<()>) {
+    let state = Arc::new(state);
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = &mut stop => return,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(_) => {
+                // Out of file descriptors or similar: back off instead of spinning.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let state = Arc::clone(&state);
+        tokio::spawn(async move {
+            let service = service_fn(move |request| {
+                let state = Arc::clone(&state);
+                async move { Ok::<_, Infallible>(exchange::handle(request, state).await) }
+            });
+            // A connection error (reset, malformed request line) only ends that connection.
+            let _ = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
