@@ -47,11 +47,13 @@ impl Inbox {
 
     /// Every event so far, oldest first.
     pub fn take(&self) -> Vec<Event> {
-        // Disarm before draining: a push after this point writes a new byte, and a
-        // push before it is in the vector taken below.
-        self.armed.store(false, Ordering::SeqCst);
+        // Drain, then disarm, then take. A push that saw the inbox armed happened before
+        // the disarm, so its event is taken below; a push after the disarm writes a new
+        // byte (at worst a spurious wake-up). Disarming *before* draining could eat that
+        // new byte and leave the inbox armed with no byte: the host would sleep forever.
         let mut sink = [0u8; 64];
         while matches!((&self.wake_rx).read(&mut sink), Ok(n) if n > 0) {}
+        self.armed.store(false, Ordering::SeqCst);
         std::mem::take(&mut *self.events.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
@@ -100,5 +102,79 @@ impl Inbox {
         &self,
     ) -> std::sync::MutexGuard<'_, HashMap<RequestId, oneshot::Sender<Reply>>> {
         self.waiting.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+
+    /// Waits until the inbox's fd is readable, as the host's event loop does.
+    fn wait_readable(inbox: &Inbox, timeout: Duration) -> bool {
+        let mut poll = libc::pollfd {
+            fd: inbox.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the duration of the call.
+        unsafe { libc::poll(&mut poll, 1, timeout.as_millis() as i32) > 0 }
+    }
+
+    fn event(id: RequestId) -> Event {
+        Event::FirstByte {
+            id,
+            elapsed: Duration::ZERO,
+        }
+    }
+
+    #[test]
+    fn a_host_that_sleeps_until_woken_gets_every_event() {
+        // Producers race the host's take(): no interleaving may leave an event behind
+        // with the fd quiet (the host would never look again).
+        let inbox = Arc::new(Inbox::new().unwrap());
+        const PER_PRODUCER: u64 = 20_000;
+        let producers: Vec<_> = (0..3)
+            .map(|p| {
+                let inbox = Arc::clone(&inbox);
+                std::thread::spawn(move || {
+                    for i in 0..PER_PRODUCER {
+                        inbox.push(event(p * PER_PRODUCER + i));
+                        if i % 64 == 0 {
+                            std::thread::yield_now();
+                        }
+                    }
+                })
+            })
+            .collect();
+        let mut seen = 0;
+        while seen < 3 * PER_PRODUCER {
+            assert!(
+                wait_readable(&inbox, Duration::from_secs(5)),
+                "events left behind with the fd quiet after {seen}"
+            );
+            seen += inbox.take().len() as u64;
+        }
+        for p in producers {
+            p.join().unwrap();
+        }
+        assert!(inbox.take().is_empty());
+    }
+
+    #[test]
+    fn replies_reach_only_a_waiting_request() {
+        let inbox = Inbox::new().unwrap();
+        let id = inbox.new_id();
+        let mut rx = inbox.expect_reply(id);
+        assert!(inbox.reply(id, Reply::Delegate));
+        assert_eq!(rx.try_recv().unwrap(), Reply::Delegate);
+        assert!(!inbox.reply(id, Reply::Delegate), "answered once");
+        let other = inbox.new_id();
+        drop(inbox.expect_reply(other));
+        assert!(!inbox.reply(other, Reply::Delegate), "its client left");
+        inbox.forget(other);
+        assert_eq!(inbox.waiting(), 0);
     }
 }
