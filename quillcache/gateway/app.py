@@ -218,9 +218,23 @@ class Gateway:
         """The routing request of a completion body, and its prompt length in tokens
         (tokenized by one of the `candidates` when the engine tokenizes)."""
         tokens = await self._tokens(body, chat, candidates)
+        return self.route_request_of(body, tokens, headers), len(tokens)
+
+    def identify_now(
+        self, body: dict[str, Any], chat: bool, headers: Mapping[str, str]
+    ) -> tuple[RouteRequest, int] | None:
+        """`identify` without awaiting, when the gateway tokenizes locally (else None)."""
+        if self.tokenizer.local is None:
+            return None
+        tokens = self.tokenizer.local_tokens(body, chat)
+        return self.route_request_of(body, tokens, headers), len(tokens)
+
+    def route_request_of(
+        self, body: dict[str, Any], tokens: list[int], headers: Mapping[str, str]
+    ) -> RouteRequest:
         ns = self.namespace_of(body.get("model"), str(body.get("cache_salt") or ""))
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
-        request = RouteRequest(
+        return RouteRequest(
             # unique within this gateway: the plane tracks in-flight requests by it
             request_id=next(self._request_ids),
             content_keys=content_keys(tokens, self.cp.block_size, ns),
@@ -230,7 +244,6 @@ class Gateway:
             expected_output_tokens=int(max_tokens) if isinstance(max_tokens, int) else 16,
             arrival_s=time.monotonic(),
         )
-        return request, len(tokens)
 
     async def _tokens(
         self, body: dict[str, Any], chat: bool, candidates: frozenset[int] | None

@@ -8,12 +8,13 @@ relay the answer (`proxy`). Every answer, error or not, is counted by endpoint a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from starlette.requests import Request
@@ -54,6 +55,21 @@ class Prepared:
     prompt_tokens: int
     candidates: frozenset[int] | None  # engines serving its model; None = any
     routing_started: float  # perf_counter() when tokenizing began
+
+
+@contextlib.contextmanager
+def _tokenize_errors() -> Iterator[None]:
+    """Tokenizing failures as the client's (400) or the engines' (503) errors."""
+    try:
+        yield
+    except EngineUnreachable as exc:  # dead engines, not a bad request
+        raise ApiError(
+            503, f"cannot tokenize the request: {exc}", "ServiceUnavailableError"
+        ) from None
+    except TokenizationError as exc:
+        raise ApiError(400, f"cannot tokenize the request: {exc}") from None
+    except (ValueError, TypeError, QuillCacheError) as exc:  # e.g. HashingError
+        raise ApiError(400, f"invalid prompt: {exc}") from None
 
 
 class OpenAIEndpoints:
@@ -98,6 +114,28 @@ class OpenAIEndpoints:
     async def prepare(self, headers: Mapping[str, str], raw: bytes, chat: bool) -> Prepared:
         """Check the body (API key checked already), then tokenize and hash it for routing.
         Shared by both data paths (this ASGI app's and the native relay's)."""
+        body, raw, candidates = self._checked(headers, raw, chat)
+        routing_started = time.perf_counter()  # tokenize + hash + route, for /admin/index
+        with _tokenize_errors():
+            route_request, prompt_tokens = await self.gw.identify(body, chat, headers, candidates)
+        return Prepared(raw, route_request, prompt_tokens, candidates, routing_started)
+
+    def prepare_now(self, headers: Mapping[str, str], raw: bytes, chat: bool) -> Prepared | None:
+        """`prepare` without awaiting when the gateway tokenizes locally, else None (the
+        native relay then decides in a task: one event-loop turn less per request)."""
+        if self.gw.tokenizer.local is None:
+            return None
+        body, raw, candidates = self._checked(headers, raw, chat)
+        routing_started = time.perf_counter()
+        with _tokenize_errors():
+            identified = self.gw.identify_now(body, chat, headers)
+        assert identified is not None
+        return Prepared(raw, *identified, candidates, routing_started)
+
+    def _checked(
+        self, headers: Mapping[str, str], raw: bytes, chat: bool
+    ) -> tuple[dict[str, Any], bytes, frozenset[int] | None]:
+        """The body as an object, its raw form to forward, and the engines serving it."""
         gw = self.gw
         body = parse_object(raw)
         validate_completion(body, chat)
@@ -116,18 +154,7 @@ class OpenAIEndpoints:
         if tenant_header and not body.get("cache_salt"):
             body["cache_salt"] = tenant_header  # the engine must isolate it too
             raw = json.dumps(body).encode()
-        routing_started = time.perf_counter()  # tokenize + hash + route, for /admin/index
-        try:
-            route_request, prompt_tokens = await gw.identify(body, chat, headers, candidates)
-        except EngineUnreachable as exc:  # dead engines, not a bad request
-            raise ApiError(
-                503, f"cannot tokenize the request: {exc}", "ServiceUnavailableError"
-            ) from None
-        except TokenizationError as exc:
-            raise ApiError(400, f"cannot tokenize the request: {exc}") from None
-        except (ValueError, TypeError, QuillCacheError) as exc:  # e.g. HashingError
-            raise ApiError(400, f"invalid prompt: {exc}") from None
-        return Prepared(raw, route_request, prompt_tokens, candidates, routing_started)
+        return body, raw, candidates
 
     async def _proxy(self, request: Request, path: str, *, chat: bool) -> Response:
         started = time.perf_counter()

@@ -77,9 +77,12 @@ class RelayHost:
     def _dispatch(self, event: tuple[Any, ...]) -> None:
         kind, rid = event[0], event[1]
         if kind == "request":
-            task = asyncio.ensure_future(self._decide(rid, *event[2:]))
-            self._deciding.add(task)
-            task.add_done_callback(self._deciding.discard)
+            if self.gw.tokenizer.local is not None:
+                self._decide_now(rid, *event[2:])
+            else:  # the engine's /tokenize is awaited
+                task = asyncio.ensure_future(self._decide(rid, *event[2:]))
+                self._deciding.add(task)
+                task.add_done_callback(self._deciding.discard)
         elif kind == "first_byte":
             flight = self.flights.get(rid)
             if flight is not None:
@@ -106,15 +109,31 @@ class RelayHost:
         try:
             self.endpoints.check_api_key(headers)
             prepared = await self.endpoints.prepare(headers, body, path == CHAT_COMPLETIONS)
-        except ApiError as exc:
-            self._answer_error(rid, path, exc)
-            return
         except Exception as exc:
-            log.exception("gateway relay: unhandled error on %s", path)
-            self._answer_error(rid, path, _internal(exc))
+            self._answer_failure(rid, path, exc)
             return
-        flight = Flight(path, headers, prepared, None)  # type: ignore[arg-type]
-        self._send(rid, flight, started)
+        self._send(rid, Flight(path, headers, prepared, None), started)  # type: ignore[arg-type]
+
+    def _decide_now(
+        self, rid: int, path: str, raw_headers: list[tuple[str, bytes]], body: bytes, waited: float
+    ) -> None:
+        """`_decide` for a gateway that tokenizes locally: nothing to await."""
+        started = time.perf_counter() - waited
+        headers = Headers(raw=[(k.encode("latin-1"), v) for k, v in raw_headers])
+        try:
+            self.endpoints.check_api_key(headers)
+            prepared = self.endpoints.prepare_now(headers, body, path == CHAT_COMPLETIONS)
+            assert prepared is not None
+        except Exception as exc:
+            self._answer_failure(rid, path, exc)
+            return
+        self._send(rid, Flight(path, headers, prepared, None), started)  # type: ignore[arg-type]
+
+    def _answer_failure(self, rid: int, path: str, exc: Exception) -> None:
+        if not isinstance(exc, ApiError):
+            log.error("gateway relay: unhandled error on %s", path, exc_info=exc)
+            exc = _internal(exc)
+        self._answer_error(rid, path, exc)
 
     def _send(self, rid: int, flight: Flight, started: float | None = None) -> None:
         """Route `flight` and hand it to the relay (or answer the routing error)."""

@@ -36,12 +36,12 @@ class RequestTokenizer:
 
     async def tokens(self, body: dict[str, Any], chat: bool, engine_url: str | None) -> list[int]:
         if self.local is not None:
-            return self._local(body, chat)
+            return self.local_tokens(body, chat)
         if engine_url is None:
             raise EngineUnreachable("no healthy engine to tokenize with")
         return await self._engine(body, chat, engine_url)
 
-    def _local(self, body: dict[str, Any], chat: bool) -> list[int]:
+    def local_tokens(self, body: dict[str, Any], chat: bool) -> list[int]:
         assert self.local is not None
         try:
             if chat:

@@ -63,14 +63,16 @@ def _load(
 
 
 def _gateway(
-    engines: list[Proc], workdir: Path, name: str, router: str, tree: Path | None = None
+    engines: list[Proc],
+    workdir: Path,
+    name: str,
+    router: str,
+    tree: Path | None = None,
+    relay: str = "native",
 ) -> Proc:
     cfg = workdir / f"{name}.json"
-    cfg.write_text(
-        json.dumps(
-            {"tokenizer": "builtin", "admin_token": ADMIN, "router": router, "log_level": "error"}
-        )
-    )
+    settings = {"tokenizer": "builtin", "admin_token": ADMIN, "router": router}
+    cfg.write_text(json.dumps({**settings, "log_level": "error", "relay": relay}))
     args = gateway_args([e.url for e in engines], extra=["--config", str(cfg)])
     return launch(name, args, workdir, tree=tree)
 
@@ -91,6 +93,7 @@ def overhead(
     repeats: int = 3,
     baseline: Path | None = None,
     floor: bool = False,
+    python_relay: bool = False,
 ) -> dict[str, Any]:
     """One engine simulator, called directly and through the gateway (the same engine
     behind it), alternated `repeats` times with the same 64-stream workload; the engine's
@@ -118,6 +121,10 @@ def overhead(
         if baseline is not None:
             sides["baseline gateway"] = _gateway(
                 [upstream], workdir, "ov-baseline", router, baseline
+            )
+        if python_relay:
+            sides["python-relay gateway"] = _gateway(
+                [upstream], workdir, "ov-python-relay", router, relay="python"
             )
         if floor:
             sides["floor proxy"] = launch(
@@ -351,10 +358,11 @@ def _print_overhead(console: Any, ov: dict[str, Any]) -> None:
         t.add_row(f"median added: {side}", *(f"{added[k]:+.2f}" for k in OVERHEAD_METRICS))
     console.print(t)
     pre, relay = ov["pre_upstream_us"], ov["relay_chunk_us"]
-    console.print(
-        "   inside the gateway, upstream chunk in -> written to the client: "
-        f"p50 {relay['p50']:.0f} us, p90 {relay['p90']:.0f} us, p99 {relay['p99']:.0f} us"
-    )
+    if relay:  # measured by the Python data path only (the native relay's chunks skip Python)
+        console.print(
+            "   inside the gateway, upstream chunk in -> written to the client: "
+            f"p50 {relay['p50']:.0f} us, p90 {relay['p90']:.0f} us, p99 {relay['p99']:.0f} us"
+        )
     console.print(
         "   inside the gateway, request in -> upstream request out (parse, tokenize, hash,"
         f" route): p50 {pre['p50']:.0f} us, p90 {pre['p90']:.0f} us, p99 {pre['p99']:.0f} us;"
@@ -433,6 +441,11 @@ def main(argv: list[str] | None = None) -> int:
         help="overhead phase: also a do-nothing Python proxy (uvicorn + aiohttp, no routing) "
         "as a side, the cost of one more hop on this machine",
     )
+    parser.add_argument(
+        "--python-relay",
+        action="store_true",
+        help="overhead phase: also a gateway with `relay: python` (the Starlette data path)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     from rich.console import Console
@@ -450,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.repeats,
                 args.baseline_tree,
                 args.floor,
+                args.python_relay,
             )
         if args.only in (None, "throughput"):
             out["throughput"] = throughput(
