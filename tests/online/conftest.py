@@ -15,10 +15,12 @@ ADMIN = "test-admin-token"
 
 
 class Stack:
-    """Processes of one test; every one is SIGKILLed at teardown."""
+    """Processes of one test; every one is SIGKILLed at teardown. `relay`: the gateways'
+    data path unless a test's config names one."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, relay: str = "native") -> None:
         self.workdir = workdir
+        self.relay = relay
         self.procs: list[Proc] = []
         self.engines: list[Proc] = []
         self.gateway: Proc | None = None
@@ -31,7 +33,7 @@ class Stack:
         return proc
 
     def start_gateway(self, config: dict[str, object] | None = None, extra: list[str] = ()) -> Proc:  # type: ignore[assignment]
-        cfg = {"admin_token": ADMIN, "tokenizer": "builtin", **(config or {})}
+        cfg = {"admin_token": ADMIN, "tokenizer": "builtin", "relay": self.relay, **(config or {})}
         path = self.workdir / f"gateway{len(self.procs)}.json"
         path.write_text(json.dumps(cfg))
         args = gateway_args(
@@ -53,19 +55,17 @@ class Stack:
             p.kill()
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    s = Stack(tmp_path)
+def make_stack(tmp_path: Path, relay: str = "native") -> Iterator[Stack]:
+    s = Stack(tmp_path, relay)
     try:
         yield s
     finally:
         s.kill_all()
 
 
-@pytest.fixture(scope="module")
-def shared_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def make_shared_stack(tmp_path: Path, relay: str = "native") -> Iterator[Stack]:
     """Two engines and a gateway (cache-aware router), shared by non-destructive tests."""
-    s = Stack(tmp_path_factory.mktemp("online"))
+    s = Stack(tmp_path, relay)
     try:
         s.engine()
         s.engine()
@@ -73,6 +73,16 @@ def shared_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield s
     finally:
         s.kill_all()
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    yield from make_stack(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def shared_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from make_shared_stack(tmp_path_factory.mktemp("online"))
 
 
 def metric(text: str, name: str) -> float:

@@ -63,6 +63,17 @@ def test_openai_client_streams_through_the_gateway(shared_stack: Stack) -> None:
     assert [m.id for m in models.data] == ["sim-model"]
 
 
+def test_the_native_relay_serves_the_hot_paths(shared_stack: Stack) -> None:
+    """By default the Rust relay answers the completion endpoints (uvicorn, behind it,
+    would add its `server` header) and proxies the rest to the Python app."""
+    assert shared_stack.gateway is not None
+    url = shared_stack.gateway.url
+    resp = httpx.post(url + "/v1/completions", content=b"{", timeout=10)
+    assert resp.status_code == 400 and "server" not in resp.headers
+    assert "not valid JSON" in resp.json()["error"]["message"]
+    assert httpx.get(url + "/health", timeout=10).headers.get("server") == "uvicorn"
+
+
 def test_streaming_is_relayed_chunk_by_chunk(shared_stack: Stack) -> None:
     """Chunks arrive spread over time (not buffered into one write at the end)."""
     import time
