@@ -136,14 +136,18 @@ class RelayHost:
         self._answer_error(rid, path, exc)
 
     def _send(self, rid: int, flight: Flight, started: float | None = None) -> None:
-        """Route `flight` and hand it to the relay (or answer the routing error)."""
-        gw = self.gw
+        """Route `flight` and hand it to the relay, or answer why not. Every failure is
+        answered: an unanswered request would wait for the relay's timeout."""
         try:
-            flight.worker = worker = self.endpoints.route(flight.prepared)
-        except ApiError as exc:
-            self.flights.pop(rid, None)
-            self._answer_error(rid, flight.path, exc)
-            return
+            self._route_and_forward(rid, flight, started)
+        except Exception as exc:
+            if self.flights.pop(rid, None) is not None:
+                self.gw.cp.finish(flight.prepared.route_request.request_id)
+            self._answer_failure(rid, flight.path, exc)
+
+    def _route_and_forward(self, rid: int, flight: Flight, started: float | None) -> None:
+        gw = self.gw
+        flight.worker = worker = self.endpoints.route(flight.prepared)
         route_id = flight.prepared.route_request.request_id
         if not worker.url.startswith("http://"):
             # The relay speaks plain HTTP; the ASGI path (aiohttp) serves https engines.

@@ -566,6 +566,19 @@ def test_a_user_router_class_from_the_config(stack: Stack) -> None:
     )
 
 
+@pytest.mark.parametrize("relay", ["native", "python"])
+def test_a_router_that_raises_gets_a_json_500_not_a_hang(stack: Stack, relay: str) -> None:
+    stack.engine()
+    gw = stack.start_gateway({"router": "tests.online.custom_router:Broken", "relay": relay})
+    for _ in range(2):
+        resp = httpx.post(
+            gw.url + "/v1/completions", json={"prompt": "p", "max_tokens": 1}, timeout=10
+        )
+        assert resp.status_code == 500
+        assert resp.json()["error"]["type"] == "InternalServerError"
+    assert http_get(gw.url + "/health").status_code == 200
+
+
 def test_speculative_residency_steers_a_twin_request_before_any_event(stack: Stack) -> None:
     """Two requests with one long prefix, the second sent while the first is still in
     prefill (no BlockStored yet): the pending prefix sends it to the same worker."""
