@@ -2,7 +2,7 @@
 //! proxied to the host's backend app.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
@@ -23,6 +23,9 @@ pub async fn handle(request: Request<Incoming>, state: Arc<State>) -> Response<B
         to_backend(&state, parts, body.map_err(Into::into).boxed_unsync()).await
     }
 }
+
+/// A hot request's body must arrive within this (a stalled client frees its slot).
+const BODY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Forgets a request's pending reply when its handler is dropped (the client left).
 struct Waiting<'a> {
@@ -47,12 +50,20 @@ async fn hot(request: Request<Incoming>, state: Arc<State>) -> Response<Body> {
     if declared.is_some_and(|n| n > limit as u64) {
         return too_big(limit);
     }
-    let body = match Limited::new(body, limit).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(err) if err.is::<http_body_util::LengthLimitError>() => return too_big(limit),
-        Err(err) => {
+    let read = tokio::time::timeout(BODY_TIMEOUT, Limited::new(body, limit).collect());
+    let body = match read.await {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(err)) if err.is::<http_body_util::LengthLimitError>() => return too_big(limit),
+        Ok(Err(err)) => {
             let message = format!("could not read the request body: {err}");
             return error_response(400, &message, "BadRequestError");
+        }
+        Err(_) => {
+            let message = format!(
+                "the request body did not arrive within {} s",
+                BODY_TIMEOUT.as_secs()
+            );
+            return error_response(408, &message, "RequestTimeout");
         }
     };
     let inbox = &*state.inbox;

@@ -8,7 +8,7 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
@@ -66,6 +66,9 @@ pub async fn serve(listener: TcpListener, state: State, mut stop: oneshot::Recei
             });
             // A connection error (reset, malformed request line) only ends that connection.
             let _ = http1::Builder::new()
+                .timer(TokioTimer::new())
+                // A client that never finishes its head (slowloris) loses its connection.
+                .header_read_timeout(Duration::from_secs(30))
                 .serve_connection(TokioIo::new(stream), service)
                 .await;
         });
