@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from quillcache.errors import ConfigError
 from quillcache.gateway.config import GatewayConfig
 
 if TYPE_CHECKING:
@@ -113,15 +114,18 @@ def serve_gateway(config: GatewayConfig, ready_file: str | None = None) -> None:
             nonlocal host
             from quillcache._native import Relay
 
-            relay = Relay(
-                _ip_of(config.host),
-                config.port,
-                backend_port,
-                list(HOT_PATHS),
-                max_body_bytes=config.max_body_bytes,
-                connect_timeout_s=config.connect_timeout_s,
-                request_timeout_s=config.request_timeout_s,
-            )
+            try:
+                relay = Relay(
+                    _ip_of(config.host),
+                    config.port,
+                    backend_port,
+                    list(HOT_PATHS),
+                    max_body_bytes=config.max_body_bytes,
+                    connect_timeout_s=config.connect_timeout_s,
+                    request_timeout_s=config.request_timeout_s,
+                )
+            except OSError as exc:  # e.g. the port is taken: the operator's to fix
+                raise ConfigError(str(exc)) from None
             host = RelayHost(gateway, relay)
             host.start()
             return {"url": f"http://{config.host}:{relay.port}", "port": relay.port}

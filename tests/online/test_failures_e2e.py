@@ -271,6 +271,26 @@ def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
     assert "invalid gateway config" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_port_in_use_is_a_clear_error(stack: Stack) -> None:
+    engine = stack.engine()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        args = ["--port", str(port), "--worker", engine.url, "--tokenizer", "builtin"]
+        proc = subprocess.run(
+            [sys.executable, "-m", "quillcache", "gateway", *args, "--no-parity-check"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        taken.close()
+    assert proc.returncode == 2, proc.stderr
+    assert "Address already in use" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_unknown_router_fails_startup_clearly(stack: Stack) -> None:
     stack.engine()
     path = stack.workdir / "gw.json"
