@@ -361,6 +361,5 @@ class Relay:
     ) -> bool: ...
     def delegate(self, id: int) -> bool:
         """Let the backend app serve the request as it came."""
-    def waiting(self) -> int: ...
     def stop(self) -> None:
         """Stop accepting and close every connection (waits for the relay's thread)."""

@@ -77,12 +77,7 @@ class RelayHost:
     def _dispatch(self, event: tuple[Any, ...]) -> None:
         kind, rid = event[0], event[1]
         if kind == "request":
-            if self.gw.tokenizer.local is not None:
-                self._decide_now(rid, *event[2:])
-            else:  # the engine's /tokenize is awaited
-                task = asyncio.ensure_future(self._decide(rid, *event[2:]))
-                self._deciding.add(task)
-                task.add_done_callback(self._deciding.discard)
+            self._decide(rid, *event[2:])
         elif kind == "first_byte":
             flight = self.flights.get(rid)
             if flight is not None:
@@ -101,29 +96,32 @@ class RelayHost:
 
     # -- deciding ------------------------------------------------------------------------
 
-    async def _decide(
+    def _decide(
         self, rid: int, path: str, raw_headers: list[tuple[str, bytes]], body: bytes, waited: float
     ) -> None:
+        """Decide in the fd callback when the gateway tokenizes locally; else in a task
+        that awaits the engine's /tokenize."""
         started = time.perf_counter() - waited
         headers = Headers(raw=[(k.encode("latin-1"), v) for k, v in raw_headers])
+        chat = path == CHAT_COMPLETIONS
         try:
             self.endpoints.check_api_key(headers)
-            prepared = await self.endpoints.prepare(headers, body, path == CHAT_COMPLETIONS)
+            prepared = self.endpoints.prepare_now(headers, body, chat)
         except Exception as exc:
             self._answer_failure(rid, path, exc)
             return
-        self._send(rid, Flight(path, headers, prepared, None), started)  # type: ignore[arg-type]
+        if prepared is not None:
+            self._send(rid, Flight(path, headers, prepared, None), started)  # type: ignore[arg-type]
+            return
+        task = asyncio.ensure_future(self._decide_later(rid, path, headers, body, started))
+        self._deciding.add(task)
+        task.add_done_callback(self._deciding.discard)
 
-    def _decide_now(
-        self, rid: int, path: str, raw_headers: list[tuple[str, bytes]], body: bytes, waited: float
+    async def _decide_later(
+        self, rid: int, path: str, headers: Headers, body: bytes, started: float
     ) -> None:
-        """`_decide` for a gateway that tokenizes locally: nothing to await."""
-        started = time.perf_counter() - waited
-        headers = Headers(raw=[(k.encode("latin-1"), v) for k, v in raw_headers])
         try:
-            self.endpoints.check_api_key(headers)
-            prepared = self.endpoints.prepare_now(headers, body, path == CHAT_COMPLETIONS)
-            assert prepared is not None
+            prepared = await self.endpoints.prepare(headers, body, path == CHAT_COMPLETIONS)
         except Exception as exc:
             self._answer_failure(rid, path, exc)
             return

@@ -190,11 +190,6 @@ impl PyRelay {
         py.detach(|| self.relay.reply(id, Reply::Delegate))
     }
 
-    /// Requests waiting for a reply.
-    fn waiting(&self) -> usize {
-        self.relay.inbox().waiting()
-    }
-
     /// Stop accepting and close every connection.
     fn stop(&self, py: Python<'_>) {
         py.detach(|| self.relay.stop());

@@ -8,7 +8,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use quillcache_relay::{Event, Outcome, Relay, RelayConfig, Reply};
+use quillcache_relay::{Event, Outcome, Relay, RelayConfig, Reply, RequestId};
 
 const HOT: &str = "/v1/completions";
 
@@ -34,6 +34,14 @@ fn next_event(relay: &Relay, pending: &mut Vec<Event>) -> Event {
         pending.extend(relay.inbox().take());
         assert!(Instant::now() < deadline, "no event from the relay");
         thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// The id of the next event, which must be a request.
+fn next_request(relay: &Relay, pending: &mut Vec<Event>) -> RequestId {
+    match next_event(relay, pending) {
+        Event::Request { id, .. } => id,
+        other => panic!("expected a request, got {other:?}"),
     }
 }
 
@@ -233,9 +241,7 @@ fn the_host_can_answer_itself_and_big_bodies_never_reach_it() {
     let relay = relay(no_backend(), 64);
     let client = post(relay.local_addr(), HOT, "{}");
     let mut events = Vec::new();
-    let Event::Request { id, .. } = next_event(&relay, &mut events) else {
-        panic!("expected a request");
-    };
+    let id = next_request(&relay, &mut events);
     let error = Bytes::from_static(b"{\"error\":{\"message\":\"no key\"}}");
     relay.reply(
         id,
@@ -280,9 +286,7 @@ fn a_failed_connect_is_reported_and_the_host_can_send_it_elsewhere() {
     let relay = relay(no_backend(), 1 << 20);
     let client = post(relay.local_addr(), HOT, "{}");
     let mut events = Vec::new();
-    let Event::Request { id, .. } = next_event(&relay, &mut events) else {
-        panic!("expected a request");
-    };
+    let id = next_request(&relay, &mut events);
     relay.reply(id, forward_to(dead));
     match next_event(&relay, &mut events) {
         Event::UpstreamFailed { id: i, connect, .. } => assert!(i == id && connect),
@@ -317,9 +321,7 @@ fn an_engine_dying_mid_stream_gives_the_client_an_sse_error() {
     let relay = relay(no_backend(), 1 << 20);
     let client = post(relay.local_addr(), HOT, "{}");
     let mut events = Vec::new();
-    let Event::Request { id, .. } = next_event(&relay, &mut events) else {
-        panic!("expected a request");
-    };
+    let id = next_request(&relay, &mut events);
     relay.reply(id, forward_to(engine_addr));
     let answer = read_all(client);
     assert!(answer.contains("data: one"), "{answer}");
@@ -356,9 +358,7 @@ fn a_client_leaving_mid_stream_closes_the_engine_connection() {
     let relay = relay(no_backend(), 1 << 20);
     let client = post(relay.local_addr(), HOT, "{}");
     let mut events = Vec::new();
-    let Event::Request { id, .. } = next_event(&relay, &mut events) else {
-        panic!("expected a request");
-    };
+    let id = next_request(&relay, &mut events);
     relay.reply(id, forward_to(engine_addr));
     let mut reader = BufReader::new(client);
     read_until(&mut reader, "data: one");
@@ -389,9 +389,7 @@ fn a_client_leaving_before_a_whole_answer_closes_the_engine_connection() {
     let relay = relay(no_backend(), 1 << 20);
     let client = post(relay.local_addr(), HOT, "{}");
     let mut events = Vec::new();
-    let Event::Request { id, .. } = next_event(&relay, &mut events) else {
-        panic!("expected a request");
-    };
+    let id = next_request(&relay, &mut events);
     relay.reply(id, forward_to(engine_addr));
     thread::sleep(Duration::from_millis(100));
     drop(client);
@@ -412,9 +410,7 @@ fn a_client_leaving_before_the_decision_is_not_forwarded() {
     let relay = relay(no_backend(), 1 << 20);
     let client = post(relay.local_addr(), HOT, "{}");
     let mut events = Vec::new();
-    let Event::Request { id, .. } = next_event(&relay, &mut events) else {
-        panic!("expected a request");
-    };
+    let id = next_request(&relay, &mut events);
     drop(client);
     let deadline = Instant::now() + Duration::from_secs(5);
     while relay.inbox().waiting() > 0 {
