@@ -76,10 +76,9 @@ impl Index {
     /// One more reference of (source, medium) on a node; keeps the counters exact.
     fn add_holder(&mut self, slot: u32, id: u32, hid: HolderId) {
         let was_visible = self.visible(id);
-        let node = self.tree.node_mut(id);
-        let mut set = node.holders;
+        let mut set = self.tree.holders(id);
         let new_pair = set.add(&mut self.tree.spills, hid, 1);
-        self.tree.node_mut(id).holders = set;
+        self.tree.set_holders(id, set);
         if new_pair {
             self.resident_pairs += 1;
             self.sources.get_mut(slot).pairs += 1;
@@ -143,8 +142,8 @@ impl Index {
                 let known = self.resolve(slot, engine_map_key(group, ph));
                 match known.and_then(|key| self.tree.find(key)) {
                     Some(pid) => {
-                        let p = self.tree.node(pid);
-                        (p.key, pid, p.depth().saturating_add(1))
+                        let depth = self.tree.node(pid).depth();
+                        (self.tree.key(pid), pid, depth.saturating_add(1))
                     }
                     None => {
                         // Its prefix is unknown, so it could never be matched.
@@ -219,16 +218,12 @@ impl Index {
                 continue;
             };
             let was_visible = self.visible(id);
-            let claimed = self
-                .tree
-                .node(id)
-                .holders
-                .claimed_by(&self.tree.spills, slot);
+            let claimed = self.tree.holders(id).claimed_by(&self.tree.spills, slot);
             let outcome = match medium {
                 Some(m) => {
-                    let mut set = self.tree.node(id).holders;
+                    let mut set = self.tree.holders(id);
                     let r = set.remove_one(&mut self.tree.spills, holder_id(slot, m));
-                    self.tree.node_mut(id).holders = set;
+                    self.tree.set_holders(id, set);
                     r
                 }
                 None => Removed::NotHeld,
@@ -242,11 +237,11 @@ impl Index {
                     self.sources.get_mut(slot).pairs -= 1;
                 }
             }
-            let node = self.tree.node(id);
-            if !node.holders.has_slot(&self.tree.spills, slot) {
+            if !self.tree.holders(id).has_slot(&self.tree.spills, slot) {
                 // The source's claim on the primary hash went with its last holder;
                 // unless that is the hash being removed, the mapping stays, explicitly.
-                if let Some(primary) = node.ehash().filter(|&e| claimed && e != map_key) {
+                let ehash = self.tree.node(id).ehash();
+                if let Some(primary) = ehash.filter(|&e| claimed && e != map_key) {
                     self.sources.get_mut(slot).engine.insert(primary, key);
                 }
                 self.delete_mapping(slot, map_key);
@@ -264,10 +259,10 @@ impl Index {
             return Some(key);
         }
         let id = self.tree.find_ehash(map_key)?;
-        let node = self.tree.node(id);
-        node.holders
+        self.tree
+            .holders(id)
             .claimed_by(&self.tree.spills, slot)
-            .then_some(node.key)
+            .then(|| self.tree.key(id))
     }
 
     /// Maps `map_key` to node `id` (which the source holds) in the source's engine map:
@@ -286,7 +281,7 @@ impl Index {
             if let Some(other) = self.tree.find_ehash(map_key) {
                 self.set_claim(other, slot, false);
             }
-            let key = self.tree.node(id).key;
+            let key = self.tree.key(id);
             self.sources.get_mut(slot).engine.insert(map_key, key);
         }
     }
@@ -301,9 +296,9 @@ impl Index {
     }
 
     fn set_claim(&mut self, id: u32, slot: u32, claim: bool) {
-        let mut set = self.tree.node(id).holders;
+        let mut set = self.tree.holders(id);
         set.set_claim(&mut self.tree.spills, slot, claim);
-        self.tree.node_mut(id).holders = set;
+        self.tree.set_holders(id, set);
     }
 }
 

@@ -77,6 +77,8 @@ pub struct Spills {
 
 impl Spills {
     fn alloc(&mut self, list: Vec<Holder>) -> u32 {
+        // Index u32::MAX would read as `HolderSet::FREED` (4 G lists: never reached).
+        assert!(self.lists.len() < u32::MAX as usize, "spill arena full");
         match self.free.pop() {
             Some(i) => {
                 self.lists[i as usize] = list;
@@ -126,6 +128,15 @@ pub enum Removed {
 pub struct HolderSet(u64);
 
 impl HolderSet {
+    /// Marks a freed slab slot (`tree::Hot`): spill list `u32::MAX`, which no live
+    /// set names (`Spills::alloc` stops before it). Never passed to other methods.
+    pub const FREED: HolderSet = HolderSet(u64::MAX);
+
+    #[inline]
+    pub fn is_freed(self) -> bool {
+        self.0 == Self::FREED.0
+    }
+
     #[inline]
     fn spill_index(self) -> Option<u32> {
         (self.0 != 0 && id_of(self.0) == SPILL_ID).then_some(self.0 as u32)

@@ -12,7 +12,7 @@
 //! and ingest can issue the cache misses of all of a request's keys at once.
 
 use super::hugepages;
-use super::tree::{Node, NIL};
+use super::tree::NIL;
 
 /// Ids below 2^24 - 1 (16 M nodes) leave 8 bits of tag: 1 false node read per 256
 /// occupied slots probed.
@@ -38,19 +38,34 @@ pub fn prefetch<T>(p: *const T) {
     let _ = p;
 }
 
-/// Which field of a node a table is keyed by.
-#[derive(Debug, Default, Clone, Copy)]
-pub enum KeyField {
-    #[default]
-    Key,
-    EHash,
+#[inline]
+fn prefetch_to_l2<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint; it never faults, whatever the address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p as *const i8);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// The slab a table indexes: entry `id` has a key. The table stores only ids and
+/// reads keys from here (the tree's two tables index two different slabs).
+pub trait Slab {
+    fn key_at(&self, id: u32) -> u64;
+    /// Whether entry `id` is in the table by the tree's conventions (a freed slot or
+    /// a node without primary hash is not): lets a rebuild read the slab in order.
+    fn indexed(&self, id: u32) -> bool;
+    /// Where entry `id` is, to prefetch it.
+    fn entry(&self, id: u32) -> *const u8;
+    /// Entries in the slab (ids `0..slab_len()`).
+    fn slab_len(&self) -> usize;
 }
 
 #[derive(Debug, Clone)]
 pub struct KeyTable {
     pub(super) slots: Vec<u32>,
     len: usize,
-    field: KeyField,
     /// Low bits of a slot that hold the id; every id stored is < `id_mask`, so that
     /// no slot ever equals NIL (u32::MAX, the empty slot).
     id_mask: u32,
@@ -58,34 +73,21 @@ pub struct KeyTable {
 
 impl Default for KeyTable {
     fn default() -> Self {
-        Self::new(KeyField::Key)
+        Self {
+            slots: Vec::new(),
+            len: 0,
+            id_mask: (1 << INITIAL_ID_BITS) - 1,
+        }
     }
 }
 
 impl KeyTable {
-    pub fn new(field: KeyField) -> Self {
-        Self {
-            slots: Vec::new(),
-            len: 0,
-            field,
-            id_mask: (1 << INITIAL_ID_BITS) - 1,
-        }
-    }
-
     /// A table whose ids start with `bits` bits (tests: exercise `widen_ids`).
     #[cfg(test)]
-    fn with_id_bits(field: KeyField, bits: u32) -> Self {
+    fn with_id_bits(bits: u32) -> Self {
         Self {
             id_mask: (1 << bits) - 1,
-            ..Self::new(field)
-        }
-    }
-
-    #[inline]
-    fn key_of(&self, n: &Node) -> u64 {
-        match self.field {
-            KeyField::Key => n.key,
-            KeyField::EHash => n.ehash,
+            ..Self::default()
         }
     }
 
@@ -108,6 +110,14 @@ impl KeyTable {
     #[inline]
     fn tag_matches(&self, slot: u32, tag: u32) -> bool {
         (slot ^ tag) & !self.id_mask == 0
+    }
+
+    /// Starts loading the line of `key`'s home slot into the L2 cache only.
+    #[inline]
+    pub fn prefetch_slot_to_l2(&self, key: u64) {
+        if !self.slots.is_empty() {
+            prefetch_to_l2(&self.slots[self.locate(key).0]);
+        }
     }
 
     /// Starts loading the line of `key`'s home slot.
@@ -141,7 +151,7 @@ impl KeyTable {
     }
 
     #[inline]
-    pub fn find(&self, key: u64, nodes: &[Node]) -> Option<u32> {
+    pub fn find<S: Slab + ?Sized>(&self, key: u64, nodes: &S) -> Option<u32> {
         if self.slots.is_empty() {
             return None;
         }
@@ -154,7 +164,7 @@ impl KeyTable {
             }
             if self.tag_matches(s, tag) {
                 let id = s & self.id_mask;
-                if self.key_of(&nodes[id as usize]) == key {
+                if nodes.key_at(id) == key {
                     return Some(id);
                 }
             }
@@ -163,14 +173,14 @@ impl KeyTable {
     }
 
     /// Inserts `id` (whose node, with its key, is already in `nodes`); the key must be absent.
-    pub fn insert(&mut self, id: u32, nodes: &[Node]) {
+    pub fn insert<S: Slab + ?Sized>(&mut self, id: u32, nodes: &S) {
         if id >= self.id_mask {
             self.widen_ids(id);
         }
         if (self.len + 1) * 4 > self.slots.len() * 3 {
             self.grow(nodes, id);
         }
-        self.place(id, self.key_of(&nodes[id as usize]));
+        self.place(id, nodes.key_at(id));
         self.len += 1;
     }
 
@@ -198,17 +208,17 @@ impl KeyTable {
     }
 
     /// Doubles the table while `pending` (in `nodes`, not yet in the table) waits.
-    fn grow(&mut self, nodes: &[Node], pending: u32) {
+    fn grow<S: Slab + ?Sized>(&mut self, nodes: &S, pending: u32) {
         let cap = (self.slots.len() * 2).max(16);
         self.rebuild(hugepages::filled(cap, NIL), nodes, pending);
     }
 
     /// Makes room for `entries` entries in all, so that inserts up to that many
     /// never grow the table. `Err` (nothing changed) if the memory is not there.
-    pub fn reserve(
+    pub fn reserve<S: Slab + ?Sized>(
         &mut self,
         entries: usize,
-        nodes: &[Node],
+        nodes: &S,
     ) -> Result<(), std::collections::TryReserveError> {
         // The smallest power of two that keeps `entries` at most 3/4 full.
         let cap = (entries.saturating_mul(4).div_ceil(3) + 1)
@@ -225,30 +235,18 @@ impl KeyTable {
         Ok(())
     }
 
-    /// Whether node `id` is one this table indexes, by the tree's conventions: a
-    /// freed slot points to itself as first child (`Tree::collect`), and a node is
-    /// in the ehash table exactly while its HAS_EHASH flag is set.
-    #[inline]
-    fn indexes(&self, id: u32, n: &Node) -> bool {
-        n.first_child != id
-            && match self.field {
-                KeyField::Key => true,
-                KeyField::EHash => n.ehash().is_some(),
-            }
-    }
-
     /// Moves every entry into `slots` (all empty, a larger power of two).
     ///
     /// Re-placing needs every entry's key. Taken from the old slots, the ids come in
     /// hash order and each key is a random node read (a 2^21-slot grow reads 1.5 M
     /// nodes at random); taken from the slab front to back, they are a sequential
-    /// read. The slab pass trusts the tree's conventions (`indexes`), so it is
-    /// used only if it finds exactly `len` entries; else (a caller mid-way through
-    /// restoring, or tests with other conventions) the old slots are the truth.
-    fn rebuild(&mut self, slots: Vec<u32>, nodes: &[Node], pending: u32) {
+    /// read. The slab pass trusts the tree's conventions (`Slab::indexed`), so it
+    /// is used only if it finds exactly `len` entries; else (a caller mid-way
+    /// through restoring, or tests with other conventions) the old slots are the truth.
+    fn rebuild<S: Slab + ?Sized>(&mut self, slots: Vec<u32>, nodes: &S, pending: u32) {
         let mut ids: Vec<u32> = Vec::with_capacity(self.len);
-        for (id, n) in (0u32..).zip(nodes) {
-            if id != pending && self.indexes(id, n) {
+        for id in 0..nodes.slab_len() as u32 {
+            if id != pending && nodes.indexed(id) {
                 ids.push(id);
             }
         }
@@ -262,22 +260,22 @@ impl KeyTable {
         // its new slot AHEAD entries ahead, so that those misses overlap.
         const AHEAD: usize = 16;
         for &id in ids.iter().take(2 * AHEAD) {
-            prefetch(&nodes[id as usize]);
+            prefetch(nodes.entry(id));
         }
         for (i, &id) in ids.iter().enumerate() {
             if let Some(&far) = ids.get(i + 2 * AHEAD) {
-                prefetch(&nodes[far as usize]);
+                prefetch(nodes.entry(far));
             }
             if let Some(&next) = ids.get(i + AHEAD) {
-                prefetch(&self.slots[self.locate(self.key_of(&nodes[next as usize])).0]);
+                prefetch(&self.slots[self.locate(nodes.key_at(next)).0]);
             }
-            self.place(id, self.key_of(&nodes[id as usize]));
+            self.place(id, nodes.key_at(id));
         }
     }
 
     /// Removes `key`; returns whether it was there. Backward-shift deletion keeps
     /// every remaining key reachable from its home slot without tombstones.
-    pub fn remove(&mut self, key: u64, nodes: &[Node]) -> bool {
+    pub fn remove<S: Slab + ?Sized>(&mut self, key: u64, nodes: &S) -> bool {
         if self.slots.is_empty() {
             return false;
         }
@@ -288,7 +286,7 @@ impl KeyTable {
             if s == NIL {
                 return false;
             }
-            if self.tag_matches(s, tag) && self.key_of(&nodes[(s & self.id_mask) as usize]) == key {
+            if self.tag_matches(s, tag) && nodes.key_at(s & self.id_mask) == key {
                 break;
             }
             hole = (hole + 1) & mask;
@@ -300,9 +298,7 @@ impl KeyTable {
             if s == NIL {
                 break;
             }
-            let home = self
-                .locate(self.key_of(&nodes[(s & self.id_mask) as usize]))
-                .0;
+            let home = self.locate(nodes.key_at(s & self.id_mask)).0;
             // The entry at j may fill the hole if the hole lies on its probe path
             // (cyclically between its home and j).
             if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
@@ -331,23 +327,27 @@ impl KeyTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::index::tree::HAS_EHASH;
     use proptest::prelude::*;
 
-    /// A node keyed `key` in the table's field (the ehash one flagged as the tree does).
-    fn node(key: u64, field: KeyField) -> Node {
-        let (ehash, depth_flags) = match field {
-            KeyField::Key => (0, 0),
-            KeyField::EHash => (key, HAS_EHASH),
-        };
-        Node {
-            key,
-            ehash,
-            holders: Default::default(),
-            parent_id: NIL,
-            depth_flags,
-            first_child: NIL,
-            pins: 0,
+    /// A slab of keys; `freed` entries are not indexed (as the tree marks them).
+    #[derive(Default)]
+    struct Keys {
+        keys: Vec<u64>,
+        freed: Vec<bool>,
+    }
+
+    impl Slab for Keys {
+        fn key_at(&self, id: u32) -> u64 {
+            self.keys[id as usize]
+        }
+        fn indexed(&self, id: u32) -> bool {
+            !self.freed[id as usize]
+        }
+        fn entry(&self, id: u32) -> *const u8 {
+            &self.keys[id as usize] as *const u64 as *const u8
+        }
+        fn slab_len(&self) -> usize {
+            self.keys.len()
         }
     }
 
@@ -355,8 +355,8 @@ mod tests {
         /// Against a HashMap, with small keys (many collisions) and interleaved removes;
         /// starting from 3 id bits, ids outgrow them, so `widen_ids` runs mid-stream;
         /// a `reserve` at a random step re-places everything. With `tree_marks`, a
-        /// removed node's slot is marked freed as `Tree::collect` does, so that
-        /// rebuilds take the slab pass; without, they must fall back to the old slots.
+        /// removed entry is marked freed as `Tree::collect` does, so that rebuilds
+        /// take the slab pass; without, they must fall back to the old slots.
         #[test]
         fn behaves_like_a_map(
             ops in proptest::collection::vec((any::<bool>(), 0..64u64), 1..400),
@@ -364,30 +364,27 @@ mod tests {
             reserve_at in 0..400usize,
             reserve_to in 0..200usize,
             tree_marks in any::<bool>(),
-            by_ehash in any::<bool>(),
         ) {
-            let field = if by_ehash { KeyField::EHash } else { KeyField::Key };
-            let mut nodes: Vec<Node> = vec![];
-            let mut table = KeyTable::with_id_bits(field, id_bits);
+            let mut slab = Keys::default();
+            let mut table = KeyTable::with_id_bits(id_bits);
             let mut model = std::collections::HashMap::new();
             for (step, (insert, key)) in ops.into_iter().enumerate() {
                 if step == reserve_at {
-                    table.reserve(reserve_to, &nodes).unwrap();
+                    table.reserve(reserve_to, &slab).unwrap();
                 }
                 if insert {
-                    if table.find(key, &nodes).is_none() {
-                        nodes.push(node(key, field));
-                        let id = (nodes.len() - 1) as u32;
-                        table.insert(id, &nodes);
+                    if table.find(key, &slab).is_none() {
+                        slab.keys.push(key);
+                        slab.freed.push(false);
+                        let id = (slab.keys.len() - 1) as u32;
+                        table.insert(id, &slab);
                         model.insert(key, id);
                     }
                 } else {
                     let removed = model.remove(&key);
-                    prop_assert_eq!(table.remove(key, &nodes), removed.is_some());
+                    prop_assert_eq!(table.remove(key, &slab), removed.is_some());
                     if let (Some(id), true) = (removed, tree_marks) {
-                        let n = &mut nodes[id as usize];
-                        n.first_child = id;
-                        n.depth_flags &= !HAS_EHASH;
+                        slab.freed[id as usize] = true;
                     }
                 }
                 prop_assert_eq!(table.len(), model.len());
@@ -397,7 +394,7 @@ mod tests {
                 want.sort_unstable();
                 prop_assert_eq!(ids, want);
                 for k in 0..64u64 {
-                    prop_assert_eq!(table.find(k, &nodes), model.get(&k).copied());
+                    prop_assert_eq!(table.find(k, &slab), model.get(&k).copied());
                 }
             }
         }

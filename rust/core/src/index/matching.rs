@@ -117,8 +117,14 @@ impl Index {
         const TABLE_RUNS: usize = 2;
         let tree = &self.tree;
         // Every key's table slot first, so that a run's first key costs one miss
-        // (its node) rather than two.
-        tree.prefetch_slots(keys);
+        // (its node) rather than two; all but the first into L2 only: a path of
+        // runs reads few of them, and L1 prefetches would hold the miss buffers
+        // that the runs' stream needs (measured: docs/index.md).
+        let Some((&first, rest)) = keys.split_first() else {
+            return;
+        };
+        tree.prefetch_slot(first);
+        tree.prefetch_slots_to_l2(rest);
         let mut i = 0;
         for _ in 0..TABLE_RUNS {
             let Some(&key) = keys.get(i) else {
@@ -129,7 +135,7 @@ impl Index {
             };
             ids.push(id);
             i += 1;
-            tree.prefetch_nodes(id.wrapping_add(1), keys.len() - i);
+            tree.prefetch_hot(id.wrapping_add(1), keys.len() - i);
             while let Some(next) = keys
                 .get(i)
                 .and_then(|&k| tree.live_node_with_key(id.wrapping_add(1), k))
@@ -176,8 +182,7 @@ impl Index {
         alive.clear();
         alive.extend(
             self.tree
-                .node(id0)
-                .holders
+                .holders(id0)
                 .as_slice(spills)
                 .iter()
                 .map(|&h| id_of(h)),
@@ -187,7 +192,8 @@ impl Index {
             if alive.is_empty() {
                 return;
             }
-            let held = self.tree.node(id).holders.as_slice(spills);
+            let holders = self.tree.holders(id);
+            let held = holders.as_slice(spills);
             // Fast path: same holder set as the previous block (a shared prefix).
             if held.len() == alive.len()
                 && held.iter().zip(alive.iter()).all(|(&h, &a)| id_of(h) == a)

@@ -182,7 +182,6 @@ impl Index {
 
     /// A node gained or lost its holder/pin status: keep `blocks` exact.
     fn visible(&self, id: u32) -> bool {
-        let n = self.tree.node(id);
-        !n.holders.is_empty() || n.pins > 0
+        !self.tree.holders(id).is_empty() || self.tree.node(id).pins > 0
     }
 }

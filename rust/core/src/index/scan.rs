@@ -38,8 +38,9 @@ pub struct LogicalState {
 impl Index {
     fn entry(&self, id: u32) -> EntryOut {
         let n = self.tree.node(id);
-        let mut holders: Vec<HolderOut> = n
-            .holders
+        let mut holders: Vec<HolderOut> = self
+            .tree
+            .holders(id)
             .as_slice(&self.tree.spills)
             .iter()
             .map(|&h| {
@@ -55,7 +56,7 @@ impl Index {
             .collect();
         holders.sort();
         EntryOut {
-            key: n.key,
+            key: self.tree.key(id),
             parent: self.tree.parent_key(id),
             depth: n.depth(),
             holders,
@@ -172,13 +173,13 @@ impl Index {
     fn drop_slot_from(&mut self, slot: u32, ids: &[u32]) {
         let mut emptied = vec![];
         for &id in ids {
-            let mut set = self.tree.node(id).holders;
+            let mut set = self.tree.holders(id);
             let was_visible = self.visible(id);
             let gone = set.remove_slot(&mut self.tree.spills, slot) as u64;
             if gone == 0 {
                 continue;
             }
-            self.tree.node_mut(id).holders = set;
+            self.tree.set_holders(id, set);
             self.resident_pairs -= gone;
             self.sources.get_mut(slot).pairs -= gone;
             if was_visible && !self.visible(id) {
@@ -203,19 +204,18 @@ impl Index {
             let e = self.entry(id);
             state
                 .nodes
-                .insert(n.key, (e.parent, n.depth(), n.pins, e.holders));
+                .insert(e.key, (e.parent, n.depth(), n.pins, e.holders));
         }
         // Engine maps: explicit entries plus the primary hashes the source claims.
         let mut claims: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
         for id in self.tree.ids() {
-            let n = self.tree.node(id);
-            if let Some(e) = n.ehash() {
-                for &h in n.holders.as_slice(&self.tree.spills) {
+            if let Some(e) = self.tree.node(id).ehash() {
+                for &h in self.tree.holders(id).as_slice(&self.tree.spills) {
                     if claimed(h) {
                         claims
                             .entry(slot_of(id_of(h)))
                             .or_default()
-                            .push((e, n.key));
+                            .push((e, self.tree.key(id)));
                     }
                 }
             }
@@ -252,24 +252,26 @@ impl Index {
         }
         for &id in &live {
             let n = self.tree.node(id);
-            let hs = n.holders.as_slice(&self.tree.spills);
+            let key = self.tree.key(id);
+            let set = self.tree.holders(id);
+            let hs = set.as_slice(&self.tree.spills);
             pairs += hs.len() as u64;
             for &h in hs {
                 *per_slot.entry(slot_of(id_of(h))).or_default() += 1;
                 if refcount_of(h) == 0 {
-                    return Err(format!("node {:#x}: zero refcount", n.key));
+                    return Err(format!("node {key:#x}: zero refcount"));
                 }
             }
             if !hs.is_empty() || n.pins > 0 {
                 blocks += 1;
             } else if n.first_child == NIL {
-                return Err(format!("node {:#x} should have been collected", n.key));
+                return Err(format!("node {key:#x} should have been collected"));
             }
             if n.pins > 0 {
                 pinned += 1;
             }
             if n.parent_id != NIL && !live.contains(&n.parent_id) {
-                return Err(format!("node {:#x}: dead parent", n.key));
+                return Err(format!("node {key:#x}: dead parent"));
             }
             let listed: Vec<u32> = self.tree.children(id).collect();
             let distinct: BTreeSet<u32> = listed.iter().copied().collect();
@@ -277,19 +279,19 @@ impl Index {
                 || distinct.len() != listed.len()
                 || listed.iter().any(|&c| self.tree.node(c).parent_id != id)
             {
-                return Err(format!("node {:#x}: child links off", n.key));
+                return Err(format!("node {key:#x}: child links off"));
             }
             for &h in hs {
                 let slot = slot_of(id_of(h));
-                if claimed(h) != n.holders.claimed_by(&self.tree.spills, slot)
+                if claimed(h) != set.claimed_by(&self.tree.spills, slot)
                     || (claimed(h) && n.ehash().is_none())
                 {
-                    return Err(format!("node {:#x}: inconsistent claim bits", n.key));
+                    return Err(format!("node {key:#x}: inconsistent claim bits"));
                 }
             }
             if let Some(e) = n.ehash() {
                 if self.tree.find_ehash(e) != Some(id) {
-                    return Err(format!("node {:#x}: ehash not indexed", n.key));
+                    return Err(format!("node {key:#x}: ehash not indexed"));
                 }
             }
         }
@@ -306,12 +308,7 @@ impl Index {
             }
             for &map_key in s.engine.keys() {
                 if let Some(id) = self.tree.find_ehash(map_key) {
-                    if self
-                        .tree
-                        .node(id)
-                        .holders
-                        .claimed_by(&self.tree.spills, slot)
-                    {
+                    if self.tree.holders(id).claimed_by(&self.tree.spills, slot) {
                         return Err(format!("source {:?}: entry shadows a claim", s.key));
                     }
                 }

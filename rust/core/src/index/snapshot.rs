@@ -148,7 +148,9 @@ impl Tree {
     /// Sizes an empty tree's slab and tables for a snapshot's nodes.
     fn presize(&mut self, nodes: usize, key_slots: usize, ehash_slots: usize) {
         debug_assert!(self.len() == 0);
+        self.hot.reserve_exact(nodes);
         self.nodes.reserve_exact(nodes);
+        hugepages::advise(&self.hot);
         hugepages::advise(&self.nodes);
         self.table.slots = hugepages::filled(key_slots, NIL);
         self.by_ehash.slots = hugepages::filled(ehash_slots, NIL);
@@ -240,7 +242,7 @@ impl Index {
         }
         for &id in order {
             let n = self.tree.node(id);
-            o.u64(n.key);
+            o.u64(self.tree.key(id));
             if n.parent_id == NIL {
                 o.u32(NIL);
                 o.u64(self.tree.parent_key(id));
@@ -256,7 +258,8 @@ impl Index {
                 }
                 None => o.u8(0),
             }
-            let hs = n.holders.as_slice(&self.tree.spills);
+            let hs = self.tree.holders(id);
+            let hs = hs.as_slice(&self.tree.spills);
             o.u32(hs.len() as u32);
             for &h in hs {
                 o.u64(h);
@@ -360,10 +363,10 @@ impl Index {
         id: u32,
         n_media: usize,
     ) -> Result<(), SnapshotError> {
-        let key = self.tree.node(id).key;
+        let key = self.tree.key(id);
         let has_ehash = self.tree.node(id).ehash().is_some();
         let n_holders = i.u32()?;
-        let mut set = self.tree.node(id).holders;
+        let mut set = self.tree.holders(id);
         for _ in 0..n_holders {
             let h = i.u64()?;
             let hid = id_of(h);
@@ -384,7 +387,7 @@ impl Index {
             self.sources.get_mut(slot).pairs += 1;
             self.resident_pairs += 1;
         }
-        self.tree.node_mut(id).holders = set;
+        self.tree.set_holders(id, set);
         Ok(())
     }
 
@@ -459,10 +462,10 @@ impl Index {
         // What `collect` would have freed cannot be in a snapshot of a live index.
         for id in 0..n_nodes as u32 {
             let n = self.tree.node(id);
-            if n.holders.is_empty() && n.pins == 0 && n.first_child == NIL {
+            if self.tree.holders(id).is_empty() && n.pins == 0 && n.first_child == NIL {
                 return Err(corrupt(format!(
                     "node {:#x} has no holder, pin or child",
-                    n.key
+                    self.tree.key(id)
                 )));
             }
         }
@@ -488,7 +491,7 @@ impl Index {
             if self.tree.find_ehash(e).is_some() {
                 return Err(corrupt(format!("primary hash {e:#x} appears twice")));
             }
-            self.tree.by_ehash.insert(id, &self.tree.nodes);
+            self.tree.by_ehash.insert(id, self.tree.nodes.as_slice());
         }
         for (id, &parent) in parents.iter().enumerate() {
             if let Some(&next) = parents.get(id + AHEAD).filter(|&&p| p != NIL) {

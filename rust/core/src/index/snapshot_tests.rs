@@ -97,9 +97,9 @@ proptest! {
         let loaded = Index::from_snapshot_bytes(&image(&original)).unwrap();
         let live: Vec<u64> = (0..original.tree.nodes.len() as u32)
             .filter(|&id| original.tree.is_live(id))
-            .map(|id| original.tree.node(id).key)
+            .map(|id| original.tree.key(id))
             .collect();
-        let slab: Vec<u64> = loaded.tree.nodes.iter().map(|n| n.key).collect();
+        let slab: Vec<u64> = loaded.tree.hot.iter().map(|n| n.key).collect();
         prop_assert_eq!(slab, live);
     }
 
@@ -278,7 +278,7 @@ fn v3_image(index: &Index) -> Vec<u8> {
     u64_(&mut o, index.tree.len() as u64);
     for id in index.tree.ids() {
         let n = index.tree.node(id);
-        u64_(&mut o, n.key);
+        u64_(&mut o, index.tree.key(id));
         u64_(&mut o, index.tree.parent_key(id));
         o.push((n.parent_id != super::NIL) as u8);
         u32_(&mut o, n.depth());
@@ -290,7 +290,8 @@ fn v3_image(index: &Index) -> Vec<u8> {
             }
             None => o.push(0),
         }
-        let hs = n.holders.as_slice(&index.tree.spills);
+        let hs = index.tree.holders(id);
+        let hs = hs.as_slice(&index.tree.spills);
         u32_(&mut o, hs.len() as u32);
         for &h in hs {
             u64_(&mut o, h);
@@ -323,7 +324,7 @@ fn a_parent_cycle_in_a_large_image_is_refused() {
     // records are in slab order).
     let order: Vec<(u64, u32)> = (0..index.tree.nodes.len() as u32)
         .filter(|&id| index.tree.is_live(id))
-        .map(|id| (index.tree.node(id).key, index.tree.node(id).parent_id))
+        .map(|id| (index.tree.key(id), index.tree.node(id).parent_id))
         .collect();
     let linked: Vec<usize> = (0..order.len())
         .filter(|&o| order[o].1 != u32::MAX)

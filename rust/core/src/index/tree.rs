@@ -4,10 +4,15 @@
 //! `key → node` *is* a radix tree over block paths whose edge labels are the keys.
 //! Links are kept only for garbage collection and subtree scans: a parent id and a
 //! first child per node, and a side set for the few nodes with more children.
+//!
+//! A node is split in two slabs with the same ids: [`Hot`] (key and holders, the
+//! only fields `match` reads: 16 bytes, four per cache line) and [`Node`] (links,
+//! depth, pins, primary engine hash). A request's blocks are mostly runs of
+//! consecutive ids, so `match` streams 16 bytes per block instead of 40.
 
 use hashbrown::{HashMap, HashSet};
 
-use super::keytable::{KeyField, KeyTable};
+use super::keytable::{KeyTable, Slab};
 
 use super::holders::{HolderSet, Spills};
 use super::hugepages;
@@ -19,15 +24,23 @@ pub const NIL: u32 = u32::MAX;
 /// Bit of `Node::depth_flags` saying that `ehash` is set (and in the ehash table).
 pub(super) const HAS_EHASH: u32 = 1 << 31;
 
+/// What `match` reads of a node: its content key and its holders.
+#[derive(Debug, Clone, Copy)]
+pub struct Hot {
+    pub key: u64,
+    /// [`HolderSet::FREED`] in a freed slot (no live node has it), so that a slot
+    /// can be trusted without asking the table (`Tree::live_node_with_key`).
+    pub holders: HolderSet,
+}
+
+/// The rest of a node (same id as its [`Hot`] part).
 #[derive(Debug, Clone)]
 pub struct Node {
-    pub key: u64,
     /// The block's *primary* engine hash (`engine_map_key(group, hash)` of the store
     /// that created it), indexed by the tree's second table, so that every source
     /// publishing that same hash (vLLM engines with the same hash seed do) needs no
     /// engine-map entry of its own: a claim bit on its holders says so.
     pub ehash: u64,
-    pub holders: HolderSet,
     /// The parent node, or NIL for a root. Doubles as the free-list link of a freed slot.
     pub parent_id: u32,
     /// Depth (low 31 bits) and HAS_EHASH.
@@ -49,8 +62,55 @@ impl Node {
     }
 }
 
-#[derive(Debug, Clone)]
+/// The key table indexes the hot slab by content key; a freed slot is not indexed.
+impl Slab for [Hot] {
+    #[inline]
+    fn key_at(&self, id: u32) -> u64 {
+        self[id as usize].key
+    }
+
+    #[inline]
+    fn indexed(&self, id: u32) -> bool {
+        !self[id as usize].holders.is_freed()
+    }
+
+    #[inline]
+    fn entry(&self, id: u32) -> *const u8 {
+        &self[id as usize] as *const Hot as *const u8
+    }
+
+    fn slab_len(&self) -> usize {
+        self.len()
+    }
+}
+
+/// The primary-hash table indexes the node slab by `ehash`, exactly while HAS_EHASH is set.
+impl Slab for [Node] {
+    #[inline]
+    fn key_at(&self, id: u32) -> u64 {
+        self[id as usize].ehash
+    }
+
+    #[inline]
+    fn indexed(&self, id: u32) -> bool {
+        self[id as usize].depth_flags & HAS_EHASH != 0
+    }
+
+    #[inline]
+    fn entry(&self, id: u32) -> *const u8 {
+        &self[id as usize] as *const Node as *const u8
+    }
+
+    fn slab_len(&self) -> usize {
+        self.len()
+    }
+}
+
+#[derive(Debug, Clone, Default)]
 pub struct Tree {
+    /// Key and holders of each node, by id.
+    pub(super) hot: Vec<Hot>,
+    /// The other fields of each node, by id.
     pub(super) nodes: Vec<Node>,
     pub(super) table: KeyTable,
     /// Nodes by primary engine hash.
@@ -64,20 +124,6 @@ pub struct Tree {
     pub spills: Spills,
 }
 
-impl Default for Tree {
-    fn default() -> Self {
-        Self {
-            nodes: Vec::new(),
-            table: KeyTable::new(KeyField::Key),
-            by_ehash: KeyTable::new(KeyField::EHash),
-            more_children: HashMap::default(),
-            root_parent: HashMap::default(),
-            free_head: None,
-            spills: Spills::default(),
-        }
-    }
-}
-
 impl Tree {
     pub fn len(&self) -> usize {
         self.table.len()
@@ -85,7 +131,7 @@ impl Tree {
 
     #[inline]
     pub fn find(&self, key: u64) -> Option<u32> {
-        self.table.find(key, &self.nodes)
+        self.table.find(key, self.hot.as_slice())
     }
 
     /// Starts loading the ehash-table slots of `ehashes`.
@@ -98,11 +144,14 @@ impl Tree {
 
     /// Makes room for `blocks` nodes in all (slab and both tables).
     pub fn reserve(&mut self, blocks: usize) -> Result<(), std::collections::TryReserveError> {
+        self.hot
+            .try_reserve_exact(blocks.saturating_sub(self.hot.len()))?;
         self.nodes
             .try_reserve_exact(blocks.saturating_sub(self.nodes.len()))?;
+        hugepages::advise(&self.hot);
         hugepages::advise(&self.nodes);
-        self.table.reserve(blocks, &self.nodes)?;
-        self.by_ehash.reserve(blocks, &self.nodes)
+        self.table.reserve(blocks, self.hot.as_slice())?;
+        self.by_ehash.reserve(blocks, self.nodes.as_slice())
     }
 
     /// Starts loading the key-table slot of `key`.
@@ -120,7 +169,7 @@ impl Tree {
     /// The node whose primary engine hash is `ehash`.
     #[inline]
     pub fn find_ehash(&self, ehash: u64) -> Option<u32> {
-        self.by_ehash.find(ehash, &self.nodes)
+        self.by_ehash.find(ehash, self.nodes.as_slice())
     }
 
     /// Makes `ehash` the primary engine hash of `id`, if the node has none and no
@@ -132,7 +181,7 @@ impl Tree {
         let n = &mut self.nodes[id as usize];
         n.ehash = ehash;
         n.depth_flags |= HAS_EHASH;
-        self.by_ehash.insert(id, &self.nodes);
+        self.by_ehash.insert(id, self.nodes.as_slice());
         true
     }
 
@@ -142,6 +191,16 @@ impl Tree {
     pub fn prefetch_slots(&self, keys: &[u64]) {
         for &k in keys {
             self.table.prefetch_slot(k);
+        }
+    }
+
+    /// Starts loading the table slots of `keys` into the L2 cache only (`match`: a
+    /// path of runs needs few of them, and L1 prefetches would hold the miss buffers
+    /// that the runs' node stream needs).
+    #[inline]
+    pub fn prefetch_slots_to_l2(&self, keys: &[u64]) {
+        for &k in keys {
+            self.table.prefetch_slot_to_l2(k);
         }
     }
 
@@ -155,7 +214,7 @@ impl Tree {
         for &k in keys {
             let id = self.table.candidate(k);
             if id != NIL {
-                super::keytable::prefetch(&self.nodes[id as usize]);
+                super::keytable::prefetch(&self.hot[id as usize]);
             }
         }
     }
@@ -166,22 +225,37 @@ impl Tree {
     /// consecutive slots.
     #[inline]
     pub fn live_node_with_key(&self, id: u32, key: u64) -> Option<u32> {
-        let n = self.nodes.get(id as usize)?;
-        (n.key == key && n.first_child != id).then_some(id)
+        let h = self.hot.get(id as usize)?;
+        (h.key == key && !h.holders.is_freed()).then_some(id)
     }
 
-    /// Starts loading the nodes `first .. first + count` (clamped to the slab): every
-    /// cache line they span.
+    /// Starts loading the hot parts of nodes `first .. first + count` (clamped to
+    /// the slab): every cache line they span.
     #[inline]
-    pub fn prefetch_nodes(&self, first: u32, count: usize) {
-        let lo = (first as usize).min(self.nodes.len());
-        let hi = lo.saturating_add(count).min(self.nodes.len());
-        let bytes = (hi - lo) * std::mem::size_of::<Node>();
-        let base = self.nodes[lo..hi].as_ptr() as *const u8;
+    pub fn prefetch_hot(&self, first: u32, count: usize) {
+        let lo = (first as usize).min(self.hot.len());
+        let hi = lo.saturating_add(count).min(self.hot.len());
+        let bytes = (hi - lo) * std::mem::size_of::<Hot>();
+        let base = self.hot[lo..hi].as_ptr() as *const u8;
         for off in (0..bytes).step_by(64) {
             // wrapping_add: stays inside the slice; a prefetch never faults anyway.
             super::keytable::prefetch(base.wrapping_add(off));
         }
+    }
+
+    #[inline]
+    pub fn key(&self, id: u32) -> u64 {
+        self.hot[id as usize].key
+    }
+
+    #[inline]
+    pub fn holders(&self, id: u32) -> HolderSet {
+        self.hot[id as usize].holders
+    }
+
+    #[inline]
+    pub fn set_holders(&mut self, id: u32, holders: HolderSet) {
+        self.hot[id as usize].holders = holders;
     }
 
     #[inline]
@@ -198,7 +272,7 @@ impl Tree {
     pub fn parent_key(&self, id: u32) -> u64 {
         match self.nodes[id as usize].parent_id {
             NIL => self.root_parent.get(&id).copied().unwrap_or(0),
-            p => self.nodes[p as usize].key,
+            p => self.hot[p as usize].key,
         }
     }
 
@@ -209,10 +283,12 @@ impl Tree {
         if let Some(id) = self.find(key) {
             return id;
         }
-        let node = Node {
+        let hot = Hot {
             key,
-            ehash: 0,
             holders: HolderSet::default(),
+        };
+        let node = Node {
+            ehash: 0,
             parent_id,
             depth_flags: depth.min(!HAS_EHASH),
             first_child: NIL,
@@ -222,15 +298,13 @@ impl Tree {
             Some(id) => {
                 let next = self.nodes[id as usize].parent_id;
                 self.free_head = (next != NIL).then_some(next);
+                self.hot[id as usize] = hot;
                 self.nodes[id as usize] = node;
                 id
             }
-            None => {
-                self.push(node);
-                (self.nodes.len() - 1) as u32
-            }
+            None => self.push(hot, node),
         };
-        self.table.insert(id, &self.nodes);
+        self.table.insert(id, self.hot.as_slice());
         if parent_id != NIL {
             self.add_child(parent_id, id);
         } else if parent != 0 {
@@ -239,29 +313,38 @@ impl Tree {
         id
     }
 
-    /// Appends to the slab; a slab that grew gets huge pages (`hugepages`).
+    /// Appends to both slabs and returns the new id; a slab that grew gets huge
+    /// pages (`hugepages`).
     #[inline]
-    fn push(&mut self, node: Node) {
-        let capacity = self.nodes.capacity();
+    fn push(&mut self, hot: Hot, node: Node) -> u32 {
+        let capacities = (self.hot.capacity(), self.nodes.capacity());
+        self.hot.push(hot);
         self.nodes.push(node);
-        if self.nodes.capacity() != capacity {
+        if self.hot.capacity() != capacities.0 {
+            hugepages::advise(&self.hot);
+        }
+        if self.nodes.capacity() != capacities.1 {
             hugepages::advise(&self.nodes);
         }
+        (self.nodes.len() - 1) as u32
     }
 
     /// Snapshot restore: appends a node (no holders, no links, not yet in the key
     /// table: `index_loaded_keys` does that for all at once). Returns its id.
     pub(super) fn push_loaded(&mut self, key: u64, root_parent: u64, depth: u32) -> u32 {
-        let id = self.nodes.len() as u32;
-        self.push(Node {
-            key,
-            ehash: 0,
-            holders: HolderSet::default(),
-            parent_id: NIL,
-            depth_flags: depth.min(!HAS_EHASH),
-            first_child: NIL,
-            pins: 0,
-        });
+        let id = self.push(
+            Hot {
+                key,
+                holders: HolderSet::default(),
+            },
+            Node {
+                ehash: 0,
+                parent_id: NIL,
+                depth_flags: depth.min(!HAS_EHASH),
+                first_child: NIL,
+                pins: 0,
+            },
+        );
         if root_parent != 0 {
             self.root_parent.insert(id, root_parent);
         }
@@ -275,15 +358,15 @@ impl Tree {
     pub(super) fn index_loaded_keys(&mut self) -> Result<(), u64> {
         const AHEAD: usize = 16;
         debug_assert!(self.table.len() == 0);
-        for id in 0..self.nodes.len() {
-            if let Some(next) = self.nodes.get(id + AHEAD) {
+        for id in 0..self.hot.len() {
+            if let Some(next) = self.hot.get(id + AHEAD) {
                 self.table.prefetch_slot(next.key);
             }
-            let key = self.nodes[id].key;
+            let key = self.hot[id].key;
             if self.find(key).is_some() {
                 return Err(key);
             }
-            self.table.insert(id as u32, &self.nodes);
+            self.table.insert(id as u32, self.hot.as_slice());
         }
         Ok(())
     }
@@ -339,12 +422,12 @@ impl Tree {
     #[inline]
     fn collectable(&self, id: u32) -> bool {
         let n = &self.nodes[id as usize];
-        n.holders.is_empty() && n.pins == 0 && n.first_child == NIL
+        self.hot[id as usize].holders.is_empty() && n.pins == 0 && n.first_child == NIL
     }
 
     /// True if `id` names a live node (not a freed slot).
     pub fn is_live(&self, id: u32) -> bool {
-        (id as usize) < self.nodes.len() && self.find(self.nodes[id as usize].key) == Some(id)
+        (id as usize) < self.hot.len() && self.find(self.hot[id as usize].key) == Some(id)
     }
 
     /// Frees `id` and then its ancestors while they have no holder, pin or child.
@@ -352,25 +435,22 @@ impl Tree {
     pub fn collect(&mut self, mut id: u32) -> usize {
         let mut freed = 0;
         while id != NIL && self.collectable(id) {
-            let Node { key, parent_id, .. } = self.nodes[id as usize];
+            let key = self.hot[id as usize].key;
+            let parent_id = self.nodes[id as usize].parent_id;
             if parent_id != NIL {
                 self.remove_child(parent_id, id);
             } else {
                 self.root_parent.remove(&id);
             }
-            self.table.remove(key, &self.nodes);
+            self.table.remove(key, self.hot.as_slice());
             if let Some(e) = self.nodes[id as usize].ehash() {
-                self.by_ehash.remove(e, &self.nodes);
+                self.by_ehash.remove(e, self.nodes.as_slice());
                 self.nodes[id as usize].depth_flags &= !HAS_EHASH;
             }
-            let mut holders = self.nodes[id as usize].holders;
-            holders.release(&mut self.spills);
-            let n = &mut self.nodes[id as usize];
-            n.holders = holders;
-            // A freed slot points to itself as child (no live node does), so that
-            // `live_node_with_key` can trust a slot without asking the table.
-            n.first_child = id;
-            n.parent_id = self.free_head.unwrap_or(NIL);
+            let hot = &mut self.hot[id as usize];
+            hot.holders.release(&mut self.spills);
+            hot.holders = HolderSet::FREED;
+            self.nodes[id as usize].parent_id = self.free_head.unwrap_or(NIL);
             self.free_head = Some(id);
             freed += 1;
             id = parent_id;
@@ -397,7 +477,8 @@ impl Tree {
 
     /// Heap bytes of the slab, the tables and the spill arena.
     pub fn heap_bytes(&self) -> usize {
-        self.nodes.capacity() * std::mem::size_of::<Node>()
+        self.hot.capacity() * std::mem::size_of::<Hot>()
+            + self.nodes.capacity() * std::mem::size_of::<Node>()
             + self.table.heap_bytes()
             + self.by_ehash.heap_bytes()
             + self.root_parent.allocation_size()
@@ -417,7 +498,8 @@ mod tests {
 
     #[test]
     fn node_stays_compact() {
-        assert_eq!(std::mem::size_of::<Node>(), 40);
+        assert_eq!(std::mem::size_of::<Hot>(), 16);
+        assert_eq!(std::mem::size_of::<Node>(), 24);
     }
 
     #[test]
