@@ -11,6 +11,10 @@
 //!
 //! Besides criterion's means it prints p50/p99 of single matches and the memory per
 //! resident (block, worker) pair.
+//!
+//! For profilers (`perf record`): with `QC_MATCH_ONLY=<seconds>` it builds the index
+//! and only runs matches back to back for that long, then prints the mean time per
+//! match; `QC_INTERLEAVED=1` builds it from the interleaved payload order instead.
 
 use std::collections::HashSet;
 use std::hint::black_box;
@@ -408,9 +412,40 @@ fn thread_cpu_seconds() -> f64 {
     (ticks(11) + ticks(12)) / 100.0
 }
 
+/// Matches back to back for `secs` seconds (`QC_MATCH_ONLY`), for profilers.
+fn match_only(secs: f64) {
+    let w = workload();
+    let idx = if std::env::var_os("QC_INTERLEAVED").is_some() {
+        let mut mixed = Index::new();
+        for (source, payload) in interleaved(&w) {
+            mixed.apply_payload(*source, payload).unwrap();
+        }
+        mixed
+    } else {
+        build(&w)
+    };
+    let t0 = Instant::now();
+    let mut n = 0usize;
+    while t0.elapsed().as_secs_f64() < secs {
+        for r in 0..w.requests.len() {
+            let req = &w.requests[(r * 7919) % w.requests.len()];
+            black_box(idx.match_keys(black_box(req)));
+        }
+        n += w.requests.len();
+    }
+    println!(
+        "index/match_64_blocks_1M back to back: {n} matches, mean {:.0} ns",
+        t0.elapsed().as_secs_f64() * 1e9 / n as f64
+    );
+}
+
 criterion_group!(index_benches, benches);
 
 fn main() {
+    if let Ok(secs) = std::env::var("QC_MATCH_ONLY") {
+        match_only(secs.parse().expect("QC_MATCH_ONLY: seconds"));
+        return;
+    }
     index_benches();
     percentiles();
     Criterion::default().configure_from_args().final_summary();

@@ -68,47 +68,125 @@ pub fn claimed(h: Holder) -> bool {
     h as u32 & CLAIM != 0
 }
 
-/// Holder lists of nodes with more than one holder; freed lists are recycled.
+/// Holder lists of nodes with more than one holder, in one flat array of words.
+///
+/// A list at offset `o` is a header word (`len << 32 | capacity`) followed by
+/// `capacity` holder words; capacities are powers of two (at least 2), and freed
+/// blocks are recycled per capacity. One array rather than a `Vec` per list: reading
+/// a list is one cache miss instead of two (the `Vec`'s header, then its buffer),
+/// and lists spilled together (a shared prompt's blocks, stored by one event) are
+/// neighbours, so `match` reads them in a few lines.
 #[derive(Debug, Default, Clone)]
 pub struct Spills {
-    lists: Vec<Vec<Holder>>,
-    free: Vec<u32>,
+    words: Vec<u64>,
+    /// Offsets of free blocks, by log2 of their capacity.
+    free: Vec<Vec<u32>>,
+    in_use: usize,
 }
 
 impl Spills {
-    fn alloc(&mut self, list: Vec<Holder>) -> u32 {
-        // Index u32::MAX would read as `HolderSet::FREED` (4 G lists: never reached).
-        assert!(self.lists.len() < u32::MAX as usize, "spill arena full");
-        match self.free.pop() {
-            Some(i) => {
-                self.lists[i as usize] = list;
-                i
-            }
+    #[inline]
+    fn header(&self, at: u32) -> (usize, usize) {
+        let h = self.words[at as usize];
+        ((h >> 32) as usize, h as u32 as usize)
+    }
+
+    #[inline]
+    fn set_len(&mut self, at: u32, len: usize) {
+        let w = &mut self.words[at as usize];
+        *w = (len as u64) << 32 | (*w as u32 as u64);
+    }
+
+    /// A block for `holders` (sorted): the smallest power-of-two capacity.
+    fn alloc(&mut self, holders: &[Holder]) -> u32 {
+        let capacity = holders.len().next_power_of_two().max(2);
+        let class = capacity.trailing_zeros() as usize;
+        let at = match self.free.get_mut(class).and_then(Vec::pop) {
+            Some(at) => at,
             None => {
-                self.lists.push(list);
-                (self.lists.len() - 1) as u32
+                let at = self.words.len();
+                // Offset u32::MAX would read as `HolderSet::FREED`.
+                assert!(
+                    at + 1 + capacity < u32::MAX as usize,
+                    "spill arena full (32 GiB of holder lists)"
+                );
+                self.words.resize(at + 1 + capacity, 0);
+                at as u32
             }
+        };
+        let o = at as usize;
+        self.words[o] = (holders.len() as u64) << 32 | capacity as u64;
+        self.words[o + 1..o + 1 + holders.len()].copy_from_slice(holders);
+        self.in_use += 1;
+        at
+    }
+
+    fn release(&mut self, at: u32) {
+        let (_, capacity) = self.header(at);
+        let class = capacity.trailing_zeros() as usize;
+        if self.free.len() <= class {
+            self.free.resize_with(class + 1, Vec::new);
+        }
+        self.free[class].push(at);
+        self.in_use -= 1;
+    }
+
+    #[inline]
+    fn list(&self, at: u32) -> &[Holder] {
+        let (len, _) = self.header(at);
+        let o = at as usize + 1;
+        &self.words[o..o + len]
+    }
+
+    #[inline]
+    fn list_mut(&mut self, at: u32) -> &mut [Holder] {
+        let (len, _) = self.header(at);
+        let o = at as usize + 1;
+        &mut self.words[o..o + len]
+    }
+
+    /// Inserts `h` at `pos` of list `at`; returns the list's offset (it moves when full).
+    fn insert(&mut self, at: u32, pos: usize, h: Holder) -> u32 {
+        let (len, capacity) = self.header(at);
+        if len == capacity {
+            let mut grown = Vec::with_capacity(len + 1);
+            grown.extend_from_slice(self.list(at));
+            grown.insert(pos, h);
+            self.release(at);
+            return self.alloc(&grown);
+        }
+        let o = at as usize + 1;
+        self.words.copy_within(o + pos..o + len, o + pos + 1);
+        self.words[o + pos] = h;
+        self.set_len(at, len + 1);
+        at
+    }
+
+    /// Removes the holder at `pos` of list `at`.
+    fn remove(&mut self, at: u32, pos: usize) {
+        let (len, _) = self.header(at);
+        let o = at as usize + 1;
+        self.words.copy_within(o + pos + 1..o + len, o + pos);
+        self.set_len(at, len - 1);
+    }
+
+    /// Starts loading list `at` (its header and first holders).
+    #[inline]
+    fn prefetch(&self, at: u32) {
+        if let Some(w) = self.words.get(at as usize) {
+            super::keytable::prefetch(w);
         }
     }
 
-    fn release(&mut self, i: u32) -> Vec<Holder> {
-        self.free.push(i);
-        std::mem::take(&mut self.lists[i as usize])
-    }
-
     pub fn in_use(&self) -> usize {
-        self.lists.len() - self.free.len()
+        self.in_use
     }
 
-    /// Heap bytes held by the arena and its lists.
+    /// Heap bytes held by the arena.
     pub fn heap_bytes(&self) -> usize {
-        self.lists.capacity() * std::mem::size_of::<Vec<Holder>>()
-            + self.free.capacity() * 4
-            + self
-                .lists
-                .iter()
-                .map(|l| l.capacity() * std::mem::size_of::<Holder>())
-                .sum::<usize>()
+        self.words.capacity() * 8
+            + self.free.capacity() * std::mem::size_of::<Vec<u32>>()
+            + self.free.iter().map(|f| f.capacity() * 4).sum::<usize>()
     }
 }
 
@@ -147,13 +225,21 @@ impl HolderSet {
         self.0 == 0
     }
 
+    /// Starts loading a spilled set's list (nothing for an inline one).
+    #[inline]
+    pub fn prefetch(self, spills: &Spills) {
+        if let Some(i) = self.spill_index() {
+            spills.prefetch(i);
+        }
+    }
+
     /// The holders, sorted by id.
     #[inline]
     pub fn as_slice<'a>(&'a self, spills: &'a Spills) -> &'a [Holder] {
         if self.0 == 0 {
             &[]
         } else if let Some(i) = self.spill_index() {
-            &spills.lists[i as usize]
+            spills.list(i)
         } else {
             std::slice::from_ref(&self.0)
         }
@@ -175,14 +261,15 @@ impl HolderSet {
         }
         let claim = self.claimed_by(spills, slot_of(id));
         if let Some(i) = self.spill_index() {
-            let list = &mut spills.lists[i as usize];
+            let list = spills.list_mut(i);
             return match list.binary_search_by_key(&id, |&h| id_of(h)) {
                 Ok(pos) => {
                     list[pos] = bump(list[pos]);
                     false
                 }
                 Err(pos) => {
-                    list.insert(pos, with_claim(pack(id, n), claim));
+                    let at = spills.insert(i, pos, with_claim(pack(id, n), claim));
+                    self.0 = ((SPILL_ID as u64) << 32) | at as u64;
                     true
                 }
             };
@@ -194,11 +281,11 @@ impl HolderSet {
         }
         let new = with_claim(pack(id, n), claim);
         let list = if current < new {
-            vec![current, new]
+            [current, new]
         } else {
-            vec![new, current]
+            [new, current]
         };
-        self.0 = ((SPILL_ID as u64) << 32) | spills.alloc(list) as u64;
+        self.0 = ((SPILL_ID as u64) << 32) | spills.alloc(&list) as u64;
         true
     }
 
@@ -215,7 +302,7 @@ impl HolderSet {
             return;
         }
         if let Some(i) = self.spill_index() {
-            for h in spills.lists[i as usize].iter_mut() {
+            for h in spills.list_mut(i).iter_mut() {
                 if slot_of(id_of(*h)) == slot {
                     *h = with_claim(*h, claim);
                 }
@@ -240,7 +327,7 @@ impl HolderSet {
             return Removed::NotHeld;
         }
         if let Some(i) = self.spill_index() {
-            let list = &mut spills.lists[i as usize];
+            let list = spills.list_mut(i);
             let Ok(pos) = list.binary_search_by_key(&id, |&h| id_of(h)) else {
                 return Removed::NotHeld;
             };
@@ -249,9 +336,8 @@ impl HolderSet {
                 list[pos] = with_claim(pack(id, rc - 1), claimed(list[pos]));
                 return Removed::Decremented;
             }
-            list.remove(pos);
-            if list.len() == 1 {
-                let last = list[0];
+            spills.remove(i, pos);
+            if let [last] = *spills.list(i) {
                 spills.release(i);
                 self.0 = last;
             }
@@ -357,5 +443,84 @@ mod tests {
         assert_eq!(rcs, vec![(3, true), (1, true), (1, false)]);
         h.set_claim(&mut s, 5, false);
         assert!(!h.claimed_by(&s, 5));
+    }
+
+    /// What a set should hold: holder id → (refcount, claim), kept by plain rules.
+    type Model = std::collections::BTreeMap<HolderId, (u32, bool)>;
+
+    fn model_list(m: &Model) -> Vec<Holder> {
+        m.iter()
+            .map(|(&id, &(rc, claim))| with_claim(pack(id, rc), claim))
+            .collect()
+    }
+
+    proptest::proptest! {
+        /// Several sets sharing one arena (so that lists grow, move, shrink back inline
+        /// and get recycled) against a model: after every operation each set lists
+        /// exactly the model's holders, and the arena counts exactly the spilled sets.
+        #[test]
+        fn sets_sharing_an_arena_behave_like_maps(
+            ops in proptest::collection::vec(
+                (0..6usize, 0..6u8, 0..5u32, 0..3u8, 1..4u32),
+                1..300,
+            ),
+        ) {
+            let mut spills = Spills::default();
+            let mut sets = [HolderSet::default(); 6];
+            let mut models: [Model; 6] = Default::default();
+            for (set, op, slot, medium, n) in ops {
+                let id = holder_id(slot, medium);
+                let (h, m) = (&mut sets[set], &mut models[set]);
+                match op {
+                    0 | 1 => {
+                        // A new pair takes the claim of the source's other holders.
+                        let claim = m.iter().any(|(&k, &(_, c))| slot_of(k) == slot && c);
+                        let new = !m.contains_key(&id);
+                        let e = m.entry(id).or_insert((0, claim));
+                        e.0 = (e.0 + n).min(MAX_REFCOUNT);
+                        proptest::prop_assert_eq!(h.add(&mut spills, id, n), new);
+                    }
+                    2 => {
+                        let want = match m.get_mut(&id) {
+                            None => Removed::NotHeld,
+                            Some(e) if e.0 > 1 => {
+                                e.0 -= 1;
+                                Removed::Decremented
+                            }
+                            Some(_) => {
+                                m.remove(&id);
+                                Removed::Gone
+                            }
+                        };
+                        proptest::prop_assert_eq!(h.remove_one(&mut spills, id), want);
+                    }
+                    3 => {
+                        let claim = n % 2 == 1;
+                        for (k, e) in m.iter_mut() {
+                            if slot_of(*k) == slot {
+                                e.1 = claim;
+                            }
+                        }
+                        h.set_claim(&mut spills, slot, claim);
+                    }
+                    4 => {
+                        let before = m.len();
+                        m.retain(|&k, _| slot_of(k) != slot);
+                        proptest::prop_assert_eq!(h.remove_slot(&mut spills, slot), before - m.len());
+                    }
+                    _ => {
+                        m.clear();
+                        h.release(&mut spills);
+                    }
+                }
+                for (h, m) in sets.iter().zip(&models) {
+                    let want = model_list(m);
+                    proptest::prop_assert_eq!(h.as_slice(&spills), want.as_slice());
+                    proptest::prop_assert!(!h.is_freed());
+                }
+                let spilled = models.iter().filter(|m| m.len() > 1).count();
+                proptest::prop_assert_eq!(spills.in_use(), spilled);
+            }
+        }
     }
 }

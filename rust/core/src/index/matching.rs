@@ -136,11 +136,15 @@ impl Index {
             ids.push(id);
             i += 1;
             tree.prefetch_hot(id.wrapping_add(1), keys.len() - i);
+            // A shared prefix's blocks have spilled holder lists: start loading
+            // them now, so that the intersection below finds them in cache.
+            tree.holders(id).prefetch(&tree.spills);
             while let Some(next) = keys
                 .get(i)
                 .and_then(|&k| tree.live_node_with_key(id.wrapping_add(1), k))
             {
                 ids.push(next);
+                tree.holders(next).prefetch(&tree.spills);
                 id = next;
                 i += 1;
             }
@@ -179,20 +183,21 @@ impl Index {
         let Some((&id0, rest)) = ids.split_first() else {
             return;
         };
+        let mut previous = self.tree.holders(id0);
         alive.clear();
-        alive.extend(
-            self.tree
-                .holders(id0)
-                .as_slice(spills)
-                .iter()
-                .map(|&h| id_of(h)),
-        );
+        alive.extend(previous.as_slice(spills).iter().map(|&h| id_of(h)));
         // Pass 2: intersect the alive holders with each block's (sorted) holders.
         for (i, &id) in rest.iter().enumerate() {
             if alive.is_empty() {
                 return;
             }
             let holders = self.tree.holders(id);
+            // The same set as the previous block's (one inline holder with the same
+            // refcount: a session's own blocks): alive, a subset of it, is unchanged.
+            if holders == previous {
+                continue;
+            }
+            previous = holders;
             let held = holders.as_slice(spills);
             // Fast path: same holder set as the previous block (a shared prefix).
             if held.len() == alive.len()
