@@ -69,10 +69,14 @@ def _gateway(
     router: str,
     tree: Path | None = None,
     relay: str = "native",
+    parity_check: bool = True,
 ) -> Proc:
+    """A gateway over `engines`. `parity_check=False` for engines that publish no KV
+    events (`--fixed-latency-ms`): the startup check would only time out and log an error."""
     cfg = workdir / f"{name}.json"
     settings = {"tokenizer": "builtin", "admin_token": ADMIN, "router": router}
-    cfg.write_text(json.dumps({**settings, "log_level": "error", "relay": relay}))
+    settings |= {"log_level": "error", "relay": relay, "parity_check": parity_check}
+    cfg.write_text(json.dumps(settings))
     args = gateway_args([e.url for e in engines], extra=["--config", str(cfg)])
     return launch(name, args, workdir, tree=tree)
 
@@ -117,14 +121,19 @@ def overhead(
     try:
         upstream = launch("ov-engine", args, workdir)
         procs.append(upstream)
-        sides = {"direct": upstream, "gateway": _gateway([upstream], workdir, "ov-gateway", router)}
+        # The fixed-latency engine publishes no KV events: nothing for a parity check.
+        parity = kind != "fixed"
+        sides = {
+            "direct": upstream,
+            "gateway": _gateway([upstream], workdir, "ov-gateway", router, parity_check=parity),
+        }
         if baseline is not None:
             sides["baseline gateway"] = _gateway(
-                [upstream], workdir, "ov-baseline", router, baseline
+                [upstream], workdir, "ov-baseline", router, baseline, parity_check=parity
             )
         if python_relay:
             sides["python-relay gateway"] = _gateway(
-                [upstream], workdir, "ov-python-relay", router, relay="python"
+                [upstream], workdir, "ov-python-relay", router, relay="python", parity_check=parity
             )
         if floor:
             sides["floor proxy"] = launch(
