@@ -92,13 +92,7 @@ impl Index {
                 }
             })
             .collect();
-        hits.sort_unstable_by(|a, b| {
-            (a.worker, a.dp_rank, self.media.name(a.medium)).cmp(&(
-                b.worker,
-                b.dp_rank,
-                self.media.name(b.medium),
-            ))
-        });
+        hits.sort_unstable_by_key(|h| (h.worker, h.dp_rank, self.media.rank(h.medium)));
         hits
     }
 

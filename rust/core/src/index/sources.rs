@@ -191,6 +191,9 @@ impl Sources {
 #[derive(Debug, Clone, Default)]
 pub struct Media {
     names: Vec<Medium>,
+    /// Each medium's place in name order, so that `match` sorts its hits by medium
+    /// name with integer compares (string compares were 4 % of a match).
+    rank: Vec<u8>,
 }
 
 impl Media {
@@ -207,7 +210,19 @@ impl Media {
             return None;
         }
         self.names.push(m.clone());
+        let mut order: Vec<u8> = (0..self.names.len() as u16).map(|i| i as u8).collect();
+        order.sort_unstable_by_key(|&i| self.names[i as usize].as_str());
+        self.rank = vec![0; order.len()];
+        for (place, &i) in order.iter().enumerate() {
+            self.rank[i as usize] = place as u8;
+        }
         Some((self.names.len() - 1) as u8)
+    }
+
+    /// The place of medium `i` in name order (`a < b` iff `name(a) < name(b)`).
+    #[inline]
+    pub fn rank(&self, i: u8) -> u8 {
+        self.rank[i as usize]
     }
 
     #[inline]
@@ -221,6 +236,7 @@ impl Media {
 
     pub fn heap_bytes(&self) -> usize {
         self.names.capacity() * std::mem::size_of::<Medium>()
+            + self.rank.capacity()
             + self
                 .names
                 .iter()
