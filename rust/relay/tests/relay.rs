@@ -45,6 +45,14 @@ fn next_request(relay: &Relay, pending: &mut Vec<Event>) -> RequestId {
     }
 }
 
+/// A client posting `{}` to a hot path, the events seen so far and its request's id.
+fn hot_request(relay: &Relay) -> (TcpStream, Vec<Event>, RequestId) {
+    let client = post(relay.local_addr(), HOT, "{}");
+    let mut events = Vec::new();
+    let id = next_request(relay, &mut events);
+    (client, events, id)
+}
+
 fn post(addr: SocketAddr, path: &str, body: &str) -> TcpStream {
     let mut stream = TcpStream::connect(addr).unwrap();
     stream
@@ -239,9 +247,7 @@ fn other_paths_are_proxied_to_the_backend_unchanged() {
 #[test]
 fn the_host_can_answer_itself_and_big_bodies_never_reach_it() {
     let relay = relay(no_backend(), 64);
-    let client = post(relay.local_addr(), HOT, "{}");
-    let mut events = Vec::new();
-    let id = next_request(&relay, &mut events);
+    let (client, _, id) = hot_request(&relay);
     let error = Bytes::from_static(b"{\"error\":{\"message\":\"no key\"}}");
     relay.reply(
         id,
@@ -284,9 +290,7 @@ fn a_failed_connect_is_reported_and_the_host_can_send_it_elsewhere() {
         .unwrap();
     });
     let relay = relay(no_backend(), 1 << 20);
-    let client = post(relay.local_addr(), HOT, "{}");
-    let mut events = Vec::new();
-    let id = next_request(&relay, &mut events);
+    let (client, mut events, id) = hot_request(&relay);
     relay.reply(id, forward_to(dead));
     match next_event(&relay, &mut events) {
         Event::UpstreamFailed { id: i, connect, .. } => assert!(i == id && connect),
@@ -319,9 +323,7 @@ fn an_engine_dying_mid_stream_gives_the_client_an_sse_error() {
         // dropped without the last chunk
     });
     let relay = relay(no_backend(), 1 << 20);
-    let client = post(relay.local_addr(), HOT, "{}");
-    let mut events = Vec::new();
-    let id = next_request(&relay, &mut events);
+    let (client, mut events, id) = hot_request(&relay);
     relay.reply(id, forward_to(engine_addr));
     let answer = read_all(client);
     assert!(answer.contains("data: one"), "{answer}");
@@ -356,9 +358,7 @@ fn a_client_leaving_mid_stream_closes_the_engine_connection() {
         closed_tx.send(sees_close(conn)).unwrap();
     });
     let relay = relay(no_backend(), 1 << 20);
-    let client = post(relay.local_addr(), HOT, "{}");
-    let mut events = Vec::new();
-    let id = next_request(&relay, &mut events);
+    let (client, mut events, id) = hot_request(&relay);
     relay.reply(id, forward_to(engine_addr));
     let mut reader = BufReader::new(client);
     read_until(&mut reader, "data: one");
@@ -387,9 +387,7 @@ fn a_client_leaving_before_a_whole_answer_closes_the_engine_connection() {
         closed_tx.send(sees_close(conn)).unwrap(); // computing; never answers
     });
     let relay = relay(no_backend(), 1 << 20);
-    let client = post(relay.local_addr(), HOT, "{}");
-    let mut events = Vec::new();
-    let id = next_request(&relay, &mut events);
+    let (client, mut events, id) = hot_request(&relay);
     relay.reply(id, forward_to(engine_addr));
     thread::sleep(Duration::from_millis(100));
     drop(client);
@@ -408,9 +406,7 @@ fn a_client_leaving_before_a_whole_answer_closes_the_engine_connection() {
 #[test]
 fn a_client_leaving_before_the_decision_is_not_forwarded() {
     let relay = relay(no_backend(), 1 << 20);
-    let client = post(relay.local_addr(), HOT, "{}");
-    let mut events = Vec::new();
-    let id = next_request(&relay, &mut events);
+    let (client, _, id) = hot_request(&relay);
     drop(client);
     let deadline = Instant::now() + Duration::from_secs(5);
     while relay.inbox().waiting() > 0 {

@@ -27,26 +27,29 @@ fn table_hash(key: u64) -> u64 {
     h ^ (h >> 29)
 }
 
+/// Starts loading the line of `p` into L1 (a hint: it never faults).
 #[inline]
 pub fn prefetch<T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is a hint; it never faults, whatever the address.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8);
-    }
+    prefetch_with::<{ std::arch::x86_64::_MM_HINT_T0 }, T>(p);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
 }
 
+/// Starts loading the line of `p` into L2 only.
 #[inline]
 fn prefetch_to_l2<T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is a hint; it never faults, whatever the address.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p as *const i8);
-    }
+    prefetch_with::<{ std::arch::x86_64::_MM_HINT_T1 }, T>(p);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn prefetch_with<const HINT: i32, T>(p: *const T) {
+    // SAFETY: a prefetch is a hint; it never faults, whatever the address.
+    unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(p as *const i8) }
 }
 
 /// The slab a table indexes: entry `id` has a key. The table stores only ids and
