@@ -303,7 +303,7 @@ class KvIndex:
     def close(self) -> None: ...
 
 RelayEvent = (
-    tuple[Literal["request"], int, str, list[tuple[str, bytes]], bytes, float]
+    tuple[Literal["request"], int, str, list[tuple[str, bytes]], bytes, float, str]
     | tuple[Literal["upstream_failed"], int, bool, str]
     | tuple[Literal["first_byte"], int, float]
     | tuple[Literal["usage"], int, bytes]
@@ -320,9 +320,11 @@ RelayEvent = (
 
 class Relay:
     """The gateway's data path (``rust/relay``): an HTTP/1.1 server on its own thread.
-    POSTs to ``hot_paths`` become ``("request", id, path, headers, body, waited_s)``
-    events, answered with `forward`, `respond` or `delegate`; every other request is
-    proxied to ``127.0.0.1:backend_port``. Watch `fileno` and call `take`.
+    POSTs to ``hot_paths`` become ``("request", id, path, headers, body, waited_s,
+    peer_ip)`` events, answered with `forward`, `respond` or `delegate`; every other
+    request is proxied to ``127.0.0.1:backend_port`` with the client's address in
+    ``x-quillcache-peer`` and ``backend_key`` in ``x-quillcache-relay-key`` (a client's
+    own headers of those names are dropped). Watch `fileno` and call `take`.
 
     Events: ``("upstream_failed", id, connect, message)`` (reply again),
     ``("first_byte", id, elapsed_s)``, ``("usage", id, chunk)`` (a chunk mentioning
@@ -339,6 +341,7 @@ class Relay:
         max_body_bytes: int,
         connect_timeout_s: float,
         request_timeout_s: float,
+        backend_key: str,
     ) -> None:
         """Binds ``host:port`` (an IP address; port 0 = any) and starts serving.
         Raises OSError when it cannot bind."""

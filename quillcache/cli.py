@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("quillcache.sim.cli", "replay a workload over routers x index backends"),
     "bench-index": ("quillcache.bench.index_cli", "benchmark index backends side by side"),
     "gateway": ("quillcache.gateway.cli", "run the OpenAI-compatible routing gateway"),
+    "secret": ("quillcache.gateway.secret_cli", "show or rotate the gateway secret; hash API keys"),
     "engine-sim": ("quillcache.enginesim.cli", "run a simulated vLLM engine"),
     "up": ("quillcache.up", "start N simulated engines and a gateway on 127.0.0.1"),
     "loadgen": ("quillcache.loadgen.cli", "replay a workload against an OpenAI endpoint"),

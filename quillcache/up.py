@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from quillcache.gateway.cli import ADMIN_TOKEN_ENV
 
 
 class LaunchError(RuntimeError):
@@ -173,7 +176,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model", default="sim-model")
     a("--router", default="quillcache")
     a("--time-scale", type=float, default=1.0, help="engine latency multiplier")
-    a("--admin-token", default="admin", help="bearer token of the gateway's /admin API")
+    a(
+        "--admin-token",
+        default=None,
+        help="bearer token of the gateway's /admin API (default: a random one, printed once)",
+    )
     a("--workdir", default=None, help="where logs and ready files go (default: a temp dir)")
 
 
@@ -183,6 +190,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # SIGTERM (systemd, `timeout`, CI) must stop the children too: make it unwind like Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
+    admin_token = args.admin_token or secrets.token_urlsafe(24)
+    # to the gateway through its environment, not its command line (`ps` shows that)
+    os.environ[ADMIN_TOKEN_ENV] = admin_token
     workdir = Path(args.workdir) if args.workdir else None
     if workdir is not None:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -192,12 +202,15 @@ def run(args: argparse.Namespace) -> int:
             workdir=workdir,
             time_scale=args.time_scale,
             model=args.model,
-            gateway_extra=["--router", args.router, "--admin-token", args.admin_token],
+            gateway_extra=["--router", args.router],
         ) as (engines, gateway):
             print(f"{len(engines)} engine simulator(s):")
             for e in engines:
                 print(f"  {e.url}   (KV events {e.ready.get('kv_endpoint')})")
-            print(f"gateway: {gateway.url}   (router {args.router})\n")
+            print(f"gateway: {gateway.url}   (router {args.router})")
+            if args.admin_token is None:
+                print(f"admin token (printed once, not stored): {admin_token}")
+            print()
             print("Try:")
             print(
                 f"  curl -s {gateway.url}/v1/completions -H 'content-type: application/json' "
@@ -205,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
             )
             print(f"  curl -s {gateway.url}/metrics | grep quillcache_")
             print(
-                f"  curl -s -H 'Authorization: Bearer {args.admin_token}' "
+                f"  curl -s -H 'Authorization: Bearer {admin_token}' "
                 f"{gateway.url}/admin/workers"
             )
             print(f"  quillcache loadgen --url {gateway.url} --requests 200 --concurrency 16\n")

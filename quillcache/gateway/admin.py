@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from quillcache.controlplane import UnknownWorkerError
 from quillcache.gateway.config import WorkerConfig
 from quillcache.gateway.httpio import ApiError, json_object, validate_completion
+from quillcache.gateway.tenancy import valid_tenant
 from quillcache.gateway.tokenization import TokenizationError
 from quillcache.gateway.workers import DiscoveryError, Worker
 
@@ -97,6 +98,8 @@ class AdminApi:
         response = JSONResponse(
             {
                 "index": gw.config.index,
+                "secret": gw.tenancy.secret.as_dict(),
+                "tenants_isolated": gw.tenancy.isolating,
                 "blocks": stats.blocks,
                 "resident_pairs": stats.resident_pairs,
                 "sources": stats.sources,
@@ -136,12 +139,19 @@ class AdminApi:
             raise ApiError(404, str(exc), "NotFoundError") from None
 
     async def _keys_of(self, request: Request) -> npt.NDArray[np.uint64]:
-        """The content keys of the completion or chat body of `request`."""
+        """The content keys of the completion or chat body of `request`, in the namespace
+        a completion request would get: the tenant named by the tenant header (the admin
+        token vouches for it, as a trusted proxy would) and the body's `cache_salt`."""
         body = await self._body(request)
         chat = "messages" in body
         validate_completion(body, chat)
+        tenancy = self.gw.tenancy
+        tenant = request.headers.get(tenancy.tenant_header, "")
+        if tenant and not valid_tenant(tenant):
+            raise ApiError(400, f"the {tenancy.tenant_header} header is not a valid tenant")
+        identity = tenancy.identity(tenant, body.get("cache_salt"))
         try:
-            route_request, _ = await self.gw.identify(body, chat, {})
+            route_request, _ = await self.gw.identify(body, chat, {}, identity)
         except (TokenizationError, ValueError, TypeError) as exc:
             raise ApiError(400, f"cannot tokenize: {exc}") from None
         return route_request.content_keys

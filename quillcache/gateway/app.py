@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hmac
 import importlib
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -38,6 +41,8 @@ from quillcache.gateway.keys import content_keys, namespace
 from quillcache.gateway.metrics import GatewayMetrics, state_metrics
 from quillcache.gateway.openai_api import CHAT_COMPLETIONS, COMPLETIONS, OpenAIEndpoints
 from quillcache.gateway.parity import parity_check
+from quillcache.gateway.secret import load_or_create
+from quillcache.gateway.tenancy import Identity, TenantPolicy
 from quillcache.gateway.tokenization import EngineUnreachable, RequestTokenizer
 from quillcache.gateway.workers import Worker, WorkerPool
 from quillcache.index.native import NativeIndex
@@ -45,6 +50,12 @@ from quillcache.routing import Request as RouteRequest
 from quillcache.routing import Router
 
 log = logging.getLogger(__name__)
+
+# What the native relay adds to a request it passes to this app: the client's address,
+# and a per-process key that tells it came from the relay (any local process could
+# connect to the app's loopback port and claim an address).
+PEER_HEADER = "x-quillcache-peer"
+PEER_KEY_HEADER = "x-quillcache-relay-key"
 
 
 def resolve_router(spec: str, options: dict[str, Any]) -> Router | str:
@@ -76,6 +87,8 @@ class Gateway:
         self.upstream: aiohttp.ClientSession  # the proxied requests
         self.tokenizer: RequestTokenizer
         self.router_name = config.router
+        self.tenancy: TenantPolicy
+        self.relay_key = secrets.token_hex(16)
         self._tasks: list[asyncio.Task[Any]] = []
         self._request_ids = itertools.count()
         self.started = False
@@ -92,6 +105,17 @@ class Gateway:
 
     async def startup(self) -> None:
         cfg = self.config
+        secret = load_or_create(Path(cfg.secret_file) if cfg.secret_file else None)
+        self.tenancy = TenantPolicy(
+            secret,
+            key_tenants={k.digest: k.tenant for k in cfg.api_keys},
+            trusted_proxies=cfg.trusted_proxies,
+            tenant_header=cfg.tenant_header,
+        )
+        notice = self.tenancy.startup_notice()
+        if notice:
+            log.warning("gateway: %s", notice)
+        log.info("gateway secret fingerprint %s", secret.fingerprint)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
             limits=httpx.Limits(
@@ -203,36 +227,51 @@ class Gateway:
                 return w.base_model
         return ""
 
-    def namespace_of(self, model: str | None, tenant: str) -> int:
+    def namespace_of(self, model: str | None, salt: str) -> int:
         lora = self.pool.models().get(model or "", "")
         base = self.base_model_of(model)
-        return namespace(base, self.config.tokenizer_id, lora, tenant, self.cp.block_size)
+        return namespace(base, self.config.tokenizer_id, lora, salt, self.cp.block_size)
+
+    def peer_of(self, request: Request) -> str | None:
+        """The client's address. Behind the native relay the app's peer is the relay:
+        the relay names the client in a header, believed only with the relay's key."""
+        key = request.headers.get(PEER_KEY_HEADER)
+        if key is not None and hmac.compare_digest(key, self.relay_key):
+            return request.headers.get(PEER_HEADER)
+        return request.client.host if request.client else None
 
     async def identify(
         self,
         body: dict[str, Any],
         chat: bool,
         headers: Mapping[str, str],
+        identity: Identity,
         candidates: frozenset[int] | None = None,
     ) -> tuple[RouteRequest, int]:
         """The routing request of a completion body, and its prompt length in tokens
         (tokenized by one of the `candidates` when the engine tokenizes)."""
         tokens = await self._tokens(body, chat, candidates)
-        return self.route_request_of(body, tokens, headers), len(tokens)
+        return self.route_request_of(body, tokens, headers, identity), len(tokens)
 
     def identify_now(
-        self, body: dict[str, Any], chat: bool, headers: Mapping[str, str]
+        self, body: dict[str, Any], chat: bool, headers: Mapping[str, str], identity: Identity
     ) -> tuple[RouteRequest, int] | None:
         """`identify` without awaiting, when the gateway tokenizes locally (else None)."""
         if self.tokenizer.local is None:
             return None
         tokens = self.tokenizer.local_tokens(body, chat)
-        return self.route_request_of(body, tokens, headers), len(tokens)
+        return self.route_request_of(body, tokens, headers, identity), len(tokens)
 
     def route_request_of(
-        self, body: dict[str, Any], tokens: list[int], headers: Mapping[str, str]
+        self,
+        body: dict[str, Any],
+        tokens: list[int],
+        headers: Mapping[str, str],
+        identity: Identity,
     ) -> RouteRequest:
-        ns = self.namespace_of(body.get("model"), str(body.get("cache_salt") or ""))
+        """Keys in the namespace of the salt the engine gets: the engine's events carry
+        that salt back, and the index namespaces its blocks by it."""
+        ns = self.namespace_of(body.get("model"), identity.salt or "")
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
         return RouteRequest(
             # unique within this gateway: the plane tracks in-flight requests by it

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+ADMIN_TOKEN_ENV = "QUILLCACHE_ADMIN_TOKEN"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--index", default=None, help="index backend name (native, memory, ...)")
     a("--tokenizer", default=None, help="'engine', 'builtin' or a tokenizer.json path")
     a("--block-size", type=int, default=None)
-    a("--admin-token", default=None)
+    a(
+        "--admin-token",
+        default=None,
+        help=f"bearer token of the /admin API (else ${ADMIN_TOKEN_ENV}; none: the API is off)",
+    )
     a("--api-key", action="append", default=None, dest="api_keys")
     a("--no-parity-check", action="store_true")
     a("--log-level", default=None, choices=["debug", "info", "warning", "error"])
@@ -45,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
             index=args.index,
             tokenizer=args.tokenizer,
             block_size=args.block_size,
-            admin_token=args.admin_token,
+            admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
             api_keys=args.api_keys,
             parity_check=False if args.no_parity_check else None,
             log_level=args.log_level,

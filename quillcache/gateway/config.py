@@ -11,12 +11,22 @@ index: native
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from quillcache.errors import ConfigError
 
@@ -42,6 +52,42 @@ class WorkerConfig(BaseModel):
         return v.rstrip("/")
 
 
+class ApiKeyConfig(BaseModel):
+    """One accepted API key, kept hashed: `sha256` is the hex SHA-256 of the key
+    (`quillcache secret hash-key`). A plain `key` (or a bare string in `api_keys`) is
+    accepted too and hashed at load, for keys given on the command line."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sha256: str | None = Field(default=None, description="hex SHA-256 of the key")
+    key: str | None = Field(default=None, description="the key itself (prefer sha256)")
+    tenant: str | None = Field(default=None, description="the tenant this key authenticates")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_key(cls, v: Any) -> Any:
+        return {"key": v} if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _one_form(self) -> ApiKeyConfig:
+        if (self.sha256 is None) == (self.key is None):
+            raise ValueError("an API key needs exactly one of 'sha256' or 'key'")
+        if self.sha256 is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", self.sha256):
+            raise ValueError("'sha256' must be 64 hex digits (the SHA-256 of the key)")
+        if self.key is not None and not self.key.strip():
+            raise ValueError("an API key must not be empty")
+        if self.tenant is not None and not (0 < len(self.tenant) <= 128):
+            raise ValueError("'tenant' must be 1-128 characters")
+        return self
+
+    @property
+    def digest(self) -> str:
+        if self.sha256 is not None:
+            return self.sha256.lower()
+        assert self.key is not None
+        return hashlib.sha256(self.key.encode()).hexdigest()
+
+
 class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -61,7 +107,18 @@ class GatewayConfig(BaseModel):
     tenant_header: str = "x-tenant-id"
     session_header: str = "x-session-id"
     admin_token: str | None = None
-    api_keys: list[str] = Field(default_factory=list)
+    api_keys: list[ApiKeyConfig] = Field(
+        default_factory=list, description="accepted API keys (none: no key needed)"
+    )
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="addresses or CIDRs whose tenant_header is honoured (none: never)",
+    )
+    secret_file: str | None = Field(
+        default=None,
+        description="the gateway secret behind tenants' cache salts (None: the default "
+        "path, see quillcache.gateway.secret); identical on every replica of a fleet",
+    )
     speculative_ttl_s: float = Field(default=5.0, gt=0)
     health_interval_s: float = Field(default=1.0, gt=0)
     health_failures_to_down: int = Field(default=2, ge=1)
@@ -87,6 +144,20 @@ class GatewayConfig(BaseModel):
         "or 'python' (everything in the Starlette app)",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "warning"
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, v: list[str]) -> list[str]:
+        return _check_networks(v)
+
+
+def _check_networks(values: list[str]) -> list[str]:
+    for v in values:
+        try:
+            ipaddress.ip_network(v, strict=False)
+        except ValueError:
+            raise ValueError(f"{v!r} is not an IP address or CIDR") from None
+    return values
 
 
 def _read_file(path: Path) -> dict[str, Any]:

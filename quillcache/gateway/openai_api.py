@@ -25,11 +25,11 @@ from quillcache.errors import QuillCacheError
 from quillcache.gateway import proxy
 from quillcache.gateway.httpio import (
     ApiError,
-    check_bearer,
     parse_object,
     read_body,
     validate_completion,
 )
+from quillcache.gateway.tenancy import Identity
 from quillcache.gateway.tokenization import EngineUnreachable, TokenizationError
 from quillcache.routing import Action
 from quillcache.routing import Request as RouteRequest
@@ -50,7 +50,7 @@ CHAT_COMPLETIONS = "/v1/chat/completions"
 class Prepared:
     """A checked, tokenized request, ready to route."""
 
-    raw: bytes  # the body to forward (with the tenant's cache_salt, if one was added)
+    raw: bytes  # the body to forward, with the derived cache_salt (or none)
     route_request: RouteRequest
     prompt_tokens: int
     candidates: frozenset[int] | None  # engines serving its model; None = any
@@ -83,7 +83,7 @@ class OpenAIEndpoints:
         return await self._counted(request, CHAT_COMPLETIONS, chat=True)
 
     async def models(self, request: Request) -> Response:
-        self.check_api_key(request.headers)
+        self.authenticate(request.headers, self.gw.peer_of(request))
         gw, now = self.gw, int(time.time())
         data = [
             {
@@ -107,38 +107,46 @@ class OpenAIEndpoints:
         self.gw.metrics.request_done(path, response.status_code)
         return response
 
-    def check_api_key(self, headers: Mapping[str, str]) -> None:
-        if self.gw.config.api_keys:
-            check_bearer(headers, self.gw.config.api_keys, "API key")
+    def authenticate(self, headers: Mapping[str, str], peer: str | None) -> str:
+        """The request's tenant ("" = the shared namespace), or a 401/403 ApiError."""
+        return self.gw.tenancy.authenticate(headers, peer)
 
-    async def prepare(self, headers: Mapping[str, str], raw: bytes, chat: bool) -> Prepared:
-        """Check the body (API key checked already), then tokenize and hash it for routing.
-        Shared by both data paths (this ASGI app's and the native relay's)."""
-        body, raw, candidates = self._checked(headers, raw, chat)
+    async def prepare(
+        self, headers: Mapping[str, str], raw: bytes, chat: bool, tenant: str
+    ) -> Prepared:
+        """Check the body (`tenant` authenticated already), then tokenize and hash it for
+        routing. Shared by both data paths (this ASGI app's and the native relay's)."""
+        body, raw, candidates, identity = self._checked(raw, chat, tenant)
         routing_started = time.perf_counter()  # tokenize + hash + route, for /admin/index
         with _tokenize_errors():
-            route_request, prompt_tokens = await self.gw.identify(body, chat, headers, candidates)
+            route_request, prompt_tokens = await self.gw.identify(
+                body, chat, headers, identity, candidates
+            )
         return Prepared(raw, route_request, prompt_tokens, candidates, routing_started)
 
-    def prepare_now(self, headers: Mapping[str, str], raw: bytes, chat: bool) -> Prepared | None:
+    def prepare_now(
+        self, headers: Mapping[str, str], raw: bytes, chat: bool, tenant: str
+    ) -> Prepared | None:
         """`prepare` without awaiting when the gateway tokenizes locally, else None (the
         native relay then decides in a task: one event-loop turn less per request)."""
         if self.gw.tokenizer.local is None:
             return None
-        body, raw, candidates = self._checked(headers, raw, chat)
+        body, raw, candidates, identity = self._checked(raw, chat, tenant)
         routing_started = time.perf_counter()
         with _tokenize_errors():
-            identified = self.gw.identify_now(body, chat, headers)
+            identified = self.gw.identify_now(body, chat, headers, identity)
         assert identified is not None
         return Prepared(raw, *identified, candidates, routing_started)
 
     def _checked(
-        self, headers: Mapping[str, str], raw: bytes, chat: bool
-    ) -> tuple[dict[str, Any], bytes, frozenset[int] | None]:
-        """The body as an object, its raw form to forward, and the engines serving it."""
+        self, raw: bytes, chat: bool, tenant: str
+    ) -> tuple[dict[str, Any], bytes, frozenset[int] | None, Identity]:
+        """The body as an object, its raw form to forward (with the derived salt), the
+        engines serving it, and its namespace identity."""
         gw = self.gw
         body = parse_object(raw)
         validate_completion(body, chat)
+        identity = gw.tenancy.identity(tenant, body.get("cache_salt"))
         model = body.get("model")
         candidates = gw.pool.serving(model)  # only engines serving the model (or adapter)
         if candidates is not None and not candidates:
@@ -150,17 +158,20 @@ class OpenAIEndpoints:
                 code="model_not_found",
                 param="model",
             )
-        tenant_header = headers.get(gw.config.tenant_header)
-        if tenant_header and not body.get("cache_salt"):
-            body["cache_salt"] = tenant_header  # the engine must isolate it too
+        # The engine isolates by the salt the gateway derived, never by the client's.
+        if identity.salt is not None:
+            body["cache_salt"] = identity.salt
             raw = json.dumps(body).encode()
-        return body, raw, candidates
+        elif "cache_salt" in body:  # an empty or null salt: no salt at all
+            del body["cache_salt"]
+            raw = json.dumps(body).encode()
+        return body, raw, candidates, identity
 
     async def _proxy(self, request: Request, path: str, *, chat: bool) -> Response:
         started = time.perf_counter()
-        self.check_api_key(request.headers)
+        tenant = self.authenticate(request.headers, self.gw.peer_of(request))
         raw = await read_body(request, self.gw.config.max_body_bytes)
-        prepared = await self.prepare(request.headers, raw, chat)
+        prepared = await self.prepare(request.headers, raw, chat, tenant)
         route_request = prepared.route_request
         gw = self.gw
         # From here on a client that hangs up cancels this task: the upstream request is

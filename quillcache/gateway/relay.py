@@ -97,7 +97,13 @@ class RelayHost:
     # -- deciding ------------------------------------------------------------------------
 
     def _decide(
-        self, rid: int, path: str, raw_headers: list[tuple[str, bytes]], body: bytes, waited: float
+        self,
+        rid: int,
+        path: str,
+        raw_headers: list[tuple[str, bytes]],
+        body: bytes,
+        waited: float,
+        peer: str,
     ) -> None:
         """Decide in the fd callback when the gateway tokenizes locally; else in a task
         that awaits the engine's /tokenize."""
@@ -105,23 +111,23 @@ class RelayHost:
         headers = Headers(raw=[(k.encode("latin-1"), v) for k, v in raw_headers])
         chat = path == CHAT_COMPLETIONS
         try:
-            self.endpoints.check_api_key(headers)
-            prepared = self.endpoints.prepare_now(headers, body, chat)
+            tenant = self.endpoints.authenticate(headers, peer)
+            prepared = self.endpoints.prepare_now(headers, body, chat, tenant)
         except Exception as exc:
             self._answer_failure(rid, path, exc)
             return
         if prepared is not None:
             self._send(rid, Flight(path, headers, prepared, None), started)  # type: ignore[arg-type]
             return
-        task = asyncio.ensure_future(self._decide_later(rid, path, headers, body, started))
+        task = asyncio.ensure_future(self._decide_later(rid, path, headers, body, started, tenant))
         self._deciding.add(task)
         task.add_done_callback(self._deciding.discard)
 
     async def _decide_later(
-        self, rid: int, path: str, headers: Headers, body: bytes, started: float
+        self, rid: int, path: str, headers: Headers, body: bytes, started: float, tenant: str
     ) -> None:
         try:
-            prepared = await self.endpoints.prepare(headers, body, path == CHAT_COMPLETIONS)
+            prepared = await self.endpoints.prepare(headers, body, path == CHAT_COMPLETIONS, tenant)
         except Exception as exc:
             self._answer_failure(rid, path, exc)
             return

@@ -123,6 +123,7 @@ def serve_gateway(config: GatewayConfig, ready_file: str | None = None) -> None:
                     max_body_bytes=config.max_body_bytes,
                     connect_timeout_s=config.connect_timeout_s,
                     request_timeout_s=config.request_timeout_s,
+                    backend_key=gateway.relay_key,
                 )
             except OSError as exc:  # e.g. the port is taken: the operator's to fix
                 raise ConfigError(str(exc)) from None

@@ -33,7 +33,14 @@ class Stack:
         return proc
 
     def start_gateway(self, config: dict[str, object] | None = None, extra: list[str] = ()) -> Proc:  # type: ignore[assignment]
-        cfg = {"admin_token": ADMIN, "tokenizer": "builtin", "relay": self.relay, **(config or {})}
+        cfg = {
+            "admin_token": ADMIN,
+            "tokenizer": "builtin",
+            "relay": self.relay,
+            # this test's own secret, not the user's default file
+            "secret_file": str(self.workdir / "gateway-secret.json"),
+            **(config or {}),
+        }
         path = self.workdir / f"gateway{len(self.procs)}.json"
         path.write_text(json.dumps(cfg))
         args = gateway_args(

@@ -318,39 +318,6 @@ def test_a_request_whose_events_are_all_dropped_is_recovered_when_quiet(stack: S
     assert metric(text, "quillcache_kv_event_tail_checks_total") >= 1
 
 
-def test_tenants_never_share_prefixes(shared_stack: Stack) -> None:
-    gw = shared_stack.gateway
-    assert gw is not None
-    admin = shared_stack.admin()
-    text = long_prompt("tenant-" + uuid.uuid4().hex[:6], blocks=6)
-    first = http_post(
-        gw.url + "/v1/completions",
-        json={"prompt": text, "max_tokens": 1},
-        headers={"x-tenant-id": "tenant-a"},
-    )
-    assert first.status_code == 200
-    holder = int(first.headers["x-quillcache-worker"])
-
-    def blocks(body: dict[str, object]) -> int:
-        matches = admin.post("/admin/lookup", json=body).json()["matches"]
-        return max((m["blocks"] for m in matches if m["worker"] == holder), default=0)
-
-    wait_for(lambda: blocks({"prompt": text, "cache_salt": "tenant-a"}) == 6, what="tenant a")
-    assert blocks({"prompt": text, "cache_salt": "tenant-b"}) == 0
-    assert blocks({"prompt": text}) == 0
-    # and the engine does not serve tenant b from tenant a's cache either
-    other = http_post(
-        shared_stack.engines[holder].url + "/v1/completions",
-        json={"prompt": text, "max_tokens": 1, "cache_salt": "tenant-b"},
-    )
-    assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    same = http_post(
-        shared_stack.engines[holder].url + "/v1/completions",
-        json={"prompt": text, "max_tokens": 1, "cache_salt": "tenant-a"},
-    )
-    assert same.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * 16 - 16
-
-
 def test_actual_hits_are_counted_from_streamed_usage(shared_stack: Stack) -> None:
     gw = shared_stack.gateway
     assert gw is not None

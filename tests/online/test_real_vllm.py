@@ -34,6 +34,7 @@ if not os.environ.get(ENV_VAR):  # the cheap check at collection; the import pro
         allow_module_level=True,
     )
 
+KEYS = {"k-shared": None, "k-acme": "acme", "k-mallory": "mallory"}
 KV_BLOCKS = 256  # per engine: 8,192 tokens of KV cache, nothing is evicted in this suite
 PREFIX = " ".join(f"w{i}" for i in range(400))  # ~870 tokens of the tiny model: 27 blocks
 
@@ -65,6 +66,8 @@ def vllm_stack(
                     "router": "quillcache",
                     "health_interval_s": 0.5,
                     "workers": [e.worker_config() for e in engines],
+                    "api_keys": [{"key": k, "tenant": t} if t else k for k, t in KEYS.items()],
+                    "secret_file": str(wd / "gateway-secret.json"),
                 }
             )
         )
@@ -81,11 +84,20 @@ def _admin(gw: Proc) -> httpx.Client:
     return httpx.Client(base_url=gw.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=30)
 
 
-def _complete(url: str, prompt: str, max_tokens: int = 4) -> httpx.Response:
-    body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens}
-    r = httpx.post(url + "/v1/completions", timeout=120, json=body)
+def _complete(
+    url: str, prompt: str, max_tokens: int = 4, key: str = "k-shared", **extra: object
+) -> httpx.Response:
+    body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens, **extra}
+    auth = {"authorization": f"Bearer {key}"}
+    r = httpx.post(url + "/v1/completions", timeout=120, json=body, headers=auth)
     assert r.status_code == 200, r.text
     return r
+
+
+def _cached(r: httpx.Response) -> int:
+    details = r.json()["usage"].get("prompt_tokens_details")
+    assert details is not None, "vLLM must report cached tokens (--enable-prompt-tokens-details)"
+    return int(details["cached_tokens"])
 
 
 def _held_blocks(admin: httpx.Client, prompt: str) -> dict[int, int]:
@@ -155,3 +167,28 @@ def test_vllm_killed_and_restarted(vllm_stack: dict[str, Any]) -> None:
             60,
             "the restarted vLLM's KV events in the gateway's index",
         )
+
+
+def test_tenants_are_isolated_in_vllms_own_cache(vllm_stack: dict[str, Any]) -> None:
+    """The reported leak, against vLLM's own prefix cache: a key of tenant mallory naming
+    acme's salt gets none of acme's blocks, while acme's own repeat hits."""
+    gw = vllm_stack["gateway"]
+    secret = " ".join(f"acme{i}" for i in range(300))  # acme's private prompt
+    first = _complete(gw.url, secret, key="k-acme")
+    holder = int(first.headers["x-quillcache-worker"])
+    with _admin(gw) as admin:
+
+        def acme_held() -> int:
+            body = {"model": SERVED_MODEL, "prompt": secret}
+            lookup = admin.post("/admin/lookup", json=body, headers={"x-tenant-id": "acme"})
+            return max((m["blocks"] for m in lookup.json()["matches"]), default=0)
+
+        wait_for(lambda: acme_held() >= 20, timeout=60, what="acme's blocks in its namespace")
+        assert _held_blocks(admin, secret) == {}  # the shared namespace matches none of it
+    for extra in ({"cache_salt": "acme"}, {}):
+        stolen = _complete(gw.url, secret, key="k-mallory", **extra)
+        assert _cached(stolen) == 0, extra
+    assert _cached(_complete(gw.url, secret, key="k-shared", cache_salt="acme")) == 0
+    again = _complete(gw.url, secret, key="k-acme")
+    assert int(again.headers["x-quillcache-worker"]) == holder
+    assert _cached(again) >= 20 * BLOCK

@@ -40,7 +40,7 @@ fn seconds(value: f64, what: &str) -> PyResult<Duration> {
 #[pymethods]
 impl PyRelay {
     #[new]
-    #[pyo3(signature = (host, port, backend_port, hot_paths, *, max_body_bytes, connect_timeout_s, request_timeout_s))]
+    #[pyo3(signature = (host, port, backend_port, hot_paths, *, max_body_bytes, connect_timeout_s, request_timeout_s, backend_key))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -51,6 +51,7 @@ impl PyRelay {
         max_body_bytes: usize,
         connect_timeout_s: f64,
         request_timeout_s: f64,
+        backend_key: String,
     ) -> PyResult<Self> {
         let config = RelayConfig {
             listen: address(host, port)?,
@@ -59,6 +60,7 @@ impl PyRelay {
             max_body_bytes,
             connect_timeout: seconds(connect_timeout_s, "connect_timeout_s")?,
             request_timeout: seconds(request_timeout_s, "request_timeout_s")?,
+            backend_key,
         };
         let relay = py.detach(|| Relay::start(config)).map_err(|e| {
             PyOSError::new_err(format!("cannot start the relay on {host}:{port}: {e}"))
@@ -90,6 +92,7 @@ impl PyRelay {
                     headers,
                     body,
                     waited,
+                    peer,
                 } => {
                     let headers: Vec<_> = headers
                         .iter()
@@ -102,6 +105,7 @@ impl PyRelay {
                         headers,
                         bytes(&body),
                         waited.as_secs_f64(),
+                        peer.ip().to_canonical().to_string(),
                     )
                         .into_pyobject(py)
                         .map(|t| t.into_any())

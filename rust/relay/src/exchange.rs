@@ -1,6 +1,7 @@
 //! One request: a hot one decided by the host and forwarded to an engine, or any other
 //! proxied to the host's backend app.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,14 +14,18 @@ use hyper::{HeaderMap, Method, Request, Response, StatusCode, Uri};
 
 use crate::body::{error_response, full, mentions_usage, Body, EndReport, RelayStream};
 use crate::server::State;
-use crate::{Event, Header, Inbox, Outcome, Reply, RequestId};
+use crate::{Event, Header, Inbox, Outcome, Reply, RequestId, PEER_HEADER, PEER_KEY_HEADER};
 
-pub async fn handle(request: Request<Incoming>, state: Arc<State>) -> Response<Body> {
+pub async fn handle(
+    request: Request<Incoming>,
+    state: Arc<State>,
+    peer: SocketAddr,
+) -> Response<Body> {
     if request.method() == Method::POST && state.is_hot(request.uri().path()) {
-        hot(request, state).await
+        hot(request, state, peer).await
     } else {
         let (parts, body) = request.into_parts();
-        to_backend(&state, parts, body.map_err(Into::into).boxed_unsync()).await
+        to_backend(&state, parts, body.map_err(Into::into).boxed_unsync(), peer).await
     }
 }
 
@@ -39,7 +44,7 @@ impl Drop for Waiting<'_> {
     }
 }
 
-async fn hot(request: Request<Incoming>, state: Arc<State>) -> Response<Body> {
+async fn hot(request: Request<Incoming>, state: Arc<State>, peer: SocketAddr) -> Response<Body> {
     let arrived = Instant::now();
     let (parts, body) = request.into_parts();
     let limit = state.config.max_body_bytes;
@@ -76,6 +81,7 @@ async fn hot(request: Request<Incoming>, state: Arc<State>) -> Response<Body> {
         headers: header_list(&parts.headers),
         body: body.clone(),
         waited: arrived.elapsed(),
+        peer,
     });
     loop {
         let Ok(decided) = reply.await else {
@@ -91,7 +97,7 @@ async fn hot(request: Request<Incoming>, state: Arc<State>) -> Response<Body> {
                 headers,
                 body,
             } => return respond(status, &headers, body),
-            Reply::Delegate => return to_backend(&state, parts, full(body)).await,
+            Reply::Delegate => return to_backend(&state, parts, full(body), peer).await,
             Reply::Forward {
                 url,
                 headers,
@@ -266,19 +272,38 @@ const HOP_BY_HOP: [&str; 8] = [
     "upgrade",
 ];
 
+/// Tells the backend app who the client is: the app's own peer is the relay. A client's
+/// headers of these names are dropped first, so it cannot claim an address.
+fn name_the_peer(headers: &mut HeaderMap, peer: SocketAddr, key: &str) {
+    headers.remove(PEER_HEADER);
+    headers.remove(PEER_KEY_HEADER);
+    if let Ok(ip) = HeaderValue::from_str(&peer.ip().to_canonical().to_string()) {
+        headers.insert(PEER_HEADER, ip);
+    }
+    if let Ok(key) = HeaderValue::from_str(key) {
+        headers.insert(PEER_KEY_HEADER, key);
+    }
+}
+
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for name in HOP_BY_HOP {
         headers.remove(name);
     }
 }
 
-async fn to_backend(state: &State, mut parts: Parts, body: Body) -> Response<Body> {
+async fn to_backend(
+    state: &State,
+    mut parts: Parts,
+    body: Body,
+    peer: SocketAddr,
+) -> Response<Body> {
     let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let Ok(uri) = format!("http://{}{target}", state.config.backend).parse::<Uri>() else {
         return error_response(400, "invalid request target", "BadRequestError");
     };
     parts.uri = uri;
     strip_hop_by_hop(&mut parts.headers);
+    name_the_peer(&mut parts.headers, peer, &state.config.backend_key);
     let request = Request::from_parts(parts, body);
     match state.client.request(request).await {
         Ok(answer) => {

@@ -34,6 +34,12 @@ pub type RequestId = u64;
 /// Header name and value, as received or to send.
 pub type Header = (String, Bytes);
 
+/// The client's IP address, on a request passed to the backend app (a client's own
+/// header of that name is replaced).
+pub const PEER_HEADER: &str = "x-quillcache-peer";
+/// [`RelayConfig::backend_key`], on a request passed to the backend app.
+pub const PEER_KEY_HEADER: &str = "x-quillcache-relay-key";
+
 #[derive(Debug, Clone)]
 pub struct RelayConfig {
     /// Where clients connect (port 0: any free port, see [`Relay::local_addr`]).
@@ -44,6 +50,9 @@ pub struct RelayConfig {
     pub hot_paths: Vec<String>,
     /// A larger hot request body gets a 413 without reaching the host.
     pub max_body_bytes: usize,
+    /// Sent to the backend app with each request it passes on, beside the client's
+    /// address ([`PEER_HEADER`]): the app believes the address only with this key.
+    pub backend_key: String,
     /// TCP connect to an engine or the backend.
     pub connect_timeout: Duration,
     /// A whole forwarded exchange, from the upstream request to the answer's last byte.
@@ -62,6 +71,8 @@ pub enum Event {
         body: Bytes,
         /// Time since the request's head arrived (reading the body, the inbox).
         waited: Duration,
+        /// The client's address (the host decides whom to trust by it).
+        peer: SocketAddr,
     },
     /// The engine a [`Reply::Forward`] named could not be reached or failed before its
     /// answer's head: reply again (forward elsewhere, or answer).

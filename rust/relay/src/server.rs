@@ -49,8 +49,8 @@ pub async fn serve(listener: TcpListener, state: State, mut stop: oneshot::Recei
             accepted = listener.accept() => accepted,
             _ = &mut stop => return,
         };
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
             Err(_) => {
                 // Out of file descriptors or similar: back off instead of spinning.
                 tokio::time::sleep(Duration::from_millis(10)).await;
@@ -62,7 +62,7 @@ pub async fn serve(listener: TcpListener, state: State, mut stop: oneshot::Recei
         tokio::spawn(async move {
             let service = service_fn(move |request| {
                 let state = Arc::clone(&state);
-                async move { Ok::<_, Infallible>(exchange::handle(request, state).await) }
+                async move { Ok::<_, Infallible>(exchange::handle(request, state, peer).await) }
             });
             // A connection error (reset, malformed request line) only ends that connection.
             let _ = http1::Builder::new()

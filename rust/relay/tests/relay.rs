@@ -20,6 +20,7 @@ fn relay(backend: SocketAddr, max_body_bytes: usize) -> Relay {
         max_body_bytes,
         connect_timeout: Duration::from_secs(2),
         request_timeout: Duration::from_secs(20),
+        backend_key: "test-key".into(),
     })
     .unwrap()
 }
@@ -242,6 +243,44 @@ fn other_paths_are_proxied_to_the_backend_unchanged() {
         relay.inbox().take().is_empty(),
         "the host never hears of it"
     );
+}
+
+#[test]
+fn the_backend_and_the_host_learn_the_clients_address_which_a_client_cannot_forge() {
+    let (backend, backend_saw) = engine(|conn| {
+        write!(conn, "HTTP/1.1 204 No Content\r\n\r\n").unwrap();
+    });
+    let relay = relay(backend, 1 << 20);
+    // a client on another loopback address, claiming to be someone else
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket
+        .bind(&"127.0.0.3:0".parse::<SocketAddr>().unwrap().into())
+        .unwrap();
+    socket.connect(&relay.local_addr().into()).unwrap();
+    let mut client: TcpStream = socket.into();
+    client
+        .write_all(
+            b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-quillcache-peer: 10.9.9.9\r\n\
+              x-quillcache-relay-key: guessed\r\nconnection: close\r\n\r\n",
+        )
+        .unwrap();
+    assert!(read_all(client).starts_with("HTTP/1.1 204"));
+    let seen = backend_saw.recv().unwrap().to_ascii_lowercase();
+    assert!(seen.contains("x-quillcache-peer: 127.0.0.3\r\n"), "{seen}");
+    assert!(
+        seen.contains("x-quillcache-relay-key: test-key\r\n"),
+        "{seen}"
+    );
+    assert!(
+        !seen.contains("10.9.9.9") && !seen.contains("guessed"),
+        "{seen}"
+    );
+
+    let (_client, mut events) = (post(relay.local_addr(), HOT, "{}"), Vec::new());
+    match next_event(&relay, &mut events) {
+        Event::Request { peer, .. } => assert_eq!(peer.ip().to_string(), "127.0.0.1"),
+        other => panic!("expected a request, got {other:?}"),
+    }
 }
 
 #[test]
