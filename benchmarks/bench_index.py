@@ -30,7 +30,6 @@ import json
 import pickle
 import random
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -246,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         many = args.apply_many if name == "native" else 0
         w = workloads[size]
         results.append(bench(name, w, rounds, samples, reserve, after_snapshot, many))
-    from rich.console import Console
     from rich.table import Table
+
+    from quillcache.console import table_console
 
     table = Table(title="index benchmarks (python API, release build)")
     for col in (
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r.matches_per_request:.1f}",
             f"{r.bytes_per_pair:.1f}",
         )
-    Console(file=sys.stderr if args.json == "-" else sys.stdout).print(table)
+    table_console(json_on_stdout=args.json == "-").print(table)
     if args.json:
         text = json.dumps([asdict(r) for r in results], indent=2)
         if args.json == "-":

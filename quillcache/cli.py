@@ -12,7 +12,6 @@ from collections.abc import Sequence
 
 # name -> (module with `add_arguments(parser)` and `run(args) -> int`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("quillcache.demo", "hash, ingest and match end to end on a built-in workload"),
     "simulate": ("quillcache.sim.cli", "replay a workload over routers x index backends"),
     "bench-index": ("quillcache.bench.index_cli", "benchmark index backends side by side"),
     "gateway": ("quillcache.gateway.cli", "run the OpenAI-compatible routing gateway"),

@@ -173,8 +173,8 @@ def _interrupt(signum: int, frame: object) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--engines", type=int, default=2, help="how many simulated engines")
-    a("--model", default="sim-model")
-    a("--router", default="quillcache")
+    a("--model", default="sim-model", help="the model name the engines serve")
+    a("--router", default="quillcache", help="the gateway's router (a name or 'pkg.module:Class')")
     a("--time-scale", type=float, default=1.0, help="engine latency multiplier")
     a(
         "--admin-token",
@@ -217,10 +217,7 @@ def run(args: argparse.Namespace) -> int:
                 f'-d \'{{"model": "{args.model}", "prompt": "Hello", "max_tokens": 8}}\''
             )
             print(f"  curl -s {gateway.url}/metrics | grep quillcache_")
-            print(
-                f"  curl -s -H 'Authorization: Bearer {admin_token}' "
-                f"{gateway.url}/admin/workers"
-            )
+            print(f"  curl -s -H 'Authorization: Bearer {admin_token}' {gateway.url}/admin/workers")
             print(f"  quillcache loadgen --url {gateway.url} --requests 200 --concurrency 16\n")
             print("Ctrl-C stops everything.", flush=True)
             while all(p.alive() for p in [*engines, gateway]):

@@ -31,7 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated backends (known: {', '.join(ALL)}); unavailable ones are "
         "reported and skipped",
     )
-    parser.add_argument("--workload", choices=WORKLOADS, default="seed")
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="seed",
+        help="seed: the original ART-vs-LSM study's; mooncake: the shared trace; synthetic",
+    )
     parser.add_argument("--queries", type=int, default=20_000, help="match and scan queries")
     parser.add_argument("--requests", type=int, default=20_000, help="synthetic: requests")
     parser.add_argument("--workers", type=int, default=8, help="synthetic/mooncake: workers")
@@ -161,10 +166,9 @@ def render_table(results: list[dict[str, Any]], title: str) -> Any:
 
 
 def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
-    import matplotlib
+    from quillcache.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [r for r in results if "skipped" not in r]
     names = [r["backend"] for r in rows]
@@ -193,8 +197,15 @@ def run(args: argparse.Namespace) -> int:
 
     from quillcache.bench.backends import available
     from quillcache.bench.runner import BenchError, environment, run_backend
+    from quillcache.console import table_console
 
     console = Console(stderr=True)
+    if args.plot:
+        from quillcache.plotting import pyplot
+
+        pyplot()  # before the work: a missing extra is said at once
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
     names = [b.strip() for b in args.backend.split(",") if b.strip()]
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     results: list[dict[str, Any]] = []
@@ -238,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
             detail = ", ".join(f"{r['backend']}={r[key]}" for r in done)
             console.print(f"[bold red]backends disagree on {key}: {detail}[/bold red]")
             report_error = True
-    out = Console(width=None if sys.stdout.isatty() else 200)
+    out = table_console(json_on_stdout=args.json == "-")
     out.print(render_table(results, title))
     for r in results:
         if "skipped" in r:

@@ -12,15 +12,15 @@ from quillcache.errors import ConfigError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--host", default="127.0.0.1")
+    a("--host", default="127.0.0.1", help="address to listen on")
     a("--port", type=int, default=8100, help="HTTP port (0: any free port, see --ready-file)")
     a("--model", default="sim-model", help="served model name")
     a("--lora-modules", nargs="*", default=[], help="LoRA adapter names served as models")
     a("--tokenizer", default="builtin", help="'builtin' (one id per byte) or a tokenizer.json")
-    a("--block-size", type=int, default=16)
+    a("--block-size", type=int, default=16, help="KV block size in tokens")
     a("--num-gpu-blocks", type=int, default=4096, help="prefix-cache capacity in blocks")
     a("--max-num-seqs", type=int, default=256, help="requests running at once")
-    a("--max-model-len", type=int, default=8192)
+    a("--max-model-len", type=int, default=8192, help="longest prompt + output, in tokens")
     a("--time-scale", type=float, default=1.0, help="multiplies every latency (0 = no waits)")
     a(
         "--fixed-latency-ms",
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "SGLang's (/server_info with kv_events_config, sglang: metrics)",
     )
     a("--ready-file", default=None, help="write the resolved addresses here as JSON when up")
-    a("--log-level", default="warning")
+    a("--log-level", default="warning", help="uvicorn's log level")
 
 
 def _kv_config(raw: str | None) -> dict[str, Any] | None:

@@ -12,7 +12,6 @@ import asyncio
 import collections
 import contextlib
 import hmac
-import importlib
 import itertools
 import logging
 import secrets
@@ -32,7 +31,7 @@ from starlette.routing import Route
 from quillcache.connectors import EventIngestor
 from quillcache.connectors.sink import ControlPlaneSink
 from quillcache.controlplane import ControlPlane
-from quillcache.errors import ConfigError, QuillCacheError
+from quillcache.errors import ConfigError, QuillCacheError, UnknownRouterError
 from quillcache.gateway import asgi
 from quillcache.gateway.admin import AdminApi
 from quillcache.gateway.config import GatewayConfig
@@ -48,6 +47,7 @@ from quillcache.gateway.workers import Worker, WorkerPool
 from quillcache.index.native import NativeIndex
 from quillcache.routing import Request as RouteRequest
 from quillcache.routing import Router
+from quillcache.routing.registry import import_router
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +62,10 @@ def resolve_router(spec: str, options: dict[str, Any]) -> Router | str:
     """A registered router name, or "pkg.module:Class" for a user's router class."""
     if ":" not in spec:
         return spec
-    module_name, _, attr = spec.partition(":")
     try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"router {spec!r}: cannot import it: {exc}") from exc
+        cls = import_router(spec)
+    except UnknownRouterError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         router = cls(**options)
     except TypeError as exc:

@@ -12,7 +12,7 @@ ADMIN_TOKEN_ENV = "QUILLCACHE_ADMIN_TOKEN"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--config", default=None, help="YAML / TOML / JSON config file (flags override it)")
-    a("--host", default=None)
+    a("--host", default=None, help="address to listen on (default 127.0.0.1)")
     a("--port", type=int, default=None, help="0: any free port (see --ready-file)")
     a(
         "--worker",
@@ -24,15 +24,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--router", default=None, help="a registered router name or 'pkg.module:Class'")
     a("--index", default=None, help="index backend name (native, memory, ...)")
     a("--tokenizer", default=None, help="'engine', 'builtin' or a tokenizer.json path")
-    a("--block-size", type=int, default=None)
+    a("--block-size", type=int, default=None, help="KV block size in tokens (default: ask engines)")
     a(
         "--admin-token",
         default=None,
         help=f"bearer token of the /admin API (else ${ADMIN_TOKEN_ENV}; none: the API is off)",
     )
-    a("--api-key", action="append", default=None, dest="api_keys")
-    a("--no-parity-check", action="store_true")
-    a("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    a(
+        "--api-key",
+        action="append",
+        default=None,
+        dest="api_keys",
+        help="an accepted API key, no tenant (repeatable; the config maps hashed keys to tenants)",
+    )
+    a(
+        "--no-parity-check",
+        action="store_true",
+        help="skip the start-up check that the engines' events match the gateway's keys",
+    )
+    a(
+        "--log-level",
+        default=None,
+        choices=["debug", "info", "warning", "error"],
+        help="default warning",
+    )
     a("--ready-file", default=None, help="write the resolved URL here as JSON when up")
 
 

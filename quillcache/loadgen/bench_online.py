@@ -457,8 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    from rich.console import Console
     from rich.table import Table
+
+    from quillcache.console import table_console
 
     out: dict[str, Any] = {"router": args.router, "requests": args.requests}
     with tempfile.TemporaryDirectory(prefix="qc-bench-") as tmp:
@@ -491,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             out["real_vllm"] = real_vllm(
                 min(args.requests, 160), routers=routers_, repeats=args.repeats
             )
-    console = Console(width=200)  # wide tables stay readable in a log file
+    console = table_console()
     if "overhead" in out:
         _print_overhead(console, out["overhead"])
     if "throughput" in out:

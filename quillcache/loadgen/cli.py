@@ -16,12 +16,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="base URL of an OpenAI endpoint; repeat to compare targets side by side",
     )
     a("--name", action="append", default=None, help="label per --url (default: the URL)")
-    a("--model", default=None)
+    a("--model", default=None, help="the requests' model (default: none; the engine's own)")
     a("--chat", action="store_true", help="use /v1/chat/completions")
     a("--no-stream", action="store_true", help="non-streaming requests")
-    a("--concurrency", type=int, default=16)
+    a("--concurrency", type=int, default=16, help="requests in flight at once (closed loop)")
     a("--rate", type=float, default=None, help="requests/s (Poisson) instead of closed loop")
-    a("--requests", type=int, default=200)
+    a("--requests", type=int, default=200, help="how many requests to send")
     a(
         "--warmup",
         type=int,
@@ -29,18 +29,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests sent first, in the same session (connections open, pipeline full), "
         "and not measured",
     )
-    a("--max-tokens", type=int, default=16)
+    a("--max-tokens", type=int, default=16, help="max_tokens of each request")
     a("--prefixes", type=int, default=8, help="synthetic: shared prefixes")
-    a("--prefix-chars", type=int, default=1024)
-    a("--suffix-chars", type=int, default=64)
+    a("--prefix-chars", type=int, default=1024, help="synthetic: length of the shared prefixes")
+    a("--suffix-chars", type=int, default=64, help="synthetic: length of each unique tail")
     a("--trace", default=None, help="a Mooncake-format JSONL trace instead of synthetic")
     a("--trace-block-chars", type=int, default=64, help="text per trace hash id")
     a("--trace-timing", action="store_true", help="send at the trace's timestamps")
-    a("--trace-time-scale", type=float, default=1.0)
-    a("--api-key", default=None)
-    a("--seed", type=int, default=0)
+    a("--trace-time-scale", type=float, default=1.0, help="trace: multiply its arrival times")
+    a("--api-key", default=None, help="sent as Authorization: Bearer <key>")
+    a("--seed", type=int, default=0, help="seed of the synthetic workload")
     a("--json", default=None, metavar="PATH", help="write the results as JSON ('-' = stdout)")
-    a("--no-progress", action="store_true")
+    a("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
@@ -33,6 +34,23 @@ def router(name: str) -> Callable[[F], F]:
     return wrap
 
 
+def import_router(spec: str) -> RouterFactory:
+    """The router class a "pkg.module:Class" spec names (a user's router, as the gateway's
+    `router:` setting and `simulate --routers` take it), registered under the spec so
+    `create_router(spec)` works too (also in forked worker processes)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise UnknownRouterError(f"router {spec!r}: expected 'pkg.module:Class'")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise UnknownRouterError(f"router {spec!r}: cannot import it: {exc}") from None
+    if not callable(factory):
+        raise UnknownRouterError(f"router {spec!r} is not a class or factory")
+    register_router(spec, factory, replace=True)
+    return factory  # type: ignore[no-any-return]
+
+
 def _load_entry_points() -> None:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name not in _registry:
@@ -54,6 +72,8 @@ def builtin_routers() -> list[str]:
 def create_router(name: str, **options: Any) -> Router:
     """Instantiate a registered router; unknown names list the known ones."""
     if name not in _registry:
+        if ":" in name:
+            import_router(name)
         _load_entry_points()
     try:
         factory = _registry[name]

@@ -74,7 +74,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--capacity-tokens", default=None, help="like --capacity, in tokens (rounded down)"
     )
     cl.add_argument("--cpu-blocks", type=int, default=0, help="CPU tier blocks per worker")
-    cl.add_argument("--routers", default="all", help="comma-separated routers, or 'all'")
+    cl.add_argument(
+        "--routers",
+        default="all",
+        help="comma-separated routers (registered names or 'pkg.module:Class'), or 'all'",
+    )
     cl.add_argument("--backends", default="native", help="comma-separated index backends")
     cl.add_argument(
         "--router-opt",
@@ -94,8 +98,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="cost-model override, e.g. gpu.prefill_mfu=0.5",
     )
-    cm.add_argument("--timing", choices=["full", "none"], default="full")
-    cm.add_argument("--seed", type=int, default=0)
+    cm.add_argument(
+        "--timing",
+        choices=["full", "none"],
+        default="full",
+        help="full: timed replay with the cost model (TTFT, E2E); none: order only (hit rates)",
+    )
+    cm.add_argument("--seed", type=int, default=0, help="seed of generators and random routers")
 
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write results as JSON ('-' for stdout)")
@@ -107,7 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="runs in N parallel processes (default 0: one per usable CPU; 1: in-process)",
     )
-    out.add_argument("--no-progress", action="store_true")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     out.add_argument("--list-routers", action="store_true", help="list routers and exit")
 
 
@@ -212,6 +221,7 @@ def _run_point(point: tuple[str, str, int, int]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     from quillcache.errors import QuillCacheError
 
@@ -219,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args, err)
     except QuillCacheError as exc:
-        err.print(f"[red]error:[/red] {exc}")
+        err.print(f"[red]error:[/red] {escape(str(exc))}")  # messages may hold [brackets]
         return 2
 
 
@@ -228,6 +238,7 @@ def _run(args: argparse.Namespace, err: Any) -> int:
     from quillcache.errors import ConfigError
     from quillcache.index import available_backends
     from quillcache.routing import BUILTIN_ORDER, available_routers, create_router
+    from quillcache.routing.registry import import_router
 
     if args.list_routers:
         for name in available_routers():
@@ -235,6 +246,9 @@ def _run(args: argparse.Namespace, err: Any) -> int:
             print(f"{name:20s} {r.summary}  [{r.source}]")
         return 0
     routers = list(BUILTIN_ORDER) if args.routers == "all" else args.routers.split(",")
+    for r in routers:
+        if ":" in r:  # a user's router class, as the gateway takes it
+            import_router(r)
     known = set(available_routers())
     for r in routers:
         if r not in known:
@@ -260,6 +274,10 @@ def _run(args: argparse.Namespace, err: Any) -> int:
     config = CostModelConfig.load(args.cost_config) if args.cost_config else CostModelConfig()
     if args.cost:
         config = config.with_overrides(_kv(args.cost, "--cost"))
+    if args.plot:
+        from quillcache.plotting import pyplot
+
+        pyplot()  # before the work: a missing extra is said at once
     workload = _workload(args)
     if not workload.requests:
         raise ConfigError("the workload has no requests")

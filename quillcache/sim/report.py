@@ -10,8 +10,9 @@ def _f(x: Any, fmt: str) -> str:
 
 
 def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers: bool) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from quillcache.console import table_console
 
     full = meta["timing"] == "full"
     sweep_cap = any("capacity_point" in r for r in results)
@@ -57,62 +58,103 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
             _f(r.get("wall_s"), ".2f"),
         ]
         t.add_row(*row)
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=200)
-    console.print(t)
+    table_console().print(t)
+
+
+def _label(r: dict[str, Any], results: list[dict[str, Any]]) -> str:
+    """Only what varies across `results`: the router, then backend / workers if they do."""
+    parts = [r["router"]]
+    if len({x["backend"] for x in results}) > 1:
+        parts.append(r["backend"])
+    if len({x["workers"] for x in results}) > 1:
+        parts.append(f"{r['workers']} workers")
+    return " / ".join(parts)
+
+
+_STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--")]
 
 
 def plot(results: list[dict[str, Any]], path: str, *, title: str = "") -> None:
-    """Hit rate and TTFT per router; with a capacity sweep, hit rate vs capacity."""
-    import matplotlib
+    """Hit rate and TTFT per router (horizontal bars: long names stay legible); with a
+    capacity sweep, hit rate vs capacity instead, one line per router."""
+    from quillcache.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     sweep = [r for r in results if "capacity_point" in r]
+    if sweep:
+        _plot_sweep(plt, sweep, path, title)
+        return
     has_ttft = any(r.get("ttft_mean_s") is not None for r in results)
-    panels = 1 + int(has_ttft) + int(bool(sweep))
-    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
-    ax_list = list(axes[0])
-    labels = [
-        f"{r['router']}\n{r['backend']}"
-        + (f"\ncap {r['capacity_point']}" if "capacity_point" in r else "")
-        + (f"\n{r['workers']} workers" if len({x["workers"] for x in results}) > 1 else "")
-        for r in results
-    ]
-    ax = ax_list.pop(0)
-    ax.bar(range(len(results)), [r["block_hit_rate"] * 100 for r in results])
-    ax.set_xticks(range(len(results)), labels, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("block hit rate (%)")
+    panels = 1 + int(has_ttft)
+    labels = [_label(r, results) for r in results]
+    height = max(3.0, 0.35 * len(results) + 1.2)
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, height), squeeze=False)
+    rows = range(len(results))
+    ax = axes[0][0]
+    ax.barh(rows, [r["block_hit_rate"] * 100 for r in results])
+    ax.set_yticks(list(rows), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("block hit rate (%)")
     ax.set_title("hit rate per router")
     if has_ttft:
-        ax = ax_list.pop(0)
-        ax.bar(range(len(results)), [r.get("ttft_mean_s") or 0.0 for r in results])
-        ax.set_xticks(range(len(results)), labels, rotation=60, ha="right", fontsize=7)
-        ax.set_ylabel("mean TTFT (s)")
+        ax = axes[0][1]
+        ax.barh(rows, [r.get("ttft_mean_s") or 0.0 for r in results], color="tab:orange")
+        ax.set_yticks(list(rows), labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("mean TTFT (s)")
         ax.set_title("TTFT per router")
-    if sweep:
-        ax = ax_list.pop(0)
-        by_router: dict[str, list[tuple[float, float]]] = {}
-        finite = [r["capacity_point"] for r in sweep if r["capacity_point"] != "unbounded"]
-        top = max(finite) * 2 if finite else 1
-        for r in sweep:
-            cap = r["capacity_point"]
-            x = top if cap == "unbounded" else cap
-            by_router.setdefault(f"{r['router']}/{r['backend']}", []).append(
-                (x, r["block_hit_rate"] * 100)
-            )
-        for name, pts in by_router.items():
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        ax.set_xscale("log")
-        ax.set_xlabel("KV capacity per worker (blocks; rightmost = unbounded)")
-        ax.set_ylabel("block hit rate (%)")
-        ax.set_title("hit rate vs capacity")
-        ax.legend(fontsize=7)
     if title:
         fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _coincide(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> bool:
+    """Two lines a reader cannot tell apart: the same points within a quarter point."""
+    return [x for x, _ in a] == [x for x, _ in b] and all(
+        abs(ya - yb) < 0.25 for (_, ya), (_, yb) in zip(a, b, strict=True)
+    )
+
+
+def _plot_sweep(plt: Any, sweep: list[dict[str, Any]], path: str, title: str) -> None:
+    """Capacities on a log axis, each one labelled; "unbounded" gets its own tick past
+    the largest. Lines that coincide stay visible: each router has its own marker and
+    dash, drawn with some transparency, and the legend says which ones coincide."""
+    finite = sorted({r["capacity_point"] for r in sweep if r["capacity_point"] != "unbounded"})
+    unbounded_x = (finite[-1] * 4) if finite else 1
+    fig, ax = plt.subplots(figsize=(8, 5))
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for r in sweep:
+        cap = r["capacity_point"]
+        x = unbounded_x if cap == "unbounded" else cap
+        lines.setdefault(_label(r, sweep), []).append((x, r["block_hit_rate"] * 100))
+    for pts in lines.values():
+        pts.sort()
+    for i, (name, pts) in enumerate(lines.items()):
+        marker, dash = _STYLES[i % len(_STYLES)]
+        twins = [other for other, o in lines.items() if other != name and _coincide(pts, o)]
+        label = f"{name} (≈ {', '.join(twins)})" if twins else name
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            marker=marker,
+            linestyle=dash,
+            alpha=0.8,
+            markersize=7 - (i % 3),
+            label=label,
+        )
+    ticks = (
+        [*finite, unbounded_x] if any(r["capacity_point"] == "unbounded" for r in sweep) else finite
+    )
+    ax.set_xscale("log")
+    ax.set_xticks(ticks, [f"{t:,}" for t in finite] + ["unbounded"] * (len(ticks) - len(finite)))
+    ax.minorticks_off()
+    ax.set_xlabel("KV capacity per worker (blocks)")
+    ax.set_ylabel("block hit rate (%)")
+    ax.set_title(title or "hit rate vs capacity")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
