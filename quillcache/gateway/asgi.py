@@ -2,8 +2,8 @@
 
 `api_errors` turns a raised `ApiError` into its JSON answer; `admin_only` adds the admin
 token check in front. `HotPath` serves the two proxy endpoints straight from ASGI:
-Starlette's middleware stack and router cost ~15% of the gateway's CPU per proxied
-request (py-spy).
+Starlette's middleware stack and router were a large share of the gateway's CPU per
+proxied request in a profile (docs/online.md, "What the profiles changed").
 """
 
 from __future__ import annotations

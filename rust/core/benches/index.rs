@@ -271,7 +271,7 @@ fn benches(c: &mut Criterion) {
     g.finish();
 }
 
-/// p50/p99 of single matches (each timed on its own; `Instant` costs ~20 ns) and memory.
+/// p50/p99 of single matches (each timed on its own; `Instant` adds a little) and memory.
 fn percentiles() {
     let w = workload();
     let t0 = Instant::now();

@@ -27,7 +27,7 @@ const MAX_CACHED: usize = 1 << 16;
 
 struct Matches {
     class: Py<PyAny>,
-    /// hashbrown's default hasher: std's SipHash was 5 % of a `match` (perf).
+    /// hashbrown's default hasher: std's SipHash showed up in a `match`'s profile.
     cache: Mutex<HashMap<Hit, Py<PyAny>>>,
 }
 

@@ -1,12 +1,12 @@
 //! Transparent huge pages for the index's large arrays (the node slab, the two
 //! key tables).
 //!
-//! Each 4 KiB page of a fresh array costs a page fault on first touch: on this
-//! project's 2-core VM, faults in `Tree::get_or_insert` and in the tables' fill were
-//! ~10 % of an ingest's time (perf). An array advised `MADV_HUGEPAGE` is faulted
-//! 2 MiB at a time, and its random reads (matching, table probes) walk fewer TLB
-//! entries. The advice is only advice: where the system's THP mode is `never`, or
-//! off Linux, nothing changes. Measured in docs/index.md (2026-12-03, third session).
+//! Each 4 KiB page of a fresh array costs a page fault on first touch: faults in
+//! `Tree::get_or_insert` and in the tables' fill are a visible share of ingest in a
+//! profile. An array advised `MADV_HUGEPAGE` is faulted 2 MiB at a time, and its
+//! random reads (matching, table probes) walk fewer TLB entries. The advice is only
+//! advice: where the system's THP mode is `never`, or off Linux, nothing changes.
+//! Measurements: docs/results/residency-index.md.
 
 /// Arrays smaller than one huge page are left alone.
 const MIN_BYTES: usize = 2 << 20;

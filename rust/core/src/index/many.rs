@@ -25,13 +25,13 @@ use super::{ApplyStats, Index, SourceKey};
 const PIPELINE_MIN_BYTES: usize = if cfg!(test) { 1 } else { 64 * 1024 };
 
 /// Blocks per window handed between the threads: each hand-off may wake a thread
-/// (tens of µs on a VM), so windows are larger than `apply_payloads`' ones; the
-/// caller's lock is held for one window (~1-2 ms at this size).
+/// (a syscall and a scheduler round trip), so windows are larger than
+/// `apply_payloads`' ones; the caller's lock is held for one window at a time.
 const PIPELINE_WINDOW_BLOCKS: usize = if cfg!(test) { 6 } else { 8192 };
 
 /// Blocks in a call's first window; each next one doubles, up to
 /// `PIPELINE_WINDOW_BLOCKS`. The caller's thread idles until the first window is
-/// decoded: at full size that was ~0.5 ms per call, ~10 % of a 512-session call.
+/// decoded, so a small first window lets it start applying sooner.
 const FIRST_WINDOW_BLOCKS: usize = if cfg!(test) { 2 } else { 1024 };
 
 /// How many payloads ahead of the one being decoded the decoder prefetches.

@@ -104,16 +104,16 @@ impl Index {
     /// one sequential stream instead of a table probe and a node read per key).
     /// After `TABLE_RUNS` runs the path looks fragmented (blocks stored by many
     /// events, slots reused), and the rest is resolved through the table with every
-    /// slot and node prefetched first, so that those misses overlap. Measured
-    /// (docs/index.md): a path of two runs (a shared prompt, then one long store)
-    /// ~20 % faster than the table alone; a path of 8-block runs ~10 % slower.
+    /// slot and node prefetched first, so that those misses overlap. A path of a
+    /// few long runs (a shared prompt, then one long store) gains; a path of many
+    /// short runs pays a little for the guess (docs/results/residency-index.md).
     fn resolve_path(&self, keys: &[u64], ids: &mut Vec<u32>) {
         const TABLE_RUNS: usize = 2;
         let tree = &self.tree;
         // Every key's table slot first, so that a run's first key costs one miss
         // (its node) rather than two; all but the first into L2 only: a path of
         // runs reads few of them, and L1 prefetches would hold the miss buffers
-        // that the runs' stream needs (measured: docs/index.md).
+        // that the runs' stream needs (docs/results/residency-index.md).
         let Some((&first, rest)) = keys.split_first() else {
             return;
         };

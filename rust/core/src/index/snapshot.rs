@@ -11,11 +11,11 @@
 //! request's path, stored block after block, stays a run of consecutive slots that
 //! `match` walks without the table), then fills the key table in one pass with the
 //! slots prefetched ahead, sized as the writer's was (no growth, no rehash, no probe
-//! clusters from inserting into a smaller table: 4.6 s at 1 M nodes with the v3
-//! loader), and links parents by ordinal (no lookups). Images written before
-//! 2026-12-03 have the nodes in key-table slot order; they load the same way (any
-//! order does), but a restored index then had a path's nodes scattered over the slab
-//! (`match` 2-3x slower until it turned over). Node record:
+//! clusters from inserting into a smaller table, which made the v3 loader seconds
+//! slow at 1 M nodes), and links parents by ordinal (no lookups). Images from older
+//! writers have the nodes in key-table slot order; they load the same way (any order
+//! does), but a restored index then has a path's nodes scattered over the slab
+//! (`match` several times slower until it turns over). Node record:
 //! key u64, parent ordinal u32 (`u32::MAX` for a root, then its parent key u64),
 //! depth u32, pins u32, u8 flags (1 = primary engine hash, then it as u64), u32
 //! holder count, packed holders (u64, with claim bits).
@@ -210,7 +210,7 @@ impl Index {
     }
 
     /// The image with the node records in `order` (every live id once): slab order,
-    /// or key-table order as images written before 2026-12-03 (tests of their load).
+    /// or key-table order as older writers wrote them (tests of their load).
     fn image_in_order(&self, order: &[u32]) -> Vec<u8> {
         let mut o = Out(Vec::with_capacity(64 + self.tree.len() * 48));
         o.0.extend_from_slice(MAGIC);

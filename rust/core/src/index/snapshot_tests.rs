@@ -103,7 +103,7 @@ proptest! {
         prop_assert_eq!(slab, live);
     }
 
-    /// Images written before 2026-12-03 (records in key-table order) load to the
+    /// Images of older writers (records in key-table order) load to the
     /// same state and keep behaving like it.
     #[test]
     fn images_in_table_order_still_load(

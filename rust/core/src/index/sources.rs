@@ -192,7 +192,7 @@ impl Sources {
 pub struct Media {
     names: Vec<Medium>,
     /// Each medium's place in name order, so that `match` sorts its hits by medium
-    /// name with integer compares (string compares were 4 % of a match).
+    /// name with integer compares instead of string compares.
     rank: Vec<u8>,
 }
 
