@@ -1,18 +1,42 @@
 """The event ingestor: receivers -> one bounded queue -> one applier thread -> a sink.
 
-Receivers (ZMQ, HTTP) only enqueue. The applier drains the queue in batches, tracks
-each source's sequence, replays gaps from the engine's ROUTER socket, and calls
-`sink.ingest` once per run of consecutive batches of a source (decode + apply in Rust
-with the GIL released). Nothing here runs on the request path, and when the queue is
-full new batches are dropped and counted: the gap they leave is replayed later, so a
-flood costs bounded memory and some replay work, never an unbounded backlog.
+Receivers (ZMQ, HTTP) only enqueue. The applier drains the queue, tracks each source's
+sequence, replays gaps from the engine's ROUTER socket, and calls `sink.ingest` once per
+run of consecutive batches of a source (decode + apply in Rust with the GIL released).
+Nothing here runs on the request path, and when the queue is full new batches are
+dropped and counted: the gap they leave is replayed later, so a flood costs bounded
+memory and some replay work, never an unbounded backlog.
+
+**Order.** A restart can only be seen where the publisher's order is: the receiver
+(`WireOrder`) tags each batch with an epoch that turns when a seq is not above the
+previous one off the wire. In the applier, a batch of the same epoch that is not above
+the last applied one is a duplicate (a replay applied it while it sat in the queue),
+never a restart; a newer epoch is a suspected restart, verified on the replay socket
+(does the engine still hold our last applied seq, with the same bytes?) or trusted when
+there is none. So however far a replay moves a source ahead of its queued batches, the
+queue's order can never look like an engine restart.
+
+**Replays fetch what is missing, and no more.** A gap revealed by seq T with L applied
+reads [L+1, T-1] and closes the socket there (the rest is queued); batches the full
+queue dropped with nothing after them read [L+1, R], R the last seq the receiver saw;
+only a quiet source with nothing queued reads to the end marker. A replay is read as it
+streams in and applied chunk by chunk (memory bounded however long it is);
+`replay_timeout_s` is the wait for the next frame, not a deadline for the transfer. A
+replay that stops short (the engine's ROUTER drops replies past its high-water mark)
+is asked again from where it stopped. If the replay ends before T-1, the engine has
+not published T: the frame is implausible (e.g. a forged seq), dropped and counted
+(`implausible_seqs`), and the source does not jump ahead. If the replay starts after
+L+1 the engine's buffer no longer holds what was lost: the source is cleared, marked
+stale and rebuilt from what the buffer does hold, a subset of the truth, never a false
+residency. Exact recovery after a loss needs the engine's buffer to cover it.
 
 A gap is normally revealed by the next seq. When the last batches a source sent are
 lost (its PUB or our SUB over the high-water mark, the full queue, a subscription
 still propagating) and the engine then goes quiet, nothing reveals it: so once a
 source has been quiet for `quiet_tail_s` after any traffic (a batch, a drop, or a
-request the gateway sent it: `expect_events`), the applier asks its replay socket
-for everything after the last applied seq, once. An empty answer means up to date.
+request the gateway sent it: `expect_events`) and has nothing queued, the applier asks
+its replay socket for everything after the last applied seq, once. An empty answer
+means up to date.
 
 A new connection with the engine (the socket monitor sees it) counts as traffic too,
 and makes that check a restart probe: ask from the last applied seq itself. A healthy
@@ -20,24 +44,31 @@ engine still holds it, with the same bytes; a restarted one numbers from 0 again
 it answers nothing there or other bytes, and the source is cleared and rebuilt from
 the new life's seq 0. This catches an engine that restarts and goes quiet before any
 of its new batches reach us, and one that restarted while the gateway was down.
+
+Memory: after a large backlog or replay drains, the applier returns freed heap to the
+OS (glibc `malloc_trim`), once per such episode: the allocator otherwise keeps the
+peak for the life of the process.
 """
 
 from __future__ import annotations
 
-import itertools
+import contextlib
+import ctypes
+import ctypes.util
+import enum
 import logging
 import queue
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
 import zmq
 
-from quillcache.connectors.replay import ReplayError, fetch_replay
-from quillcache.connectors.sequence import SequenceTracker, Verdict
+from quillcache.connectors.replay import ReplayError, ReplayStream
+from quillcache.connectors.sequence import SequenceTracker, Verdict, WireOrder
 from quillcache.connectors.sink import IngestSink
 from quillcache.connectors.zmq_source import ZmqReceiver, ZmqSourceConfig
 from quillcache.errors import EventDecodeError
@@ -46,8 +77,33 @@ from quillcache.index.types import ApplyStats
 log = logging.getLogger(__name__)
 
 SourceKey = tuple[int, int]  # (worker, dp_rank)
+Frames = list[tuple[int, bytes]]  # (seq, payload), in the publisher's order
 _SYNC = -1  # queue marker: replay everything after the last applied seq
 _UNSEQUENCED = -2  # HTTP ingest without a seq: applied as it comes
+# Return freed heap to the OS once the applier is idle after holding this much.
+_TRIM_AFTER_BYTES = 16 << 20
+_REPLAY_CHUNK_BYTES = 1 << 20
+
+
+def _libc_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, or None on another libc (nothing to trim there then)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return trim
+
+
+_malloc_trim = _libc_malloc_trim()
+
+
+class _Replayed(enum.Enum):
+    REACHED = "reached"  # every batch up to the requested stop is applied
+    ENDED = "ended"  # the engine's end marker came first: it holds nothing further
+    FAILED = "failed"  # no (more) answer
 
 
 @dataclass
@@ -59,9 +115,11 @@ class SourceStatus:
     endpoint: str = ""
     replay_endpoint: str | None = None
     tracker: SequenceTracker = field(default_factory=SequenceTracker)
+    wire: WireOrder = field(default_factory=WireOrder)  # the receiver's side
     stale: bool = False
     stale_since: float = 0.0
     received: int = 0
+    queued: int = 0  # batches of this source in the queue
     applied_batches: int = 0
     duplicates: int = 0
     dropped: int = 0
@@ -71,6 +129,9 @@ class SourceStatus:
     replay_failures: int = 0
     stale_marks: int = 0
     restarts: int = 0
+    restart_suspects: int = 0  # the wire's order turned back: a restart, verified or not
+    implausible_seqs: int = 0  # frames whose seq the engine has not published (dropped)
+    malformed: int = 0  # frames the receiver could not read (frame count, seq frame)
     decode_errors: int = 0
     needs_sync: bool = False  # batches were dropped: replay the tail once the queue drains
     # traffic since the last tail check (seen != checked): ask the replay socket once the
@@ -101,16 +162,19 @@ class SourceStatus:
 
     def as_dict(self) -> dict[str, object]:
         out: dict[str, object] = {
-            k: v for k, v in vars(self).items() if k not in ("tracker", "apply")
+            k: v for k, v in vars(self).items() if k not in ("tracker", "apply", "wire")
         }
         out["last_seq"] = self.tracker.last
+        out["epoch"] = self.tracker.epoch
+        out["wire_last_seq"] = self.wire.last
+        out["wire_epoch"] = self.wire.epoch
         out.update({f"apply_{k}": v for k, v in vars(self.apply).items()})
         return out
 
 
 @dataclass
 class IngestorStats:
-    """Totals over every source (a snapshot)."""
+    """Totals over every source (a snapshot), and a few counts per source."""
 
     received: int = 0
     dropped: int = 0
@@ -119,15 +183,21 @@ class IngestorStats:
     blocks_removed: int = 0
     gaps: int = 0
     replays: int = 0
+    replayed_batches: int = 0
     replay_failures: int = 0
     stale_marks: int = 0
     stale_sources: int = 0
     restarts: int = 0
+    restart_suspects: int = 0
+    implausible_seqs: int = 0
+    malformed: int = 0
     decode_errors: int = 0
     tail_checks: int = 0
     tail_replayed_batches: int = 0
     queue_depth: int = 0
     queue_bytes: int = 0
+    # one {"worker", "dp_rank", counter: value, ...} per source (JSON-ready)
+    per_source: list[dict[str, int]] = field(default_factory=list)
 
 
 def _failed_batch_index(exc: EventDecodeError, n: int) -> int | None:
@@ -140,6 +210,10 @@ def _failed_batch_index(exc: EventDecodeError, n: int) -> int | None:
     if found and int(found.group(1)) < n:
         return int(found.group(1))
     return 0 if n == 1 else None
+
+
+def _digest(payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 class EventIngestor:
@@ -159,10 +233,14 @@ class EventIngestor:
         ctx: zmq.Context | None = None,
     ) -> None:
         self.apply_bytes = apply_bytes
-        # The queue is bounded in batches and in bytes: a few huge batches must not
+        # The queue is bounded in batches and in bytes (counted here: one queue item
+        # carries every frame a receiver drained at once): a few huge batches must not
         # grow memory either.
+        self.queue_size = queue_size
         self.queue_bytes = queue_bytes
+        self._queued_batches = 0
         self._queued_bytes = 0
+        self._held_peak = 0  # bytes queued or replayed since the last malloc_trim
         self._bytes_lock = threading.Lock()
         self._sink_takes_seqs = bool(getattr(sink, "accepts_seqs", False))
         self.sink = sink
@@ -171,7 +249,9 @@ class EventIngestor:
         self.stale_rebuild_s = stale_rebuild_s
         self.quiet_tail_s = quiet_tail_s  # 0: no tail checks
         self.drain_batch = drain_batch
-        self._queue: queue.Queue[tuple[SourceKey, int, bytes]] = queue.Queue(queue_size)
+        self.trims = 0
+        # (source, epoch, frames, bytes)
+        self._queue: queue.SimpleQueue[tuple[SourceKey, int, Frames, int]] = queue.SimpleQueue()
         self.sources: dict[SourceKey, SourceStatus] = {}
         self._receivers: dict[SourceKey, ZmqReceiver] = {}
         self._lock = threading.Lock()
@@ -189,7 +269,7 @@ class EventIngestor:
         status.replay_endpoint = config.replay_endpoint
         if resume_from > status.tracker.last:
             status.tracker.last = resume_from
-        receiver = ZmqReceiver(self.ctx, config, self._deliver, self._on_peer)
+        receiver = ZmqReceiver(self.ctx, config, self._deliver, self._on_peer, self._on_malformed)
         receiver.start()
         with self._lock:
             old = self._receivers.pop(config.key, None)
@@ -197,7 +277,7 @@ class EventIngestor:
         if old is not None:
             old.stop()
         if config.replay_endpoint:
-            self._queue.put((config.key, _SYNC, b""))  # catch up on what we missed
+            self._queue.put((config.key, 0, [(_SYNC, b"")], 0))  # catch up on what we missed
         return status
 
     def request_tail_replay(self, worker: int) -> None:
@@ -249,36 +329,66 @@ class EventIngestor:
         status.restart_probe = True
         status.note_traffic()
 
-    def _deliver(self, key: SourceKey, seq: int, payload: bytes) -> None:
+    def _on_malformed(self, key: SourceKey) -> None:
+        status = self.sources.get(key)
+        if status is not None:
+            status.malformed += 1
+
+    def _deliver(self, key: SourceKey, frames: Frames) -> int:
+        """The receiver's hand-over (one source, in the publisher's order); returns how
+        many batches the queue took. Only one thread delivers for a source."""
         status = self.sources.get(key) or self._status(key)
-        status.received += 1
+        status.received += len(frames)
         status.note_traffic()
+        wire = status.wire
+        if frames[0][0] < 0:  # unsequenced (HTTP): no order to read
+            return self._enqueue(status, key, wire.epoch, frames)
+        epoch = wire.epoch
+        start = 0
+        accepted = 0
+        for i, (seq, _) in enumerate(frames):
+            if wire.observe(seq) != epoch:  # one queue item holds one epoch
+                if i > start:
+                    accepted += self._enqueue(status, key, epoch, frames[start:i])
+                start, epoch = i, wire.epoch
+        part = frames if start == 0 else frames[start:]
+        return accepted + self._enqueue(status, key, epoch, part)
+
+    def _enqueue(self, status: SourceStatus, key: SourceKey, epoch: int, frames: Frames) -> int:
+        n = len(frames)
+        take = size = 0
         with self._bytes_lock:
-            room = self._queued_bytes + len(payload) <= self.queue_bytes
-            if room:
-                self._queued_bytes += len(payload)
-        try:
-            if not room:
-                raise queue.Full
-            self._queue.put_nowait((key, seq, payload))
-        except queue.Full:
-            if room:
-                with self._bytes_lock:
-                    self._queued_bytes -= len(payload)
-            status.dropped += 1  # the gap it leaves is replayed (next batch, or when idle)
+            room = self.queue_size - self._queued_batches
+            budget = self.queue_bytes - self._queued_bytes
+            for _, payload in frames:
+                if take >= room or size + len(payload) > budget:
+                    break
+                size += len(payload)
+                take += 1
+            self._queued_batches += take
+            self._queued_bytes += size
+            status.queued += take
+            self._held_peak = max(self._held_peak, self._queued_bytes)
+        if take:
+            self._queue.put((key, epoch, frames if take == n else frames[:take], size))
+        if take < n:
+            status.dropped += n - take  # the gap they leave is replayed (next batch, or idle)
             status.needs_sync = True
+        return take
 
     def submit(
         self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0, seq: int | None = None
     ) -> int:
         """HTTP ingest: enqueue batches (numbered from `seq` if given); returns how many fit."""
+        if not payloads:
+            return 0
         key = (worker, dp_rank)
-        accepted = 0
-        for i, payload in enumerate(payloads):
-            before = self._status(key).dropped
-            self._deliver(key, _UNSEQUENCED if seq is None else seq + i, payload)
-            accepted += self._status(key).dropped == before
-        return accepted
+        self._status(key)
+        if seq is None:
+            frames = [(_UNSEQUENCED, p) for p in payloads]
+        else:
+            frames = [(seq + i, p) for i, p in enumerate(payloads)]
+        return self._deliver(key, frames)
 
     # -- applying (the applier thread) ---------------------------------------------------
 
@@ -291,45 +401,69 @@ class EventIngestor:
                 busy = self._check_quiet_tails() or busy
                 if not busy:
                     self._idle.set()
+                    self._trim_if_held()
                 self._expire_stale()
                 continue
             self._idle.clear()
             items = [first]
-            while len(items) < self.drain_batch:
+            count = len(first[2])
+            while count < self.drain_batch:
                 try:
-                    items.append(self._queue.get_nowait())
+                    item = self._queue.get_nowait()
                 except queue.Empty:
                     break
+                items.append(item)
+                count += len(item[2])
             with self._bytes_lock:
-                self._queued_bytes -= sum(len(p) for _, _, p in items)
+                for key, _, frames, size in items:
+                    if frames[0][0] == _SYNC:
+                        continue
+                    self._queued_batches -= len(frames)
+                    self._queued_bytes -= size
+                    status = self.sources.get(key)
+                    if status is not None:
+                        status.queued -= len(frames)
             run_key, run = items[0][0], []
-            for key, seq, payload in items:
+            for key, epoch, frames, _ in items:
                 if key != run_key:
                     self._process(run_key, run)
                     run_key, run = key, []
-                run.append((seq, payload))
+                run.append((epoch, frames))
             self._process(run_key, run)
             self._check_quiet_tails()  # a quiet source next to a busy one
             self._expire_stale()
 
+    def _trim_if_held(self) -> None:
+        if self._held_peak < _TRIM_AFTER_BYTES or _malloc_trim is None:
+            return
+        self._held_peak = 0
+        self.trims += 1
+        _malloc_trim(0)
+
     def _sync_dropped_tails(self) -> bool:
-        """Replay after the last applied seq of every source that lost batches to a full
-        queue: the last batches of a burst may have been dropped with nothing after them
-        to reveal the gap. Returns whether there was anything to do."""
-        todo = [s for s in list(self.sources.values()) if s.needs_sync]
+        """Replay [last applied + 1, last seq received] of every source that lost batches
+        to a full queue: the last batches of a burst may have been dropped with nothing
+        after them to reveal the gap. Returns whether there was anything to do."""
+        todo = [s for s in list(self.sources.values()) if s.needs_sync and not s.queued]
         for status in todo:
             status.needs_sync = False
+            if not status.replay_endpoint:
+                continue
             try:
-                self._replay(status, status.tracker.last + 1, trigger=None)
+                if status.wire.epoch > status.tracker.epoch:
+                    self._check_life(status, status.wire.epoch, wire_turned=True)
+                if status.wire.last > status.tracker.last:
+                    self._replay_range(status, status.tracker.last + 1, status.wire.last)
             except Exception:
                 log.exception("kv events: tail replay of worker %d failed", status.worker)
         return bool(todo)
 
     def _check_quiet_tails(self) -> bool:
         """Replay after the last applied seq of every source quiet for `quiet_tail_s` since
-        its last traffic. At most one check per source per quiet period: the next needs
-        new traffic (a replayed batch is not traffic), so an idle gateway never polls.
-        Returns whether there was anything to do."""
+        its last traffic, with nothing queued (what is queued is not missing). At most one
+        check per source per quiet period: the next needs new traffic (a replayed batch is
+        not traffic), so an idle gateway never polls. Returns whether there was anything
+        to do."""
         if self.quiet_tail_s <= 0:
             return False
         now = time.monotonic()
@@ -339,6 +473,7 @@ class EventIngestor:
             if (
                 seen != s.traffic_checked
                 and s.replay_endpoint
+                and not s.queued
                 and now - s.last_traffic_s >= self.quiet_tail_s
             ):
                 due.append((s, seen))
@@ -348,11 +483,11 @@ class EventIngestor:
                 continue  # removed meanwhile
             before = status.replayed_batches
             try:
-                if status.restart_probe and status.tracker.last >= 0:
-                    self._probe_restart(status)
-                else:
+                epoch = status.wire.epoch
+                if status.restart_probe or epoch > status.tracker.epoch:
                     status.restart_probe = False
-                    self._replay(status, status.tracker.last + 1, trigger=None)
+                    self._check_life(status, epoch, wire_turned=epoch > status.tracker.epoch)
+                self._replay_range(status, status.tracker.last + 1, None)
             except Exception:
                 log.exception("kv events: tail check of worker %d failed", status.worker)
             status.tail_checks += 1  # counted once done: observers see its effects
@@ -367,137 +502,208 @@ class EventIngestor:
                 )
         return bool(due)
 
-    def _process(self, key: SourceKey, items: list[tuple[int, bytes]]) -> None:
+    def _process(self, key: SourceKey, parts: list[tuple[int, Frames]]) -> None:
         try:
-            self._process_unsafe(key, items)
+            self._process_unsafe(key, parts)
         except KeyError as exc:  # e.g. the worker was removed while its batches were queued
-            log.info("kv events: %d batches of source %s dropped: %s", len(items), key, exc)
+            log.info("kv events: batches of source %s dropped: %s", key, exc)
         except Exception:  # the applier must survive anything a sink or a socket does
-            log.exception("kv events: failed to process %d batches of source %s", len(items), key)
+            log.exception("kv events: failed to process batches of source %s", key)
 
-    def _process_unsafe(self, key: SourceKey, items: list[tuple[int, bytes]]) -> None:
+    def _process_unsafe(self, key: SourceKey, parts: list[tuple[int, Frames]]) -> None:
         status = self._status(key)
         tracker = status.tracker
-        pending: list[tuple[int, bytes]] = []  # (seq or -1, payload)
-        for seq, payload in items:
-            if seq == _UNSEQUENCED:
-                pending.append((-1, payload))
+        pending: Frames = []  # (seq or -1, payload), consecutive, not applied yet
+        for epoch, frames in parts:
+            head = frames[0][0]
+            if head == _UNSEQUENCED:
+                pending.extend((-1, p) for _, p in frames)
                 continue
-            if seq == _SYNC:
-                self._apply(status, pending)
+            if head == _SYNC:
+                self._flush(status, pending)
                 pending = []
-                self._replay(status, tracker.last + 1, trigger=None)
+                self._replay_range(status, tracker.last + 1, None)
                 continue
-            digest = xxhash.xxh3_64_intdigest(payload)
-            verdict = tracker.classify(seq, digest)
-            if verdict is Verdict.RESTART:
-                self._apply(status, pending)
+            if tracker.classify(head, epoch) is Verdict.RESTART:
+                self._flush(status, pending)
                 pending = []
-                status.restarts += 1
-                log.warning(
-                    "kv events: worker %d rank %d restarted (seq %d after %d); clearing it",
-                    status.worker,
-                    status.dp_rank,
-                    seq,
-                    tracker.last,
-                )
-                self.sink.clear_source(status.worker, status.dp_rank)
-                tracker.restarted()
-                verdict = tracker.classify(seq, digest)
-            if verdict is Verdict.DUPLICATE:
-                status.duplicates += 1
-            elif verdict is Verdict.APPLY:
-                pending.append((seq, payload))
-                tracker.applied(seq, digest)
-            elif verdict is Verdict.GAP:
-                self._apply(status, pending)
-                pending = []
-                status.gaps += 1
-                self._replay(status, tracker.last + 1, trigger=seq)
-                verdict = tracker.classify(seq, digest)
-                if verdict is Verdict.APPLY or verdict is Verdict.GAP:  # GAP: stale, start over
+                self._check_life(status, epoch, wire_turned=True)
+            for seq, payload in frames:
+                last = tracker.last
+                if seq == last + 1:
                     pending.append((seq, payload))
-                    tracker.applied(seq, digest)
+                    tracker.last = seq
+                elif seq <= last:
+                    status.duplicates += 1  # a replay applied it while it was queued
                 else:
-                    status.duplicates += 1
-        self._apply(status, pending)
+                    self._flush(status, pending)
+                    pending = []
+                    if self._fill_gap(status, seq):
+                        pending.append((seq, payload))
+                        tracker.last = seq
+        self._flush(status, pending)
 
-    def _probe_restart(self, status: SourceStatus) -> None:
-        """After a new connection: does the engine still hold our last applied batch?"""
-        status.restart_probe = False
+    def _flush(self, status: SourceStatus, pending: Frames) -> None:
+        """Apply consecutive pending batches; keep the digest of the last (restart probes)."""
+        if not pending:
+            return
+        self._apply(status, pending)
+        seq, payload = pending[-1]
+        if seq >= 0 and seq == status.tracker.last:
+            status.tracker.last_digest = _digest(payload)
+
+    def _fill_gap(self, status: SourceStatus, seq: int) -> bool:
+        """Replay what comes before `seq`; returns whether `seq` is to be applied."""
+        tracker = status.tracker
+        status.gaps += 1
+        if not status.replay_endpoint:
+            self._mark_stale(status, f"gap before seq {seq} and no replay socket")
+            return True  # rebuilt from here on
+        outcome = self._replay_range(status, tracker.last + 1, seq - 1)
+        if outcome is _Replayed.REACHED:
+            return True
+        if outcome is _Replayed.ENDED:
+            # The engine's buffer ends before `seq`: it has not published it (a forged or
+            # corrupt seq). Jumping there would make every real batch after it a duplicate.
+            status.implausible_seqs += 1
+            log.warning(
+                "kv events: worker %d rank %d: seq %d is beyond everything the engine has "
+                "published (its replay ends at %d); frame dropped",
+                status.worker,
+                status.dp_rank,
+                seq,
+                tracker.last,
+            )
+            return False
+        status.replay_failures += 1
+        self._mark_stale(status, f"replay before seq {seq} failed")
+        return True  # rebuilt from here on
+
+    def _check_life(self, status: SourceStatus, epoch: int, *, wire_turned: bool) -> None:
+        """Is the engine still the life we applied? It is if its replay socket holds our
+        last applied seq with the same bytes (no digest after a gateway restart: holding
+        it at all). If not, clear the source and number from scratch. `wire_turned`: the
+        receiver saw the seq go back, so an engine that cannot be asked is trusted to
+        have restarted; after a mere reconnect it is left as it is."""
+        tracker = status.tracker
+        if wire_turned:
+            status.restart_suspects += 1
+        if tracker.last < 0:
+            tracker.same_life(epoch)
+            return
+        held: bool | None = None
+        if status.replay_endpoint:
+            held = self._holds_last(status)
+        if held or (held is None and not wire_turned):
+            tracker.same_life(epoch)
+            return
+        status.restarts += 1
+        log.warning(
+            "kv events: worker %d rank %d restarted (%s seq %d as applied); clearing it",
+            status.worker,
+            status.dp_rank,
+            "its replay socket no longer holds" if held is False else "seq back on the wire after",
+            tracker.last,
+        )
+        self.sink.clear_source(status.worker, status.dp_rank)
+        tracker.restarted(epoch)
+
+    def _holds_last(self, status: SourceStatus) -> bool | None:
+        """Whether the engine's replay socket holds our last applied batch; None: no answer."""
         tracker = status.tracker
         last, digest = tracker.last, tracker.last_digest
         assert status.replay_endpoint is not None
         status.replays += 1
+        stream = ReplayStream(
+            self.ctx, status.replay_endpoint, last, self.replay_timeout_s, stop_seq=last
+        )
         try:
-            result = fetch_replay(self.ctx, status.replay_endpoint, last, self.replay_timeout_s)
+            with contextlib.closing(stream.chunks()) as chunks:
+                for chunk in chunks:
+                    seq, payload = chunk[0]
+                    return seq == last and (digest is None or _digest(payload) == digest)
         except ReplayError as exc:
             status.replay_failures += 1
-            log.warning("kv events: restart probe of worker %d failed: %s", status.worker, exc)
-            return
-        head = next(((s, p) for s, p in result.batches if s >= last), None)
-        if head is None or (
-            head[0] == last and digest is not None and xxhash.xxh3_64_intdigest(head[1]) != digest
-        ):
-            status.restarts += 1
-            log.warning(
-                "kv events: worker %d rank %d restarted (its replay socket no longer holds "
-                "seq %d as applied); clearing it and replaying its new life",
-                status.worker,
-                status.dp_rank,
-                last,
-            )
-            self.sink.clear_source(status.worker, status.dp_rank)
-            tracker.restarted()
-            self._replay(status, 0, trigger=None)
-            return
-        newer = [(s, p) for s, p in result.batches if s > last]
-        self._take_replay(status, last + 1, None, newer)
+            log.warning("kv events: restart check of worker %d failed: %s", status.worker, exc)
+            return None
+        return False  # the end marker straight away: nothing from `last` on
 
-    def _replay(self, status: SourceStatus, start: int, trigger: int | None) -> None:
-        """Fill [start, trigger) from the replay socket, or mark the source stale."""
+    def _replay_range(self, status: SourceStatus, start: int, stop: int | None) -> _Replayed:
+        """Replay and apply [start, stop] (to the end marker when `stop` is None), chunk by
+        chunk as it streams in. A stream with a hole (replies dropped by the engine's
+        ROUTER past its high-water mark) is asked again from the hole. A replay starting
+        after `start` means those batches are gone: the source is cleared, marked stale
+        and rebuilt from what the buffer holds."""
         if not status.replay_endpoint:
-            if trigger is not None:
-                self._mark_stale(status, f"gap before seq {trigger} and no replay socket")
-            return
-        status.replays += 1
-        try:
-            result = fetch_replay(self.ctx, status.replay_endpoint, start, self.replay_timeout_s)
-        except ReplayError as exc:
+            return _Replayed.FAILED
+        pos = start
+        while True:
+            status.replays += 1
+            stream = ReplayStream(
+                self.ctx,
+                status.replay_endpoint,
+                pos,
+                self.replay_timeout_s,
+                stop_seq=stop,
+                chunk_bytes=min(_REPLAY_CHUNK_BYTES, self.apply_bytes * 32),
+            )
+            progressed = hole = False
+            fresh = True  # nothing read on this request yet: no reply can have been dropped
+            try:
+                with contextlib.closing(stream.chunks()) as chunks:
+                    for chunk in chunks:
+                        batch: Frames = []
+                        for seq, payload in chunk:
+                            if seq < pos:
+                                continue
+                            if seq > pos:
+                                if not fresh:
+                                    hole = True
+                                    break
+                                self._lost(status, pos, seq)
+                                pos = seq
+                            fresh = False
+                            if stop is not None and seq > stop:
+                                break  # after a loss: nothing of the range is left
+                            batch.append((seq, payload))
+                            pos = seq + 1
+                            if stop is not None and seq >= stop:
+                                break
+                        if batch:
+                            self._apply_replayed(status, batch)
+                            progressed = True
+                        if hole or (stop is not None and pos > stop):
+                            break
+            except ReplayError as exc:
+                status.replay_failures += 1
+                log.warning("kv events: replay of worker %d failed: %s", status.worker, exc)
+                return _Replayed.FAILED
+            if stop is not None and pos > stop:
+                return _Replayed.REACHED
+            if hole or (progressed and not stream.complete):
+                continue  # ask again from where it stopped
+            if stream.complete:
+                return _Replayed.ENDED
             status.replay_failures += 1
-            if trigger is not None:
-                self._mark_stale(status, str(exc))
-            else:
-                log.warning("kv events: initial replay of worker %d failed: %s", status.worker, exc)
-            return
-        self._take_replay(status, start, trigger, result.batches)
+            log.warning(
+                "kv events: replay of worker %d from seq %d stopped without its end",
+                status.worker,
+                pos,
+            )
+            return _Replayed.FAILED
 
-    def _take_replay(
-        self,
-        status: SourceStatus,
-        start: int,
-        trigger: int | None,
-        replayed: list[tuple[int, bytes]],
-    ) -> None:
-        """Apply replayed batches from `start` on, or mark the source stale if they do not
-        reach `trigger` (or, with no trigger, do not start at `start`)."""
-        batches = [(s, p) for s, p in replayed if s >= start]
-        covers = bool(batches) and batches[0][0] == start
-        if trigger is not None:
-            covers = covers and batches[-1][0] >= trigger - 1
-        elif not batches:
-            covers = True  # nothing new since `start`
-        contiguous = all(b[0] == a[0] + 1 for a, b in itertools.pairwise(batches))
-        if not (covers and contiguous):
-            status.replay_failures += 1
-            first = batches[0][0] if batches else None
-            why = f"replay from seq {start} starts at {first}: the engine's buffer is too short"
-            self._mark_stale(status, why)
-            status.tracker.restarted()
-        if batches:
-            self._apply(status, batches)
-            status.replayed_batches += len(batches)
-            status.tracker.replayed({s: xxhash.xxh3_64_intdigest(p) for s, p in batches})
+    def _apply_replayed(self, status: SourceStatus, batch: Frames) -> None:
+        self._apply(status, batch)
+        seq, payload = batch[-1]
+        status.tracker.applied(seq, _digest(payload))
+        status.replayed_batches += len(batch)
+        self._held_peak += sum(len(p) for _, p in batch)
+
+    def _lost(self, status: SourceStatus, wanted: int, first: int) -> None:
+        status.replay_failures += 1
+        why = f"replay from seq {wanted} starts at {first}: the engine's buffer is too short"
+        self._mark_stale(status, why)
+        status.tracker.restarted()
 
     def _mark_stale(self, status: SourceStatus, why: str) -> None:
         log.warning(
@@ -520,7 +726,7 @@ class EventIngestor:
                 self.sink.set_stale(status.worker, status.dp_rank, False)
                 log.info("kv events: worker %d rank %d rebuilt", status.worker, status.dp_rank)
 
-    def _apply(self, status: SourceStatus, items: list[tuple[int, bytes]]) -> None:
+    def _apply(self, status: SourceStatus, items: Frames) -> None:
         """Apply (seq, payload) items in slices of at most `apply_bytes`: the native index
         holds its write lock for a whole call, and a request's match must never wait
         behind a long one."""
@@ -535,12 +741,12 @@ class EventIngestor:
             self._apply_slice(status, items[start:end])
             start = end
 
-    def _apply_slice(self, status: SourceStatus, items: list[tuple[int, bytes]]) -> None:
+    def _apply_slice(self, status: SourceStatus, items: Frames) -> None:
         while items:
             payloads = [p for _, p in items]
             seqs = [q for q, _ in items]
             try:
-                if self._sink_takes_seqs and min(seqs) >= 0:
+                if self._sink_takes_seqs and seqs[0] >= 0:
                     # a persistent index records them: after a restart, replay from there
                     stats = self.sink.ingest(status.worker, payloads, status.dp_rank, seqs=seqs)  # type: ignore[call-arg]
                 else:
@@ -577,7 +783,7 @@ class EventIngestor:
         return False
 
     def stats(self) -> IngestorStats:
-        out = IngestorStats(queue_depth=self._queue.qsize(), queue_bytes=self._queued_bytes)
+        out = IngestorStats(queue_depth=self._queued_batches, queue_bytes=self._queued_bytes)
         for s in list(self.sources.values()):
             out.received += s.received
             out.dropped += s.dropped
@@ -586,13 +792,28 @@ class EventIngestor:
             out.blocks_removed += s.apply.blocks_removed
             out.gaps += s.gaps
             out.replays += s.replays
+            out.replayed_batches += s.replayed_batches
             out.replay_failures += s.replay_failures
             out.stale_marks += s.stale_marks
             out.stale_sources += s.stale
             out.restarts += s.restarts
+            out.restart_suspects += s.restart_suspects
+            out.implausible_seqs += s.implausible_seqs
+            out.malformed += s.malformed
             out.decode_errors += s.decode_errors
             out.tail_checks += s.tail_checks
             out.tail_replayed_batches += s.tail_replayed_batches
+            out.per_source.append(
+                {
+                    "worker": s.worker,
+                    "dp_rank": s.dp_rank,
+                    "malformed": s.malformed,
+                    "decode_errors": s.decode_errors,
+                    "implausible_seqs": s.implausible_seqs,
+                    "restarts": s.restarts,
+                    "dropped": s.dropped,
+                }
+            )
         return out
 
     def close(self) -> None:

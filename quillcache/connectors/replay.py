@@ -7,7 +7,7 @@ reply). Replies are `[b"", topic, seq, payload]` (vLLM >= 0.26, SGLang) or
 
 from __future__ import annotations
 
-import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import zmq
@@ -43,32 +43,92 @@ def parse_reply(frames: list[bytes]) -> tuple[int, bytes] | None:
     return seq, payload
 
 
+class ReplayStream:
+    """One replay request, read as it streams in: chunks of (seq, payload) in order.
+
+    The reader stops at `stop_seq` (inclusive) when given: a gap needs exactly the
+    batches before the seq that revealed it, the rest is queued or still to come, so
+    reading on would only fetch what is applied anyway. `idle_timeout_s` bounds the wait
+    for the next frame, not the whole transfer: a long replay that keeps flowing is read
+    to its end. Chunks are bounded in batches and bytes, so a caller that applies each
+    before asking for the next holds one chunk at a time, however long the replay.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        start_seq: int,
+        idle_timeout_s: float = 2.0,
+        *,
+        stop_seq: int | None = None,
+        chunk_batches: int = 1024,
+        chunk_bytes: int = 1 << 20,
+    ) -> None:
+        self.ctx = ctx
+        self.endpoint = endpoint
+        self.start_seq = start_seq
+        self.idle_timeout_s = idle_timeout_s
+        self.stop_seq = stop_seq
+        self.chunk_batches = chunk_batches
+        self.chunk_bytes = chunk_bytes
+        self.complete = False  # the end marker arrived
+        self.reached_stop = False  # `stop_seq` arrived (the socket was closed there)
+        self.received = 0  # batches read (including any before `start_seq`)
+
+    def chunks(self) -> Iterator[list[tuple[int, bytes]]]:
+        """Raises `ReplayError` when nothing at all arrives in `idle_timeout_s`, or on a
+        reply that cannot be read; a stream that stops flowing later just ends."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        idle_ms = max(1, int(self.idle_timeout_s * 1000))
+        try:
+            sock.connect(self.endpoint)
+            sock.send_multipart([b"", self.start_seq.to_bytes(8, "big")])
+            while True:
+                if not sock.poll(idle_ms):
+                    if not self.received and not self.complete:
+                        raise ReplayError(
+                            f"no answer from replay socket {self.endpoint} "
+                            f"in {self.idle_timeout_s}s"
+                        )
+                    return  # stopped flowing: the caller sees it did not reach its end
+                chunk: list[tuple[int, bytes]] = []
+                size = 0
+                while len(chunk) < self.chunk_batches and size < self.chunk_bytes:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    item = parse_reply(frames)
+                    if item is None:
+                        self.complete = True
+                        break
+                    self.received += 1
+                    chunk.append(item)
+                    size += len(item[1])
+                    if self.stop_seq is not None and item[0] >= self.stop_seq:
+                        self.reached_stop = True
+                        break
+                if chunk:
+                    yield chunk
+                if self.complete or self.reached_stop:
+                    return
+        finally:
+            sock.close(0)
+
+
 def fetch_replay(
     ctx: zmq.Context, endpoint: str, start_seq: int, timeout_s: float = 2.0
 ) -> ReplayResult:
-    """Every buffered batch with seq >= `start_seq`, until the end marker or the timeout.
+    """Every buffered batch with seq >= `start_seq`, until the end marker or no frame for
+    `timeout_s`, in one list (for tools; the ingestor streams with `ReplayStream`).
 
     Raises `ReplayError` when nothing at all arrives (no replay socket there).
     """
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+    stream = ReplayStream(ctx, endpoint, start_seq, timeout_s)
     result = ReplayResult()
-    try:
-        sock.connect(endpoint)
-        sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
-        deadline = time.monotonic() + timeout_s
-        got_any = False
-        while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not sock.poll(remaining_ms):
-                if not got_any:
-                    raise ReplayError(f"no answer from replay socket {endpoint} in {timeout_s}s")
-                return result  # partial: the caller treats it as not covering the gap
-            got_any = True
-            item = parse_reply(sock.recv_multipart())
-            if item is None:
-                result.complete = True
-                return result
-            result.batches.append(item)
-    finally:
-        sock.close(0)
+    for chunk in stream.chunks():
+        result.batches.extend(chunk)
+    result.complete = stream.complete
+    return result

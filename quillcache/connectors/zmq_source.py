@@ -2,8 +2,15 @@
 
 The thread creates its socket and sits in `poll` from the start: a binding SUB
 gets nothing from a connecting PUB until it is blocked in poll/recv (libzmq), and a
-short poll timeout lets it notice `stop()`. It does nothing but move
-`(seq, payload)` into the ingestor's bounded queue, so it never falls behind.
+short poll timeout lets it notice `stop()`. It does nothing but move what is ready
+(`(seq, payload)` frames, up to `DRAIN_MAX` at a time) into the ingestor's bounded queue,
+so it never falls behind.
+
+What libzmq buffers per socket is outside the ingestor's byte budget, so it is kept
+small: `RCVHWM` messages (the PUB drops beyond it and the gap is replayed, as for any
+other loss), each at most `max_msg_bytes` (a larger one makes libzmq drop the
+connection, so one frame cannot allocate unbounded memory; the reconnect triggers the
+ingestor's check of the replay socket).
 
 A socket monitor reports each new connection with the engine (it connected to us, or
 we reached it again). Batches published while a connection is being set up are lost
@@ -34,6 +41,7 @@ class ZmqSourceConfig:
     dp_rank: int = 0
     topic: str = ""
     bind: bool = False
+    max_msg_bytes: int = 64 << 20  # ZMQ_MAXMSGSIZE: no engine batch comes near it
 
     @property
     def key(self) -> tuple[int, int]:
@@ -53,8 +61,9 @@ def with_rank(endpoint: str, dp_rank: int) -> str:
     return f"{head}:{int(port) + dp_rank}"
 
 
-Deliver = Callable[[tuple[int, int], int, bytes], None]
+Deliver = Callable[[tuple[int, int], list[tuple[int, bytes]]], None]
 OnPeer = Callable[[tuple[int, int]], None]
+OnMalformed = Callable[[tuple[int, int]], None]
 _PEER_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED
 
 
@@ -62,6 +71,11 @@ class ZmqReceiver:
     """Receives `[topic, seq, payload]` messages and hands them to `deliver`."""
 
     POLL_MS = 50
+    # libzmq's default. Frames wait there only while this thread is busy handing over
+    # the previous ones; a deeper buffer would hold, outside any budget, batches the
+    # ingestor's full queue then drops anyway.
+    RCVHWM = 1000
+    DRAIN_MAX = 256  # frames per hand-over: one queue item, one wake-up of the applier
 
     def __init__(
         self,
@@ -69,11 +83,13 @@ class ZmqReceiver:
         config: ZmqSourceConfig,
         deliver: Deliver,
         on_peer: OnPeer | None = None,
+        on_malformed: OnMalformed | None = None,
     ) -> None:
         self.ctx = ctx
         self.config = config
         self._deliver = deliver
         self._on_peer = on_peer
+        self._on_malformed = on_malformed
         self._stop = threading.Event()
         self._ready = threading.Event()
         self.malformed = 0
@@ -98,7 +114,8 @@ class ZmqReceiver:
         cfg = self.config
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, self.RCVHWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_msg_bytes)
         sock.setsockopt(zmq.SUBSCRIBE, cfg.topic.encode())
         # before bind/connect, or the first connection may be set up unseen
         monitor = sock.get_monitor_socket(_PEER_EVENTS)
@@ -143,17 +160,25 @@ class ZmqReceiver:
     def _drain(self, sock: zmq.Socket) -> None:
         """Everything ready, before polling again."""
         cfg = self.config
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) != 3 or len(frames[1]) != 8:
-                self.malformed += 1
-                log.warning(
-                    "kv events from %s: malformed message (%d frames), ignored",
-                    cfg.endpoint,
-                    len(frames),
-                )
-                continue
-            self._deliver(cfg.key, int.from_bytes(frames[1], "big"), frames[2])
+        more = True
+        while more:
+            batch: list[tuple[int, bytes]] = []
+            while len(batch) < self.DRAIN_MAX:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    more = False
+                    break
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    self.malformed += 1
+                    if self._on_malformed is not None:
+                        self._on_malformed(cfg.key)
+                    log.warning(
+                        "kv events from %s: malformed message (%d frames), ignored",
+                        cfg.endpoint,
+                        len(frames),
+                    )
+                    continue
+                batch.append((int.from_bytes(frames[1], "big"), frames[2]))
+            if batch:
+                self._deliver(cfg.key, batch)

@@ -121,6 +121,15 @@ def counter(name: str, doc: str, value: float) -> Any:
     return c
 
 
+def labelled_counter(
+    name: str, doc: str, samples: dict[tuple[str, ...], float], labels: list[str]
+) -> Any:
+    c = CounterMetricFamily(name, doc, labels=labels)
+    for values, v in samples.items():
+        c.add_metric(list(values), v)
+    return c
+
+
 # (metric name, help, IngestorStats attribute)
 _INGEST_COUNTERS = (
     ("quillcache_kv_event_batches_received", "KV event batches received.", "received"),
@@ -141,6 +150,22 @@ _INGEST_COUNTERS = (
     ),
     ("quillcache_kv_source_stale_marks", "Times a source was marked stale.", "stale_marks"),
     ("quillcache_kv_engine_restarts", "Engine restarts seen (seq backwards).", "restarts"),
+    (
+        "quillcache_kv_engine_restart_suspects",
+        "Times an engine's seq went back on the wire (a restart, verified on its replay socket).",
+        "restart_suspects",
+    ),
+    (
+        "quillcache_kv_event_implausible_seqs",
+        "Frames dropped for a seq beyond everything the engine published (forged or corrupt).",
+        "implausible_seqs",
+    ),
+    ("quillcache_kv_event_malformed", "Frames that could not be read.", "malformed"),
+    (
+        "quillcache_kv_event_replayed_batches",
+        "Batches applied from engines' replay sockets.",
+        "replayed_batches",
+    ),
     ("quillcache_kv_event_decode_errors", "Undecodable batches.", "decode_errors"),
     (
         "quillcache_kv_event_tail_checks",
@@ -151,6 +176,16 @@ _INGEST_COUNTERS = (
         "quillcache_kv_event_tail_replayed_batches",
         "Batches such quiet-tail checks found missing (lost with nothing after them).",
         "tail_replayed_batches",
+    ),
+)
+# (metric name, help, key of an `IngestorStats.per_source` row), per worker and rank
+_SOURCE_COUNTERS = (
+    ("quillcache_kv_source_malformed", "Frames that could not be read, per source.", "malformed"),
+    ("quillcache_kv_source_decode_errors", "Undecodable batches, per source.", "decode_errors"),
+    (
+        "quillcache_kv_source_implausible_seqs",
+        "Frames dropped for an implausible seq, per source.",
+        "implausible_seqs",
     ),
 )
 _INGEST_GAUGES = (
@@ -196,6 +231,9 @@ def state_metrics(
         yield counter(name, doc, getattr(ingest, attr))
     for name, doc, attr in _INGEST_GAUGES:
         yield gauge(name, doc, {(): getattr(ingest, attr)}, [])
+    for name, doc, key in _SOURCE_COUNTERS:
+        samples = {(str(r["worker"]), str(r["dp_rank"])): r[key] for r in ingest.per_source}
+        yield labelled_counter(name, doc, samples, ["worker", "dp_rank"])
     yield gauge(
         "quillcache_index_blocks", "Distinct blocks in the index.", {(): index_stats.blocks}, []
     )

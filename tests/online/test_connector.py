@@ -219,7 +219,7 @@ def test_malformed_messages_are_counted_not_fatal() -> None:
             wait_for(lambda: sink.seen() == [1.0], what="the good batch")
             status = ing.sources[(0, 0)]
             assert status.decode_errors == 1
-            assert ing._receivers[(0, 0)].malformed == 1
+            assert ing._receivers[(0, 0)].malformed == 1 and status.malformed == 1
         finally:
             rogue.close(0)
 
@@ -267,3 +267,57 @@ def test_a_request_whose_events_are_all_lost_is_checked_too() -> None:
         wait_for(lambda: len(sink.seen()) == 6, what="the lost request's batches")
         assert sink.seen() == [float(i) for i in range(6)]
         assert status.tail_replayed_batches == 2
+
+
+def test_a_forged_seq_far_ahead_is_dropped_and_counted_not_a_restart() -> None:
+    """A frame numbered far beyond anything the engine published: the replay before it
+    ends first, so it is dropped (counted), and the real stream resuming below it (the
+    wire's order turning back) is verified as the same engine: nothing is cleared."""
+    sink = RecordingSink()
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    with ingestor(sink, quiet_tail_s=0.3) as ing:
+        ing.add_zmq_source(ZmqSourceConfig(1, addr, replay, bind=True))
+        with publisher(endpoint=addr, replay_endpoint=replay) as pub:
+            status = ing.sources[(1, 0)]
+            wait_for(lambda: status.peer_connects == 1, what="the engine's connection")
+            time.sleep(0.2)
+            publish(pub, 0, 10)
+            wait_for(lambda: len(sink.seen(1)) == 10, what="first batches")
+            rogue = zmq.Context.instance().socket(zmq.PUB)
+            rogue.connect(addr)
+            try:
+                time.sleep(0.3)
+                rogue.send_multipart([b"", (10**12).to_bytes(8, "big"), batch(999)])
+                wait_for(lambda: status.implausible_seqs == 1, what="the forged seq")
+            finally:
+                rogue.close(0)
+            publish(pub, 10, 15)
+            wait_for(lambda: len(sink.seen(1)) == 15, what="the real stream")
+            assert sink.seen(1) == [float(i) for i in range(15)]
+            assert not sink.clears and not status.stale
+            assert status.restarts == 0 and status.restart_suspects == 1
+            assert ing.stats().implausible_seqs == 1
+
+
+def test_malformed_frames_are_counted_per_source() -> None:
+    sink = RecordingSink()
+    addrs = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    with ingestor(sink) as ing:
+        for worker, addr in enumerate(addrs):
+            ing.add_zmq_source(ZmqSourceConfig(worker, addr, bind=True))
+        rogue = zmq.Context.instance().socket(zmq.PUB)
+        rogue.connect(addrs[1])
+        try:
+            time.sleep(0.3)
+            rogue.send_multipart([b"", b"\x00"])  # 2 frames
+            rogue.send_multipart([b"", b"\x00\x01", b"x"])  # a 2-byte seq frame
+            rogue.send_multipart([b"", (0).to_bytes(8, "big"), batch(0)])
+            wait_for(lambda: sink.seen(1) == [0.0], what="the good batch")
+        finally:
+            rogue.close(0)
+        assert ing.sources[(1, 0)].as_dict()["malformed"] == 2
+        assert ing.sources[(0, 0)].as_dict()["malformed"] == 0
+        rows = {(r["worker"], r["dp_rank"]): r for r in ing.stats().per_source}
+        assert rows[(1, 0)]["malformed"] == 2 and rows[(0, 0)]["malformed"] == 0
+        assert ing.stats().malformed == 2
