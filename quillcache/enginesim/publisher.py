@@ -86,7 +86,7 @@ class KvEventPublisher:
     @staticmethod
     def _resolved(sock: zmq.Socket) -> str:
         """The concrete address (port 0 and `*` resolved) to advertise."""
-        addr = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        addr = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         return addr.replace("0.0.0.0", "127.0.0.1")
 
     def drop_next(self, count: int, *, forget: bool = False) -> None:

@@ -80,15 +80,17 @@ class DurableNativeIndex(NativeIndex):
             snapshot_on_close=snapshot_on_close,
         )
         super().__init__(_inner=inner)  # type: ignore[arg-type]
+        # the same object, typed with the persistence methods the base class lacks
+        self._durable = inner
 
     @property
     def path(self) -> str:
-        return os.fspath(self._inner.path)  # type: ignore[attr-defined]
+        return os.fspath(self._durable.path)
 
     @property
     def durability(self) -> str:
         """``none``, ``per-batch`` or ``interval:<ms>``."""
-        return self._inner.durability  # type: ignore[attr-defined,no-any-return]
+        return self._durable.durability
 
     def apply(
         self,
@@ -105,19 +107,19 @@ class DurableNativeIndex(NativeIndex):
         batch = [p if type(p) is bytes else bytes(p) for p in payloads]
         seq_list = None if seqs is None else [int(s) for s in seqs]
         try:
-            return ApplyStats(*self._inner.apply(worker, batch, dp_rank, seq_list))  # type: ignore[call-arg]
+            return ApplyStats(*self._durable.apply(worker, batch, dp_rank, seq_list))
         except EventDecodeError as err:
-            err.stats = ApplyStats(*err.stats)  # type: ignore[attr-defined]
+            err.stats = ApplyStats(*err.stats)
             raise
 
     def last_seqs(self) -> dict[SourceId, int]:
         """The last sequence number applied per source (only sources given `seqs`)."""
-        raw = self._inner.last_seqs()  # type: ignore[attr-defined]
+        raw = self._durable.last_seqs()
         return {SourceId(w, r): s for (w, r), s in raw.items()}
 
     def snapshot(self) -> int:  # type: ignore[override]
         """Write a snapshot now and drop the log it covers; returns the lsn covered."""
-        return self._inner.snapshot()  # type: ignore[no-any-return]
+        return self._durable.snapshot()
 
     @classmethod
     def from_snapshot(cls, data: bytes) -> NativeIndex:
@@ -126,22 +128,22 @@ class DurableNativeIndex(NativeIndex):
 
     def sync(self) -> int:
         """fsync the log now, whatever the durability; returns the lsn now durable."""
-        return self._inner.sync()  # type: ignore[attr-defined,no-any-return]
+        return self._durable.sync()
 
     def recovery(self) -> dict[str, Any]:
         """What opening did: snapshot lsn/bytes/load time, log records replayed,
         torn tail (path, offset, bytes dropped) or None, total time in seconds."""
-        return self._inner.recovery()  # type: ignore[attr-defined,no-any-return]
+        return self._durable.recovery()
 
     def wal_status(self) -> dict[str, Any]:
         """`last_lsn`, `synced_lsn`, `snapshot_lsn`, `disk_bytes`, `failure` (a write
         failed: changes are refused), `snapshot_error` (the last background snapshot
         failed: nothing is lost, the log is just not pruned)."""
-        return self._inner.wal_status()  # type: ignore[attr-defined,no-any-return]
+        return self._durable.wal_status()
 
     def to_native(self) -> NativeIndex:
         """An in-memory copy of the current state (for checks and comparisons)."""
-        return NativeIndex.from_snapshot(self._inner.index_image())  # type: ignore[attr-defined]
+        return NativeIndex.from_snapshot(self._durable.index_image())
 
     def state_eq(self, other: NativeIndex) -> bool:
         mine = self.to_native()

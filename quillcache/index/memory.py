@@ -100,8 +100,8 @@ class MemoryIndex:
             except (EventDecodeError, ValueError) as exc:
                 where = f"payload {i} of {len(payloads)} from worker {worker}"
                 err = EventDecodeError(f"{where}: {exc}")
-                err.payload_index = i  # type: ignore[attr-defined]
-                err.stats = total  # type: ignore[attr-defined]
+                err.payload_index = i
+                err.stats = total
                 raise err from None
             sid = SourceId(worker, rank)
             src = self._sources.setdefault(sid, _Source())
@@ -180,9 +180,10 @@ class MemoryIndex:
 
     @staticmethod
     def _mm(ev: BlockStored, i: int) -> list[tuple[str, int]] | None:
-        if i >= len(ev.extra_keys) or not ev.extra_keys[i]:
+        keys = ev.extra_keys[i] if i < len(ev.extra_keys) else None
+        if not keys:
             return None
-        items = [(k.hash, k.offset) for k in ev.extra_keys[i] if isinstance(k, MmKey)]
+        items = [(k.hash, k.offset) for k in keys if isinstance(k, MmKey)]
         return items or None
 
     def _remove(self, sid: SourceId, src: _Source, ev: BlockRemoved, stats: ApplyStats) -> None:

@@ -97,7 +97,7 @@ class NativeIndex:
                     raise InvalidIndexInputError(msg) from None
                 raw = self._inner.apply(worker, batch, dp_rank)
         except EventDecodeError as err:
-            err.stats = ApplyStats(*err.stats)  # type: ignore[attr-defined]
+            err.stats = ApplyStats(*err.stats)
             raise
         return _apply_stats(raw)
 
@@ -120,7 +120,7 @@ class NativeIndex:
             except (TypeError, ValueError, OverflowError):
                 raw = self._inner.apply_many(_checked_items(items, dp_rank), dp_rank)
         except EventDecodeError as err:
-            err.stats = ApplyStats(*err.stats)  # type: ignore[attr-defined]
+            err.stats = ApplyStats(*err.stats)
             raise
         return _apply_stats(raw)
 

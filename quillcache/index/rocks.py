@@ -56,7 +56,7 @@ class KvStoreIndex(NativeIndex):
 
     def disk_bytes(self) -> int:
         """Bytes of the store's files."""
-        return self._inner.disk_bytes()  # type: ignore[attr-defined,no-any-return]
+        return self._inner.disk_bytes()  # type: ignore[attr-defined]
 
     def flush(self) -> None:
         """Make everything written durable (memtables to files, WAL fsynced)."""

@@ -74,7 +74,7 @@ def _gateway(
     """A gateway over `engines`. `parity_check=False` for engines that publish no KV
     events (`--fixed-latency-ms`): the startup check would only time out and log an error."""
     cfg = workdir / f"{name}.json"
-    settings = {"tokenizer": "builtin", "admin_token": ADMIN, "router": router}
+    settings: dict[str, object] = {"tokenizer": "builtin", "admin_token": ADMIN, "router": router}
     settings |= {"log_level": "error", "relay": relay, "parity_check": parity_check}
     cfg.write_text(json.dumps(settings))
     args = gateway_args([e.url for e in engines], extra=["--config", str(cfg)])

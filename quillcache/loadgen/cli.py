@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
         )
         with Progress(console=console, transient=True, disable=args.no_progress) as progress:
             task = progress.add_task(f"{name}", total=len(measured))
-            samples, wall = run_loop(run_load(cfg, reqs, lambda s, t=task: progress.advance(t)))
+            samples, wall = run_loop(
+                run_load(cfg, reqs, functools.partial(_advance, progress, task))
+            )
         results[name] = summarize(samples, wall)
     if args.json:
         text = json.dumps(results, indent=2)
@@ -115,3 +119,7 @@ def run(args: argparse.Namespace) -> int:
         stream = "non-streaming" if args.no_stream else "streaming"
         console.print(render_table(results, f"loadgen: {len(measured)} requests, {mode}, {stream}"))
     return 1 if any(r["ok"] == 0 for r in results.values()) else 0
+
+
+def _advance(progress: Any, task: Any, sample: object) -> None:
+    progress.advance(task)

@@ -48,7 +48,7 @@ def import_router(spec: str) -> RouterFactory:
     if not callable(factory):
         raise UnknownRouterError(f"router {spec!r} is not a class or factory")
     register_router(spec, factory, replace=True)
-    return factory  # type: ignore[no-any-return]
+    return factory
 
 
 def _load_entry_points() -> None:

@@ -242,8 +242,8 @@ def _run(args: argparse.Namespace, err: Any) -> int:
 
     if args.list_routers:
         for name in available_routers():
-            r = create_router(name)
-            print(f"{name:20s} {r.summary}  [{r.source}]")
+            listed = create_router(name)
+            print(f"{name:20s} {listed.summary}  [{listed.source}]")
         return 0
     routers = list(BUILTIN_ORDER) if args.routers == "all" else args.routers.split(",")
     for r in routers:

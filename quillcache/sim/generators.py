@@ -16,6 +16,7 @@ and fan-out calls follow with think / step delays).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -181,7 +182,7 @@ def multi_turn(
     rng = np.random.default_rng(seed)
     system = _tokens(rng, system_prompt_len)
     starts = _poisson_arrivals(rng, sessions, rate)
-    items = []
+    items: list[tuple[float, Tokens, int, str | None]] = []
     for s in range(sessions):
         t = float(starts[s])
         history = system
@@ -222,7 +223,7 @@ def agent_fanout(
     rng = np.random.default_rng(seed)
     tool_prompt = _tokens(rng, 512)  # the same tool definitions for every task
     starts = _poisson_arrivals(rng, tasks, rate)
-    items = []
+    items: list[tuple[float, Tokens, int, str | None]] = []
     for k in range(tasks):
         t = float(starts[k])
         context = np.concatenate([tool_prompt, _tokens(rng, context_len)])
@@ -249,7 +250,7 @@ def agent_fanout(
     return _finish("agent-fanout", items, block_size, model, params)
 
 
-GENERATORS = {
+GENERATORS: dict[str, Callable[..., Workload]] = {
     "shared-prefix": shared_prefix,
     "sglang-gsp": sglang_gsp,
     "multi-turn": multi_turn,

@@ -255,12 +255,12 @@ def _timed(
     while i < n or heap:
         next_arrival = reqs[i].arrival_s if i < n else math.inf
         if heap and heap[0][0] <= next_arrival:
-            end, _, w, ver = heapq.heappop(heap)
-            if ver != versions[w]:
+            end, _, done_w, ver = heapq.heappop(heap)
+            if ver != versions[done_w]:
                 continue  # superseded by a truncated macro step
-            st = steps[w]
+            st = steps[done_w]
             assert st is not None
-            end_step(w, end, st.steps)
+            end_step(done_w, end, st.steps)
             continue
         r = reqs[i]
         i += 1
