@@ -423,7 +423,8 @@ class EventIngestor:
                     status = self.sources.get(key)
                     if status is not None:
                         status.queued -= len(frames)
-            run_key, run = items[0][0], []
+            run_key = items[0][0]
+            run: list[tuple[int, Frames]] = []
             for key, epoch, frames, _ in items:
                 if key != run_key:
                     self._process(run_key, run)

@@ -7,7 +7,7 @@ reply). Replies are `[b"", topic, seq, payload]` (vLLM >= 0.26, SGLang) or
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import zmq
@@ -76,7 +76,7 @@ class ReplayStream:
         self.reached_stop = False  # `stop_seq` arrived (the socket was closed there)
         self.received = 0  # batches read (including any before `start_seq`)
 
-    def chunks(self) -> Iterator[list[tuple[int, bytes]]]:
+    def chunks(self) -> Generator[list[tuple[int, bytes]], None, None]:
         """Raises `ReplayError` when nothing at all arrives in `idle_timeout_s`, or on a
         reply that cannot be read; a stream that stops flowing later just ends."""
         sock = self.ctx.socket(zmq.DEALER)

@@ -61,7 +61,8 @@ def with_rank(endpoint: str, dp_rank: int) -> str:
     return f"{head}:{int(port) + dp_rank}"
 
 
-Deliver = Callable[[tuple[int, int], list[tuple[int, bytes]]], None]
+# returns how many of the frames the consumer took (the rest it dropped, counted)
+Deliver = Callable[[tuple[int, int], list[tuple[int, bytes]]], int]
 OnPeer = Callable[[tuple[int, int]], None]
 OnMalformed = Callable[[tuple[int, int]], None]
 _PEER_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED
