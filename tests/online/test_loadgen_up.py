@@ -118,7 +118,7 @@ def test_the_floor_proxy_relays_streams_unchanged(stack: Stack) -> None:
         "floor",
         ["--upstream", engine.url],
         stack.workdir,
-        module="quillcache.loadgen.floor_proxy",
+        module="benchmarks.online.floor_proxy",
     )
     stack.procs.append(floor)
     body = {"model": "sim-model", "prompt": "the same prompt", "max_tokens": 5, "stream": True}

@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from quillcache.realvllm import VllmEngine, VllmUnavailable, make_tiny_model, start_engines
-from quillcache.realvllm import vllm_python as find_vllm_python
-from quillcache.realvllm.launcher import BLOCK, ENV_VAR, SERVED_MODEL
+from benchmarks.realvllm import VllmEngine, VllmUnavailable, make_tiny_model, start_engines
+from benchmarks.realvllm import vllm_python as find_vllm_python
+from benchmarks.realvllm.launcher import BLOCK, ENV_VAR, SERVED_MODEL
 from quillcache.up import Proc, launch
 from tests.online.conftest import ADMIN, metric
 from tests.online.helpers import wait_for

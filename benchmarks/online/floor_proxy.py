@@ -6,7 +6,7 @@ with a connection pool) but without parsing, tokenizing, hashing, routing or met
 what it adds to TTFT is the cost of the extra hop itself on this machine, the floor
 under any gateway written this way.
 
-    python -m quillcache.loadgen.floor_proxy --upstream http://127.0.0.1:8001 --port 0
+    python -m benchmarks.online.floor_proxy --upstream http://127.0.0.1:8001 --port 0
 """
 
 from __future__ import annotations

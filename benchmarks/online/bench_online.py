@@ -1,6 +1,6 @@
 """The online-mode numbers of docs/online.md, side by side in one run:
 
-    python -m quillcache.loadgen.bench_online [--json out.json]
+    python -m benchmarks.online.bench_online [--json out.json]
 
 1. overhead: one engine simulator called directly vs through the gateway (the same
    engine behind it), 64 concurrent streams, alternated: the added TTFT / end-to-end
@@ -140,7 +140,7 @@ def overhead(
                 "ov-floor",
                 ["--upstream", upstream.url],
                 workdir,
-                module="quillcache.loadgen.floor_proxy",
+                module="benchmarks.online.floor_proxy",
             )
         procs += list(sides.values())[1:]
         pids = {"loadgen": os.getpid(), "engine": upstream.popen.pid}
@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only in (None, "routers"):
             out["routers"] = routers(wd, min(args.requests, 800), args.compare.split(","))
         if args.only == "real-vllm":
-            from quillcache.loadgen.bench_real_vllm import real_vllm
+            from benchmarks.online.bench_real_vllm import real_vllm
 
             routers_ = tuple(args.compare.split(","))
             out["real_vllm"] = real_vllm(
@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         console.print(t)
     if "real_vllm" in out:
-        from quillcache.loadgen.bench_real_vllm import print_table
+        from benchmarks.online.bench_real_vllm import print_table
 
         print_table(console, out["real_vllm"])
     if args.json:

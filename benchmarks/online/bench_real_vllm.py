@@ -1,9 +1,9 @@
 """The routing effect on real vLLM: vLLM's own prefix-cache hit rate through the gateway,
 quillcache router vs round-robin, the same requests against the same two engines.
 
-    QUILLCACHE_VLLM_PYTHON=... python -m quillcache.loadgen.bench_online --only real-vllm
+    QUILLCACHE_VLLM_PYTHON=... python -m benchmarks.online.bench_online --only real-vllm
 
-Two vLLM CPU servers (the tiny model of `quillcache.realvllm`) with small KV caches, so
+Two vLLM CPU servers (the tiny model of `benchmarks.realvllm`) with small KV caches, so
 that together they hold every shared prefix only if each prefix stays on one engine.
 For each run the engines' prefix caches are reset (`POST /reset_prefix_cache`, so both
 start empty) and a fresh gateway with the router under test is started; routers alternate
@@ -23,12 +23,12 @@ from typing import Any
 
 import httpx
 
+from benchmarks.realvllm import VllmEngine, make_tiny_model, start_engines, vllm_python
+from benchmarks.realvllm.launcher import SERVED_MODEL
 from quillcache.gateway.serve import run_loop
 from quillcache.loadgen.report import summarize
 from quillcache.loadgen.runner import RunConfig, run_load
 from quillcache.loadgen.workload import LoadRequest
-from quillcache.realvllm import VllmEngine, make_tiny_model, start_engines, vllm_python
-from quillcache.realvllm.launcher import SERVED_MODEL
 from quillcache.up import Proc, launch
 
 ADMIN = "bench"
