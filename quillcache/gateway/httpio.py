@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from starlette.requests import Request
+import numpy as np
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
+
+# Deeper JSON is refused before parsing: json.loads recurses once per level (a body
+# nested ~1,000 deep raised RecursionError), and so do json.dumps and msgpack on the
+# way to an engine. Real requests (chat content parts, tool and response_format
+# schemas) stay far below this.
+MAX_JSON_DEPTH = 128
 
 
 class ApiError(Exception):
@@ -69,11 +77,16 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared.isdigit() and int(declared) > limit:
         raise _too_big(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_big(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_big(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # The input ended before the body did; a client that only shut its sending side
+        # still reads this answer (a gone one never will).
+        raise ApiError(400, "the request body ended before its declared length") from None
     return b"".join(chunks)
 
 
@@ -82,13 +95,36 @@ def _too_big(limit: int) -> ApiError:
 
 
 def parse_object(raw: bytes) -> dict[str, Any]:
+    if json_depth_over(raw, MAX_JSON_DEPTH):
+        raise ApiError(400, f"request body is JSON nested deeper than {MAX_JSON_DEPTH} levels")
     try:
         body = json.loads(raw)
+    except RecursionError:  # not reached below MAX_JSON_DEPTH; kept as a 400 all the same
+        raise ApiError(400, "request body is JSON nested too deeply") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     return body
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth_over(raw: bytes, limit: int) -> bool:
+    """Whether the JSON text `raw` nests arrays and objects deeper than `limit`, without
+    parsing it. Brackets inside strings do not count. A body with at most `limit` opening
+    brackets cannot be deeper (two `count`s: the completion path's whole cost); else the
+    strings are cut out and the depth is the running sum of the brackets left, all in C."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if len(brackets) <= limit:
+        return False
+    codes = np.frombuffer(brackets, dtype=np.uint8)
+    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1)
+    return bool(np.cumsum(steps).max() > limit)
 
 
 async def json_object(request: Request, limit: int, default: bytes = b"") -> dict[str, Any]:
@@ -116,6 +152,44 @@ def validate_completion(body: dict[str, Any], chat: bool) -> None:
     problem = _completion_problem(body, chat)
     if problem:
         raise ApiError(400, problem)
+
+
+def check_prompt_bytes(body: dict[str, Any], chat: bool, raw_size: int, limit: int) -> None:
+    """400 when the prompt's text (a chat's message texts) exceeds `limit` UTF-8 bytes,
+    before anything tokenizes it. A body no larger than the limit passes unmeasured."""
+    if raw_size <= limit:
+        return
+    texts: list[Any] = []
+    if chat:
+        for message in body.get("messages") or ():
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                texts += [p.get("text") for p in content if isinstance(p, dict)]
+            else:
+                texts.append(content)
+    else:
+        prompt = body.get("prompt")
+        texts = prompt if isinstance(prompt, list) else [prompt]
+    size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts if isinstance(t, str))
+    if size > limit:
+        what = "message texts are" if chat else "prompt is"
+        raise ApiError(
+            400,
+            f"the {what} {size} bytes long, over the gateway's limit of {limit} bytes "
+            "(max_prompt_bytes)",
+            param="messages" if chat else "prompt",
+        )
+
+
+def check_context(prompt_tokens: int, limit: int | None) -> None:
+    """400 in vLLM's words when the prompt alone exceeds the serving engines' context."""
+    if limit is not None and prompt_tokens > limit:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your request "
+            f"has {prompt_tokens} input tokens. Please reduce the length of the input "
+            "messages.",
+        )
 
 
 def _completion_problem(body: dict[str, Any], chat: bool) -> str | None:

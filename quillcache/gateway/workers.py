@@ -37,6 +37,7 @@ class Worker:
     base_model: str = ""
     models: dict[str, str] = field(default_factory=dict)  # served name -> LoRA ("" = base)
     block_size: int | None = None
+    max_model_len: int | None = None  # from /v1/models (vLLM reports it)
     healthy: bool = True
     draining: bool = False
     load: EngineLoad = field(default_factory=EngineLoad)
@@ -63,6 +64,7 @@ class Worker:
             "base_model": self.base_model,
             "models": sorted(self.models),
             "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
             "healthy": self.healthy,
             "draining": self.draining,
             "parity": self.parity,
@@ -203,6 +205,9 @@ class WorkerPool:
                 w.base_model = w.base_model or m["id"]
         if not w.base_model and models:
             w.base_model = models[0].get("root") or models[0]["id"]
+        lengths = [m.get("max_model_len") for m in models]
+        if lengths and all(isinstance(n, int) and n > 0 for n in lengths):
+            w.max_model_len = max(lengths)
         try:
             w.load = parse_engine_metrics((await client.get(f"{cfg.url}/metrics")).text)
             w.block_size = w.load.block_size
@@ -347,6 +352,17 @@ class WorkerPool:
             found = None
         self._serving[model] = found
         return found
+
+    def context_limit(self, only: frozenset[int] | None = None) -> int | None:
+        """The longest context any of the workers `only` (None: all) takes, in tokens;
+        None when one of them did not say (its engine judges each request itself)."""
+        limit = 0
+        for w in self.workers.values():
+            if only is None or w.id in only:
+                if w.max_model_len is None:
+                    return None
+                limit = max(limit, w.max_model_len)
+        return limit or None
 
     def any_routable(self, only: frozenset[int] | None = None) -> Worker | None:
         for w in self.workers.values():

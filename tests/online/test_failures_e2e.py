@@ -17,6 +17,7 @@ import pytest
 
 from quillcache.errors import ConfigError
 from quillcache.gateway.config import load_config
+from quillcache.gateway.h1 import HALF_CLOSE_GRACE_S
 from quillcache.up import launch
 from tests.online.conftest import Stack, metric
 from tests.online.helpers import free_port, http_get, http_post, wait_for
@@ -234,6 +235,9 @@ def test_client_disconnect_cancels_a_non_streamed_request(stack: Stack) -> None:
         )
         wait_for(lambda: running() == 1, what="the engine to run the request")
         assert aborted(engine.url) == 0
+        # an end of input right behind the request is a half-close (the client still
+        # reads its answer); later, the client has left
+        time.sleep(HALF_CLOSE_GRACE_S + 0.5)
     finally:
         sock.close()  # the client leaves ~10 s before the answer would be complete
     wait_for(lambda: aborted(engine.url) == 1, timeout=5, what="the engine to abort it")
