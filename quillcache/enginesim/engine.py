@@ -26,7 +26,7 @@ import xxhash
 
 from quillcache.costmodel import CostModel, CostModelConfig
 from quillcache.events.encode import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
-from quillcache.gateway.keys import content_keys, namespace
+from quillcache.identity import content_keys, namespace
 from quillcache.sim.engine import EngineModel, Running, engine_hash
 from quillcache.sim.requests import SimRequest
 

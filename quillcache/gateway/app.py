@@ -36,7 +36,6 @@ from quillcache.gateway import asgi
 from quillcache.gateway.admin import AdminApi
 from quillcache.gateway.config import GatewayConfig
 from quillcache.gateway.ingest_http import IngestEndpoint
-from quillcache.gateway.keys import content_keys, namespace
 from quillcache.gateway.metrics import GatewayMetrics, state_metrics
 from quillcache.gateway.openai_api import CHAT_COMPLETIONS, COMPLETIONS, OpenAIEndpoints
 from quillcache.gateway.parity import parity_check
@@ -44,6 +43,7 @@ from quillcache.gateway.secret import load_or_create
 from quillcache.gateway.tenancy import Identity, TenantPolicy
 from quillcache.gateway.tokenization import EngineUnreachable, RequestTokenizer
 from quillcache.gateway.workers import Worker, WorkerPool
+from quillcache.identity import content_keys, namespace
 from quillcache.index.native import NativeIndex
 from quillcache.routing import Request as RouteRequest
 from quillcache.routing import Router

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from quillcache.errors import QuillCacheError
-from quillcache.gateway.keys import content_keys
+from quillcache.identity import content_keys
 
 if TYPE_CHECKING:
     from quillcache.gateway.app import Gateway

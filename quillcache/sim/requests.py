@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
-import xxhash
 from numpy.lib.stride_tricks import sliding_window_view
 
-from quillcache.hashing.reference import SEED
+from quillcache.identity import content_keys
 
 U64 = np.uint64
 _MASK = (1 << 64) - 1
@@ -142,21 +141,6 @@ def _array_header(n: int) -> bytes:
     return b"\xdd" + struct.pack(">I", n)
 
 
-def block_key(parent: int, tokens: npt.NDArray[np.uint32]) -> int:
-    """One chained content key (docs/content-key.md), numpy fast path of the reference."""
-    return xxhash.xxh3_64_intdigest(
-        struct.pack("<Q", parent) + tokens.astype("<u4", copy=False).tobytes(), seed=SEED
-    )
-
-
-def content_keys(tokens: npt.NDArray[np.uint32], block_size: int, parent: int) -> list[int]:
-    out = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = block_key(parent, tokens[start : start + block_size])
-        out.append(parent)
-    return out
-
-
 @dataclass(slots=True)
 class SimRequest:
     """One request of a workload. Exactly one of `tokens` / `block_ids` is set."""
@@ -235,8 +219,6 @@ class KeyChainer:
     def keys_for_ids(self, ids: Sequence[int], full_blocks: int) -> list[int]:
         """Keys of the first `full_blocks` blocks of `ids`: memoised prefix, then the
         new tail's synthetic tokens hashed in one native call."""
-        from quillcache.hashing import content_keys
-
         if self.chained:
             out = self._known_chained_prefix(ids, full_blocks)
         else:
@@ -292,7 +274,7 @@ def make_request(
     """Build a request from token ids, or from block ids (+ prompt length) and a chainer."""
     if tokens is not None:
         toks = np.asarray(tokens, dtype=np.uint32)
-        keys = content_keys(toks, block_size, namespace)
+        keys = content_keys(toks, block_size, namespace).tolist()
         n_prompt = len(toks)
     else:
         assert block_ids is not None and prompt_tokens is not None and chainer is not None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from quillcache.hashing.reference import namespace_id
+from quillcache.identity import namespace
 from quillcache.sim.requests import SimRequest
 
 DEFAULT_MODEL = "sim-model"
@@ -13,7 +13,7 @@ DEFAULT_MODEL = "sim-model"
 def sim_namespace(block_size: int, model: str = DEFAULT_MODEL) -> int:
     """The namespace the simulated engines' events resolve to in the index: the
     worker's registered model, no tokenizer/LoRA/tenant, the events' block size."""
-    return namespace_id(model=model, block_size=block_size)
+    return namespace(model, "", "", "", block_size)
 
 
 @dataclass

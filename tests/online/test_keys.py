@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from quillcache.gateway.keys import _python_keys, content_keys, namespace
 from quillcache.hashing import reference
+from quillcache.identity import content_keys, namespace
 
 
 @given(
@@ -22,7 +22,7 @@ def test_keys_match_the_reference(tokens: list[int], bs: int, model: str, tenant
     assert ns == reference.namespace_id(model, "", "", tenant, bs)
     expected = reference.content_keys(tokens, bs, ns)
     assert content_keys(tokens, bs, ns).tolist() == expected
-    assert _python_keys(np.array(tokens, dtype=np.int64), bs, ns).tolist() == expected
+    assert content_keys(np.array(tokens, dtype=np.uint32), bs, ns).tolist() == expected
 
 
 @pytest.mark.parametrize("bad", [[-1], [2**32]])
