@@ -74,6 +74,34 @@ class EventBatch:
     dp_rank: int | None
 
 
+#: Medium names are bounded as the Rust index bounds them (`rust/core/src/events/types.rs`,
+#: see docs/kv-events.md): a name longer than this many UTF-8 bytes ...
+MAX_MEDIUM_NAME_BYTES = 64
+#: ... or one more unknown name than this goes to OTHER_MEDIUM.
+MAX_CUSTOM_MEDIA = 16
+OTHER_MEDIUM = "OTHER"
+#: Always kept as sent (besides GPU/CPU/DISK), compared ASCII case-insensitively:
+#: vLLM's EXTERNAL, the fold target, and LMCache's backend names (its
+#: `CreateStorageBackends`, lmcache/v1/storage_backend/__init__.py).
+KNOWN_MEDIA = (
+    "EXTERNAL",
+    OTHER_MEDIUM,
+    "LocalCPUBackend",
+    "LocalDiskBackend",
+    "RemoteBackend",
+    "GdsBackend",
+    "WekaGdsBackend",
+    "NixlBackend",
+    "NixlStorageBackend",
+)
+_KNOWN_UPPER = frozenset(["GPU", "CPU", "DISK", *(k.upper() for k in KNOWN_MEDIA)])
+
+
+def is_known_medium(medium: str) -> bool:
+    """GPU/CPU/DISK or one of KNOWN_MEDIA: kept whatever the limits."""
+    return medium.isascii() and medium.upper() in _KNOWN_UPPER
+
+
 def normalize_medium(medium: str | None) -> str:
     """The engines' medium names reduced to GPU / CPU / DISK (others kept as sent)."""
     if medium is None:

@@ -243,6 +243,12 @@ def state_metrics(
         {(): index_stats.resident_pairs},
         [],
     )
+    yield counter(
+        "quillcache_index_media_folded",
+        "Stored events whose medium name was too long or one unknown name too many, "
+        "indexed under the OTHER medium (docs/kv-events.md).",
+        index_stats.extra.get("media_folded", 0),
+    )
     yield gauge(
         "quillcache_worker_in_flight",
         "Requests in flight per worker.",

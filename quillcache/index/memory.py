@@ -13,7 +13,16 @@ from dataclasses import dataclass, field
 
 from quillcache.errors import EventDecodeError
 from quillcache.events.pyref import decode_batch
-from quillcache.events.types import AllBlocksCleared, BlockRemoved, BlockStored, MmKey
+from quillcache.events.types import (
+    MAX_CUSTOM_MEDIA,
+    MAX_MEDIUM_NAME_BYTES,
+    OTHER_MEDIUM,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    MmKey,
+    is_known_medium,
+)
 from quillcache.hashing.reference import block_key, namespace_id
 from quillcache.index.inputs import InvalidIndexInputError, as_key_array, check_source
 from quillcache.index.protocol import KeyArray
@@ -49,6 +58,8 @@ class MemoryIndex:
     def __init__(self) -> None:
         self._nodes: dict[int, _Node] = {}
         self._sources: dict[SourceId, _Source] = {}
+        self._custom_media: set[str] = set()  # unknown medium names kept so far
+        self._media_folded = 0
 
     # --- sources ---------------------------------------------------------------
 
@@ -127,11 +138,26 @@ class MemoryIndex:
             if parent_node is not None:
                 self._nodes[parent_node].children.add(key)
 
+    def _medium(self, medium: str, *, storing: bool) -> str:
+        """The name holders of `medium` are kept under: its own, or OTHER_MEDIUM when it is
+        too long or one unknown name too many (docs/kv-events.md). A store admits a new
+        name; a removal only looks."""
+        if medium in self._custom_media or is_known_medium(medium):
+            return medium
+        fits = len(medium.encode("utf-8", "surrogatepass")) <= MAX_MEDIUM_NAME_BYTES
+        if fits and len(self._custom_media) < MAX_CUSTOM_MEDIA:
+            if storing:
+                self._custom_media.add(medium)
+            return medium
+        if storing:
+            self._media_folded += 1
+        return OTHER_MEDIUM
+
     def _store(self, sid: SourceId, src: _Source, ev: BlockStored, stats: ApplyStats) -> None:
         n = len(ev.block_hashes)
         if n == 0:
             return
-        holder = (sid, ev.medium)
+        holder = (sid, self._medium(ev.medium, storing=True))
         if not ev.token_ids:
             for h in ev.block_hashes:
                 key = src.engine.get((ev.group_idx, h))
@@ -187,7 +213,7 @@ class MemoryIndex:
         return items or None
 
     def _remove(self, sid: SourceId, src: _Source, ev: BlockRemoved, stats: ApplyStats) -> None:
-        holder = (sid, ev.medium)
+        holder = (sid, self._medium(ev.medium, storing=False))
         for h in ev.block_hashes:
             hk = (ev.group_idx, h)
             key = src.engine.get(hk)
@@ -294,6 +320,7 @@ class MemoryIndex:
             extra={
                 "nodes": len(self._nodes),
                 "pinned": sum(1 for n in visible if n.pins),
+                "media_folded": self._media_folded,
             },
         )
 
@@ -305,6 +332,9 @@ class MemoryIndex:
             size += sys.getsizeof(node.key) + sys.getsizeof(node.parent)
             size += sys.getsizeof(node.holders) + sys.getsizeof(node.children)
             size += sum(sys.getsizeof(h) for h in node.holders)
+        # Medium names once each (every holder of a name shares it).
+        names = {h[1] for node in self._nodes.values() for h in node.holders}
+        size += sum(sys.getsizeof(m) for m in names | self._custom_media)
         for src in self._sources.values():
             size += sys.getsizeof(src) + sys.getsizeof(src.engine)
             size += sum(sys.getsizeof(k) for k in src.engine)

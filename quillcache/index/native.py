@@ -166,13 +166,18 @@ class NativeIndex:
         self._inner.reserve(int(blocks))
 
     def stats(self) -> IndexStats:
-        blocks, nodes, pairs, sources, pinned, spilled, memory = self._inner.stats()
+        blocks, nodes, pairs, sources, pinned, spilled, memory, folded = self._inner.stats()
         return IndexStats(
             blocks=blocks,
             resident_pairs=pairs,
             sources=sources,
             memory_bytes=memory,
-            extra={"nodes": nodes, "pinned": pinned, "spilled": spilled},
+            extra={
+                "nodes": nodes,
+                "pinned": pinned,
+                "spilled": spilled,
+                "media_folded": folded,
+            },
         )
 
     # --- persistence hooks -----------------------------------------------------

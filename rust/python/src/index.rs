@@ -21,6 +21,10 @@ use crate::matches::{match_list, named_hits};
 /// unknown_removals, invalid_events)`: the fields of `quillcache.index.ApplyStats`.
 type StatsTuple = (u64, u64, u64, u64, u64, u64, u64, u64);
 
+/// `(blocks, nodes, resident_pairs, sources, pinned, spilled, memory_bytes,
+/// media_folded)`: an index's stats as Python gets them.
+pub type IndexStatsTuple = (u64, u64, u64, u64, u64, u64, u64, u64);
+
 fn stats_tuple(s: &ApplyStats) -> StatsTuple {
     (
         s.batches,
@@ -254,8 +258,9 @@ impl NativeIndex {
             })
     }
 
-    /// `(blocks, nodes, resident_pairs, sources, pinned, spilled, memory_bytes)`.
-    fn stats(&self, py: Python<'_>) -> (u64, u64, u64, u64, u64, u64, u64) {
+    /// `(blocks, nodes, resident_pairs, sources, pinned, spilled, memory_bytes,
+    /// media_folded)`.
+    fn stats(&self, py: Python<'_>) -> IndexStatsTuple {
         let s = py.detach(|| self.read().stats());
         (
             s.blocks,
@@ -265,6 +270,7 @@ impl NativeIndex {
             s.pinned,
             s.spilled,
             s.memory_bytes,
+            s.media_folded,
         )
     }
 

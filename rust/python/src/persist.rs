@@ -329,8 +329,9 @@ impl DurableIndex {
         self.mutate(py, |d| d.unpin(keys))
     }
 
-    /// `(blocks, nodes, resident_pairs, sources, pinned, spilled, memory_bytes)`.
-    fn stats(&self, py: Python<'_>) -> PyResult<(u64, u64, u64, u64, u64, u64, u64)> {
+    /// `(blocks, nodes, resident_pairs, sources, pinned, spilled, memory_bytes,
+    /// media_folded)`.
+    fn stats(&self, py: Python<'_>) -> PyResult<crate::index::IndexStatsTuple> {
         let s = self.with_read(py, |d| d.index().stats())?;
         Ok((
             s.blocks,
@@ -340,6 +341,7 @@ impl DurableIndex {
             s.pinned,
             s.spilled,
             s.memory_bytes,
+            s.media_folded,
         ))
     }
 
@@ -643,9 +645,10 @@ impl KvIndex {
         self.with_mut(py, |ix| ix.unpin(keys))
     }
 
-    /// `(blocks, nodes, resident_pairs, sources, pinned, spilled=0, memory_bytes)`;
+    /// `(blocks, nodes, resident_pairs, sources, pinned, spilled=0, memory_bytes,
+    /// media_folded)`;
     /// memory is the store's own estimate (memtables, block cache, table readers).
-    fn stats(&self, py: Python<'_>) -> PyResult<(u64, u64, u64, u64, u64, u64, u64)> {
+    fn stats(&self, py: Python<'_>) -> PyResult<crate::index::IndexStatsTuple> {
         self.with(py, |ix| {
             let (blocks, nodes, pairs, sources, pinned) = ix.counts()?;
             Ok((
@@ -656,6 +659,7 @@ impl KvIndex {
                 pinned,
                 0,
                 ix.store().memory_bytes(),
+                ix.media_folded(),
             ))
         })
     }

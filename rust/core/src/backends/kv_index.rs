@@ -9,7 +9,10 @@
 use std::collections::{BTreeMap, HashMap};
 
 use crate::content_key::{chain_block, MmItem};
-use crate::events::{decode_batch, BlockRemoved, BlockStored, Event, EventBatch, ExtraKey};
+use crate::events::{
+    decode_batch, BlockRemoved, BlockStored, Event, EventBatch, ExtraKey, Medium, MAX_CUSTOM_MEDIA,
+    OTHER_MEDIUM,
+};
 use crate::index::sources::engine_map_key;
 use crate::index::{ApplyStats, EntryOut, HolderOut, LogicalState, SourceKey};
 use crate::namespace::Namespace;
@@ -45,6 +48,11 @@ pub struct KvIndex<S: KvStore> {
     txn: Txn,
     /// `meta` before the call, restored if the commit fails.
     saved: Meta,
+    /// Unknown medium names kept so far: bounded as in the in-memory index
+    /// (`Media`). In memory only: after a reopen, names are admitted anew as they come.
+    custom_media: Vec<String>,
+    /// Stored events whose medium went to `OTHER` (a counter since open).
+    media_folded: u64,
 }
 
 /// A match: (worker, dp rank, medium, blocks), sorted by (worker, dp rank, medium).
@@ -62,11 +70,38 @@ impl<S: KvStore> KvIndex<S> {
             meta,
             txn: Txn::default(),
             saved: meta,
+            custom_media: Vec::new(),
+            media_folded: 0,
         })
     }
 
     pub fn store(&self) -> &S {
         &self.store
+    }
+
+    /// Stored events whose medium name was beyond the limits (see `Media`).
+    pub fn media_folded(&self) -> u64 {
+        self.media_folded
+    }
+
+    /// The name holders of `m` are kept under: its own, or [`OTHER_MEDIUM`] beyond the
+    /// limits (the same mapping as the in-memory index). A store admits a new name; a
+    /// removal only looks (a name it has never seen holds nothing).
+    fn medium_name<'a>(&mut self, m: &'a Medium, storing: bool) -> &'a str {
+        let name = m.as_str();
+        if m.is_known() || self.custom_media.iter().any(|c| c == name) {
+            return name;
+        }
+        if m.fits() && self.custom_media.len() < MAX_CUSTOM_MEDIA {
+            if storing {
+                self.custom_media.push(name.to_owned());
+            }
+            return name;
+        }
+        if storing {
+            self.media_folded += 1;
+        }
+        OTHER_MEDIUM
     }
 
     pub fn store_mut(&mut self) -> &mut S {
@@ -300,7 +335,7 @@ impl<S: KvStore> KvIndex<S> {
         if n == 0 {
             return Ok(());
         }
-        let medium = ev.medium.as_str();
+        let medium = self.medium_name(&ev.medium, true);
         let group = ev.group_idx;
         if ev.token_ids.is_empty() {
             for &h in &ev.block_hashes {
@@ -377,7 +412,7 @@ impl<S: KvStore> KvIndex<S> {
         ev: &BlockRemoved,
         stats: &mut ApplyStats,
     ) -> Result<()> {
-        let medium = ev.medium.as_str();
+        let medium = self.medium_name(&ev.medium, false);
         for &h in &ev.block_hashes {
             let Some(key) = self.engine(s, ev.group_idx, h)? else {
                 stats.unknown_removals += 1;

@@ -13,4 +13,7 @@ mod tests;
 pub use decode::{decode_batch, decode_batch_into, DecodeError};
 pub use flat::{BatchHeader, EventRef, FlatEvent, FlatEvents, FlatStored, RemovedRef, StoredRef};
 pub use reader::MAX_DEPTH;
-pub use types::{BlockRemoved, BlockStored, EngineHash, Event, EventBatch, ExtraKey, Medium};
+pub use types::{
+    BlockRemoved, BlockStored, EngineHash, Event, EventBatch, ExtraKey, Medium, KNOWN_MEDIA,
+    MAX_CUSTOM_MEDIA, MAX_MEDIUM_NAME_BYTES, OTHER_MEDIUM,
+};

@@ -11,6 +11,36 @@
 /// QuillCache treats it as an opaque id, never as content.
 pub type EngineHash = u64;
 
+/// A medium name longer than this is not kept: it becomes [`OTHER_MEDIUM`] (a name is
+/// a tier's label; every engine's fits in a few bytes).
+pub const MAX_MEDIUM_NAME_BYTES: usize = 64;
+
+/// How many distinct unknown medium names (beyond GPU/CPU/DISK and [`KNOWN_MEDIA`]) an
+/// index keeps; later ones become [`OTHER_MEDIUM`]. Names are kept for good (holder
+/// ids carry a medium index), so without a bound a publisher inventing names grows the
+/// index without limit.
+pub const MAX_CUSTOM_MEDIA: usize = 16;
+
+/// The one tier every name beyond the limits maps to (counted: `media_folded`).
+pub const OTHER_MEDIUM: &str = "OTHER";
+
+/// Names always kept as sent, whatever the limits (compared case-insensitively):
+/// vLLM's and SGLang's tiers not already folded into GPU/CPU/DISK, the fold target
+/// itself, and LMCache's storage locations: the names its `CreateStorageBackends`
+/// (`lmcache/v1/storage_backend/__init__.py`) gives the backends, which LMCache uses as
+/// a block's location.
+pub const KNOWN_MEDIA: &[&str] = &[
+    "EXTERNAL",
+    OTHER_MEDIUM,
+    "LocalCPUBackend",
+    "LocalDiskBackend",
+    "RemoteBackend",
+    "GdsBackend",
+    "WekaGdsBackend",
+    "NixlBackend",
+    "NixlStorageBackend",
+];
+
 /// Where a block lives. The common names are interned; anything else is kept.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Medium {
@@ -39,6 +69,24 @@ impl Medium {
                 }
             }
         }
+    }
+
+    /// [`OTHER_MEDIUM`], where names beyond the limits go.
+    pub fn other() -> Medium {
+        Medium::Other(OTHER_MEDIUM.to_owned())
+    }
+
+    /// GPU, CPU, DISK or one of [`KNOWN_MEDIA`]: kept whatever the limits.
+    pub fn is_known(&self) -> bool {
+        match self {
+            Medium::Other(s) => KNOWN_MEDIA.iter().any(|k| s.eq_ignore_ascii_case(k)),
+            _ => true,
+        }
+    }
+
+    /// Whether the name is short enough to be kept ([`MAX_MEDIUM_NAME_BYTES`]).
+    pub fn fits(&self) -> bool {
+        self.as_str().len() <= MAX_MEDIUM_NAME_BYTES
     }
 
     pub fn as_str(&self) -> &str {

@@ -109,10 +109,11 @@ impl Index {
         if n == 0 {
             return;
         }
-        let Some(medium) = self.media.intern(ev.medium) else {
+        let Some((medium, folded)) = self.media.intern(ev.medium) else {
             stats.invalid_events += 1;
             return;
         };
+        self.media_folded += u64::from(folded);
         let hid = holder_id(slot, medium);
         let group = ev.group_idx;
         if ev.token_ids.is_empty() {
@@ -204,7 +205,7 @@ impl Index {
     }
 
     fn remove(&mut self, slot: u32, ev: &RemovedRef<'_>, stats: &mut ApplyStats) {
-        let medium = self.media.find(ev.medium);
+        let medium = self.media.resolve(ev.medium);
         for &h in ev.block_hashes {
             let map_key = engine_map_key(ev.group_idx, h);
             let Some(key) = self.resolve(slot, map_key) else {

@@ -85,6 +85,9 @@ pub struct IndexStats {
     pub spilled: u64,
     /// Heap bytes of every structure of the index (capacities, not just lengths).
     pub memory_bytes: u64,
+    /// Stored events whose medium name was beyond the limits (too long, or one
+    /// unknown name too many) and went to the `OTHER` medium.
+    pub media_folded: u64,
 }
 
 /// The largest capacity hint `Index::reserve` takes: 2^26 blocks (the two tables
@@ -120,6 +123,8 @@ pub struct Index {
     tree: Tree,
     sources: Sources,
     media: Media,
+    /// See [`IndexStats::media_folded`] (not in snapshots: a counter since start).
+    media_folded: u64,
     resident_pairs: u64,
     /// Nodes with a holder or a pin.
     blocks: u64,
@@ -167,6 +172,7 @@ impl Index {
                 + self.tree.heap_bytes()
                 + self.sources.heap_bytes()
                 + self.media.heap_bytes()) as u64,
+            media_folded: self.media_folded,
         }
     }
 

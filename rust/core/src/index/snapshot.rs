@@ -313,7 +313,7 @@ impl Index {
         for _ in 0..n_media {
             let name = i.str()?;
             let m = Medium::parse(Some(&name));
-            if self.media.find(&m).is_some() || self.media.intern(&m).is_none() {
+            if self.media.find(&m).is_some() || self.media.insert(&m).is_none() {
                 return Err(corrupt(format!(
                     "medium {name:?} repeated or too many media"
                 )));

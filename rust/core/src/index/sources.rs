@@ -5,7 +5,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use hashbrown::HashMap;
 
-use crate::events::Medium;
+use crate::events::{Medium, MAX_CUSTOM_MEDIA};
 
 /// A publisher of KV events: an engine and its data-parallel rank.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -187,13 +187,18 @@ impl Sources {
     }
 }
 
-/// Interned media names: holder ids carry an 8-bit index.
+/// Interned media names: holder ids carry an 8-bit index. Bounded: GPU/CPU/DISK and
+/// the known names, plus at most [`MAX_CUSTOM_MEDIA`] others of at most
+/// [`crate::events::MAX_MEDIUM_NAME_BYTES`]; any other name is stored as
+/// [`crate::events::OTHER_MEDIUM`].
 #[derive(Debug, Clone, Default)]
 pub struct Media {
     names: Vec<Medium>,
     /// Each medium's place in name order, so that `match` sorts its hits by medium
-    /// name with integer compares instead of string compares.
+    /// name with integer compares (string compares were 4 % of a match).
     rank: Vec<u8>,
+    /// Interned names that are not known ones.
+    custom: usize,
 }
 
 impl Media {
@@ -201,13 +206,46 @@ impl Media {
         self.names.iter().position(|x| x == m).map(|i| i as u8)
     }
 
-    /// The index of `m`, interned if new; None once 256 distinct media exist.
-    pub fn intern(&mut self, m: &Medium) -> Option<u8> {
+    /// Whether `m` may get its own index (known, or unknown within the limits).
+    fn admits(&self, m: &Medium) -> bool {
+        m.is_known() || (m.fits() && self.custom < MAX_CUSTOM_MEDIA)
+    }
+
+    /// The index a store of `m` goes to, interned if new, and whether `m` was folded
+    /// into [`crate::events::OTHER_MEDIUM`]; None once 256 distinct media exist (only a snapshot can
+    /// bring that many).
+    pub fn intern(&mut self, m: &Medium) -> Option<(u8, bool)> {
         if let Some(i) = self.find(m) {
-            return Some(i);
+            return Some((i, false));
         }
+        if self.admits(m) {
+            return self.insert(m).map(|i| (i, false));
+        }
+        let other = Medium::other();
+        let i = match self.find(&other) {
+            Some(i) => i,
+            None => self.insert(&other)?,
+        };
+        Some((i, true))
+    }
+
+    /// The index a removal of `m` refers to: the same mapping as [`Media::intern`],
+    /// without interning (None: nothing was ever stored under it).
+    pub fn resolve(&self, m: &Medium) -> Option<u8> {
+        match self.find(m) {
+            Some(i) => Some(i),
+            None if self.admits(m) => None,
+            None => self.find(&Medium::other()),
+        }
+    }
+
+    /// Appends `m` whatever the limits (a snapshot's media); None once 256 exist.
+    pub fn insert(&mut self, m: &Medium) -> Option<u8> {
         if self.names.len() >= 256 {
             return None;
+        }
+        if !m.is_known() {
+            self.custom += 1;
         }
         self.names.push(m.clone());
         let mut order: Vec<u8> = (0..self.names.len() as u16).map(|i| i as u8).collect();

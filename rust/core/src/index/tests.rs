@@ -3,7 +3,10 @@
 use proptest::prelude::*;
 
 use crate::content_key::chain_keys;
-use crate::events::{BlockRemoved, BlockStored, Event, EventBatch, ExtraKey, Medium};
+use crate::events::{
+    BlockRemoved, BlockStored, Event, EventBatch, ExtraKey, Medium, KNOWN_MEDIA, MAX_CUSTOM_MEDIA,
+    OTHER_MEDIUM,
+};
 use crate::namespace::Namespace;
 
 use super::*;
@@ -682,4 +685,82 @@ fn reserve_refuses_absurd_hints_and_counts_what_it_takes() {
     idx.reserve(10_000).unwrap();
     // 10 000 nodes of 40 B, two tables of 16 384 four-byte slots.
     assert!(idx.stats().memory_bytes >= before + 400_000 + 2 * 65_536);
+}
+
+/// An offload-tier store of blocks the source already holds (no tokens, so the block
+/// itself costs nothing new): only the medium name can grow the index.
+fn offload(hash: u64, name: String) -> Event {
+    stored(&[hash], None, vec![], Medium::Other(name))
+}
+
+#[test]
+fn long_medium_names_go_to_other_and_memory_stays_bounded() {
+    let mut idx = Index::new();
+    let t = toks(1, 0);
+    idx.apply_batch(
+        src(1),
+        &batch(vec![stored(&[1], None, t.clone(), Medium::Gpu)]),
+    );
+    let before = idx.stats().memory_bytes;
+    for i in 0..300u32 {
+        let name = format!("{i:04}{}", "x".repeat(1 << 20)); // 300 distinct 1 MiB names
+        let s = idx.apply_batch(src(1), &batch(vec![offload(1, name)]));
+        assert_eq!(s.blocks_stored, 1);
+    }
+    let stats = idx.stats();
+    assert_eq!(stats.media_folded, 300);
+    let grown = stats.memory_bytes - before;
+    assert!(grown < 64 << 10, "the index grew by {grown} bytes");
+    let hits = idx.match_keys(&keys_of(&t));
+    let media: Vec<&str> = hits.iter().map(|h| idx.medium_name(h.medium)).collect();
+    assert_eq!(media, vec!["GPU", OTHER_MEDIUM]);
+    // A removal under an over-long name finds the block where its store put it.
+    let name = format!("0000{}", "x".repeat(1 << 20));
+    let s = idx.apply_batch(src(1), &batch(vec![removed(&[1], Medium::Other(name))]));
+    assert_eq!((s.blocks_removed, s.unknown_removals), (1, 0));
+    idx.check_invariants().unwrap();
+}
+
+#[test]
+fn unknown_medium_names_beyond_the_limit_go_to_other_but_known_ones_never_do() {
+    let mut idx = Index::new();
+    let t = toks(1, 0);
+    idx.apply_batch(
+        src(1),
+        &batch(vec![stored(&[1], None, t.clone(), Medium::Gpu)]),
+    );
+    for i in 0..300 {
+        idx.apply_batch(src(1), &batch(vec![offload(1, format!("tier{i}"))]));
+    }
+    assert_eq!(idx.stats().media_folded, (300 - MAX_CUSTOM_MEDIA) as u64);
+    for &known in KNOWN_MEDIA.iter().chain(&["CPU_PINNED", "STORAGE", "disk"]) {
+        let medium = Medium::parse(Some(known)); // as decoded
+        let ev = stored(&[1], None, vec![], medium);
+        idx.apply_batch(src(1), &batch(vec![ev]));
+    }
+    assert_eq!(idx.stats().media_folded, (300 - MAX_CUSTOM_MEDIA) as u64);
+    let hits = idx.match_keys(&keys_of(&t));
+    let mut media: Vec<&str> = hits.iter().map(|h| idx.medium_name(h.medium)).collect();
+    media.sort_unstable();
+    let mut expected: Vec<String> = (0..MAX_CUSTOM_MEDIA).map(|i| format!("tier{i}")).collect();
+    expected.extend(KNOWN_MEDIA.iter().map(|k| k.to_string()));
+    expected.extend(["GPU", "CPU", "DISK"].map(String::from));
+    expected.sort_unstable();
+    assert_eq!(media, expected);
+    // A name that was never kept removes from OTHER; a kept one from its own medium.
+    let s = idx.apply_batch(
+        src(1),
+        &batch(vec![removed(&[1], Medium::Other("tier299".into()))]),
+    );
+    assert_eq!(s.blocks_removed, 1);
+    let s = idx.apply_batch(
+        src(1),
+        &batch(vec![removed(&[1], Medium::Other("tier3".into()))]),
+    );
+    assert_eq!(s.blocks_removed, 1);
+    let hits = idx.match_keys(&keys_of(&t));
+    // tier3's holder is gone; OTHER's stays (each folded store counted one copy).
+    assert_eq!(hits.len(), expected.len() - 1);
+    assert!(hits.iter().all(|h| idx.medium_name(h.medium) != "tier3"));
+    idx.check_invariants().unwrap();
 }
