@@ -69,9 +69,11 @@ test-rust-features:  ## the key-value stores' Rust tests (release: reuses build-
 	CARGO_TARGET_DIR=$(FEATURES_TARGET_DIR) cargo clippy --release -p quillcache-core --all-targets --features "$(CI_FEATURES)" -- -D warnings
 	CARGO_TARGET_DIR=$(FEATURES_TARGET_DIR) cargo test --release -p quillcache-core --features "$(CI_FEATURES)" -q
 
-lint:
+lint:  ## ruff; mypy over quillcache/; stubtest keeps the hand-written _native.pyi true to the extension
 	ruff check quillcache tests benchmarks asv_bench
 	ruff format --check quillcache tests benchmarks asv_bench
+	$(PYTHON) -m mypy
+	$(PYTHON) -m mypy.stubtest quillcache._native
 
 test-python:
 	$(PYTHON) -m pytest -q

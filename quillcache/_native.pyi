@@ -6,7 +6,7 @@ Every call that does real work releases the GIL.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, TypeAlias
+from typing import Any, Literal, Self, TypeAlias, final
 
 import numpy as np
 import numpy.typing as npt
@@ -14,10 +14,45 @@ import numpy.typing as npt
 from quillcache.events.types import EventBatch
 from quillcache.index.types import Match
 
+__all__ = [
+    "MAX_EVENT_DEPTH",
+    "CorruptIndexError",
+    "DurableIndex",
+    "EventDecodeError",
+    "HashingError",
+    "IndexLockedError",
+    "IngestRefusedError",
+    "KvIndex",
+    "Namespace",
+    "NativeIndex",
+    "PersistenceError",
+    "QuillCacheError",
+    "Relay",
+    "__version__",
+    "block_key",
+    "content_keys",
+    "content_keys_batch",
+    "decode_batch",
+    "namespace_id",
+    "vllm_block_hashes",
+    "vllm_event_hashes",
+    "vllm_none_hash",
+]
+
 __version__: str
 
 class QuillCacheError(Exception): ...
-class EventDecodeError(QuillCacheError): ...
+
+class EventDecodeError(QuillCacheError):
+    """What could not be decoded and where. The native decoder sets `offset` (the byte
+    where it went wrong); `apply_many` also `item_index` and `payload_index`, and the
+    index classes `stats` (what was applied before it)."""
+
+    offset: int
+    item_index: int
+    payload_index: int
+    stats: Any
+
 class HashingError(QuillCacheError): ...
 
 # --- hashing and events (rust/python/src/hashing.rs, events.rs) ---
@@ -31,18 +66,20 @@ _MmPerBlock: TypeAlias = Sequence[Sequence[tuple[str, int]] | None]
 #: e.g. (("lora", name, path), ("mm", mm_hash, offset), ("cache_salt", salt)).
 _VllmExtraKeys: TypeAlias = Sequence[Sequence[Sequence[str | int | bytes]] | None]
 
+@final
 class Namespace:
     """Identity scope of a key chain (docs/content-key.md); frozen, hashable."""
 
-    def __init__(
-        self,
-        model: str = "",
-        tokenizer: str = "",
-        lora: str = "",
-        tenant: str = "",
+    def __new__(
+        cls,
+        model: str = ...,
+        tokenizer: str = ...,
+        lora: str = ...,
+        tenant: str = ...,
         block_size: int = 16,
-        extra: Sequence[str] = (),
-    ) -> None: ...
+        extra: Sequence[str] = ...,
+    ) -> Self:
+        """The strings default to "", `extra` to none."""
     @property
     def model(self) -> str: ...
     @property
@@ -64,14 +101,14 @@ class Namespace:
         """`content_keys(tokens, self.block_size, self.id)`."""
 
 def namespace_id(
-    model: str = "",
-    tokenizer: str = "",
-    lora: str = "",
-    tenant: str = "",
+    model: str = ...,
+    tokenizer: str = ...,
+    lora: str = ...,
+    tenant: str = ...,
     block_size: int = 16,
-    extra: Sequence[str] = (),
+    extra: Sequence[str] = ...,
 ) -> int:
-    """`Namespace(...).id`."""
+    """`Namespace(...).id` (the strings default to "", `extra` to none)."""
 
 def content_keys(
     tokens: _Tokens, block_size: int, parent: int, *, mm: _MmPerBlock | None = None
@@ -92,7 +129,7 @@ def content_keys_batch(
 def block_key(parent: int, tokens: _Tokens, mm: Sequence[tuple[str, int]] | None = None) -> int:
     """The key of one block chained onto `parent` (an empty mm list = no items)."""
 
-def vllm_none_hash(seed: str = "vllm-none-hash") -> bytes:
+def vllm_none_hash(seed: str = ...) -> bytes:
     """vLLM's NONE_HASH for sha256_cbor: SHA-256 of CBOR(seed). Pass the engine's
     PYTHONHASHSEED value as `seed` when it sets one."""
 
@@ -100,7 +137,7 @@ def vllm_block_hashes(
     tokens: _Tokens,
     block_size: int,
     *,
-    seed: str = "vllm-none-hash",
+    seed: str = ...,
     extra_keys: _VllmExtraKeys | None = None,
     parent: bytes | None = None,
 ) -> list[bytes]:
@@ -111,7 +148,7 @@ def vllm_event_hashes(
     tokens: _Tokens,
     block_size: int,
     *,
-    seed: str = "vllm-none-hash",
+    seed: str = ...,
     extra_keys: _VllmExtraKeys | None = None,
     parent: bytes | None = None,
 ) -> npt.NDArray[np.uint64]:
@@ -137,6 +174,7 @@ _EntryTuple: TypeAlias = tuple[int, int, int, list[_HolderTuple], bool]
 _ApplyTuple: TypeAlias = tuple[int, int, int, int, int, int, int, int]
 _Keys: TypeAlias = npt.NDArray[np.uint64]
 
+@final
 class NativeIndex:
     """The Rust residency index (docs/index.md). Thread-safe: an internal RwLock, taken
     with the GIL released (match shares it, everything else is exclusive). Worker ids
@@ -144,18 +182,20 @@ class NativeIndex:
     arrays (QuillCacheError otherwise). `quillcache.index.native.NativeIndex` wraps this
     class into the IndexBackend protocol with validated input and dataclass results."""
 
-    def __init__(self) -> None: ...
+    def __new__(cls) -> Self: ...
     def register_source(
         self, worker: int, dp_rank: int = 0, *, model: str = "", tokenizer: str = ""
     ) -> None:
         """Model and tokenizer of a source: the base of its events' namespace."""
-    def apply(self, worker: int, payloads: list[bytes], dp_rank: int = 0) -> _ApplyTuple:
+    def apply(self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0) -> _ApplyTuple:
         """Decode and apply raw msgpack event batches in order, GIL released for the
         whole list. A batch's own dp_rank wins over the argument. On a batch that does
         not decode, raises EventDecodeError("payload i of n from worker w: ...") with
         attributes `payload_index` (int) and `stats` (_ApplyTuple of the batches
         applied before it, which stay applied)."""
-    def apply_many(self, items: list[tuple[int, list[bytes]]], dp_rank: int = 0) -> _ApplyTuple:
+    def apply_many(
+        self, items: Sequence[tuple[int, Sequence[bytes]]], dp_rank: int = 0
+    ) -> _ApplyTuple:
         """`apply` for each (worker, payloads) item in order; one GIL release for the
         whole list (a large one decoded on a second thread), the write lock taken per
         window of ~8,192 blocks. On a batch that does not decode,
@@ -183,9 +223,11 @@ class NativeIndex:
         """Pre-size for `blocks` blocks in all (a capacity hint: ingest up to that size
         never re-places the tables). ValueError above 2**26 blocks, MemoryError if the
         memory is not there; the index still grows beyond the hint."""
-    def stats(self) -> tuple[int, int, int, int, int, int, int]:
-        """(blocks, nodes, resident_pairs, sources, pinned, spilled, memory_bytes);
-        memory_bytes is the exact heap usage of the Rust structures (by capacity)."""
+    def stats(self) -> tuple[int, int, int, int, int, int, int, int]:
+        """(blocks, nodes, resident_pairs, sources, pinned, spilled, memory_bytes,
+        media_folded); memory_bytes is the exact heap usage of the Rust structures (by
+        capacity); media_folded counts stored events whose medium name was beyond the
+        limits and went to the OTHER medium."""
     def snapshot(self) -> bytes:
         """The complete state: versioned (magic QCIDXSNP), CRC-32 checksummed."""
     @staticmethod
@@ -212,24 +254,25 @@ class IngestRefusedError(PersistenceError):
 class IndexLockedError(PersistenceError):
     """Another process holds the index directory."""
 
+@final
 class DurableIndex:
     """The native index + write-ahead log + snapshots (see docs/persistence.md).
 
     Same methods and tuple shapes as `NativeIndex`, plus the persistence ones.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         path: str,
         *,
         durability: str = "interval:10",
-        segment_bytes: int = 67108864,
-        snapshot_every_bytes: int = 4194304,
+        segment_bytes: int = ...,  # 64 MiB
+        snapshot_every_bytes: int = ...,  # 4 MiB
         snapshot_log_ratio: float = 0.125,
         snapshot_every_ms: int = 60000,
         snapshot_in_background: bool = True,
         snapshot_on_close: bool = True,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def path(self) -> str: ...
     @property
@@ -258,7 +301,7 @@ class DurableIndex:
     def entries(self) -> list[tuple[int, int, int, list[tuple[int, int, str, int]], bool]]: ...
     def pin(self, keys: npt.NDArray[np.uint64]) -> None: ...
     def unpin(self, keys: npt.NDArray[np.uint64]) -> None: ...
-    def stats(self) -> tuple[int, int, int, int, int, int, int]: ...
+    def stats(self) -> tuple[int, int, int, int, int, int, int, int]: ...
     def last_seqs(self) -> dict[tuple[int, int], int]:
         """`{(worker, dp_rank): seq}`: the last engine seq applied per source."""
     def snapshot(self) -> int:
@@ -274,11 +317,12 @@ class DurableIndex:
     def close(self) -> None:
         """Snapshot (unless disabled), fsync, release the directory. Idempotent."""
 
+@final
 class KvIndex:
     """The index kept in a key-value store: ``memory``, ``rocksdb`` or ``holt`` (the
     last two need their cargo feature). Same methods as `NativeIndex`."""
 
-    def __init__(self, store: str, path: str | None = None, *, sync: bool = False) -> None: ...
+    def __new__(cls, store: str, path: str | None = None, *, sync: bool = False) -> Self: ...
     @property
     def store(self) -> str: ...
     def register_source(
@@ -297,14 +341,14 @@ class KvIndex:
     def entries(self) -> list[tuple[int, int, int, list[tuple[int, int, str, int]], bool]]: ...
     def pin(self, keys: npt.NDArray[np.uint64]) -> None: ...
     def unpin(self, keys: npt.NDArray[np.uint64]) -> None: ...
-    def stats(self) -> tuple[int, int, int, int, int, int, int]: ...
+    def stats(self) -> tuple[int, int, int, int, int, int, int, int]: ...
     def disk_bytes(self) -> int: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
 
-RelayEvent = (
+_RelayEvent = (
     tuple[Literal["request"], int, str, list[tuple[str, bytes]], bytes, float, str]
-    | tuple[Literal["upstream_failed"], int, bool, str]
+    | tuple[Literal["upstream_failed"], int, bool, str, bool]
     | tuple[Literal["first_byte"], int, float]
     | tuple[Literal["usage"], int, bytes]
     | tuple[
@@ -318,6 +362,7 @@ RelayEvent = (
     ]
 )
 
+@final
 class Relay:
     """The gateway's data path (``rust/relay``): an HTTP/1.1 server on its own thread.
     POSTs to ``hot_paths`` become ``("request", id, path, headers, body, waited_s,
@@ -326,13 +371,15 @@ class Relay:
     ``x-quillcache-peer`` and ``backend_key`` in ``x-quillcache-relay-key`` (a client's
     own headers of those names are dropped). Watch `fileno` and call `take`.
 
-    Events: ``("upstream_failed", id, connect, message)`` (reply again),
+    Events: ``("upstream_failed", id, connect, message, timed_out)`` (reply again;
+    ``timed_out``: no answer head, or no first frame of a stream, within the forward's
+    ``first_byte_timeout_s``; the client got nothing yet),
     ``("first_byte", id, elapsed_s)``, ``("usage", id, chunk)`` (a chunk mentioning
     ``cached_tokens``), ``("end", id, status, streamed, outcome, detail, elapsed_s)``
     (once per forwarded request)."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         host: str,
         port: int,
         backend_port: int,
@@ -341,14 +388,17 @@ class Relay:
         max_body_bytes: int,
         connect_timeout_s: float,
         request_timeout_s: float,
+        stall_timeout_s: float,
         backend_key: str,
-    ) -> None:
-        """Binds ``host:port`` (an IP address; port 0 = any) and starts serving.
+    ) -> Self:
+        """Binds ``host:port`` (an IP address; port 0 = any) and starts serving. Once an
+        answer started, an engine silent for ``stall_timeout_s`` ends it (an SSE error
+        event for a stream, a 502 for a whole answer).
         Raises OSError when it cannot bind."""
     @property
     def port(self) -> int: ...
     def fileno(self) -> int: ...
-    def take(self) -> list[RelayEvent]: ...
+    def take(self) -> list[_RelayEvent]: ...
     def forward(
         self,
         id: int,
@@ -356,9 +406,12 @@ class Relay:
         headers: list[tuple[str, bytes]],
         body: bytes,
         response_headers: list[tuple[str, bytes]],
+        first_byte_timeout_s: float,
     ) -> bool:
         """Send ``body`` to ``url`` (``http://``) and relay the answer. False when nobody
-        waits for ``id`` any more (its client left)."""
+        waits for ``id`` any more (its client left). No answer head (for a stream: no
+        first frame) within ``first_byte_timeout_s`` is an ``upstream_failed`` event with
+        ``timed_out``."""
     def respond(
         self, id: int, status: int, headers: list[tuple[str, bytes]], body: bytes
     ) -> bool: ...

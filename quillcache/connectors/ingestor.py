@@ -197,6 +197,7 @@ class IngestorStats:
     queue_depth: int = 0
     queue_bytes: int = 0
     # one {"worker", "dp_rank", counter: value, ...} per source (JSON-ready)
+    publishers_denied: int = 0  # connections refused by a binding source's allowlist
     per_source: list[dict[str, int]] = field(default_factory=list)
 
 
@@ -785,6 +786,9 @@ class EventIngestor:
 
     def stats(self) -> IngestorStats:
         out = IngestorStats(queue_depth=self._queued_batches, queue_bytes=self._queued_bytes)
+        with self._lock:
+            denied = {k: r.publishers_denied for k, r in self._receivers.items()}
+        out.publishers_denied = sum(denied.values())
         for s in list(self.sources.values()):
             out.received += s.received
             out.dropped += s.dropped
@@ -813,6 +817,7 @@ class EventIngestor:
                     "implausible_seqs": s.implausible_seqs,
                     "restarts": s.restarts,
                     "dropped": s.dropped,
+                    "publishers_denied": denied.get((s.worker, s.dp_rank), 0),
                 }
             )
         return out

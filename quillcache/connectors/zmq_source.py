@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from quillcache.connectors.zap import PublisherAllowlist, networks
+
 log = logging.getLogger(__name__)
 
 
@@ -42,6 +44,8 @@ class ZmqSourceConfig:
     topic: str = ""
     bind: bool = False
     max_msg_bytes: int = 64 << 20  # ZMQ_MAXMSGSIZE: no engine batch comes near it
+    # a binding SUB admits only publishers from these addresses / CIDRs (ZAP; None: any)
+    allowed_publishers: tuple[str, ...] | None = None
 
     @property
     def key(self) -> tuple[int, int]:
@@ -96,9 +100,19 @@ class ZmqReceiver:
         self.malformed = 0
         self.bound_endpoint: str | None = None
         self.error: str | None = None
+        self._zap: PublisherAllowlist | None = None
         self._thread = threading.Thread(
             target=self._run, name=f"kv-sub-{config.worker}.{config.dp_rank}", daemon=True
         )
+
+    @property
+    def zap_domain(self) -> str:
+        return f"quillcache-kv-{self.config.worker}-{self.config.dp_rank}"
+
+    @property
+    def publishers_denied(self) -> int:
+        """Connections the allowlist refused (0 without one)."""
+        return self._zap.denied.get(self.zap_domain, 0) if self._zap is not None else 0
 
     def start(self, timeout_s: float = 5.0) -> None:
         self._thread.start()
@@ -118,6 +132,12 @@ class ZmqReceiver:
         sock.setsockopt(zmq.RCVHWM, self.RCVHWM)
         sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_msg_bytes)
         sock.setsockopt(zmq.SUBSCRIBE, cfg.topic.encode())
+        if cfg.bind and cfg.allowed_publishers is not None:
+            # before bind: every connection to the socket then goes through the handler
+            zap = PublisherAllowlist.for_context(self.ctx)
+            zap.allow(self.zap_domain, networks(cfg.allowed_publishers))
+            self._zap = zap
+            sock.setsockopt(zmq.ZAP_DOMAIN, self.zap_domain.encode())
         # before bind/connect, or the first connection may be set up unseen
         monitor = sock.get_monitor_socket(_PEER_EVENTS)
         try:

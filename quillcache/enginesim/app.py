@@ -168,10 +168,10 @@ class EngineApp:
         self._flood_task: asyncio.Task[None] | None = None
         self._registry = CollectorRegistry(auto_describe=True)
         collector = SglangCollector(self.ranks) if flavor == "sglang" else None
-        self._registry.register(collector or _EngineCollector(self.ranks))  # type: ignore[arg-type]
+        self._registry.register(collector or _EngineCollector(self.ranks))
         self.models = [config.model, *config.lora_modules]
 
-    def _publisher_of(self, rank: int) -> Callable[[bytes], None]:
+    def _publisher_of(self, rank: int) -> Callable[[bytes], object]:
         pub = self.publishers[rank]
         return pub.publish if pub is not None else (lambda payload: None)
 
@@ -365,7 +365,7 @@ class EngineApp:
         elif isinstance(body.prompt, str):
             prompt_ids = self.tokenizer.encode(body.prompt)
         else:
-            prompt_ids = list(body.prompt)  # type: ignore[arg-type]
+            prompt_ids = list(body.prompt)
         return await self._serve(request, body, prompt_ids, chat=False)
 
     async def chat(self, request: Request) -> Response:

@@ -30,7 +30,7 @@ from quillcache.identity import content_keys, namespace
 from quillcache.sim.engine import EngineModel, Running, engine_hash
 from quillcache.sim.requests import SimRequest
 
-Publish = Callable[[bytes], None]
+Publish = Callable[[bytes], object]  # what a publisher returns (its seq) is not used
 
 
 class EngineRequestError(ValueError):

@@ -134,7 +134,7 @@ class AdminApi:
     def _worker_call(self, request: Request, call: Any) -> Worker:
         """`call(worker_id)` with the id of the path; 404 for a bad or unknown id."""
         try:
-            return call(int(request.path_params["worker_id"]))  # type: ignore[no-any-return]
+            return call(int(request.path_params["worker_id"]))
         except (ValueError, UnknownWorkerError) as exc:
             raise ApiError(404, str(exc), "NotFoundError") from None
 

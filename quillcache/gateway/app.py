@@ -27,6 +27,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from quillcache.connectors import EventIngestor
 from quillcache.connectors.sink import ControlPlaneSink
@@ -72,7 +73,7 @@ def resolve_router(spec: str, options: dict[str, Any]) -> Router | str:
         raise ConfigError(f"router {spec!r}: bad router_options: {exc}") from exc
     if not callable(getattr(router, "route", None)):
         raise ConfigError(f"router {spec!r} has no route(request, view) method")
-    return router  # type: ignore[no-any-return]
+    return router
 
 
 class Gateway:
@@ -166,6 +167,7 @@ class Gateway:
         self.pool = WorkerPool(self.cp, self.ingestor, self.client, tokenizer_id=cfg.tokenizer_id)
         self.pool.guard = self.index_guard
         self.pool.failures_to_down = cfg.health_failures_to_down
+        self.pool.kv_publishers = cfg.kv_publishers
         self.pool.resume_seqs = self.sink.last_seqs()
         if self.pool.resume_seqs:
             log.info("persistent index: resuming sources at %s", self.pool.resume_seqs)
@@ -330,7 +332,7 @@ class Gateway:
 
     # -- assembly ------------------------------------------------------------------------
 
-    def starlette(self, *, with_lifespan: bool = True) -> Starlette:
+    def starlette(self, *, with_lifespan: bool = True) -> ASGIApp:
         """The ASGI app; without lifespan the caller runs `startup`/`shutdown` itself."""
         openai, admin = OpenAIEndpoints(self), AdminApi(self)
 
@@ -354,8 +356,8 @@ class Gateway:
             Route("/ingest/kv_events", admin_only(IngestEndpoint(self)), methods=["POST"]),
         ]
         app = Starlette(routes=routes, lifespan=self.lifespan if with_lifespan else None)
-        app.add_exception_handler(404, asgi.not_found)  # type: ignore[arg-type]
-        app.add_exception_handler(405, asgi.not_allowed)  # type: ignore[arg-type]
+        app.add_exception_handler(404, asgi.not_found)
+        app.add_exception_handler(405, asgi.not_allowed)
         app.add_exception_handler(Exception, asgi.internal_error)
         hot = {COMPLETIONS: openai.completions, CHAT_COMPLETIONS: openai.chat_completions}
-        return asgi.HotPath(app, hot)  # type: ignore[return-value]
+        return asgi.HotPath(app, hot)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -56,7 +56,7 @@ class HotPath:
     """POSTs to the `hot` paths go straight to their handler, everything else to `app`.
     An unexpected exception still becomes a JSON 500."""
 
-    def __init__(self, app: Any, hot: dict[str, Handler]) -> None:
+    def __init__(self, app: Any, hot: Mapping[str, Handler]) -> None:
         self.app = app
         self.hot = hot
 

@@ -110,6 +110,11 @@ class GatewayConfig(BaseModel):
     api_keys: list[ApiKeyConfig] = Field(
         default_factory=list, description="accepted API keys (none: no key needed)"
     )
+    kv_publishers: list[str] | None = Field(
+        default=None,
+        description="addresses or CIDRs that may publish to a KV-event socket the gateway "
+        "binds (kv_bind); None: each engine's own host",
+    )
     trusted_proxies: list[str] = Field(
         default_factory=list,
         description="addresses or CIDRs whose tenant_header is honoured (none: never)",
@@ -125,8 +130,33 @@ class GatewayConfig(BaseModel):
     scrape_interval_s: float = Field(default=1.0, gt=0)
     request_timeout_s: float = Field(default=600.0, gt=0)
     connect_timeout_s: float = Field(default=2.0, gt=0)
+    first_byte_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="the least time an engine gets for its answer's head (a stream: its first "
+        "frame) before it counts as hung: marked down, the request retried elsewhere once",
+    )
+    first_byte_multiplier: float = Field(
+        default=4.0,
+        ge=0,
+        description="a request's first-byte limit is the larger of first_byte_timeout_s and "
+        "this times the cost model's estimate of its prefill (uncached tokens) and decode",
+    )
+    stall_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="the longest silence of an engine between two chunks of an answer: the "
+        "stream ends with an SSE error (a whole answer: a 502) and the engine is marked down",
+    )
     max_connections: int = Field(default=1024, ge=1)
     max_body_bytes: int = Field(default=32 << 20, ge=1024)
+    max_prompt_bytes: int = Field(
+        default=4 << 20,
+        ge=1024,
+        description="a completion's prompt (or a chat's message texts) larger than this, in "
+        "UTF-8 bytes, gets a 400 before it is tokenized; keep it above the longest context "
+        "any served model takes (max_model_len x bytes per token)",
+    )
     event_queue_size: int = Field(default=10_000, ge=1)
     event_queue_bytes: int = Field(default=256 << 20, ge=1 << 16)
     replay_timeout_s: float = Field(default=2.0, gt=0)
@@ -149,6 +179,11 @@ class GatewayConfig(BaseModel):
     @classmethod
     def _networks(cls, v: list[str]) -> list[str]:
         return _check_networks(v)
+
+    @field_validator("kv_publishers")
+    @classmethod
+    def _publishers(cls, v: list[str] | None) -> list[str] | None:
+        return None if v is None else _check_networks(v)
 
 
 def _check_networks(values: list[str]) -> list[str]:

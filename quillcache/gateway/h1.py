@@ -49,7 +49,7 @@ def error_head_and_body(status: int, message: str) -> bytes:
     return head.encode() + body
 
 
-class GatewayHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
+class GatewayHttpProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._refusal: tuple[int, str] | None = None
@@ -110,9 +110,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
             return await receive()
 
         # run_asgi reads `self.receive` when its task first runs, after this returns
-        cycle.receive = receive_unless_cut_short
+        cycle.receive = receive_unless_cut_short  # type: ignore[method-assign]
 
-    def eof_received(self) -> bool | None:
+    # asyncio's Protocol allows a bool (keep the transport open); uvicorn narrowed it to None
+    def eof_received(self) -> bool | None:  # type: ignore[override]
         cycle = self.cycle
         in_flight = cycle is not None and not cycle.response_complete
         if (

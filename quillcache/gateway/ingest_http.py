@@ -14,16 +14,12 @@ import msgpack
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from quillcache import _native
+from quillcache._native import decode_batch as _decode
 from quillcache.errors import EventDecodeError
 from quillcache.gateway.httpio import ApiError, parse_object, read_body
 
 if TYPE_CHECKING:
     from quillcache.gateway.app import Gateway
-
-_decode = getattr(_native, "decode_batch", None)
-if _decode is None:
-    from quillcache.events.pyref import decode_batch as _decode
 
 
 class IngestEndpoint:

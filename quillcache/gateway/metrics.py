@@ -4,7 +4,7 @@ process in tests). Event, index and worker numbers are read at scrape time
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -102,7 +102,7 @@ class GatewayMetrics:
             def collect(self) -> Iterator[Any]:
                 return collect()
 
-        self.registry.register(_C())  # type: ignore[arg-type]
+        self.registry.register(_C())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -122,7 +122,7 @@ def counter(name: str, doc: str, value: float) -> Any:
 
 
 def labelled_counter(
-    name: str, doc: str, samples: dict[tuple[str, ...], float], labels: list[str]
+    name: str, doc: str, samples: Mapping[tuple[str, ...], float], labels: list[str]
 ) -> Any:
     c = CounterMetricFamily(name, doc, labels=labels)
     for values, v in samples.items():
@@ -187,6 +187,11 @@ _SOURCE_COUNTERS = (
         "Frames dropped for an implausible seq, per source.",
         "implausible_seqs",
     ),
+    (
+        "quillcache_kv_source_publishers_denied",
+        "Publishers refused by a binding source's allowlist (kv_publishers), per source.",
+        "publishers_denied",
+    ),
 )
 _INGEST_GAUGES = (
     ("quillcache_kv_stale_sources", "Sources whose residency is unknown.", "stale_sources"),
@@ -232,7 +237,9 @@ def state_metrics(
     for name, doc, attr in _INGEST_GAUGES:
         yield gauge(name, doc, {(): getattr(ingest, attr)}, [])
     for name, doc, key in _SOURCE_COUNTERS:
-        samples = {(str(r["worker"]), str(r["dp_rank"])): r[key] for r in ingest.per_source}
+        samples: dict[tuple[str, ...], float] = {
+            (str(r["worker"]), str(r["dp_rank"])): r[key] for r in ingest.per_source
+        }
         yield labelled_counter(name, doc, samples, ["worker", "dp_rank"])
     yield gauge(
         "quillcache_index_blocks", "Distinct blocks in the index.", {(): index_stats.blocks}, []

@@ -25,6 +25,8 @@ from quillcache.errors import QuillCacheError
 from quillcache.gateway import proxy
 from quillcache.gateway.httpio import (
     ApiError,
+    check_context,
+    check_prompt_bytes,
     parse_object,
     read_body,
     validate_completion,
@@ -44,6 +46,21 @@ _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
+WORKER_HEADER = "x-quillcache-worker"
+
+
+class EngineError(ApiError):
+    """An engine's failure: the error names the engine in `x-quillcache-worker`, as
+    every answer that engine gave does."""
+
+    def __init__(self, worker: Worker, status: int, message: str, kind: str = "APIError") -> None:
+        super().__init__(status, message, kind)
+        self.worker_id = worker.id
+
+    def response(self) -> JSONResponse:
+        response = super().response()
+        response.headers[WORKER_HEADER] = str(self.worker_id)
+        return response
 
 
 @dataclass(slots=True)
@@ -116,12 +133,15 @@ class OpenAIEndpoints:
     ) -> Prepared:
         """Check the body (`tenant` authenticated already), then tokenize and hash it for
         routing. Shared by both data paths (this ASGI app's and the native relay's)."""
+        size = len(raw)
         body, raw, candidates, identity = self._checked(raw, chat, tenant)
+        check_prompt_bytes(body, chat, size, self.gw.config.max_prompt_bytes)
         routing_started = time.perf_counter()  # tokenize + hash + route, for /admin/index
         with _tokenize_errors():
             route_request, prompt_tokens = await self.gw.identify(
                 body, chat, headers, identity, candidates
             )
+        check_context(prompt_tokens, self.gw.pool.context_limit(candidates))
         return Prepared(raw, route_request, prompt_tokens, candidates, routing_started)
 
     def prepare_now(
@@ -131,11 +151,14 @@ class OpenAIEndpoints:
         native relay then decides in a task: one event-loop turn less per request)."""
         if self.gw.tokenizer.local is None:
             return None
+        size = len(raw)
         body, raw, candidates, identity = self._checked(raw, chat, tenant)
+        check_prompt_bytes(body, chat, size, self.gw.config.max_prompt_bytes)
         routing_started = time.perf_counter()
         with _tokenize_errors():
             identified = self.gw.identify_now(body, chat, headers, identity)
         assert identified is not None
+        check_context(identified[1], self.gw.pool.context_limit(candidates))
         return Prepared(raw, *identified, candidates, routing_started)
 
     def _checked(
@@ -198,37 +221,63 @@ class OpenAIEndpoints:
         watch: proxy.DisconnectWatch,
         started: float,
     ) -> Response:
-        """Route, send upstream (once more elsewhere when the connect fails), answer."""
+        """Route, send upstream (once more elsewhere when the connect fails or the engine
+        hangs before its first byte), answer."""
         gw, route_request = self.gw, prepared.route_request
         for attempt in range(2):
-            worker = self.route(prepared)
+            worker, first_byte_s = self.route(prepared)
             gw.pre_upstream_samples.append(time.perf_counter() - started)
+            # The first byte: a whole answer's head, or a stream's first chunk (its head
+            # comes before the prefill). Until then the client has nothing: a retry is safe.
+            first_byte = asyncio.timeout(first_byte_s)
+            first: bytes | None = None
             try:
-                resp = await gw.upstream.post(
-                    worker.url + path,
-                    data=prepared.raw,
-                    headers=self.upstream_headers(request.headers, worker, route_request),
-                )
+                async with first_byte:
+                    resp = await gw.upstream.post(
+                        worker.url + path,
+                        data=prepared.raw,
+                        headers=self.upstream_headers(request.headers, worker, route_request),
+                    )
+                    if resp.status == 200 and proxy.is_stream(resp):
+                        try:
+                            first = await resp.content.readany()
+                        except BaseException:
+                            resp.close()
+                            raise
             except _CONNECT_ERRORS as exc:
                 gw.cp.finish(route_request.request_id)
                 gw.pool.mark_down(worker.id, f"connect failed: {type(exc).__name__}")
                 if attempt == 0:  # the down worker is not routable any more: retry elsewhere
                     gw.metrics.retries.labels(str(worker.id)).inc()
                     continue
-                raise ApiError(
-                    502, f"engine {worker.url} unreachable: {exc}", "APIConnectionError"
+                raise EngineError(
+                    worker, 502, f"engine {worker.url} unreachable: {exc}", "APIConnectionError"
                 ) from None
             except UPSTREAM_ERRORS as exc:
                 gw.cp.finish(route_request.request_id)
-                raise ApiError(
-                    502, f"engine {worker.url} failed: {type(exc).__name__}", "APIError"
+                if not first_byte.expired():
+                    raise EngineError(
+                        worker, 502, f"engine {worker.url} failed: {type(exc).__name__}"
+                    ) from None
+                gw.pool.mark_down(worker.id, f"hung: no first byte within {first_byte_s:.1f} s")
+                if attempt == 0:
+                    gw.metrics.retries.labels(str(worker.id)).inc()
+                    continue
+                raise EngineError(
+                    worker,
+                    504,
+                    f"engine {worker.url} sent nothing within {first_byte_s:.1f} s",
+                    "APITimeoutError",
                 ) from None
-            return await self._respond(request, path, resp, worker, route_request, started, watch)
+            return await self._respond(
+                request, path, resp, first, worker, route_request, started, watch
+            )
         raise AssertionError("unreachable")
 
-    def route(self, prepared: Prepared) -> Worker:
+    def route(self, prepared: Prepared) -> tuple[Worker, float]:
         """Route one request among its candidates (None: any worker; raises the 503/429
-        of a rejection) and count the decision."""
+        of a rejection) and count the decision. Returns the worker and how long it may
+        take to send the first byte (`first_byte_limit`)."""
         gw, route_request = self.gw, prepared.route_request
         candidates, prompt_tokens = prepared.candidates, prepared.prompt_tokens
         try:
@@ -252,24 +301,44 @@ class OpenAIEndpoints:
         gw.metrics.decision(gw.router_name, decision.reason or "chosen", str(worker.id))
         # (blocks_by_action builds a dict over the whole Action enum: 2% of the CPU here)
         cached_blocks = sum(step.blocks for step in decision.plan if step.action == Action.REUSE)
-        gw.metrics.predicted_hit_tokens.inc(min(cached_blocks * gw.cp.block_size, prompt_tokens))
+        cached_tokens = min(cached_blocks * gw.cp.block_size, prompt_tokens)
+        gw.metrics.predicted_hit_tokens.inc(cached_tokens)
         gw.metrics.prompt_tokens.inc(prompt_tokens)
-        return worker
+        return worker, self.first_byte_limit(route_request, cached_tokens)
+
+    def first_byte_limit(self, route_request: RouteRequest, cached_tokens: int) -> float:
+        """How long an engine may take before its first byte without counting as hung:
+        `first_byte_multiplier` times the cost model's estimate of the work before it,
+        never less than `first_byte_timeout_s` nor more than `request_timeout_s`.
+
+        The estimate is the prefill of the uncached tokens (a long prompt legitimately
+        takes seconds) plus the decode of the expected output: a whole answer's head
+        only comes once it is complete. For a stream that overestimates by the decode,
+        which only makes the limit looser; the gateway does not parse `stream`."""
+        cfg, cost = self.gw.config, self.gw.cp.cost
+        prompt = route_request.prompt_tokens
+        new = max(prompt - cached_tokens, 1)
+        expected = cost.prefill_time(new, prompt - new)
+        expected += route_request.expected_output_tokens * cost.decode_step_time(1, prompt)
+        limit = max(cfg.first_byte_timeout_s, cfg.first_byte_multiplier * expected)
+        return min(limit, cfg.request_timeout_s)
 
     async def _respond(
         self,
         request: Request,
         path: str,
         resp: aiohttp.ClientResponse,
+        first: bytes | None,
         worker: Worker,
         route_request: RouteRequest,
         started: float,
         watch: proxy.DisconnectWatch,
     ) -> Response:
+        """Relay the answer; `first` is a stream's first chunk, already read."""
         gw, rid = self.gw, route_request.request_id
-        extra = {"x-quillcache-worker": str(worker.id)}
-        streaming = "text/event-stream" in resp.headers.get("content-type", "")
-        if streaming and resp.status == 200:
+        extra = {WORKER_HEADER: str(worker.id)}
+        stall_s = gw.config.stall_timeout_s
+        if first is not None:
             watch.stop()  # the relay watches the client from here on
 
             def first_byte() -> None:
@@ -287,6 +356,8 @@ class OpenAIEndpoints:
 
             stream = proxy.relay_stream(
                 resp,
+                first,
+                stall_s=stall_s,
                 on_first_byte=first_byte,
                 on_end=end,
                 on_cached_tokens=gw.metrics.actual_hit_tokens.inc,
@@ -294,10 +365,13 @@ class OpenAIEndpoints:
             )
             return proxy.streaming_response(resp, stream, extra)
         try:
-            content = await resp.read()  # `watch` cancels it if the client leaves
+            content = await proxy.read_all(resp, stall_s)  # `watch` cancels it if the client leaves
         except UPSTREAM_ERRORS as exc:
             gw.pool.mark_down(worker.id, f"broke mid-response: {type(exc).__name__}")
-            raise ApiError(502, f"engine failed mid-response: {exc}", "APIError") from None
+            reason = "stall timeout" if isinstance(exc, TimeoutError) else str(exc)
+            raise EngineError(
+                worker, 502, f"engine failed mid-response: {reason or type(exc).__name__}"
+            ) from None
         except asyncio.CancelledError:
             resp.close()  # dropping the connection is how the engine learns
             raise

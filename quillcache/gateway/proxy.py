@@ -32,23 +32,42 @@ def sse_error(message: str) -> bytes:
     return b"data: " + json.dumps(err).encode() + b"\n\n"
 
 
+def is_stream(resp: aiohttp.ClientResponse) -> bool:
+    return "text/event-stream" in resp.headers.get("content-type", "")
+
+
+async def read_all(resp: aiohttp.ClientResponse, stall_s: float) -> bytes:
+    """A whole answer's body; each chunk must come within `stall_s` of the last one
+    (TimeoutError otherwise)."""
+    parts: list[bytes] = []
+    while True:
+        async with asyncio.timeout(stall_s):
+            chunk = await resp.content.readany()
+        if not chunk:
+            return b"".join(parts)
+        parts.append(chunk)
+
+
 async def relay_stream(
     resp: aiohttp.ClientResponse,
+    first: bytes,
     *,
+    stall_s: float,
     on_first_byte: Callable[[], None],
     on_end: Callable[[BaseException | None], None],
     on_cached_tokens: Callable[[int], None] | None = None,
     relay_samples: collections.deque[float] | None = None,
 ) -> AsyncGenerator[bytes, None]:
-    """Yield the upstream body as it arrives; always close upstream and call `on_end`.
-    `on_cached_tokens` gets the usage chunk's cached_tokens (`stream_options.include_usage`)."""
-    first = True
+    """Yield `first` (the body's first chunk, read already), then the rest of the upstream
+    body as it arrives; an engine silent for `stall_s` ends the stream with an SSE error.
+    Always closes upstream and calls `on_end`. `on_cached_tokens` gets the usage chunk's
+    cached_tokens (`stream_options.include_usage`)."""
     failure: BaseException | None = None
+    chunk = first
     try:
-        async for chunk in resp.content.iter_any():
-            if first:
-                first = False
-                on_first_byte()
+        if chunk:
+            on_first_byte()
+        while chunk:
             received = time.perf_counter()
             if on_cached_tokens is not None and b'"cached_tokens"' in chunk:
                 cached = usage_cached_tokens(chunk)
@@ -57,7 +76,14 @@ async def relay_stream(
             yield chunk  # returns once the server has written it to the client
             if relay_samples is not None:
                 relay_samples.append(time.perf_counter() - received)
-    except (TimeoutError, aiohttp.ClientError) as exc:  # engine died mid-stream
+            # Scoped to the read alone: a timeout around the yield would cancel the
+            # consumer's task, not this read.
+            async with asyncio.timeout(stall_s):
+                chunk = await resp.content.readany()
+    except TimeoutError as exc:  # the engine hangs
+        failure = exc
+        yield sse_error(f"upstream engine failed mid-stream: no data for {stall_s:.1f} s")
+    except aiohttp.ClientError as exc:  # engine died mid-stream
         failure = exc
         yield sse_error(f"upstream engine failed mid-stream: {type(exc).__name__}")
     except BaseException as exc:  # client went away (cancelled / generator closed)
@@ -132,7 +158,7 @@ def passthrough_response(
     return Response(content, status_code=resp.status, headers=headers)
 
 
-class RelayResponse:
+class RelayResponse(Response):
     """An ASGI response that relays `stream` chunk by chunk, and stops it (closing the
     upstream) as soon as the client disconnects.
 
@@ -143,7 +169,9 @@ class RelayResponse:
     def __init__(
         self, status_code: int, headers: dict[str, str], stream: AsyncGenerator[bytes, None]
     ) -> None:
+        # not Response.__init__: there is no body to render, only a stream to relay
         self.status_code = status_code
+        self.background = None
         self.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         self.stream = stream
 

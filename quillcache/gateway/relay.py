@@ -25,7 +25,14 @@ from starlette.datastructures import Headers
 
 from quillcache.gateway import proxy
 from quillcache.gateway.httpio import ApiError
-from quillcache.gateway.openai_api import CHAT_COMPLETIONS, COMPLETIONS, OpenAIEndpoints, Prepared
+from quillcache.gateway.openai_api import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    WORKER_HEADER,
+    EngineError,
+    OpenAIEndpoints,
+    Prepared,
+)
 
 if TYPE_CHECKING:
     from quillcache._native import Relay
@@ -46,6 +53,7 @@ class Flight:
     prepared: Prepared
     worker: Worker
     retried: bool = False
+    first_byte_s: float = 0.0  # the engine's first-byte limit (`OpenAIEndpoints.route`)
 
 
 class RelayHost:
@@ -90,7 +98,7 @@ class RelayHost:
         elif kind == "end":
             self._end(rid, *event[2:])
         elif kind == "upstream_failed":
-            self._upstream_failed(rid, event[2], event[3])
+            self._upstream_failed(rid, event[2], event[3], event[4])
         else:
             log.error("gateway relay: unknown event %r", kind)
 
@@ -151,7 +159,9 @@ class RelayHost:
 
     def _route_and_forward(self, rid: int, flight: Flight, started: float | None) -> None:
         gw = self.gw
-        flight.worker = worker = self.endpoints.route(flight.prepared)
+        worker, first_byte_s = self.endpoints.route(flight.prepared)
+        flight.worker = worker
+        flight.first_byte_s = first_byte_s
         route_id = flight.prepared.route_request.request_id
         if not worker.url.startswith("http://"):
             # The relay speaks plain HTTP; the ASGI path (aiohttp) serves https engines.
@@ -170,7 +180,8 @@ class RelayHost:
             worker.url + flight.path,
             [(k, v.encode("latin-1")) for k, v in upstream.items()],
             flight.prepared.raw,
-            [("x-quillcache-worker", str(worker.id).encode())],
+            [(WORKER_HEADER, str(worker.id).encode())],
+            first_byte_s,
         ):  # the client left while it was being decided
             self.flights.pop(rid, None)
             gw.cp.finish(route_id)
@@ -180,32 +191,41 @@ class RelayHost:
     def _answer_error(self, rid: int, path: str, exc: ApiError) -> None:
         response = exc.response()
         self.gw.metrics.request_done(path, exc.status)
-        self.relay.respond(
-            rid, exc.status, [("content-type", b"application/json")], bytes(response.body)
-        )
+        headers = [
+            (k, v.encode("latin-1")) for k, v in response.headers.items() if k != "content-length"
+        ]
+        self.relay.respond(rid, exc.status, headers, bytes(response.body))
 
     # -- what the relay reports ------------------------------------------------------------
 
-    def _upstream_failed(self, rid: int, connect: bool, message: str) -> None:
-        """No answer head from the engine: retry a failed connect once elsewhere (as the
-        ASGI path does), else a 502."""
+    def _upstream_failed(self, rid: int, connect: bool, message: str, timed_out: bool) -> None:
+        """No answer head from the engine (or no first frame of a stream): retry a failed
+        connect or a hung engine once elsewhere (as the ASGI path does), else a 502/504.
+        Either way the client got nothing yet."""
         flight = self.flights.get(rid)
         if flight is None:
             return
         gw, worker = self.gw, flight.worker
         gw.cp.finish(flight.prepared.route_request.request_id)
-        if connect:
-            gw.pool.mark_down(worker.id, f"connect failed: {message}")
+        error: ApiError
+        if connect or timed_out:
+            reason = "connect failed" if connect else "hung"
+            gw.pool.mark_down(worker.id, f"{reason}: {message}")
             if not flight.retried:  # the down worker is not routable any more
                 flight.retried = True
                 gw.metrics.retries.labels(str(worker.id)).inc()
                 self._send(rid, flight)
                 return
-            error = ApiError(
-                502, f"engine {worker.url} unreachable: {message}", "APIConnectionError"
-            )
+            if connect:
+                error = EngineError(
+                    worker, 502, f"engine {worker.url} unreachable: {message}", "APIConnectionError"
+                )
+            else:
+                error = EngineError(
+                    worker, 504, f"engine {worker.url}: {message}", "APITimeoutError"
+                )
         else:
-            error = ApiError(502, f"engine {worker.url} failed: {message}", "APIError")
+            error = EngineError(worker, 502, f"engine {worker.url} failed: {message}")
         self.flights.pop(rid, None)
         self._answer_error(rid, flight.path, error)
 

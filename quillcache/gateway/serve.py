@@ -67,7 +67,7 @@ async def serve_app(
             timeout_graceful_shutdown=2,
             # httptools when installed; the loop is the caller's (see `run_loop`)
             loop="none",
-            http="auto",
+            http=_http_protocol(),
         )
     )
     task = asyncio.create_task(server.serve())
@@ -87,6 +87,16 @@ async def serve_app(
             raise
         announce({**ready, **extra}, ready_file)
     await task
+
+
+def _http_protocol() -> Any:
+    """uvicorn's httptools protocol with the gateway's answers to bad HTTP (`h1`), else
+    whatever uvicorn picks."""
+    try:
+        from quillcache.gateway.h1 import GatewayHttpProtocol
+    except ImportError:  # no httptools
+        return "auto"
+    return GatewayHttpProtocol
 
 
 def serve_gateway(config: GatewayConfig, ready_file: str | None = None) -> None:
@@ -123,6 +133,7 @@ def serve_gateway(config: GatewayConfig, ready_file: str | None = None) -> None:
                     max_body_bytes=config.max_body_bytes,
                     connect_timeout_s=config.connect_timeout_s,
                     request_timeout_s=config.request_timeout_s,
+                    stall_timeout_s=config.stall_timeout_s,
                     backend_key=gateway.relay_key,
                 )
             except OSError as exc:  # e.g. the port is taken: the operator's to fix

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,11 +174,14 @@ class WorkerPool:
         client: httpx.AsyncClient,
         *,
         tokenizer_id: str = "",
+        kv_publishers: list[str] | None = None,
     ) -> None:
         self.cp = cp
         self.ingestor = ingestor
         self.client = client
         self.tokenizer_id = tokenizer_id
+        # who may connect to a source the gateway binds; None: the engine's own address
+        self.kv_publishers = kv_publishers
         self.workers: dict[int, Worker] = {}
         self._next_id = 0
         self._models: dict[str, str] | None = None  # cache of models(), reset on changes
@@ -271,6 +275,7 @@ class WorkerPool:
                 dp_rank=src.dp_rank,
                 topic=src.topic,
                 bind=src.bind,
+                allowed_publishers=self._publishers_of(w) if src.bind else None,
             )
             resume = self.resume_seqs.get((w.id, src.dp_rank), -1)
             self.ingestor.add_zmq_source(src, resume_from=resume)
@@ -278,6 +283,21 @@ class WorkerPool:
         w.sources = subscribed
         log.info("worker %d: %s serving %s", w.id, w.url, sorted(w.models))
         return w
+
+    def _publishers_of(self, w: Worker) -> tuple[str, ...]:
+        """Who may publish to a source bound for `w`: `kv_publishers` when configured,
+        else the addresses the engine's own host name resolves to."""
+        if self.kv_publishers is not None:
+            return tuple(self.kv_publishers)
+        host = urlsplit(w.url).hostname or ""
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise DiscoveryError(
+                f"engine {w.url}: cannot resolve {host!r} to admit its KV events ({exc}); "
+                "set kv_publishers"
+            ) from None
+        return tuple(sorted({str(info[4][0]) for info in infos}))
 
     def remove(self, worker_id: int) -> Worker:
         w = self.get(worker_id)

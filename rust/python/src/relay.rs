@@ -40,7 +40,7 @@ fn seconds(value: f64, what: &str) -> PyResult<Duration> {
 #[pymethods]
 impl PyRelay {
     #[new]
-    #[pyo3(signature = (host, port, backend_port, hot_paths, *, max_body_bytes, connect_timeout_s, request_timeout_s, backend_key))]
+    #[pyo3(signature = (host, port, backend_port, hot_paths, *, max_body_bytes, connect_timeout_s, request_timeout_s, stall_timeout_s, backend_key))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -51,6 +51,7 @@ impl PyRelay {
         max_body_bytes: usize,
         connect_timeout_s: f64,
         request_timeout_s: f64,
+        stall_timeout_s: f64,
         backend_key: String,
     ) -> PyResult<Self> {
         let config = RelayConfig {
@@ -60,6 +61,7 @@ impl PyRelay {
             max_body_bytes,
             connect_timeout: seconds(connect_timeout_s, "connect_timeout_s")?,
             request_timeout: seconds(request_timeout_s, "request_timeout_s")?,
+            stall_timeout: seconds(stall_timeout_s, "stall_timeout_s")?,
             backend_key,
         };
         let relay = py.detach(|| Relay::start(config)).map_err(|e| {
@@ -113,8 +115,9 @@ impl PyRelay {
                 Event::UpstreamFailed {
                     id,
                     connect,
+                    timed_out,
                     message,
-                } => ("upstream_failed", id, connect, message)
+                } => ("upstream_failed", id, connect, message, timed_out)
                     .into_pyobject(py)
                     .map(|t| t.into_any()),
                 Event::FirstByte { id, elapsed } => ("first_byte", id, elapsed.as_secs_f64())
@@ -152,6 +155,7 @@ impl PyRelay {
     }
 
     /// Send the request to `url` and relay the answer; False if nobody waits for it.
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         py: Python<'_>,
@@ -160,16 +164,18 @@ impl PyRelay {
         headers: PyHeaders,
         body: &[u8],
         response_headers: PyHeaders,
-    ) -> bool {
+        first_byte_timeout_s: f64,
+    ) -> PyResult<bool> {
         let reply = Reply::Forward {
             url,
             headers: self::headers(headers),
             body: Bytes::copy_from_slice(body),
             response_headers: self::headers(response_headers),
+            first_byte_timeout: seconds(first_byte_timeout_s, "first_byte_timeout_s")?,
         };
         // Waking the relay's parked thread is a syscall (29 µs at p50 on this VM, 52 µs at
         // p90): other Python threads may run meanwhile.
-        py.detach(|| self.relay.reply(id, reply))
+        Ok(py.detach(|| self.relay.reply(id, reply)))
     }
 
     /// Answer the client directly; False if nobody waits for it.

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::combinators::UnsyncBoxBody;
@@ -133,19 +133,34 @@ impl Drop for EndReport {
 }
 
 /// An engine's SSE answer, relayed frame by frame. Dropping it before the end (the
-/// client left) drops the engine connection.
+/// client left) drops the engine connection. It fails with an SSE error event when the
+/// whole exchange outlasts `deadline`, or when the engine sends nothing for `stall`.
 pub struct RelayStream {
     upstream: Option<Incoming>,
+    /// The first data frame, read before the answer's head was sent to the client.
+    pending: Option<Bytes>,
     deadline: Pin<Box<Sleep>>,
+    stall: Duration,
+    /// Reset to `stall` from each frame.
+    quiet: Pin<Box<Sleep>>,
     report: EndReport,
     first: bool,
 }
 
 impl RelayStream {
-    pub fn new(upstream: Incoming, deadline: Pin<Box<Sleep>>, report: EndReport) -> Self {
+    pub fn new(
+        upstream: Incoming,
+        pending: Option<Bytes>,
+        deadline: tokio::time::Instant,
+        stall: Duration,
+        report: EndReport,
+    ) -> Self {
         Self {
             upstream: Some(upstream),
-            deadline,
+            pending,
+            deadline: Box::pin(tokio::time::sleep_until(deadline)),
+            stall,
+            quiet: Box::pin(tokio::time::sleep(stall)),
             report,
             first: true,
         }
@@ -156,6 +171,19 @@ impl RelayStream {
         let event = sse_error(&format!("upstream engine failed mid-stream: {message}"));
         self.report.finish(Outcome::UpstreamFailed(message));
         Poll::Ready(Some(Ok(Frame::data(event))))
+    }
+
+    fn relay(&mut self, data: Bytes) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.first {
+            self.first = false;
+            self.report.first_byte();
+        }
+        if mentions_usage(&data) {
+            self.report.usage(data.clone());
+        }
+        let next = tokio::time::Instant::now() + self.stall;
+        self.quiet.as_mut().reset(next);
+        Poll::Ready(Some(Ok(Frame::data(data))))
     }
 }
 
@@ -168,6 +196,9 @@ impl hyper::body::Body for RelayStream {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
+        if let Some(data) = this.pending.take() {
+            return this.relay(data);
+        }
         loop {
             let Some(upstream) = this.upstream.as_mut() else {
                 return Poll::Ready(None);
@@ -177,14 +208,7 @@ impl hyper::body::Body for RelayStream {
                     let Ok(data) = frame.into_data() else {
                         continue; // trailers: an SSE answer has none worth relaying
                     };
-                    if this.first {
-                        this.first = false;
-                        this.report.first_byte();
-                    }
-                    if mentions_usage(&data) {
-                        this.report.usage(data.clone());
-                    }
-                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                    return this.relay(data);
                 }
                 Poll::Ready(Some(Err(err))) => return this.fail(err.to_string()),
                 Poll::Ready(None) => {
@@ -195,6 +219,10 @@ impl hyper::body::Body for RelayStream {
                 Poll::Pending => {
                     if this.deadline.as_mut().poll(cx).is_ready() {
                         return this.fail("request timeout".into());
+                    }
+                    if this.quiet.as_mut().poll(cx).is_ready() {
+                        let stall = this.stall.as_secs_f64();
+                        return this.fail(format!("no data for {stall:.1} s (stall timeout)"));
                     }
                     return Poll::Pending;
                 }

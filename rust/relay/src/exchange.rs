@@ -24,8 +24,12 @@ pub async fn handle(
     if request.method() == Method::POST && state.is_hot(request.uri().path()) {
         hot(request, state, peer).await
     } else {
+        // Read whole first: a body cut short gets a 400 here, not a backend failure.
         let (parts, body) = request.into_parts();
-        to_backend(&state, parts, body.map_err(Into::into).boxed_unsync(), peer).await
+        match crate::conn::read_whole(body, state.config.max_body_bytes).await {
+            Ok(body) => to_backend(&state, parts, full(body), peer).await,
+            Err(refused) => refused,
+        }
     }
 }
 
@@ -103,28 +107,113 @@ async fn hot(request: Request<Incoming>, state: Arc<State>, peer: SocketAddr) ->
                 headers,
                 body,
                 response_headers,
+                first_byte_timeout,
             } => {
                 // From here on the host expects one End, even if the client leaves
                 // before the engine's answer starts (a whole answer can take minutes).
                 let mut report = EndReport::new(id, Arc::clone(&state.inbox), arrived);
-                match forward(&state, &url, &headers, body).await {
-                    Ok(answer) => {
-                        return relay_answer(&state, report, arrived, answer, &response_headers)
-                            .await
-                    }
-                    Err((connect, message)) => {
-                        report.disarm(); // the host hears this instead, and replies again
-                        reply = inbox.expect_reply(id);
-                        inbox.push(Event::UpstreamFailed {
-                            id,
-                            connect,
-                            message,
-                        });
-                    }
-                }
+                let request_deadline =
+                    tokio::time::Instant::from_std(arrived) + state.config.request_timeout;
+                let first_byte_by =
+                    (tokio::time::Instant::now() + first_byte_timeout).min(request_deadline);
+                let started = forward(&state, &url, &headers, body, first_byte_by).await;
+                let failure = match started {
+                    Ok(answer) => match first_frame(answer, first_byte_by).await {
+                        Ok(start) => {
+                            return relay_answer(&state, report, arrived, start, &response_headers)
+                                .await
+                        }
+                        Err(failure) => failure,
+                    },
+                    Err(failure) => failure,
+                };
+                report.disarm(); // the host hears this instead, and replies again
+                reply = inbox.expect_reply(id);
+                inbox.push(Event::UpstreamFailed {
+                    id,
+                    connect: failure.connect,
+                    timed_out: failure.timed_out,
+                    message: failure.message,
+                });
             }
         }
     }
+}
+
+/// Why no answer started: nothing was sent to the client yet.
+struct Failure {
+    connect: bool,
+    timed_out: bool,
+    message: String,
+}
+
+impl Failure {
+    fn other(message: String) -> Self {
+        Self {
+            connect: false,
+            timed_out: false,
+            message,
+        }
+    }
+
+    fn timed_out(what: &str, by: tokio::time::Instant, sent: tokio::time::Instant) -> Self {
+        Self {
+            connect: false,
+            timed_out: true,
+            message: format!(
+                "no {what} within {:.1} s (first byte timeout)",
+                by.saturating_duration_since(sent).as_secs_f64()
+            ),
+        }
+    }
+}
+
+/// An engine's answer once it started: its head, and for an SSE stream its first
+/// body frame (a stream's head comes before the prefill, so only a frame shows the
+/// engine is computing).
+struct Started {
+    parts: hyper::http::response::Parts,
+    body: Incoming,
+    streamed: bool,
+    /// A stream's first data frame (None: the stream ended without one).
+    first: Option<Bytes>,
+}
+
+/// Waits (until `by`) for a stream's first data frame; a whole answer starts with its head.
+async fn first_frame(
+    answer: Response<Incoming>,
+    by: tokio::time::Instant,
+) -> Result<Started, Failure> {
+    let (parts, mut body) = answer.into_parts();
+    let streamed = parts.status == StatusCode::OK
+        && parts
+            .headers
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.contains("text/event-stream"));
+    let mut first = None;
+    if streamed {
+        let sent = tokio::time::Instant::now();
+        loop {
+            match tokio::time::timeout_at(by, body.frame()).await {
+                Ok(Some(Ok(frame))) => {
+                    if let Ok(data) = frame.into_data() {
+                        first = Some(data);
+                        break;
+                    } // trailers: keep waiting for data or the end
+                }
+                Ok(None) => break,
+                Ok(Some(Err(err))) => return Err(Failure::other(describe(&err))),
+                Err(_) => return Err(Failure::timed_out("first stream frame", by, sent)),
+            }
+        }
+    }
+    Ok(Started {
+        parts,
+        body,
+        streamed,
+        first,
+    })
 }
 
 fn too_big(limit: usize) -> Response<Body> {
@@ -158,25 +247,30 @@ fn add_headers(map: &mut HeaderMap, headers: &[Header]) {
     }
 }
 
-/// Sends the request; `Err((connect failed, message))` when no answer head came.
+/// Sends the request; `Err` when no answer head came by `first_byte_by`.
 async fn forward(
     state: &State,
     url: &str,
     headers: &[Header],
     body: Bytes,
-) -> Result<Response<Incoming>, (bool, String)> {
+    first_byte_by: tokio::time::Instant,
+) -> Result<Response<Incoming>, Failure> {
     let uri: Uri = url
         .parse()
-        .map_err(|e| (false, format!("bad upstream url {url:?}: {e}")))?;
+        .map_err(|e| Failure::other(format!("bad upstream url {url:?}: {e}")))?;
     let mut request = Request::post(uri)
         .body(full(body))
-        .map_err(|e| (false, e.to_string()))?;
+        .map_err(|e| Failure::other(e.to_string()))?;
     add_headers(request.headers_mut(), headers);
-    let timeout = state.config.request_timeout;
-    match tokio::time::timeout(timeout, state.client.request(request)).await {
+    let sent = tokio::time::Instant::now();
+    match tokio::time::timeout_at(first_byte_by, state.client.request(request)).await {
         Ok(Ok(answer)) => Ok(answer),
-        Ok(Err(err)) => Err((err.is_connect(), describe(&err))),
-        Err(_) => Err((false, "request timeout".into())),
+        Ok(Err(err)) => Err(Failure {
+            connect: err.is_connect(),
+            timed_out: false,
+            message: describe(&err),
+        }),
+        Err(_) => Err(Failure::timed_out("answer head", first_byte_by, sent)),
     }
 }
 
@@ -192,29 +286,55 @@ fn describe(err: &dyn std::error::Error) -> String {
     text
 }
 
+/// Reads a whole answer's body; each frame must come within `stall` of the last one.
+async fn collect(
+    body: &mut Incoming,
+    stall: Duration,
+    deadline: tokio::time::Instant,
+) -> Result<Bytes, String> {
+    let mut content = bytes::BytesMut::new();
+    loop {
+        let by = (tokio::time::Instant::now() + stall).min(deadline);
+        match tokio::time::timeout_at(by, body.frame()).await {
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    content.extend_from_slice(&data);
+                }
+            }
+            Ok(None) => return Ok(content.freeze()),
+            Ok(Some(Err(err))) => return Err(describe(&err)),
+            Err(_) if by < deadline => {
+                return Err(format!(
+                    "no data for {:.1} s (stall timeout)",
+                    stall.as_secs_f64()
+                ))
+            }
+            Err(_) => return Err("request timeout".to_owned()),
+        }
+    }
+}
+
 async fn relay_answer(
     state: &State,
     mut report: EndReport,
     arrived: Instant,
-    answer: Response<Incoming>,
+    start: Started,
     extra: &[Header],
 ) -> Response<Body> {
-    let status = answer.status();
-    let content_type = answer.headers().get(CONTENT_TYPE).cloned();
-    let streamed = status == StatusCode::OK
-        && content_type
-            .as_ref()
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.contains("text/event-stream"));
+    let Started {
+        parts,
+        mut body,
+        streamed,
+        first,
+    } = start;
+    let status = parts.status;
+    let content_type = parts.headers.get(CONTENT_TYPE).cloned();
     report.status = status.as_u16();
     report.streamed = streamed;
     let deadline = tokio::time::Instant::from_std(arrived) + state.config.request_timeout;
+    let stall = state.config.stall_timeout;
     let mut response = if streamed {
-        let stream = RelayStream::new(
-            answer.into_body(),
-            Box::pin(tokio::time::sleep_until(deadline)),
-            report,
-        );
+        let stream = RelayStream::new(body, first, deadline, stall, report);
         let mut response = Response::new(stream.boxed_unsync());
         response
             .headers_mut()
@@ -222,9 +342,8 @@ async fn relay_answer(
         response
     } else {
         // Dropped here if the client leaves: `report` says so, the engine connection closes.
-        match tokio::time::timeout_at(deadline, answer.into_body().collect()).await {
-            Ok(Ok(collected)) => {
-                let content = collected.to_bytes();
+        match collect(&mut body, stall, deadline).await {
+            Ok(content) => {
                 report.first_byte();
                 if status == StatusCode::OK && mentions_usage(&content) {
                     report.usage(content.clone());
@@ -234,15 +353,14 @@ async fn relay_answer(
                 *response.status_mut() = status;
                 response
             }
-            failed => {
-                let message = match failed {
-                    Ok(Err(err)) => describe(&err),
-                    _ => "request timeout".to_owned(),
-                };
+            Err(message) => {
                 report.status = 502;
                 report.finish(Outcome::UpstreamFailed(message.clone()));
                 let message = format!("engine failed mid-response: {message}");
-                return error_response(502, &message, "APIError");
+                let mut response = error_response(502, &message, "APIError");
+                // Which engine failed, as on every answer it gave.
+                add_headers(response.headers_mut(), extra);
+                return response;
             }
         }
     };

@@ -15,6 +15,7 @@
 //! the host can watch it from its own event loop.
 
 mod body;
+mod conn;
 mod exchange;
 mod inbox;
 mod server;
@@ -26,6 +27,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+pub use conn::HALF_CLOSE_GRACE;
 pub use inbox::Inbox;
 
 /// Identifies one hot request between the relay and its host.
@@ -57,6 +59,10 @@ pub struct RelayConfig {
     pub connect_timeout: Duration,
     /// A whole forwarded exchange, from the upstream request to the answer's last byte.
     pub request_timeout: Duration,
+    /// The longest wait for an engine's next body frame once its answer started: a hung
+    /// engine's stream ends with an SSE error (a whole answer gets a 502) instead of
+    /// holding the client for `request_timeout`.
+    pub stall_timeout: Duration,
 }
 
 /// What the relay tells its host.
@@ -80,6 +86,9 @@ pub enum Event {
         id: RequestId,
         /// The TCP connect failed (the engine is down), as opposed to a later failure.
         connect: bool,
+        /// No answer head (for a stream: no first body frame) within the forward's
+        /// `first_byte_timeout`: the engine hangs. Nothing reached the client.
+        timed_out: bool,
         message: String,
     },
     /// The first byte of a forwarded answer's body arrived from the engine.
@@ -120,6 +129,10 @@ pub enum Reply {
         headers: Vec<Header>,
         body: Bytes,
         response_headers: Vec<Header>,
+        /// The answer's head, and for an SSE stream its first body frame, must come
+        /// within this (the host scales it with the request's expected prefill); else
+        /// [`Event::UpstreamFailed`] with `timed_out`, before the client got anything.
+        first_byte_timeout: Duration,
     },
     /// Answer the client with this (no engine involved).
     Respond {

@@ -8,11 +8,15 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use quillcache_relay::{Event, Outcome, Relay, RelayConfig, Reply, RequestId};
+use quillcache_relay::{Event, Outcome, Relay, RelayConfig, Reply, RequestId, HALF_CLOSE_GRACE};
 
 const HOT: &str = "/v1/completions";
 
 fn relay(backend: SocketAddr, max_body_bytes: usize) -> Relay {
+    relay_stalling_after(backend, max_body_bytes, Duration::from_secs(10))
+}
+
+fn relay_stalling_after(backend: SocketAddr, max_body_bytes: usize, stall: Duration) -> Relay {
     Relay::start(RelayConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         backend,
@@ -20,6 +24,7 @@ fn relay(backend: SocketAddr, max_body_bytes: usize) -> Relay {
         max_body_bytes,
         connect_timeout: Duration::from_secs(2),
         request_timeout: Duration::from_secs(20),
+        stall_timeout: stall,
         backend_key: "test-key".into(),
     })
     .unwrap()
@@ -133,6 +138,10 @@ fn chunk(conn: &mut TcpStream, data: &str) {
 }
 
 fn forward_to(engine: SocketAddr) -> Reply {
+    forward_within(engine, Duration::from_secs(10))
+}
+
+fn forward_within(engine: SocketAddr, first_byte_timeout: Duration) -> Reply {
     Reply::Forward {
         url: format!("http://{engine}{HOT}"),
         headers: vec![(
@@ -141,6 +150,7 @@ fn forward_to(engine: SocketAddr) -> Reply {
         )],
         body: Bytes::from_static(b"{\"routed\":true}"),
         response_headers: vec![("x-quillcache-worker".into(), Bytes::from_static(b"7"))],
+        first_byte_timeout,
     }
 }
 
@@ -428,7 +438,8 @@ fn a_client_leaving_before_a_whole_answer_closes_the_engine_connection() {
     let relay = relay(no_backend(), 1 << 20);
     let (client, mut events, id) = hot_request(&relay);
     relay.reply(id, forward_to(engine_addr));
-    thread::sleep(Duration::from_millis(100));
+    // (an end of input right behind the request would be a half-close)
+    thread::sleep(HALF_CLOSE_GRACE + Duration::from_millis(100));
     drop(client);
     assert!(
         closed.recv().unwrap(),
@@ -443,9 +454,61 @@ fn a_client_leaving_before_a_whole_answer_closes_the_engine_connection() {
 }
 
 #[test]
+fn a_half_closing_client_still_gets_its_answer() {
+    let relay = relay(no_backend(), 1 << 20);
+    let (client, _, id) = hot_request(&relay);
+    client.shutdown(std::net::Shutdown::Write).unwrap();
+    thread::sleep(Duration::from_millis(50)); // the relay sees the end of input first
+    let answered = relay.reply(
+        id,
+        Reply::Respond {
+            status: 200,
+            headers: vec![],
+            body: Bytes::from_static(b"done"),
+        },
+    );
+    assert!(answered, "the relay must still wait for the answer");
+    let text = read_all(client);
+    assert!(
+        text.starts_with("HTTP/1.1 200") && text.ends_with("done"),
+        "{text}"
+    );
+}
+
+#[test]
+fn bad_http_gets_a_json_4xx() {
+    let relay = relay(no_backend(), 1 << 20);
+    for (request, status) in [
+        ("OPTIONS * HTTP/1.1\r\nhost: x\r\n\r\n".to_owned(), "400"),
+        ("GARBAGE\r\n\r\n".to_owned(), "400"),
+        (
+            format!("GET /{} HTTP/1.1\r\n\r\n", "u".repeat(70_000)),
+            "414",
+        ),
+        (
+            format!("GET / HTTP/1.1\r\nx: {}\r\n\r\n", "h".repeat(200_000)),
+            "431",
+        ),
+        (
+            "POST /admin/x HTTP/1.1\r\ncontent-length: 100\r\n\r\n{".to_owned(),
+            "400",
+        ),
+    ] {
+        let mut client = TcpStream::connect(relay.local_addr()).unwrap();
+        client.write_all(request.as_bytes()).unwrap();
+        client.shutdown(std::net::Shutdown::Write).unwrap();
+        let text = read_all(client);
+        assert!(text.starts_with(&format!("HTTP/1.1 {status} ")), "{text}");
+        assert!(text.contains("content-type: application/json"), "{text}");
+        assert!(text.contains(r#"{"error":{"message":"#), "{text}");
+    }
+}
+
+#[test]
 fn a_client_leaving_before_the_decision_is_not_forwarded() {
     let relay = relay(no_backend(), 1 << 20);
     let (client, _, id) = hot_request(&relay);
+    thread::sleep(HALF_CLOSE_GRACE + Duration::from_millis(100));
     drop(client);
     let deadline = Instant::now() + Duration::from_secs(5);
     while relay.inbox().waiting() > 0 {
@@ -456,4 +519,130 @@ fn a_client_leaving_before_the_decision_is_not_forwarded() {
         thread::sleep(Duration::from_millis(5));
     }
     assert!(!relay.reply(id, Reply::Delegate));
+}
+
+/// An engine that answers a whole JSON body at once.
+fn answering_engine() -> SocketAddr {
+    engine(|conn| {
+        let body = "{\"ok\":1}";
+        write!(
+            conn,
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+    })
+    .0
+}
+
+/// The host's retry after a hung engine: the client gets the other engine's answer.
+fn expect_timeout_then_retry(relay: &Relay, client: TcpStream, events: &mut Vec<Event>, id: u64) {
+    let started = Instant::now();
+    match next_event(relay, events) {
+        Event::UpstreamFailed {
+            id: i,
+            connect,
+            timed_out,
+            message,
+        } => {
+            assert!(i == id && timed_out && !connect, "{message}");
+            assert!(message.contains("first byte timeout"), "{message}");
+        }
+        other => panic!("expected a first byte timeout, got {other:?}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(relay.reply(id, forward_to(answering_engine())));
+    let answer = read_all(client);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.ends_with("{\"ok\":1}"), "{answer}");
+}
+
+#[test]
+fn an_engine_that_never_answers_times_out_before_the_client_got_anything() {
+    let (hold, held) = mpsc::channel::<()>();
+    let (engine_addr, _) = engine(move |_conn| {
+        let _ = held.recv(); // hung: reads the request, never answers
+    });
+    let relay = relay(no_backend(), 1 << 20);
+    let (client, mut events, id) = hot_request(&relay);
+    relay.reply(id, forward_within(engine_addr, Duration::from_millis(300)));
+    expect_timeout_then_retry(&relay, client, &mut events, id);
+    drop(hold);
+}
+
+#[test]
+fn a_stream_whose_first_frame_never_comes_times_out_before_the_client_got_anything() {
+    let (hold, held) = mpsc::channel::<()>();
+    let (engine_addr, _) = engine(move |conn| {
+        conn.write_all(SSE_HEAD.as_bytes()).unwrap(); // a stream's head comes at once
+        let _ = held.recv(); // then the prefill never ends
+    });
+    let relay = relay(no_backend(), 1 << 20);
+    let (client, mut events, id) = hot_request(&relay);
+    relay.reply(id, forward_within(engine_addr, Duration::from_millis(300)));
+    expect_timeout_then_retry(&relay, client, &mut events, id);
+    drop(hold);
+}
+
+#[test]
+fn a_stream_that_stalls_ends_with_an_sse_error_after_the_stall_timeout() {
+    let (hold, held) = mpsc::channel::<()>();
+    let (engine_addr, _) = engine(move |conn| {
+        conn.write_all(SSE_HEAD.as_bytes()).unwrap();
+        chunk(conn, "data: one\n\n");
+        let _ = held.recv(); // hung mid-stream
+    });
+    let relay = relay_stalling_after(no_backend(), 1 << 20, Duration::from_millis(300));
+    let (client, mut events, id) = hot_request(&relay);
+    let started = Instant::now();
+    relay.reply(id, forward_to(engine_addr));
+    let answer = read_all(client);
+    let waited = started.elapsed();
+    assert!(answer.contains("data: one"), "{answer}");
+    assert!(answer.contains("stall timeout"), "{answer}");
+    assert!(answer.contains("\"type\":\"UpstreamError\""), "{answer}");
+    assert!(waited < Duration::from_secs(2), "{waited:?}");
+    assert!(matches!(
+        next_event(&relay, &mut events),
+        Event::FirstByte { .. }
+    ));
+    assert!(matches!(
+        next_event(&relay, &mut events),
+        Event::End {
+            outcome: Outcome::UpstreamFailed(_),
+            streamed: true,
+            ..
+        }
+    ));
+    drop(hold);
+}
+
+#[test]
+fn a_whole_answer_failing_mid_body_is_a_502_naming_the_engine() {
+    let (engine_addr, _) = engine(|conn| {
+        conn.write_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"par",
+        )
+        .unwrap();
+        // dropped before the rest of the body
+    });
+    let relay = relay(no_backend(), 1 << 20);
+    let (client, mut events, id) = hot_request(&relay);
+    relay.reply(id, forward_to(engine_addr));
+    let answer = read_all(client);
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+    assert!(answer.contains("x-quillcache-worker: 7"), "{answer}");
+    assert!(answer.contains("engine failed mid-response"), "{answer}");
+    assert!(matches!(
+        next_event(&relay, &mut events),
+        Event::End {
+            outcome: Outcome::UpstreamFailed(_),
+            status: 502,
+            ..
+        }
+    ));
 }
