@@ -271,7 +271,14 @@ class EngineApp:
         `seconds` (an ingest load test of whoever subscribes; not part of vLLM). GET: the
         count so far; DELETE: stop the running flood."""
         if request.method == "GET":
-            return JSONResponse({"published_blocks": self.flood_blocks, "running": self._flooding})
+            last_seq = self.publisher.seq - 1 if self.publisher is not None else -1
+            return JSONResponse(
+                {
+                    "published_blocks": self.flood_blocks,
+                    "running": self._flooding,
+                    "last_seq": last_seq,  # of every batch published, flood or not
+                }
+            )
         if request.method == "DELETE":
             task, stopped = self._flood_task, False
             if task is not None and not task.done():

@@ -1,8 +1,8 @@
 """Forwarding one request to an engine and streaming the answer back unbuffered.
 
-The upstream data path uses aiohttp: with 64+ concurrent streams, httpx's connection
-pool spent ~45% of the gateway's CPU scanning idle connections (py-spy, see
-docs/online.md); control calls (health, metrics, discovery) stay on httpx.
+The upstream data path uses aiohttp: with many concurrent streams, httpx's connection
+pool spent much of the gateway's CPU scanning idle connections (py-spy, see
+docs/results/online.md); control calls (health, metrics, discovery) stay on httpx.
 
 Upstream status codes and error bodies pass through unchanged. A streamed answer is
 relayed chunk by chunk as the engine sends it; when the client goes away the
@@ -163,8 +163,8 @@ class RelayResponse(Response):
     upstream) as soon as the client disconnects.
 
     Starlette's StreamingResponse does the same under ASGI spec < 2.4 (uvicorn says 2.3)
-    with an anyio task group per response: ~8% of the gateway's CPU at 64 streams
-    (py-spy); here it is one watcher task."""
+    with an anyio task group per response, a measurable share of the gateway's CPU at
+    many streams (py-spy); here it is one watcher task."""
 
     def __init__(
         self, status_code: int, headers: dict[str, str], stream: AsyncGenerator[bytes, None]

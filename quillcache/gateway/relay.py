@@ -8,8 +8,8 @@ relay then relays the engine's answer frame by frame without coming back to Pyth
 except to report its first byte, its usage chunk and its end. Every other request is
 proxied by the relay to the gateway's Starlette app on a loopback port.
 
-Why: a do-nothing Python proxy alone added 0.63-1.0 ms of TTFT at p50 on this 2-core
-host at 64 streams (docs/online.md); the relay takes the HTTP parsing, the upstream
+Why: a do-nothing Python proxy alone already used most of the gateway's TTFT budget at
+64 streams (docs/results/online.md); the relay takes the HTTP parsing, the upstream
 connection pool and every streamed chunk out of the interpreter.
 """
 

@@ -24,7 +24,7 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
 
     uvicorn's `loop="auto"` only applies when uvicorn creates the loop itself; our servers
     start inside a running loop, so without this they ran on the stdlib selector loop
-    (py-spy: `_SelectorSocketTransport.write` alone was 25% of the gateway's CPU)."""
+    (py-spy showed `_SelectorSocketTransport.write` among the gateway's top costs)."""
     try:
         import uvloop
     except ImportError:

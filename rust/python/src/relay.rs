@@ -173,8 +173,8 @@ impl PyRelay {
             response_headers: self::headers(response_headers),
             first_byte_timeout: seconds(first_byte_timeout_s, "first_byte_timeout_s")?,
         };
-        // Waking the relay's parked thread is a syscall (29 µs at p50 on this VM, 52 µs at
-        // p90): other Python threads may run meanwhile.
+        // Waking the relay's parked thread is a syscall, slow enough that other Python
+        // threads should run meanwhile.
         Ok(py.detach(|| self.relay.reply(id, reply)))
     }
 
