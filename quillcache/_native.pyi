@@ -15,7 +15,11 @@ from quillcache.events.types import EventBatch
 from quillcache.index.types import Match
 
 __all__ = [
+    "KNOWN_MEDIA",
+    "MAX_CUSTOM_MEDIA",
     "MAX_EVENT_DEPTH",
+    "MAX_MEDIUM_NAME_BYTES",
+    "OTHER_MEDIUM",
     "CorruptIndexError",
     "DurableIndex",
     "EventDecodeError",
@@ -157,6 +161,12 @@ def vllm_event_hashes(
 
 #: Deepest msgpack container nesting decode_batch accepts (the batch array is depth 1).
 MAX_EVENT_DEPTH: int
+
+#: The medium-name bounds of the index (rust/core/src/events/types.rs).
+MAX_MEDIUM_NAME_BYTES: int
+MAX_CUSTOM_MEDIA: int
+OTHER_MEDIUM: str
+KNOWN_MEDIA: tuple[str, ...]
 
 def decode_batch(payload: bytes) -> EventBatch:
     """Decodes one KV-event batch (every shape in docs/kv-events.md) with the GIL

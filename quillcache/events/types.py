@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quillcache import _native
+
 
 @dataclass(frozen=True, slots=True)
 class MmKey:
@@ -74,26 +76,15 @@ class EventBatch:
     dp_rank: int | None
 
 
-#: Medium names are bounded as the Rust index bounds them (`rust/core/src/events/types.rs`,
-#: see docs/kv-events.md): a name longer than this many UTF-8 bytes ...
-MAX_MEDIUM_NAME_BYTES = 64
-#: ... or one more unknown name than this goes to OTHER_MEDIUM.
-MAX_CUSTOM_MEDIA = 16
-OTHER_MEDIUM = "OTHER"
-#: Always kept as sent (besides GPU/CPU/DISK), compared ASCII case-insensitively:
-#: vLLM's EXTERNAL, the fold target, and LMCache's backend names (its
-#: `CreateStorageBackends`, lmcache/v1/storage_backend/__init__.py).
-KNOWN_MEDIA = (
-    "EXTERNAL",
-    OTHER_MEDIUM,
-    "LocalCPUBackend",
-    "LocalDiskBackend",
-    "RemoteBackend",
-    "GdsBackend",
-    "WekaGdsBackend",
-    "NixlBackend",
-    "NixlStorageBackend",
-)
+#: Medium names are bounded as the Rust index bounds them, with the Rust constants
+#: (`rust/core/src/events/types.rs`, docs/kv-events.md): a name longer than
+#: MAX_MEDIUM_NAME_BYTES, or an unknown one beyond MAX_CUSTOM_MEDIA, goes to OTHER_MEDIUM;
+#: KNOWN_MEDIA (vLLM's EXTERNAL, the fold target, LMCache's backend names) and
+#: GPU/CPU/DISK are always kept as sent, compared ASCII case-insensitively.
+MAX_MEDIUM_NAME_BYTES: int = _native.MAX_MEDIUM_NAME_BYTES
+MAX_CUSTOM_MEDIA: int = _native.MAX_CUSTOM_MEDIA
+OTHER_MEDIUM: str = _native.OTHER_MEDIUM
+KNOWN_MEDIA: tuple[str, ...] = _native.KNOWN_MEDIA
 _KNOWN_UPPER = frozenset(["GPU", "CPU", "DISK", *(k.upper() for k in KNOWN_MEDIA)])
 
 

@@ -112,5 +112,10 @@ fn decode_batch<'py>(py: Python<'py>, payload: &[u8]) -> PyResult<Bound<'py, PyA
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_batch, m)?)?;
     m.add("MAX_EVENT_DEPTH", events::MAX_DEPTH)?;
+    // the medium-name bounds, so that the Python reference index applies the same ones
+    m.add("MAX_MEDIUM_NAME_BYTES", events::MAX_MEDIUM_NAME_BYTES)?;
+    m.add("MAX_CUSTOM_MEDIA", events::MAX_CUSTOM_MEDIA)?;
+    m.add("OTHER_MEDIUM", events::OTHER_MEDIUM)?;
+    m.add("KNOWN_MEDIA", PyTuple::new(m.py(), events::KNOWN_MEDIA)?)?;
     Ok(())
 }
