@@ -27,8 +27,9 @@ is asked again from where it stopped. If the replay ends before T-1, the engine 
 not published T: the frame is implausible (e.g. a forged seq), dropped and counted
 (`implausible_seqs`), and the source does not jump ahead. If the replay starts after
 L+1 the engine's buffer no longer holds what was lost: the source is cleared, marked
-stale and rebuilt from what the buffer does hold, a subset of the truth, never a false
-residency. Exact recovery after a loss needs the engine's buffer to cover it.
+stale and, once the overload is over, rebuilt in one replay from what the buffer does
+hold, a subset of the truth, never a false residency. Exact recovery after a loss
+needs the engine's buffer to cover it.
 
 A gap is normally revealed by the next seq. When the last batches a source sent are
 lost (its PUB or our SUB over the high-water mark, the full queue, a subscription
@@ -100,10 +101,14 @@ def _libc_malloc_trim() -> Callable[[int], int] | None:
 _malloc_trim = _libc_malloc_trim()
 
 
+_REBUILD_AFTER_DROPS_S = 0.25
+
+
 class _Replayed(enum.Enum):
     REACHED = "reached"  # every batch up to the requested stop is applied
     ENDED = "ended"  # the engine's end marker came first: it holds nothing further
     FAILED = "failed"  # no (more) answer
+    LOST = "lost"  # the buffer starts after what was asked: a rebuild is pending
 
 
 @dataclass
@@ -120,6 +125,12 @@ class SourceStatus:
     stale_since: float = 0.0
     received: int = 0
     queued: int = 0  # batches of this source in the queue
+    # lost beyond the engine's buffer: rebuild from this seq (what the buffer held at the
+    # loss) once none of the source's batches is queued; until then they are skipped
+    rebuild_from: int | None = None
+    rebuilds: int = 0
+    skipped_while_lost: int = 0
+    last_drop_s: float = 0.0  # time.monotonic() when the full queue last dropped its batches
     applied_batches: int = 0
     duplicates: int = 0
     dropped: int = 0
@@ -375,6 +386,7 @@ class EventIngestor:
         if take < n:
             status.dropped += n - take  # the gap they leave is replayed (next batch, or idle)
             status.needs_sync = True
+            status.last_drop_s = time.monotonic()
         return take
 
     def submit(
@@ -398,7 +410,8 @@ class EventIngestor:
             try:
                 first = self._queue.get(timeout=0.05)
             except queue.Empty:
-                busy = self._sync_dropped_tails()
+                busy = self._rebuild_lost_sources()
+                busy = self._sync_dropped_tails() or busy
                 busy = self._check_quiet_tails() or busy
                 if not busy:
                     self._idle.set()
@@ -432,6 +445,7 @@ class EventIngestor:
                     run_key, run = key, []
                 run.append((epoch, frames))
             self._process(run_key, run)
+            self._rebuild_lost_sources()
             self._check_quiet_tails()  # a quiet source next to a busy one
             self._expire_stale()
 
@@ -446,7 +460,12 @@ class EventIngestor:
         """Replay [last applied + 1, last seq received] of every source that lost batches
         to a full queue: the last batches of a burst may have been dropped with nothing
         after them to reveal the gap. Returns whether there was anything to do."""
-        todo = [s for s in list(self.sources.values()) if s.needs_sync and not s.queued]
+        todo = [
+            s
+            for s in list(self.sources.values())
+            # a source lost beyond its buffer waits for its rebuild, which covers this
+            if s.needs_sync and not s.queued and s.rebuild_from is None
+        ]
         for status in todo:
             status.needs_sync = False
             if not status.replay_endpoint:
@@ -476,6 +495,7 @@ class EventIngestor:
                 seen != s.traffic_checked
                 and s.replay_endpoint
                 and not s.queued
+                and s.rebuild_from is None  # its rebuild reads to the end marker anyway
                 and now - s.last_traffic_s >= self.quiet_tail_s
             ):
                 due.append((s, seen))
@@ -518,19 +538,27 @@ class EventIngestor:
         pending: Frames = []  # (seq or -1, payload), consecutive, not applied yet
         for epoch, frames in parts:
             head = frames[0][0]
+            if status.rebuild_from is not None and head >= 0:
+                # its rebuild replays the engine's buffer anyway, these batches included
+                status.skipped_while_lost += len(frames)
+                continue
             if head == _UNSEQUENCED:
                 pending.extend((-1, p) for _, p in frames)
                 continue
             if head == _SYNC:
                 self._flush(status, pending)
                 pending = []
-                self._replay_range(status, tracker.last + 1, None)
+                if status.rebuild_from is None:  # else its rebuild replays this and more
+                    self._replay_range(status, tracker.last + 1, None)
                 continue
             if tracker.classify(head, epoch) is Verdict.RESTART:
                 self._flush(status, pending)
                 pending = []
                 self._check_life(status, epoch, wire_turned=True)
-            for seq, payload in frames:
+            for i, (seq, payload) in enumerate(frames):
+                if status.rebuild_from is not None:  # lost at a gap in this part
+                    status.skipped_while_lost += len(frames) - i
+                    break
                 last = tracker.last
                 if seq == last + 1:
                     pending.append((seq, payload))
@@ -564,6 +592,8 @@ class EventIngestor:
         outcome = self._replay_range(status, tracker.last + 1, seq - 1)
         if outcome is _Replayed.REACHED:
             return True
+        if outcome is _Replayed.LOST:
+            return False  # the rebuild will replay it
         if outcome is _Replayed.ENDED:
             # The engine's buffer ends before `seq`: it has not published it (a forged or
             # corrupt seq). Jumping there would make every real batch after it a duplicate.
@@ -630,12 +660,15 @@ class EventIngestor:
             return None
         return False  # the end marker straight away: nothing from `last` on
 
-    def _replay_range(self, status: SourceStatus, start: int, stop: int | None) -> _Replayed:
+    def _replay_range(
+        self, status: SourceStatus, start: int, stop: int | None, *, rebuilding: bool = False
+    ) -> _Replayed:
         """Replay and apply [start, stop] (to the end marker when `stop` is None), chunk by
         chunk as it streams in. A stream with a hole (replies dropped by the engine's
         ROUTER past its high-water mark) is asked again from the hole. A replay starting
-        after `start` means those batches are gone: the source is cleared, marked stale
-        and rebuilt from what the buffer holds."""
+        after `start` means those batches are gone: the source is cleared, marked stale,
+        and rebuilt from what the buffer holds once none of its batches is queued (one
+        rebuild per overload, not one per gap: `_rebuild_lost_sources`)."""
         if not status.replay_endpoint:
             return _Replayed.FAILED
         pos = start
@@ -662,8 +695,10 @@ class EventIngestor:
                                 if not fresh:
                                     hole = True
                                     break
-                                self._lost(status, pos, seq)
-                                pos = seq
+                                if not rebuilding:
+                                    self._lost(status, pos, seq)
+                                    return _Replayed.LOST
+                                pos = seq  # a rebuild takes the buffer from where it starts
                             fresh = False
                             if stop is not None and seq > stop:
                                 break  # after a loss: nothing of the range is left
@@ -705,7 +740,32 @@ class EventIngestor:
         status.replay_failures += 1
         why = f"replay from seq {wanted} starts at {first}: the engine's buffer is too short"
         self._mark_stale(status, why)
-        status.tracker.restarted()
+        status.tracker.restarted(status.tracker.epoch)
+        status.rebuild_from = first
+
+    def _rebuild_lost_sources(self) -> bool:
+        """Rebuild every source lost beyond its engine's buffer whose queued batches are
+        all skipped by now: replay the buffer from where it started at the loss (or from
+        where it starts now, if it moved on) to its end. Returns whether any was due."""
+        now = time.monotonic()
+        due = [
+            s
+            for s in list(self.sources.values())
+            if s.rebuild_from is not None
+            and not s.queued
+            # still overflowing the queue: a rebuild now would be lost again at once
+            and now - s.last_drop_s >= _REBUILD_AFTER_DROPS_S
+        ]
+        for status in due:
+            start = status.rebuild_from
+            assert start is not None
+            status.rebuild_from = None
+            status.rebuilds += 1
+            try:
+                self._replay_range(status, start, None, rebuilding=True)
+            except Exception:
+                log.exception("kv events: rebuild of worker %d failed", status.worker)
+        return bool(due)
 
     def _mark_stale(self, status: SourceStatus, why: str) -> None:
         log.warning(

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+REPLAY_RCVHWM = 10_000  # vLLM's default replay buffer (`buffer_steps`)
 END_SEQ = 0xFFFF_FFFF_FFFF_FFFF
 
 
@@ -81,6 +82,9 @@ class ReplayStream:
         reply that cannot be read; a stream that stops flowing later just ends."""
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # room for a whole vLLM-sized replay buffer: beyond its pipe's high-water mark
+        # the engine's ROUTER drops replies, and every hole costs one more request
+        sock.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
         idle_ms = max(1, int(self.idle_timeout_s * 1000))
         try:
             sock.connect(self.endpoint)

@@ -321,3 +321,26 @@ def test_malformed_frames_are_counted_per_source() -> None:
         rows = {(r["worker"], r["dp_rank"]): r for r in ing.stats().per_source}
         assert rows[(1, 0)]["malformed"] == 2 and rows[(0, 0)]["malformed"] == 0
         assert ing.stats().malformed == 2
+
+
+def test_a_loss_beyond_the_buffer_is_rebuilt_once_after_the_overload_not_per_gap() -> None:
+    """The engine's replay buffer holds 40 batches; a slow sink and a 20-batch queue make
+    the gateway drop most of 3,000: the source is marked stale once, its queued batches
+    skipped, and rebuilt once from the buffer when the overload is over; what it holds
+    then is exactly the buffer's last batches, in order."""
+    sink = RecordingSink(delay_s=0.002)
+    with (
+        publisher(buffer_steps=40) as pub,
+        ingestor(sink, queue_size=20, quiet_tail_s=0.3) as ing,
+    ):
+        ing.add_zmq_source(ZmqSourceConfig(5, pub.endpoint, pub.replay_endpoint))
+        wait_for(lambda: ing.sources[(5, 0)].replays, what="sync")
+        time.sleep(0.3)
+        publish(pub, 0, 3000)
+        status = ing.sources[(5, 0)]
+        wait_for(lambda: status.last_seq == 2999, timeout=20, what="caught up")
+        time.sleep(0.6)  # a quiet-tail check after it must change nothing
+        assert status.stale_marks == 1 and status.rebuilds == 1, status.as_dict()
+        assert status.restarts == 0 and status.skipped_while_lost > 0
+        after_clear = sink.seen(5)[-40:]
+        assert after_clear == [float(i) for i in range(2960, 3000)]
