@@ -136,3 +136,36 @@ def test_a_long_prefill_is_not_a_hang(stack: Stack) -> None:
     text = http_get(gw.url + "/metrics").text
     assert metric(text, "quillcache_upstream_retries_total") == 0
     assert healthy(stack) == {0: True}
+
+
+def test_a_whole_answer_failed_by_a_dying_engine_names_it(stack: Stack) -> None:
+    """The engine is SIGKILLed while it computes a non-streamed answer (no head yet): the
+    client gets its answer from the other engine (a retry) or a JSON 502, and either way
+    the answer names the worker in `x-quillcache-worker`."""
+    stack.engine(time_scale=10.0)  # a whole answer takes long enough to kill the engine
+    stack.engine(time_scale=10.0)
+    gw = stack.start_gateway({"router": "round-robin", "health_interval_s": 60})
+    body = {"prompt": "a whole answer " * 8, "max_tokens": 16, "stream": False}
+    with httpx.Client(timeout=60) as client:
+        first = client.post(gw.url + "/v1/completions", json={**body, "max_tokens": 1})
+        assert first.status_code == 200
+        victim = 1 - int(first.headers["x-quillcache-worker"])  # round robin: next one
+
+        import threading
+
+        answer: list[httpx.Response] = []
+        t = threading.Thread(
+            target=lambda: answer.append(client.post(gw.url + "/v1/completions", json=body))
+        )
+        t.start()
+        time.sleep(0.5)  # routed and computing
+        stack.engines[victim].kill()
+        t.join(60)
+    r = answer[0]
+    assert r.status_code in (200, 502), r.text
+    assert "x-quillcache-worker" in r.headers, (r.status_code, dict(r.headers))
+    if r.status_code == 502:
+        assert r.headers["x-quillcache-worker"] == str(victim)
+        assert r.json()["error"]["message"]
+    else:
+        assert r.headers["x-quillcache-worker"] == str(1 - victim)
