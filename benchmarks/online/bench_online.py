@@ -35,10 +35,10 @@ from typing import Any
 
 import httpx
 
-from quillcache.gateway.serve import run_loop
 from quillcache.loadgen.report import summarize
 from quillcache.loadgen.runner import RunConfig, run_load
 from quillcache.loadgen.workload import synthetic
+from quillcache.serving import run_loop
 from quillcache.up import Proc, engine_args, gateway_args, launch
 
 ADMIN = "bench"

@@ -25,10 +25,10 @@ import httpx
 
 from benchmarks.realvllm import VllmEngine, make_tiny_model, start_engines, vllm_python
 from benchmarks.realvllm.launcher import SERVED_MODEL
-from quillcache.gateway.serve import run_loop
 from quillcache.loadgen.report import summarize
 from quillcache.loadgen.runner import RunConfig, run_load
 from quillcache.loadgen.workload import LoadRequest
+from quillcache.serving import run_loop
 from quillcache.up import Proc, launch
 
 ADMIN = "bench"

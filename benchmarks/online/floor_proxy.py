@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from quillcache.gateway.serve import run_loop, serve_app
+from quillcache.serving import run_loop, serve_app
 
 
 class FloorProxy:

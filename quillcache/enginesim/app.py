@@ -28,8 +28,8 @@ from quillcache import __version__
 from quillcache.enginesim.engine import Admission, EngineConfig, EngineRequestError, SimEngine
 from quillcache.enginesim.publisher import KvEventPublisher
 from quillcache.enginesim.sglang import SglangCollector, server_info
-from quillcache.enginesim.tokenizer import ByteTokenizer, Tokenizer
 from quillcache.events.encode import BlockRemoved, BlockStored, encode_batch
+from quillcache.tokenization.local import ByteTokenizer, Tokenizer
 
 FLAVORS = ("vllm", "sglang")  # whose HTTP surface the simulator serves
 

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from quillcache.enginesim.app import EngineApp
     from quillcache.enginesim.engine import EngineConfig
     from quillcache.enginesim.publisher import KvEventPublisher
-    from quillcache.enginesim.tokenizer import load_tokenizer
+    from quillcache.tokenization.local import load_tokenizer
 
     try:
         kv = _kv_config(args.kv_events_config)
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     async def serve() -> None:
-        from quillcache.gateway.serve import serve_app
+        from quillcache.serving import serve_app
 
         extra = {
             "kv_endpoint": publisher.endpoint if publisher else None,
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
             app.starlette(), args.host, args.port, args.log_level, extra, args.ready_file
         )
 
-    from quillcache.gateway.serve import run_loop
+    from quillcache.serving import run_loop
 
     try:
         run_loop(serve())

@@ -19,8 +19,8 @@ from quillcache.controlplane import UnknownWorkerError
 from quillcache.gateway.config import WorkerConfig
 from quillcache.gateway.httpio import ApiError, json_object, validate_completion
 from quillcache.gateway.tenancy import valid_tenant
-from quillcache.gateway.tokenization import TokenizationError
 from quillcache.gateway.workers import DiscoveryError, Worker
+from quillcache.tokenization.request import TokenizationError
 
 if TYPE_CHECKING:
     from quillcache.gateway.app import Gateway

@@ -42,13 +42,13 @@ from quillcache.gateway.openai_api import CHAT_COMPLETIONS, COMPLETIONS, OpenAIE
 from quillcache.gateway.parity import parity_check
 from quillcache.gateway.secret import load_or_create
 from quillcache.gateway.tenancy import Identity, TenantPolicy
-from quillcache.gateway.tokenization import EngineUnreachable, RequestTokenizer
 from quillcache.gateway.workers import Worker, WorkerPool
 from quillcache.identity import content_keys, namespace
 from quillcache.index.native import NativeIndex
 from quillcache.routing import Request as RouteRequest
 from quillcache.routing import Router
 from quillcache.routing.registry import import_router
+from quillcache.tokenization.request import EngineUnreachable, RequestTokenizer
 
 log = logging.getLogger(__name__)
 

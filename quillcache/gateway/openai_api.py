@@ -32,9 +32,9 @@ from quillcache.gateway.httpio import (
     validate_completion,
 )
 from quillcache.gateway.tenancy import Identity
-from quillcache.gateway.tokenization import EngineUnreachable, TokenizationError
 from quillcache.routing import Action
 from quillcache.routing import Request as RouteRequest
+from quillcache.tokenization.request import EngineUnreachable, TokenizationError
 
 if TYPE_CHECKING:
     from quillcache.gateway.app import Gateway

@@ -1,92 +1,18 @@
-"""Running a starlette app under uvicorn and announcing where it listens."""
+"""`quillcache gateway`'s server: the gateway's start-up, then its port served by the
+native relay (the Starlette app behind it on loopback) or by uvicorn."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
 import socket
 import sys
-from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from quillcache.errors import ConfigError
 from quillcache.gateway.config import GatewayConfig
+from quillcache.serving import run_loop, serve_app
 
 if TYPE_CHECKING:
     from quillcache.gateway.relay import RelayHost
-
-T = TypeVar("T")
-
-
-def run_loop(main: Coroutine[Any, Any, T]) -> T:
-    """`asyncio.run` on uvloop when it is installed.
-
-    uvicorn's `loop="auto"` only applies when uvicorn creates the loop itself; our servers
-    start inside a running loop, so without this they ran on the stdlib selector loop
-    (py-spy showed `_SelectorSocketTransport.write` among the gateway's top costs)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main)
-
-
-def announce(ready: dict[str, Any], ready_file: str | None) -> None:
-    """Print `READY {json}` and write it atomically to `ready_file` (for launchers)."""
-    if ready_file:
-        with open(ready_file + ".tmp", "w") as f:
-            json.dump(ready, f)
-        os.replace(ready_file + ".tmp", ready_file)
-    print("READY " + json.dumps(ready), flush=True)
-
-
-async def serve_app(
-    app: Any,
-    host: str,
-    port: int,
-    log_level: str,
-    extra: dict[str, Any],
-    ready_file: str | None,
-    on_started: Callable[[int], dict[str, Any]] | None = None,
-) -> None:
-    """Serve `app` until stopped. Once it listens: `on_started(port)` (whose result is
-    announced instead) or the announcement of `host:port`."""
-    import uvicorn
-
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            log_level=log_level,
-            access_log=False,
-            proxy_headers=False,  # nothing reads the client address; saves a middleware
-            lifespan="auto",
-            timeout_graceful_shutdown=2,
-            # httptools when installed; the loop is the caller's (see `run_loop`)
-            loop="none",
-            http=_http_protocol(),
-        )
-    )
-    task = asyncio.create_task(server.serve())
-    while not server.started and not task.done():
-        await asyncio.sleep(0.01)
-    if server.started:
-        bound = server.servers[0].sockets[0].getsockname()[1]
-        try:
-            ready = (
-                on_started(bound)
-                if on_started
-                else {"url": f"http://{host}:{bound}", "port": bound}
-            )
-        except BaseException:
-            server.should_exit = True
-            await task
-            raise
-        announce({**ready, **extra}, ready_file)
-    await task
 
 
 def _http_protocol() -> Any:
@@ -145,10 +71,25 @@ def serve_gateway(config: GatewayConfig, ready_file: str | None = None) -> None:
         try:
             if config.relay == "native":
                 await serve_app(
-                    app, "127.0.0.1", 0, config.log_level, {}, ready_file, on_started=start_relay
+                    app,
+                    "127.0.0.1",
+                    0,
+                    config.log_level,
+                    {},
+                    ready_file,
+                    on_started=start_relay,
+                    http=_http_protocol(),
                 )
             else:
-                await serve_app(app, config.host, config.port, config.log_level, {}, ready_file)
+                await serve_app(
+                    app,
+                    config.host,
+                    config.port,
+                    config.log_level,
+                    {},
+                    ready_file,
+                    http=_http_protocol(),
+                )
         finally:
             if host is not None:
                 host.stop()

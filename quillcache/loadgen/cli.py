@@ -50,10 +50,10 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from quillcache.errors import ConfigError
-    from quillcache.gateway.serve import run_loop
     from quillcache.loadgen.report import render_table, summarize
     from quillcache.loadgen.runner import RunConfig, run_load
     from quillcache.loadgen.workload import mooncake_trace, synthetic
+    from quillcache.serving import run_loop
 
     console = Console(stderr=args.json == "-")
     names = args.name or []

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from quillcache.enginesim.tokenizer import HFTokenizer, load_tokenizer
 from quillcache.errors import ConfigError
+from quillcache.tokenization.local import HFTokenizer, load_tokenizer
 from tests.online.conftest import Stack
 from tests.online.helpers import http_get, http_post, wait_for
 

@@ -12,7 +12,7 @@ import msgpack
 import openai
 import pytest
 
-from quillcache.enginesim.tokenizer import ByteTokenizer
+from quillcache.tokenization.local import ByteTokenizer
 from quillcache.up import gateway_args, launch
 from tests.online.conftest import ADMIN, Stack, metric
 from tests.online.helpers import free_port, http_get, http_post, wait_for

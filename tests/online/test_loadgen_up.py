@@ -14,10 +14,10 @@ import httpx
 import pytest
 
 from quillcache.errors import ConfigError
-from quillcache.gateway.serve import run_loop
 from quillcache.loadgen.report import summarize
 from quillcache.loadgen.runner import RunConfig, Sample, run_load
 from quillcache.loadgen.workload import mooncake_trace, synthetic
+from quillcache.serving import run_loop
 from quillcache.up import launch
 from tests.online.conftest import Stack, metric
 from tests.online.helpers import http_post, wait_for

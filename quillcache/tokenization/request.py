@@ -13,8 +13,8 @@ from typing import Any
 
 import aiohttp
 
-from quillcache.enginesim.tokenizer import Tokenizer, load_tokenizer
 from quillcache.errors import QuillCacheError
+from quillcache.tokenization.local import Tokenizer, load_tokenizer
 
 
 class TokenizationError(QuillCacheError):
