@@ -254,7 +254,6 @@ class EventIngestor:
         self._queued_bytes = 0
         self._held_peak = 0  # bytes queued or replayed since the last malloc_trim
         self._bytes_lock = threading.Lock()
-        self._sink_takes_seqs = bool(getattr(sink, "accepts_seqs", False))
         self.sink = sink
         self.ctx = ctx or zmq.Context.instance()
         self.replay_timeout_s = replay_timeout_s
@@ -808,11 +807,9 @@ class EventIngestor:
             payloads = [p for _, p in items]
             seqs = [q for q, _ in items]
             try:
-                if self._sink_takes_seqs and seqs[0] >= 0:
-                    # a persistent index records them: after a restart, replay from there
-                    stats = self.sink.ingest(status.worker, payloads, status.dp_rank, seqs=seqs)  # type: ignore[call-arg]
-                else:
-                    stats = self.sink.ingest(status.worker, payloads, status.dp_rank)
+                # a persistent index records them: after a restart, replay from there
+                known = seqs if seqs[0] >= 0 else None  # HTTP ingest without seqs: none
+                stats = self.sink.ingest(status.worker, payloads, status.dp_rank, known)
             except EventDecodeError as exc:
                 bad = _failed_batch_index(exc, len(payloads))
                 status.decode_errors += 1

@@ -10,16 +10,26 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from quillcache.index.protocol import IndexBackend
 from quillcache.index.types import ApplyStats
 
+if TYPE_CHECKING:
+    from quillcache.controlplane import ControlPlane
+
 
 @runtime_checkable
 class IngestSink(Protocol):
-    def ingest(self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0) -> ApplyStats:
-        """Decode and apply raw event batches of one source, in order."""
+    def ingest(
+        self,
+        worker: int,
+        payloads: Sequence[bytes],
+        dp_rank: int = 0,
+        seqs: Sequence[int] | None = None,
+    ) -> ApplyStats:
+        """Decode and apply raw event batches of one source, in order; `seqs`: the
+        engine's seq of each batch when known (a persistent index records them)."""
         ...
 
     def clear_source(self, worker: int, dp_rank: int = 0) -> int:
@@ -39,8 +49,14 @@ class IndexSink:
         self._lock = threading.Lock()
         self.stale: set[tuple[int, int]] = set()
 
-    def ingest(self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0) -> ApplyStats:
-        return self.index.apply(worker, payloads, dp_rank)
+    def ingest(
+        self,
+        worker: int,
+        payloads: Sequence[bytes],
+        dp_rank: int = 0,
+        seqs: Sequence[int] | None = None,
+    ) -> ApplyStats:
+        return self.index.apply(worker, payloads, dp_rank, seqs=seqs)
 
     def clear_source(self, worker: int, dp_rank: int = 0) -> int:
         return self.index.clear_source(worker, dp_rank)
@@ -63,14 +79,12 @@ class ControlPlaneSink:
     """
 
     def __init__(
-        self, plane: Any, guard: contextlib.AbstractContextManager[Any] | None = None
+        self, plane: ControlPlane, guard: contextlib.AbstractContextManager[Any] | None = None
     ) -> None:
         self.plane = plane
         self.guard = guard if guard is not None else contextlib.nullcontext()
         self._lock = threading.Lock()
         self.stale: set[tuple[int, int]] = set()
-        # A persistent index (native-wal) records each source's last engine seq.
-        self.accepts_seqs = hasattr(plane.index, "last_seqs")
 
     def ingest(
         self,
@@ -80,27 +94,10 @@ class ControlPlaneSink:
         seqs: Sequence[int] | None = None,
     ) -> ApplyStats:
         with self.guard:
-            return self._ingest(worker, payloads, dp_rank, seqs)
-
-    def _ingest(
-        self, worker: int, payloads: Sequence[bytes], dp_rank: int, seqs: Sequence[int] | None
-    ) -> ApplyStats:
-        if seqs is None or not self.accepts_seqs:
-            return self.plane.ingest(worker, payloads, dp_rank)
-        # ControlPlane.ingest takes no seqs yet: apply through the index and keep the
-        # plane's per-worker count the way ingest does.
-        stats: ApplyStats = self.plane.index.apply(worker, payloads, dp_rank, seqs=seqs)
-        state = self.plane.worker(worker)
-        state.resident_blocks = max(
-            state.resident_blocks + stats.blocks_stored - stats.blocks_removed, 0
-        )
-        self.plane.apply_stats += stats
-        return stats
+            return self.plane.ingest(worker, payloads, dp_rank, seqs=seqs)
 
     def last_seqs(self) -> dict[tuple[int, int], int]:
-        """(worker, dp_rank) -> last applied seq, from a persistent index ({} otherwise)."""
-        if not self.accepts_seqs:
-            return {}
+        """(worker, dp_rank) -> last applied seq, as the index keeps it across restarts."""
         return {(s.worker, s.dp_rank): q for s, q in self.plane.index.last_seqs().items()}
 
     def clear_source(self, worker: int, dp_rank: int = 0) -> int:

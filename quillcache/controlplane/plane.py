@@ -193,14 +193,22 @@ class ControlPlane:
 
     # --- events -------------------------------------------------------------------
 
-    def ingest(self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0) -> ApplyStats:
-        """Apply raw msgpack event batches (vLLM wire format) from one source, in order.
+    def ingest(
+        self,
+        worker: int,
+        payloads: Sequence[bytes],
+        dp_rank: int = 0,
+        *,
+        seqs: Sequence[int] | None = None,
+    ) -> ApplyStats:
+        """Apply raw msgpack event batches (vLLM wire format) from one source, in order;
+        `seqs` (the engine's, one per batch) go to the index (`IndexBackend.apply`).
 
         Raises `EventDecodeError` for a bad batch, after applying the ones before it.
         """
         state = self._state(worker)
         t0 = time.perf_counter_ns()
-        stats = self.index.apply(worker, payloads, dp_rank)
+        stats = self.index.apply(worker, payloads, dp_rank, seqs=seqs)
         self.latencies.apply_ns.append(time.perf_counter_ns() - t0)
         state.resident_blocks += stats.blocks_stored - stats.blocks_removed
         if stats.clears:

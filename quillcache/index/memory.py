@@ -97,7 +97,14 @@ class MemoryIndex:
 
     # --- events ----------------------------------------------------------------
 
-    def apply(self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0) -> ApplyStats:
+    def apply(
+        self,
+        worker: int,
+        payloads: Sequence[bytes],
+        dp_rank: int = 0,
+        *,
+        seqs: Sequence[int] | None = None,  # an in-memory index outlives no restart
+    ) -> ApplyStats:
         check_source(worker, dp_rank)
         if any(not isinstance(p, (bytes, bytearray, memoryview)) for p in payloads):
             raise InvalidIndexInputError("payloads must be bytes-like (raw msgpack batches)")
@@ -309,6 +316,9 @@ class MemoryIndex:
                 self._collect(key)
 
     # --- accounting ------------------------------------------------------------
+
+    def last_seqs(self) -> dict[SourceId, int]:
+        return {}  # in memory only: nothing to resume from after a restart
 
     def stats(self) -> IndexStats:
         visible = [n for n in self._nodes.values() if n.holders or n.pins]

@@ -16,7 +16,7 @@ from quillcache import _native
 from quillcache.errors import EventDecodeError, QuillCacheError
 from quillcache.index.inputs import InvalidIndexInputError, as_key_array, check_source
 from quillcache.index.protocol import KeyArray
-from quillcache.index.types import ApplyStats, Entry, IndexStats, Match, Residency
+from quillcache.index.types import ApplyStats, Entry, IndexStats, Match, Residency, SourceId
 
 _new = object.__new__
 
@@ -79,7 +79,14 @@ class NativeIndex:
         check_source(worker, dp_rank)
         self._inner.register_source(worker, dp_rank, model=model, tokenizer=tokenizer)
 
-    def apply(self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0) -> ApplyStats:
+    def apply(
+        self,
+        worker: int,
+        payloads: Sequence[bytes],
+        dp_rank: int = 0,
+        *,
+        seqs: Sequence[int] | None = None,  # kept only by the persistent subclass
+    ) -> ApplyStats:
         # The per-call cost matters (a connector calls this for every few payloads):
         # plain ints go straight to Rust, which range-checks them (OverflowError);
         # anything else, or an error, takes the checking path for the typed error.
@@ -164,6 +171,9 @@ class NativeIndex:
                 f"blocks must be an integer in 0 .. {MAX_RESERVE_BLOCKS}, got {blocks!r}"
             )
         self._inner.reserve(int(blocks))
+
+    def last_seqs(self) -> dict[SourceId, int]:
+        return {}  # in memory only: nothing to resume from after a restart
 
     def stats(self) -> IndexStats:
         blocks, nodes, pairs, sources, pinned, spilled, memory, folded = self._inner.stats()

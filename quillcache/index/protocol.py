@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from quillcache.index.types import ApplyStats, Entry, IndexStats, Match
+from quillcache.index.types import ApplyStats, Entry, IndexStats, Match, SourceId
 
 KeyArray = npt.NDArray[np.uint64]
 
@@ -33,13 +33,29 @@ class IndexBackend(Protocol):
         A source that was never registered has model "" and tokenizer "".
         """
 
-    def apply(self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0) -> ApplyStats:
+    def apply(
+        self,
+        worker: int,
+        payloads: Sequence[bytes],
+        dp_rank: int = 0,
+        *,
+        seqs: Sequence[int] | None = None,
+    ) -> ApplyStats:
         """Decode and apply raw msgpack event batches from one source, in order.
+
+        `seqs`: the engine's sequence number of each batch, when known. A persistent
+        backend records the last one per source (`last_seqs`), so that a restarted
+        gateway asks the engine to replay from there; an in-memory one ignores them.
 
         A batch that fails to decode raises `quillcache.errors.EventDecodeError`; the
         batches before it are applied, it and the ones after are not (the error says
         which index failed), so a caller can resume exactly.
         """
+        ...
+
+    def last_seqs(self) -> dict[SourceId, int]:
+        """The last engine seq applied per source, as far as this backend keeps it
+        across restarts (empty for an in-memory backend)."""
         ...
 
     def match(self, keys: KeyArray) -> list[Match]:

@@ -44,7 +44,13 @@ class RecordingSink:
         self.delay_s = delay_s
         self.lock = threading.Lock()
 
-    def ingest(self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0) -> ApplyStats:
+    def ingest(
+        self,
+        worker: int,
+        payloads: Sequence[bytes],
+        dp_rank: int = 0,
+        seqs: Sequence[int] | None = None,
+    ) -> ApplyStats:
         if self.delay_s:
             time.sleep(self.delay_s)
         stats = ApplyStats()
