@@ -8,23 +8,19 @@ from typing import Any
 
 from quillcache.index.protocol import IndexBackend
 
-#: Every backend the benchmark knows, in table order.
-ALL = ["memory", "native", "native-wal", "kv-memory", "rocksdb", "holt"]
 #: Backends that keep their state on disk (recovery is measured for these).
 PERSISTENT = {"native-wal", "rocksdb", "holt"}
 
 
 def available(name: str) -> tuple[bool, str]:
-    """(usable in this build, why not)."""
-    if name in ("memory", "native", "native-wal", "kv-memory"):
-        return True, ""
-    if name in ("rocksdb", "holt"):
-        from quillcache.index.rocks import store_available
+    """(usable in this build, why not), from the backend registry."""
+    from quillcache.index import backend_status
 
-        if store_available(name):
-            return True, ""
-        return False, f"extension built without the {name} cargo feature (docs/persistence.md)"
-    return False, f"unknown backend {name!r}"
+    status = backend_status()
+    if name not in status:
+        return False, f"unknown backend {name!r}; registered: {', '.join(status)}"
+    why = status[name]
+    return why is None, why or ""
 
 
 def backend_factory(

@@ -23,13 +23,11 @@ WORKLOADS = ("seed", "synthetic", "mooncake")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from quillcache.bench.backends import ALL
-
     parser.add_argument(
         "--backend",
         default="memory,native,native-wal,rocksdb,holt",
-        help=f"comma-separated backends (known: {', '.join(ALL)}); unavailable ones are "
-        "reported and skipped",
+        help="comma-separated index backends (any registered one: see "
+        "quillcache.index.backend_status()); unavailable ones are reported and skipped",
     )
     parser.add_argument(
         "--workload",

@@ -5,7 +5,9 @@ from __future__ import annotations
 from quillcache.index.protocol import IndexBackend, KeyArray
 from quillcache.index.registry import (
     ENTRY_POINT_GROUP,
+    BackendUnavailableError,
     available_backends,
+    backend_status,
     create_backend,
     register_backend,
 )
@@ -14,6 +16,7 @@ from quillcache.index.types import ApplyStats, Entry, IndexStats, Match, Residen
 __all__ = [
     "ENTRY_POINT_GROUP",
     "ApplyStats",
+    "BackendUnavailableError",
     "Entry",
     "IndexBackend",
     "IndexStats",
@@ -22,6 +25,7 @@ __all__ = [
     "Residency",
     "SourceId",
     "available_backends",
+    "backend_status",
     "create_backend",
     "register_backend",
 ]

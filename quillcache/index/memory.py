@@ -55,6 +55,10 @@ class MemoryIndex:
 
     name = "memory"
 
+    @classmethod
+    def unavailable(cls) -> str | None:
+        return None  # built in: always usable
+
     def __init__(self) -> None:
         self._nodes: dict[int, _Node] = {}
         self._sources: dict[SourceId, _Source] = {}

@@ -70,6 +70,10 @@ class NativeIndex:
 
     name = "native"
 
+    @classmethod
+    def unavailable(cls) -> str | None:
+        return None  # built in: always usable
+
     def __init__(self, *, _inner: _native.NativeIndex | None = None) -> None:
         self._inner = _inner if _inner is not None else _native.NativeIndex()
 

@@ -38,6 +38,14 @@ def store_available(store: str) -> bool:
 class KvStoreIndex(NativeIndex):
     """`IndexBackend` over `quillcache._native.KvIndex` with a given store."""
 
+    @classmethod
+    def unavailable(cls) -> str | None:
+        if store_available(cls.store):
+            return None
+        return (
+            f"the extension was built without the {cls.store} cargo feature (docs/persistence.md)"
+        )
+
     name = "kv"
     store = "memory"
 

@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, err: Any) -> int:
     from quillcache.costmodel import CostModel, CostModelConfig
     from quillcache.errors import ConfigError
-    from quillcache.index import available_backends
+    from quillcache.index import backend_status
     from quillcache.routing import BUILTIN_ORDER, available_routers, create_router
     from quillcache.routing.registry import import_router
 
@@ -255,10 +255,11 @@ def _run(args: argparse.Namespace, err: Any) -> int:
             raise ConfigError(f"unknown router {r!r}; known: {', '.join(sorted(known))}")
     backends = args.backends.split(",")
     for b in backends:
-        if b not in available_backends():
-            raise ConfigError(
-                f"unknown index backend {b!r}; known: {', '.join(available_backends())}"
-            )
+        status = backend_status()
+        if b not in status:
+            raise ConfigError(f"unknown index backend {b!r}; known: {', '.join(status)}")
+        if status[b] is not None:
+            raise ConfigError(f"index backend {b!r} is unavailable: {status[b]}")
     router_opts: dict[str, dict[str, Any]] = {}
     for key, value in _kv(args.router_opt, "--router-opt").items():
         rname, dot, param = key.rpartition(".")
