@@ -39,7 +39,9 @@ def test_300_long_medium_names_leave_memory_bounded(index: IndexBackend) -> None
         index.apply(0, [payload(stored([1], [], medium=name))])
     stats = index.stats()
     grown = stats.memory_bytes - before
-    assert grown < 256 << 10, f"300 distinct 1 MiB medium names grew the index by {grown} bytes"
+    # kept, the names would be 300 MiB; a store's own buffers may grow by a block (the
+    # RocksDB memtable arena allocates 1 MiB at a time)
+    assert grown < 2 << 20, f"300 distinct 1 MiB medium names grew the index by {grown} bytes"
     assert stats.extra["media_folded"] == 300
     assert media_of(index, t) == ["GPU", OTHER_MEDIUM]
     # removing under an over-long name finds what its store put in OTHER
