@@ -59,7 +59,6 @@ import ctypes.util
 import enum
 import logging
 import queue
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -210,18 +209,6 @@ class IngestorStats:
     # one {"worker", "dp_rank", counter: value, ...} per source (JSON-ready)
     publishers_denied: int = 0  # connections refused by a binding source's allowlist
     per_source: list[dict[str, int]] = field(default_factory=list)
-
-
-def _failed_batch_index(exc: EventDecodeError, n: int) -> int | None:
-    """Which batch of the call failed: an attribute if the binding gives one, else the message."""
-    for attr in ("payload_index", "batch_index", "index"):
-        value = getattr(exc, attr, None)
-        if isinstance(value, int) and 0 <= value < n:
-            return value
-    found = re.search(r"batch(?:es)?\D{0,12}(\d+)", str(exc))
-    if found and int(found.group(1)) < n:
-        return int(found.group(1))
-    return 0 if n == 1 else None
 
 
 def _digest(payload: bytes) -> int:
@@ -811,7 +798,9 @@ class EventIngestor:
                 known = seqs if seqs[0] >= 0 else None  # HTTP ingest without seqs: none
                 stats = self.sink.ingest(status.worker, payloads, status.dp_rank, known)
             except EventDecodeError as exc:
-                bad = _failed_batch_index(exc, len(payloads))
+                # the sink's contract (IngestSink.ingest): which batch failed, and the
+                # stats of the ones applied before it
+                bad: int = exc.payload_index
                 status.decode_errors += 1
                 log.warning(
                     "kv events: worker %d rank %d: undecodable batch skipped: %s",
@@ -819,12 +808,8 @@ class EventIngestor:
                     status.dp_rank,
                     exc,
                 )
-                if bad is None:
-                    return  # cannot tell what was applied; the rest is lost (counted)
                 status.applied_batches += bad
-                partial = getattr(exc, "stats", None)
-                if isinstance(partial, ApplyStats):
-                    status.apply += partial
+                status.apply += exc.stats
                 items = items[bad + 1 :]
                 continue
             status.applied_batches += len(payloads)

@@ -29,7 +29,11 @@ class IngestSink(Protocol):
         seqs: Sequence[int] | None = None,
     ) -> ApplyStats:
         """Decode and apply raw event batches of one source, in order; `seqs`: the
-        engine's seq of each batch when known (a persistent index records them)."""
+        engine's seq of each batch when known (a persistent index records them).
+
+        A batch that does not decode raises `EventDecodeError` with `payload_index` (which
+        one) and `stats` (the `ApplyStats` of the batches before it, which stay applied),
+        as every `IndexBackend.apply` does."""
         ...
 
     def clear_source(self, worker: int, dp_rank: int = 0) -> int:

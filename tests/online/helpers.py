@@ -59,7 +59,10 @@ class RecordingSink:
                 batch = msgpack.unpackb(payload)
                 ts = float(batch[0])
             except Exception as exc:
-                raise EventDecodeError(f"batch {i}: {exc}") from exc
+                err = EventDecodeError(f"batch {i}: {exc}")
+                err.payload_index = i  # the IngestSink contract
+                err.stats = stats
+                raise err from exc
             with self.lock:
                 self.applied.setdefault((worker, dp_rank), []).append(ts)
             stats.batches += 1
