@@ -7,10 +7,9 @@ The connector only moves raw msgpack batches; decoding and apply happen behind
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from quillcache.index.protocol import IndexBackend
 from quillcache.index.types import ApplyStats
@@ -77,16 +76,12 @@ class ControlPlaneSink:
     """An `IngestSink` over a `ControlPlane` (`ingest`, `clear`), remembering stale sources.
 
     Called from the ingestor's thread while the gateway routes on its event loop: the
-    native index serialises its own readers and writers (an RwLock, GIL released), and
-    ingest only touches per-worker counters of the plane besides the index. For any
-    other backend, pass a `guard` (a lock the router side holds too).
+    plane serialises its index (`ControlPlane`), and ingest only touches per-worker
+    counters of the plane besides the index.
     """
 
-    def __init__(
-        self, plane: ControlPlane, guard: contextlib.AbstractContextManager[Any] | None = None
-    ) -> None:
+    def __init__(self, plane: ControlPlane) -> None:
         self.plane = plane
-        self.guard = guard if guard is not None else contextlib.nullcontext()
         self._lock = threading.Lock()
         self.stale: set[tuple[int, int]] = set()
 
@@ -97,16 +92,14 @@ class ControlPlaneSink:
         dp_rank: int = 0,
         seqs: Sequence[int] | None = None,
     ) -> ApplyStats:
-        with self.guard:
-            return self.plane.ingest(worker, payloads, dp_rank, seqs=seqs)
+        return self.plane.ingest(worker, payloads, dp_rank, seqs=seqs)
 
     def last_seqs(self) -> dict[tuple[int, int], int]:
         """(worker, dp_rank) -> last applied seq, as the index keeps it across restarts."""
         return {(s.worker, s.dp_rank): q for s, q in self.plane.index.last_seqs().items()}
 
     def clear_source(self, worker: int, dp_rank: int = 0) -> int:
-        with self.guard:
-            return self.plane.clear(worker, dp_rank)
+        return self.plane.clear(worker, dp_rank)
 
     def set_stale(self, worker: int, dp_rank: int, stale: bool) -> None:
         with self._lock:
@@ -114,5 +107,4 @@ class ControlPlaneSink:
                 self.stale.add((worker, dp_rank))
             else:
                 self.stale.discard((worker, dp_rank))
-        with self.guard:
-            self.plane.set_source_stale(worker, dp_rank, stale)
+        self.plane.set_source_stale(worker, dp_rank, stale)

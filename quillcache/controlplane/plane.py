@@ -18,11 +18,16 @@ BlockStored, its prefix is *being computed* on the chosen worker. `route` record
 `prefill_done` / `finish` or `speculative_ttl_s`. The index itself is only ever
 changed by events.
 
-No asyncio, no sockets: the gateway wraps this object; it is not thread-safe.
+No asyncio, no sockets: the gateway wraps this object. It may ingest on one thread while
+it routes on another: every use of the index goes through the plane's methods, which
+hold a lock when the index does not serialise its own readers and writers
+(`IndexBackend.thread_safe`); the rest of the plane belongs to the routing thread.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
@@ -31,7 +36,7 @@ from typing import Any
 
 from quillcache.costmodel import CostModel, CostModelConfig
 from quillcache.errors import ConfigError, QuillCacheError
-from quillcache.index import ApplyStats, IndexBackend, create_backend
+from quillcache.index import ApplyStats, IndexBackend, IndexStats, KeyArray, Match, create_backend
 from quillcache.routing import Decision, Request, Router, View, WorkerView, create_router
 from quillcache.routing.types import tier_of
 
@@ -125,6 +130,12 @@ class ControlPlane:
         self._tier_cache: dict[str, str] = {}
         # routable workers (not draining) by id; None: recompute on the next view
         self._routable: list[WorkerState] | None = None
+        # The gateway ingests on one thread and routes on another: an index that does
+        # not serialise its own readers and writers is used under this lock, by every
+        # method here (nothing outside the plane touches the index).
+        self._index_lock: contextlib.AbstractContextManager[Any] = (
+            contextlib.nullcontext() if self.index.thread_safe else threading.Lock()
+        )
 
     # --- workers ------------------------------------------------------------------
 
@@ -150,7 +161,8 @@ class ControlPlane:
         self._routable = None
         self._pending.setdefault(worker, {})
         for rank in range(dp_ranks):
-            self.index.register_source(worker, rank, model=model, tokenizer=tokenizer)
+            with self._index_lock:
+                self.index.register_source(worker, rank, model=model, tokenizer=tokenizer)
         return state
 
     def remove_worker(self, worker: int) -> int:
@@ -161,7 +173,8 @@ class ControlPlane:
         self._pending.pop(worker, None)
         for rid in [r for r, t in self._tracked.items() if t.worker == worker]:
             del self._tracked[rid]
-        return self.index.remove_worker(worker)
+        with self._index_lock:
+            return self.index.remove_worker(worker)
 
     def set_draining(self, worker: int, draining: bool = True) -> None:
         """A draining worker keeps its cache and requests but gets no new ones."""
@@ -208,7 +221,8 @@ class ControlPlane:
         """
         state = self._state(worker)
         t0 = time.perf_counter_ns()
-        stats = self.index.apply(worker, payloads, dp_rank, seqs=seqs)
+        with self._index_lock:
+            stats = self.index.apply(worker, payloads, dp_rank, seqs=seqs)
         self.latencies.apply_ns.append(time.perf_counter_ns() - t0)
         state.resident_blocks += stats.blocks_stored - stats.blocks_removed
         if stats.clears:
@@ -231,7 +245,8 @@ class ControlPlane:
     def clear(self, worker: int, dp_rank: int = 0) -> int:
         """The source dropped its cache without an event (restart seen by seq reset)."""
         state = self._state(worker)
-        dropped = self.index.clear_source(worker, dp_rank)
+        with self._index_lock:
+            dropped = self.index.clear_source(worker, dp_rank)
         state.resident_blocks = max(state.resident_blocks - dropped, 0)
         return dropped
 
@@ -247,7 +262,8 @@ class ControlPlane:
         per_worker: dict[int, dict[str, int]] = {}
         if len(keys):
             t0 = time.perf_counter_ns()
-            matches = self.index.match(keys)
+            with self._index_lock:
+                matches = self.index.match(keys)
             self.latencies.match_ns.append(time.perf_counter_ns() - t0)
             for m in matches:
                 media = per_worker.get(m.worker)
@@ -424,6 +440,25 @@ class ControlPlane:
                 self._unpend(t)
                 if not self.track_load:
                     del self._tracked[rid]
+
+    # --- the index, for callers that only read it or pin --------------------------
+
+    def match(self, keys: KeyArray) -> list[Match]:
+        """The index's longest cached prefix of `keys` per source and medium."""
+        with self._index_lock:
+            return self.index.match(keys)
+
+    def pin(self, keys: KeyArray) -> None:
+        with self._index_lock:
+            self.index.pin(keys)
+
+    def unpin(self, keys: KeyArray) -> None:
+        with self._index_lock:
+            self.index.unpin(keys)
+
+    def index_stats(self) -> IndexStats:
+        with self._index_lock:
+            return self.index.stats()
 
     def close(self) -> None:
         self.index.close()

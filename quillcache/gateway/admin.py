@@ -65,8 +65,7 @@ class AdminApi:
         """Which worker holds how much of this prompt (body: a completion or chat body)."""
         gw = self.gw
         keys = await self._keys_of(request)
-        with gw.index_guard:
-            matches = gw.cp.index.match(keys)
+        matches = gw.cp.match(keys)
         bs = gw.cp.block_size
         ranked = sorted(matches, key=lambda m: -m.blocks)
         return JSONResponse(
@@ -88,8 +87,7 @@ class AdminApi:
 
     async def index(self, request: Request) -> Response:
         gw = self.gw
-        with gw.index_guard:
-            stats = gw.cp.index.stats()
+        stats = gw.cp.index_stats()
         samples = {
             "route_latency_us": gw.route_samples,
             "pre_upstream_us": gw.pre_upstream_samples,
@@ -119,11 +117,10 @@ class AdminApi:
         gw = self.gw
         keys = await self._keys_of(request)
         pin = request.method == "POST"
-        with gw.index_guard:
-            if pin:
-                gw.cp.index.pin(keys)
-            else:
-                gw.cp.index.unpin(keys)
+        if pin:
+            gw.cp.pin(keys)
+        else:
+            gw.cp.unpin(keys)
         return JSONResponse({"pinned" if pin else "unpinned": len(keys)})
 
     # -- shared steps --------------------------------------------------------------------

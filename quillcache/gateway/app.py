@@ -15,7 +15,6 @@ import hmac
 import itertools
 import logging
 import secrets
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
@@ -44,7 +43,6 @@ from quillcache.gateway.secret import load_or_create
 from quillcache.gateway.tenancy import Identity, TenantPolicy
 from quillcache.gateway.workers import Worker, WorkerPool
 from quillcache.identity import content_keys, namespace
-from quillcache.index.native import NativeIndex
 from quillcache.routing import Request as RouteRequest
 from quillcache.routing import Router
 from quillcache.routing.registry import import_router
@@ -93,7 +91,6 @@ class Gateway:
         self._request_ids = itertools.count()
         self.started = False
         self.startup_error: QuillCacheError | None = None
-        self.index_guard: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         # tokenize + hash + route time of recent requests, for /admin/index
         self.route_samples: collections.deque[float] = collections.deque(maxlen=20_000)
         # handler entry -> upstream request issued (parse, auth, tokenize, hash, route)
@@ -151,11 +148,8 @@ class Gateway:
             router_options=cfg.router_options if isinstance(router, str) else None,
             index_options=cfg.index_options,
         )
-        # The native index serialises readers and writers itself (an RwLock, GIL released);
-        # any other backend is guarded by one lock shared by ingest and routing.
-        if not isinstance(self.cp.index, NativeIndex):
-            self.index_guard = threading.Lock()
-        self.sink = ControlPlaneSink(self.cp, guard=self.index_guard)
+        # ingest runs on the ingestor's thread: the plane serialises index access itself
+        self.sink = ControlPlaneSink(self.cp)
         self.ingestor = EventIngestor(
             self.sink,
             queue_size=cfg.event_queue_size,
@@ -165,7 +159,6 @@ class Gateway:
             quiet_tail_s=cfg.event_quiet_tail_s,
         )
         self.pool = WorkerPool(self.cp, self.ingestor, self.client, tokenizer_id=cfg.tokenizer_id)
-        self.pool.guard = self.index_guard
         self.pool.failures_to_down = cfg.health_failures_to_down
         self.pool.kv_publishers = cfg.kv_publishers
         self.pool.resume_seqs = self.sink.last_seqs()
@@ -321,8 +314,7 @@ class Gateway:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     def _collect(self) -> Iterator[Any]:
-        with self.index_guard:
-            index_stats = self.cp.index.stats()
+        index_stats = self.cp.index_stats()
         yield from state_metrics(
             self.ingestor.stats(),
             index_stats,

@@ -281,8 +281,7 @@ class OpenAIEndpoints:
         gw, route_request = self.gw, prepared.route_request
         candidates, prompt_tokens = prepared.candidates, prepared.prompt_tokens
         try:
-            with gw.index_guard:
-                decision = gw.cp.route(route_request, now_s=time.monotonic(), only=candidates)
+            decision = gw.cp.route(route_request, now_s=time.monotonic(), only=candidates)
         except RouterContractError as exc:
             log.error("gateway: %s", exc)
             gw.metrics.decision(gw.router_name, "router error", "none")
@@ -397,8 +396,7 @@ class OpenAIEndpoints:
         gw = self.gw
         forwarded = {k: v for k in proxy.FORWARDED_HEADERS if (v := headers.get(k))}
         if len(worker.sources) > 1 and len(route_request.content_keys):
-            with gw.index_guard:
-                matches = gw.cp.index.match(route_request.content_keys)
+            matches = gw.cp.match(route_request.content_keys)
             best = max(
                 (m for m in matches if m.worker == worker.id and m.blocks > 0),
                 key=lambda m: m.blocks,

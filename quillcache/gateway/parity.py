@@ -77,8 +77,7 @@ async def _probe(
     replay_at = time.monotonic() + timeout_s / 2  # then fetch the tail from the replay socket
     held = 0
     while time.monotonic() < deadline:
-        with gw.index_guard:
-            matches = gw.cp.index.match(keys)
+        matches = gw.cp.match(keys)
         held = max((m.blocks for m in matches if m.worker == w.id), default=0)
         if held >= len(keys):
             return None

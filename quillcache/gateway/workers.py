@@ -10,7 +10,6 @@ and its residency is dropped: its cache will be relearned from its events.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import socket
@@ -189,8 +188,6 @@ class WorkerPool:
         # last engine seq per (worker, dp_rank) kept by a persistent index: resume there
         self.resume_seqs: dict[tuple[int, int], int] = {}
         self.failures_to_down = 2  # consecutive failed health checks before "down"
-        # held around index writes from this side when the index is not thread-safe
-        self.guard: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
 
     # -- discovery -----------------------------------------------------------------------
 
@@ -302,8 +299,7 @@ class WorkerPool:
     def remove(self, worker_id: int) -> Worker:
         w = self.get(worker_id)
         self.ingestor.remove_worker(worker_id)
-        with self.guard:
-            self.cp.remove_worker(worker_id)
+        self.cp.remove_worker(worker_id)
         del self.workers[worker_id]
         self._models = None
         self._serving = {}
@@ -332,9 +328,8 @@ class WorkerPool:
         log.warning("worker %d (%s) is down: %s; its residency is dropped", w.id, w.url, why)
         w.healthy = False
         self.cp.set_draining(worker_id, True)
-        with self.guard:
-            for rank in range(self.cp.worker(worker_id).dp_ranks):
-                self.cp.clear(worker_id, rank)
+        for rank in range(self.cp.worker(worker_id).dp_ranks):
+            self.cp.clear(worker_id, rank)
 
     def mark_up(self, worker_id: int) -> None:
         w = self.workers.get(worker_id)

@@ -54,6 +54,7 @@ class MemoryIndex:
     """The reference implementation of `IndexBackend` (see `docs/index.md`)."""
 
     name = "memory"
+    thread_safe = False
 
     @classmethod
     def unavailable(cls) -> str | None:

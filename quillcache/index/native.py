@@ -69,6 +69,7 @@ class NativeIndex:
     """`IndexBackend` over `quillcache._native.NativeIndex`."""
 
     name = "native"
+    thread_safe = True  # an RwLock in Rust, taken with the GIL released
 
     @classmethod
     def unavailable(cls) -> str | None:

@@ -24,6 +24,9 @@ class IndexBackend(Protocol):
     """Residency of KV blocks across engines, keyed by QuillCache content keys."""
 
     name: str
+    #: True when the backend serialises concurrent readers and writers itself (one
+    #: thread may apply while another matches); else the caller serialises.
+    thread_safe: bool
 
     def register_source(
         self, worker: int, dp_rank: int = 0, *, model: str = "", tokenizer: str = ""
