@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from benchmarks.realvllm import VllmEngine, VllmUnavailable, make_tiny_model, start_engines
 from benchmarks.realvllm import vllm_python as find_vllm_python
@@ -192,3 +195,46 @@ def test_tenants_are_isolated_in_vllms_own_cache(vllm_stack: dict[str, Any]) -> 
     again = _complete(gw.url, secret, key="k-acme")
     assert int(again.headers["x-quillcache-worker"]) == holder
     assert _cached(again) >= 20 * BLOCK
+
+
+_SALTS = (None, "acme", "s1")
+
+
+@settings(
+    max_examples=5,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    seq=st.lists(
+        st.tuples(st.sampled_from(sorted(KEYS)), st.sampled_from(_SALTS)), min_size=2, max_size=4
+    )
+)
+def test_no_request_gets_another_namespaces_blocks_from_vllm(
+    vllm_stack: dict[str, Any], seq: list[tuple[str, str | None]]
+) -> None:
+    """Random keys (tenants) and body salts against vLLM's own prefix cache: a request's
+    first prompt in its namespace (tenant, salt) gets 0 cached tokens, whoever sent the
+    same prompt before; a repeat in the same namespace hits."""
+    gw = vllm_stack["gateway"]
+    prompt = f"run{uuid.uuid4().hex[:8]} " + PREFIX  # this example's own blocks
+    seen: set[tuple[str, str]] = set()
+    with _admin(gw) as admin:
+        for key, salt in seq:
+            namespace = (KEYS[key] or "", salt or "")
+            extra = {} if salt is None else {"cache_salt": salt}
+            got = _cached(_complete(gw.url, prompt, key=key, **extra))
+            if namespace not in seen:
+                assert got == 0, f"{key} / {salt!r} got {got} tokens of another namespace"
+            seen.add(namespace)
+
+            def held(namespace: tuple[str, str] = namespace) -> int:
+                body: dict[str, Any] = {"model": SERVED_MODEL, "prompt": prompt}
+                if namespace[1]:
+                    body["cache_salt"] = namespace[1]
+                headers = {"x-tenant-id": namespace[0]} if namespace[0] else {}
+                matches = admin.post("/admin/lookup", json=body, headers=headers).json()
+                return max((m["blocks"] for m in matches["matches"]), default=0)
+
+            wait_for(lambda: held() >= 20, timeout=60, what="the blocks in their namespace")
+            assert _cached(_complete(gw.url, prompt, key=key, **extra)) >= 20 * BLOCK
