@@ -8,9 +8,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::content_key::{chain_block, MmItem};
+use crate::content_key::chain_block;
 use crate::events::{
-    decode_batch, BlockRemoved, BlockStored, Event, EventBatch, ExtraKey, Medium, MAX_CUSTOM_MEDIA,
+    decode_batch, BlockRemoved, BlockStored, Event, EventBatch, Medium, MAX_CUSTOM_MEDIA,
     OTHER_MEDIUM,
 };
 use crate::index::sources::engine_map_key;
@@ -374,13 +374,14 @@ impl<S: KvStore> KvIndex<S> {
                 }
             }
         };
+        let identity = ev.as_ref().identity();
         for (i, (&h, tokens)) in ev
             .block_hashes
             .iter()
             .zip(ev.token_ids.chunks_exact(bs))
             .enumerate()
         {
-            let mm = mm_items(ev, i);
+            let mm = identity.mm_items(i);
             let key = chain_block(parent_key, tokens, mm.as_deref());
             let node = self.get_or_insert(key, parent_key, linked, depth)?;
             self.add_holder(key, node, s, medium)?;
@@ -395,15 +396,10 @@ impl<S: KvStore> KvIndex<S> {
 
     fn namespace_of(&mut self, s: SourceKey, ev: &BlockStored) -> Result<Namespace> {
         let src = self.source(s)?.unwrap_or_default();
-        let tenant = ev.cache_salt.clone().or_else(|| salt_in_extra_keys(ev));
-        Ok(Namespace {
-            model: src.model,
-            tokenizer: src.tokenizer,
-            lora: ev.lora_name.clone().unwrap_or_default(),
-            tenant: tenant.unwrap_or_default(),
-            block_size: ev.block_size,
-            extra: vec![],
-        })
+        Ok(ev
+            .as_ref()
+            .identity()
+            .namespace(src.model, src.tokenizer, ev.block_size))
     }
 
     fn remove_blocks(
@@ -805,28 +801,6 @@ impl<S: KvStore> KvIndex<S> {
         }
         Ok(state)
     }
-}
-
-/// vLLM's cache salt: a string in block 0's extra keys that is not the LoRA name.
-fn salt_in_extra_keys(ev: &BlockStored) -> Option<String> {
-    let first = ev.extra_keys.first()?.as_ref()?;
-    first.iter().find_map(|k| match k {
-        ExtraKey::Str(s) if Some(s.as_str()) != ev.lora_name.as_deref() => Some(s.clone()),
-        _ => None,
-    })
-}
-
-/// The multimodal items of block `i`, in the engine's order; None if it has none.
-fn mm_items(ev: &BlockStored, i: usize) -> Option<Vec<MmItem>> {
-    let keys = ev.extra_keys.get(i)?.as_ref()?;
-    let items: Vec<MmItem> = keys
-        .iter()
-        .filter_map(|k| match k {
-            ExtraKey::Mm { hash, offset } => Some((hash.clone(), *offset)),
-            _ => None,
-        })
-        .collect();
-    (!items.is_empty()).then_some(items)
 }
 
 #[cfg(test)]

@@ -10,7 +10,9 @@
 
 use std::ops::Range;
 
-use super::types::{BlockRemoved, BlockStored, EngineHash, Event, EventBatch, ExtraKey, Medium};
+use super::types::{
+    BlockRemoved, BlockStored, EngineHash, Event, EventBatch, ExtraKey, Medium, StoredIdentity,
+};
 
 /// Events of one or more decoded batches, their hashes and tokens in shared arrays.
 #[derive(Debug, Clone, Default)]
@@ -66,6 +68,17 @@ pub struct StoredRef<'a> {
     pub extra_keys: &'a [Option<Vec<ExtraKey>>],
     pub group_idx: u32,
     pub cache_salt: Option<&'a str>,
+}
+
+impl<'a> StoredRef<'a> {
+    /// The pieces that decide its namespace and its blocks' multimodal items.
+    pub fn identity(&self) -> StoredIdentity<'a> {
+        StoredIdentity {
+            cache_salt: self.cache_salt,
+            lora_name: self.lora_name,
+            extra_keys: self.extra_keys,
+        }
+    }
 }
 
 /// A BlockRemoved, borrowed.

@@ -14,6 +14,6 @@ pub use decode::{decode_batch, decode_batch_into, DecodeError};
 pub use flat::{BatchHeader, EventRef, FlatEvent, FlatEvents, FlatStored, RemovedRef, StoredRef};
 pub use reader::MAX_DEPTH;
 pub use types::{
-    BlockRemoved, BlockStored, EngineHash, Event, EventBatch, ExtraKey, Medium, KNOWN_MEDIA,
-    MAX_CUSTOM_MEDIA, MAX_MEDIUM_NAME_BYTES, OTHER_MEDIUM,
+    BlockRemoved, BlockStored, EngineHash, Event, EventBatch, ExtraKey, Medium, StoredIdentity,
+    KNOWN_MEDIA, MAX_CUSTOM_MEDIA, MAX_MEDIUM_NAME_BYTES, OTHER_MEDIUM,
 };

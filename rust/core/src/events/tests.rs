@@ -706,3 +706,64 @@ fn check_token_array(tokens: &[(Vec<u8>, Result<u32, ()>)]) -> Result<(), TestCa
     }
     Ok(())
 }
+
+// --- StoredIdentity: the namespace and multimodal rule of a BlockStored ------------
+
+#[test]
+fn identity_of_golden_frame_2_skips_the_lora_name_for_the_salt() {
+    let batch = decode_batch(&hex(GOLDEN_2)).unwrap();
+    let Event::BlockStored(ev) = &batch.events[0] else {
+        panic!("a BlockStored");
+    };
+    let id = ev.as_ref().identity();
+    assert_eq!(id.lora(), "my-lora");
+    assert_eq!(id.tenant(), "salt");
+    assert_eq!(id.mm_items(0), Some(vec![("mmhash".to_owned(), 0)]));
+    assert_eq!(id.mm_items(1), None);
+    let ns = id.namespace("m".into(), "t".into(), 4);
+    assert_eq!((ns.lora.as_str(), ns.tenant.as_str()), ("my-lora", "salt"));
+    assert_eq!((ns.model.as_str(), ns.tokenizer.as_str()), ("m", "t"));
+    assert_eq!((ns.block_size, ns.extra.len()), (4, 0));
+}
+
+#[test]
+fn identity_tenant_rule() {
+    let s = |v: &str| ExtraKey::Str(v.to_owned());
+    let mm = |h: &str, o: i64| ExtraKey::Mm {
+        hash: h.to_owned(),
+        offset: o,
+    };
+    let keys = vec![Some(vec![mm("h", 1), s("lora"), s("salt"), s("later")])];
+    let id = |cache_salt, lora_name, extra_keys| StoredIdentity {
+        cache_salt,
+        lora_name,
+        extra_keys,
+    };
+    // The field wins, even when empty; else the first string that is not the LoRA name.
+    assert_eq!(id(Some("field"), Some("lora"), &keys).tenant(), "field");
+    assert_eq!(id(Some(""), Some("lora"), &keys).tenant(), "");
+    assert_eq!(id(None, Some("lora"), &keys).tenant(), "salt");
+    assert_eq!(id(None, None, &keys).tenant(), "lora");
+    assert_eq!(id(None, None, &keys).lora(), "");
+    // Only block 0 carries the salt.
+    let later = vec![None, Some(vec![s("salt")])];
+    assert_eq!(id(None, None, &later).tenant(), "");
+    assert_eq!(id(None, None, &[]).tenant(), "");
+    // A block's mm items keep the engine's order; raw and string keys are not items.
+    let blocks = vec![
+        Some(vec![
+            mm("a", 3),
+            ExtraKey::Raw(vec![0xc0]),
+            s("x"),
+            mm("b", 0),
+        ]),
+        Some(vec![s("x")]),
+        None,
+    ];
+    let ident = id(None, None, &blocks);
+    let items = ident.mm_items(0).unwrap();
+    assert_eq!(items, vec![("a".to_owned(), 3), ("b".to_owned(), 0)]);
+    assert_eq!(ident.mm_items(1), None);
+    assert_eq!(ident.mm_items(2), None);
+    assert_eq!(ident.mm_items(3), None);
+}

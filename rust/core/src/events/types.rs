@@ -1,6 +1,9 @@
 //! Decoded event types. Field names follow vLLM's `kv_events.py` so that the
 //! wire format stays visible in the type definitions.
 
+use crate::content_key::MmItem;
+use crate::namespace::Namespace;
+
 /// An engine's block hash, reduced to 64 bits.
 ///
 /// vLLM sends a uint64 (the last 8 bytes, big-endian, of the digest) or, with
@@ -108,6 +111,66 @@ pub enum ExtraKey {
     Mm { hash: String, offset: i64 },
     /// Anything else we do not interpret, kept as raw msgpack bytes.
     Raw(Vec<u8>),
+}
+
+/// What a BlockStored says about the identity of its blocks beyond its source's model
+/// and tokenizer (`docs/index.md`): the LoRA and tenant of its namespace, and each
+/// block's multimodal items. Written once, over borrowed pieces, so that the in-memory
+/// index, the key-value index and (through the binding) the Python reference index all
+/// read an event the same way.
+#[derive(Debug, Clone, Copy)]
+pub struct StoredIdentity<'a> {
+    pub cache_salt: Option<&'a str>,
+    pub lora_name: Option<&'a str>,
+    pub extra_keys: &'a [Option<Vec<ExtraKey>>],
+}
+
+impl<'a> StoredIdentity<'a> {
+    /// The namespace's LoRA: the event's LoRA name, "" without one.
+    pub fn lora(&self) -> &'a str {
+        self.lora_name.unwrap_or_default()
+    }
+
+    /// The namespace's tenant: the `cache_salt` field (SGLang), else vLLM's salt, the
+    /// first string in block 0's extra keys that is not the LoRA name (vLLM publishes
+    /// it untagged); "" without either.
+    pub fn tenant(&self) -> &'a str {
+        self.cache_salt
+            .or_else(|| {
+                let first = self.extra_keys.first()?.as_ref()?;
+                first.iter().find_map(|k| match k {
+                    ExtraKey::Str(s) if Some(s.as_str()) != self.lora_name => Some(s.as_str()),
+                    _ => None,
+                })
+            })
+            .unwrap_or_default()
+    }
+
+    /// The multimodal items of block `block`, in the engine's order; None if it has
+    /// none (a block without extra keys, or whose keys hold no item).
+    pub fn mm_items(&self, block: usize) -> Option<Vec<MmItem>> {
+        let keys = self.extra_keys.get(block)?.as_ref()?;
+        let items: Vec<MmItem> = keys
+            .iter()
+            .filter_map(|k| match k {
+                ExtraKey::Mm { hash, offset } => Some((hash.clone(), *offset)),
+                _ => None,
+            })
+            .collect();
+        (!items.is_empty()).then_some(items)
+    }
+
+    /// The namespace of the event's blocks, on its source's `model` and `tokenizer`.
+    pub fn namespace(&self, model: String, tokenizer: String, block_size: u32) -> Namespace {
+        Namespace {
+            model,
+            tokenizer,
+            lora: self.lora().to_owned(),
+            tenant: self.tenant().to_owned(),
+            block_size,
+            extra: vec![],
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -1,8 +1,8 @@
 //! Applying decoded event batches: BlockStored, BlockRemoved, AllBlocksCleared.
 
-use crate::content_key::{chain_block, MmItem, SEED};
+use crate::content_key::{chain_block, SEED};
 use crate::events::{
-    decode_batch, DecodeError, Event, EventBatch, EventRef, ExtraKey, RemovedRef, StoredRef,
+    decode_batch, DecodeError, Event, EventBatch, EventRef, RemovedRef, StoredRef,
 };
 use crate::namespace::Namespace;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -189,19 +189,8 @@ impl Index {
     /// The namespace of a BlockStored that starts at block 0 (`docs/index.md`).
     pub(super) fn namespace_of(&self, slot: u32, ev: &StoredRef<'_>) -> Namespace {
         let src = self.sources.get(slot);
-        let lora = ev.lora_name.unwrap_or_default().to_owned();
-        let tenant = ev
-            .cache_salt
-            .map(str::to_owned)
-            .or_else(|| salt_in_extra_keys(ev));
-        Namespace {
-            model: src.model.clone(),
-            tokenizer: src.tokenizer.clone(),
-            lora,
-            tenant: tenant.unwrap_or_default(),
-            block_size: ev.block_size,
-            extra: vec![],
-        }
+        ev.identity()
+            .namespace(src.model.clone(), src.tokenizer.clone(), ev.block_size)
     }
 
     fn remove(&mut self, slot: u32, ev: &RemovedRef<'_>, stats: &mut ApplyStats) {
@@ -331,12 +320,13 @@ pub(super) fn chain_keys(ev: &StoredRef<'_>, parent_key: u64, out: &mut Vec<u64>
     let n = ev.block_hashes.len();
     out.reserve(n);
     let mut k = parent_key;
+    let identity = ev.identity();
     IMAGE.with(|image| {
         let mut fresh = Vec::new();
         let mut kept = image.try_borrow_mut();
         let buf = kept.as_deref_mut().unwrap_or(&mut fresh);
         for (i, tokens) in ev.token_ids.chunks_exact(bs).take(n).enumerate() {
-            k = match mm_items(ev, i) {
+            k = match identity.mm_items(i) {
                 Some(mm) => chain_block(k, tokens, Some(&mm)),
                 None => chain_block_reusing(buf, k, tokens),
             };
@@ -360,15 +350,6 @@ pub(super) fn has_key_chain(ev: &StoredRef<'_>) -> bool {
         && ev.token_ids.len() as u64 >= n.saturating_mul(ev.block_size as u64)
 }
 
-/// vLLM's cache salt: a string in block 0's extra keys that is not the LoRA name.
-fn salt_in_extra_keys(ev: &StoredRef<'_>) -> Option<String> {
-    let first = ev.extra_keys.first()?.as_ref()?;
-    first.iter().find_map(|k| match k {
-        ExtraKey::Str(s) if Some(s.as_str()) != ev.lora_name => Some(s.clone()),
-        _ => None,
-    })
-}
-
 /// `chain_block(parent, tokens, None)` with the byte image built in a buffer reused
 /// across the blocks of an event: large blocks (vLLM's 512-token blocks in the
 /// simulator's traces) otherwise cost an allocation and a per-token append each,
@@ -385,17 +366,4 @@ pub(super) fn chain_block_reusing(buf: &mut Vec<u8>, parent: u64, tokens: &[u32]
         dst.copy_from_slice(&t.to_le_bytes());
     }
     xxh3_64_with_seed(image, SEED)
-}
-
-/// The multimodal items of block `i`, in the engine's order; None if it has none.
-fn mm_items(ev: &StoredRef<'_>, i: usize) -> Option<Vec<MmItem>> {
-    let keys = ev.extra_keys.get(i)?.as_ref()?;
-    let items: Vec<MmItem> = keys
-        .iter()
-        .filter_map(|k| match k {
-            ExtraKey::Mm { hash, offset } => Some((hash.clone(), *offset)),
-            _ => None,
-        })
-        .collect();
-    (!items.is_empty()).then_some(items)
 }
