@@ -14,7 +14,9 @@ use crate::events::{
     OTHER_MEDIUM,
 };
 use crate::index::sources::engine_map_key;
-use crate::index::{ApplyStats, EntryOut, HolderOut, LogicalState, SourceKey};
+use crate::index::{
+    ApplyStats, EntryOut, HolderOut, IndexRead, IndexStats, LogicalState, NamedHit, SourceKey,
+};
 use crate::namespace::Namespace;
 
 use super::layout::{self, Meta, Node, Source};
@@ -800,6 +802,49 @@ impl<S: KvStore> KvIndex<S> {
             );
         }
         Ok(state)
+    }
+}
+
+/// The reads, for code written once over every index. A store keeps a medium by the
+/// name a parsed `Medium` gives, so parsing it again is exact.
+impl<S: KvStore> IndexRead for KvIndex<S> {
+    type Error = KvIndexError;
+
+    fn matches(&self, keys: &[u64]) -> Result<Vec<NamedHit>> {
+        Ok(self
+            .match_keys(keys)?
+            .into_iter()
+            .map(|(worker, dp_rank, medium, blocks)| NamedHit {
+                worker,
+                dp_rank,
+                medium: Medium::parse(Some(&medium)),
+                blocks,
+            })
+            .collect())
+    }
+
+    fn scan(&self, prefix: &[u64]) -> Result<Vec<EntryOut>> {
+        KvIndex::scan(self, prefix)
+    }
+
+    fn entries(&self) -> Result<Vec<EntryOut>> {
+        KvIndex::entries(self)
+    }
+
+    /// Nothing spills (`spilled` is 0); `memory_bytes` is the store's own estimate
+    /// (memtables, block cache, table readers).
+    fn stats(&self) -> Result<IndexStats> {
+        let (blocks, nodes, resident_pairs, sources, pinned) = self.counts()?;
+        Ok(IndexStats {
+            blocks,
+            nodes,
+            resident_pairs,
+            sources,
+            pinned,
+            spilled: 0,
+            memory_bytes: self.store.memory_bytes(),
+            media_folded: self.media_folded,
+        })
     }
 }
 

@@ -14,6 +14,7 @@
 //! * [`batch`]: many payloads at once, probes overlapped across events.
 //! * [`matching`]: the longest cached prefix per (source, medium).
 //! * [`scan`]: subtree scans, entries, pins, removal of sources.
+//! * [`read`]: the reads every residency index shares ([`IndexRead`]).
 //! * [`snapshot`]: a versioned, checksummed binary image of the whole state.
 
 mod apply;
@@ -23,6 +24,7 @@ mod hugepages;
 mod keytable;
 mod many;
 mod matching;
+mod read;
 mod scan;
 mod snapshot;
 pub mod sources;
@@ -34,6 +36,7 @@ mod tests;
 pub use batch::PayloadsError;
 pub use many::ManyError;
 pub use matching::{MatchHit, PathLookup};
+pub use read::{IndexRead, NamedHit};
 pub use scan::{EntryOut, HolderOut, LogicalState};
 pub use snapshot::SnapshotError;
 pub use sources::SourceKey;

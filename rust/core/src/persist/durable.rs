@@ -11,13 +11,14 @@
 //!
 //! Directory layout: `LOCK`, `snap-<lsn>.qcsnap` (latest only), `wal/` (segments).
 
+use std::convert::Infallible;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::events::{decode_batch, EventBatch};
-use crate::index::{ApplyStats, Index, SourceKey};
+use crate::index::{ApplyStats, EntryOut, Index, IndexRead, IndexStats, NamedHit, SourceKey};
 
 use super::error::{io_err, PersistError};
 use super::frame::{LoggedRecord, Record};
@@ -612,6 +613,27 @@ impl DurableIndex {
             }
         }
         Ok(())
+    }
+}
+
+/// The reads of the index it keeps: a durable index answers from memory alone.
+impl IndexRead for DurableIndex {
+    type Error = Infallible;
+
+    fn matches(&self, keys: &[u64]) -> Result<Vec<NamedHit>, Infallible> {
+        self.index.matches(keys)
+    }
+
+    fn scan(&self, prefix: &[u64]) -> Result<Vec<EntryOut>, Infallible> {
+        IndexRead::scan(&self.index, prefix)
+    }
+
+    fn entries(&self) -> Result<Vec<EntryOut>, Infallible> {
+        IndexRead::entries(&self.index)
+    }
+
+    fn stats(&self) -> Result<IndexStats, Infallible> {
+        IndexRead::stats(&self.index)
     }
 }
 

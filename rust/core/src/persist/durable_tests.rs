@@ -7,7 +7,7 @@ use std::fs;
 
 use proptest::prelude::*;
 
-use crate::index::{Index, SourceKey};
+use crate::index::{Index, IndexRead, SourceKey};
 
 use super::durable::{ApplyError, DurableIndex, DurableOptions};
 use super::wal::{Durability, WalOptions};
@@ -274,6 +274,37 @@ fn a_bad_batch_stops_the_call_and_nothing_after_it_is_logged() {
     assert!(di.index().state_eq(&reference));
     assert_eq!(di.last_seqs().get(&src), Some(&10));
     assert_eq!(di.recovery().wal.records_replayed, 1);
+}
+
+#[test]
+fn its_reads_are_those_of_the_index_it_keeps() {
+    let d = TestDir::new("durable-reads");
+    let src = SourceKey {
+        worker: 4,
+        dp_rank: 1,
+    };
+    let mut di = DurableIndex::open(&d.0, options(0, 1 << 20, false)).unwrap();
+    let payload = encode(&[stored(1, None, 0), stored(2, Some(1), 5)], Some(1));
+    di.apply(src, &[&payload], None).unwrap();
+    let keys: Vec<u64> = di.index().scan(&[]).iter().map(|e| e.key).collect();
+    assert_eq!(keys.len(), 2);
+    let path = if di.index().scan(&keys[..1]).len() == 2 {
+        keys.clone()
+    } else {
+        vec![keys[1], keys[0]]
+    };
+    let hits = IndexRead::matches(&di, &path).unwrap();
+    assert_eq!(hits, IndexRead::matches(di.index(), &path).unwrap());
+    assert_eq!((hits.len(), hits[0].blocks, hits[0].dp_rank), (1, 2, 1));
+    assert_eq!(
+        IndexRead::scan(&di, &path[..1]).unwrap(),
+        di.index().scan(&path[..1])
+    );
+    assert_eq!(
+        IndexRead::entries(&di).unwrap(),
+        di.index().entries().collect::<Vec<_>>()
+    );
+    assert_eq!(IndexRead::stats(&di).unwrap(), di.index().stats());
 }
 
 #[test]

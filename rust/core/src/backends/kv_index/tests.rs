@@ -4,7 +4,7 @@
 use proptest::prelude::*;
 
 use crate::backends::mem_kv::MemKv;
-use crate::index::{Index, SourceKey};
+use crate::index::{Index, IndexRead, SourceKey};
 use crate::persist::durable_tests::{encode, Ev, BS};
 
 use super::KvIndex;
@@ -151,6 +151,40 @@ fn check_against_native<S: KvStore>(
             reference.scan(&path[..cut.min(path.len())])
         );
     }
+    check_reads_agree(&kv, &reference, &path)
+}
+
+/// The shared reads (`IndexRead`, what the Python classes call) agree too; the stats
+/// that describe storage rather than state (spills, memory) are the index's own.
+fn check_reads_agree<S: KvStore>(
+    kv: &KvIndex<S>,
+    reference: &Index,
+    path: &[u64],
+) -> Result<(), TestCaseError> {
+    prop_assert_eq!(
+        IndexRead::matches(kv, path).unwrap(),
+        IndexRead::matches(reference, path).unwrap()
+    );
+    for cut in [0, 1, path.len()] {
+        let prefix = &path[..cut.min(path.len())];
+        prop_assert_eq!(
+            IndexRead::scan(kv, prefix).unwrap(),
+            IndexRead::scan(reference, prefix).unwrap()
+        );
+    }
+    let mut entries = IndexRead::entries(reference).unwrap();
+    entries.sort_by_key(|e| e.key);
+    prop_assert_eq!(IndexRead::entries(kv).unwrap(), entries);
+    let (k, r) = (
+        IndexRead::stats(kv).unwrap(),
+        IndexRead::stats(reference).unwrap(),
+    );
+    prop_assert_eq!(
+        (k.blocks, k.nodes, k.resident_pairs, k.sources, k.pinned),
+        (r.blocks, r.nodes, r.resident_pairs, r.sources, r.pinned)
+    );
+    prop_assert_eq!((k.spilled, k.media_folded), (0, r.media_folded));
+    prop_assert_eq!(k.memory_bytes, kv.store().memory_bytes());
     Ok(())
 }
 
