@@ -11,7 +11,7 @@ from typing import Any, Literal, Self, TypeAlias, final
 import numpy as np
 import numpy.typing as npt
 
-from quillcache.events.types import EventBatch
+from quillcache.events.types import EventBatch, ExtraKey
 from quillcache.index.types import Match
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "content_keys_batch",
     "decode_batch",
     "namespace_id",
+    "stored_identity",
     "vllm_block_hashes",
     "vllm_event_hashes",
     "vllm_none_hash",
@@ -173,6 +174,16 @@ def decode_batch(payload: bytes) -> EventBatch:
     released. Raises EventDecodeError saying what and where; its `offset` attribute is
     the byte offset of the offending value."""
 
+def stored_identity(
+    cache_salt: str | None,
+    lora_name: str | None,
+    extra_keys: Sequence[Sequence[ExtraKey] | None] | None,
+) -> tuple[str, str, list[list[tuple[str, int]] | None]]:
+    """``(lora, tenant, mm)`` of a BlockStored, by the indexes' own rule (docs/index.md):
+    the LoRA is `lora_name` or ""; the tenant `cache_salt`, else the first str in block
+    0's extra keys that is not `lora_name`, else ""; `mm[i]` block i's multimodal items
+    as (mm_hash, offset_in_block), None when it has none."""
+
 # --- index (rust/python/src/index.rs) ---
 
 #: (worker, dp_rank, medium, refcount): one Residency.
@@ -249,7 +260,7 @@ class NativeIndex:
     def check_invariants(self) -> None:
         """Recount every counter and link; raises QuillCacheError if anything is off."""
 
-# --- persistence (rust/python/src/persist.rs) ---
+# --- persistence (rust/python/src/durable.rs, kv_index.rs) ---
 
 class PersistenceError(QuillCacheError):
     """The durable index could not read or write its directory (the message names the file)."""

@@ -2,7 +2,9 @@
 
 Plain dicts, the pure-Python decoder (`quillcache.events.pyref`) and the
 pure-Python content key (`quillcache.hashing.reference`): an oracle that shares no
-code with the Rust index it is compared against. Every rule is in `docs/index.md`.
+code with the Rust index it is compared against but one rule, how a BlockStored's
+LoRA, tenant and multimodal items are read from the event, which is written once in
+Rust (`quillcache._native.stored_identity`). Every rule is in `docs/index.md`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from quillcache._native import stored_identity
 from quillcache.errors import EventDecodeError
 from quillcache.events.pyref import decode_batch
 from quillcache.events.types import (
@@ -20,8 +23,9 @@ from quillcache.events.types import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    MmKey,
+    EngineHash,
     is_known_medium,
+    normalize_medium,
 )
 from quillcache.hashing.reference import block_key, namespace_id
 from quillcache.index.inputs import InvalidIndexInputError, as_key_array, check_source
@@ -47,7 +51,7 @@ class _Node:
 class _Source:
     model: str = ""
     tokenizer: str = ""
-    engine: dict[tuple[int, int], int] = field(default_factory=dict)  # (group, hash) -> key
+    engine: dict[tuple[int, EngineHash], int] = field(default_factory=dict)  # (group, hash) -> key
 
 
 class MemoryIndex:
@@ -169,10 +173,10 @@ class MemoryIndex:
         n = len(ev.block_hashes)
         if n == 0:
             return
-        holder = (sid, self._medium(ev.medium, storing=True))
+        holder = (sid, self._medium(normalize_medium(ev.medium), storing=True))
         if not ev.token_ids:
             for h in ev.block_hashes:
-                key = src.engine.get((ev.group_idx, h))
+                key = src.engine.get((ev.group_idx or 0, h))
                 if key is not None and key in self._nodes:
                     self._add_holder(key, holder)
                     stats.blocks_stored += 1
@@ -183,51 +187,36 @@ class MemoryIndex:
         if bs == 0 or len(ev.token_ids) < n * bs:
             stats.invalid_events += 1
             return
+        lora, tenant, mm = stored_identity(ev.cache_salt, ev.lora_name, ev.extra_keys)
         if ev.parent_block_hash is None:
-            parent: int = self._namespace(src, ev)
+            parent: int = namespace_id(
+                model=src.model,
+                tokenizer=src.tokenizer,
+                lora=lora,
+                tenant=tenant,
+                block_size=bs,
+            )
             parent_node: int | None = None
             depth = 0
         else:
-            pkey = src.engine.get((ev.group_idx, ev.parent_block_hash))
+            pkey = src.engine.get((ev.group_idx or 0, ev.parent_block_hash))
             if pkey is None or pkey not in self._nodes:
                 stats.orphan_blocks += n
                 return
             parent, parent_node, depth = pkey, pkey, self._nodes[pkey].depth + 1
         for i, h in enumerate(ev.block_hashes):
             tokens = ev.token_ids[i * bs : (i + 1) * bs]
-            key = block_key(parent, tokens, self._mm(ev, i))
+            key = block_key(parent, tokens, mm[i] if i < len(mm) else None)
             self._get_or_create(key, parent, parent_node, depth)
             self._add_holder(key, holder)
-            src.engine[(ev.group_idx, h)] = key
+            src.engine[(ev.group_idx or 0, h)] = key
             stats.blocks_stored += 1
             parent, parent_node, depth = key, key, depth + 1
 
-    @staticmethod
-    def _namespace(src: _Source, ev: BlockStored) -> int:
-        tenant = ev.cache_salt
-        if tenant is None and ev.extra_keys and ev.extra_keys[0]:
-            strings = [k for k in ev.extra_keys[0] if isinstance(k, str) and k != ev.lora_name]
-            tenant = strings[0] if strings else None
-        return namespace_id(
-            model=src.model,
-            tokenizer=src.tokenizer,
-            lora=ev.lora_name or "",
-            tenant=tenant or "",
-            block_size=ev.block_size,
-        )
-
-    @staticmethod
-    def _mm(ev: BlockStored, i: int) -> list[tuple[str, int]] | None:
-        keys = ev.extra_keys[i] if i < len(ev.extra_keys) else None
-        if not keys:
-            return None
-        items = [(k.hash, k.offset) for k in keys if isinstance(k, MmKey)]
-        return items or None
-
     def _remove(self, sid: SourceId, src: _Source, ev: BlockRemoved, stats: ApplyStats) -> None:
-        holder = (sid, self._medium(ev.medium, storing=False))
+        holder = (sid, self._medium(normalize_medium(ev.medium), storing=False))
         for h in ev.block_hashes:
-            hk = (ev.group_idx, h)
+            hk = (ev.group_idx or 0, h)
             key = src.engine.get(hk)
             node = self._nodes.get(key) if key is not None else None
             if key is None:

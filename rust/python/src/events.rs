@@ -1,13 +1,16 @@
 //! `decode_batch` for Python: decode with the GIL released, then build the dataclasses
 //! of `quillcache.events.types` (the same ones the pure-Python reference returns).
 
+use pyo3::exceptions::PyTypeError;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyTuple};
+use pyo3::types::{PyBytes, PyString, PyTuple};
 
-use quillcache_core::events::{self, Event, EventBatch, ExtraKey};
+use quillcache_core::content_key::MmItem;
+use quillcache_core::events::{self, Event, EventBatch, ExtraKey, StoredIdentity};
 
-use crate::errors::EventDecodeError;
+use crate::errors::OrRaise;
 
 /// The Python classes of `quillcache.events.types`, looked up once.
 struct Classes {
@@ -99,18 +102,71 @@ fn batch_object<'py>(py: Python<'py>, b: &EventBatch) -> PyResult<Bound<'py, PyA
 /// Raises `EventDecodeError` (with `.offset`, the byte where it went wrong).
 #[pyfunction]
 fn decode_batch<'py>(py: Python<'py>, payload: &[u8]) -> PyResult<Bound<'py, PyAny>> {
-    match py.detach(|| events::decode_batch(payload)) {
-        Ok(batch) => batch_object(py, &batch),
-        Err(e) => {
-            let err = EventDecodeError::new_err(e.to_string());
-            err.value(py).setattr("offset", e.offset)?;
-            Err(err)
-        }
+    let batch = py.detach(|| events::decode_batch(payload)).or_raise()?;
+    batch_object(py, &batch)
+}
+
+/// The inverse of `extra_key`: a `str`, `MmKey` or `RawKey` as the core's `ExtraKey`.
+fn extra_key_of(c: &Classes, k: &Bound<'_, PyAny>) -> PyResult<ExtraKey> {
+    let py = k.py();
+    if let Ok(s) = k.cast::<PyString>() {
+        return Ok(ExtraKey::Str(s.to_str()?.to_owned()));
     }
+    if k.is_instance(c.mm.bind(py))? {
+        return Ok(ExtraKey::Mm {
+            hash: k.getattr(intern!(py, "hash"))?.extract()?,
+            offset: k.getattr(intern!(py, "offset"))?.extract()?,
+        });
+    }
+    if k.is_instance(c.raw.bind(py))? {
+        let raw = k.getattr(intern!(py, "msgpack"))?;
+        return Ok(ExtraKey::Raw(raw.cast::<PyBytes>()?.as_bytes().to_vec()));
+    }
+    Err(PyTypeError::new_err(format!(
+        "an extra key is a str, MmKey or RawKey, not {}",
+        k.get_type().name()?
+    )))
+}
+
+/// `(lora, tenant, mm per block)`.
+type Identity = (String, String, Vec<Option<Vec<MmItem>>>);
+
+/// `(lora, tenant, mm)` of a BlockStored from its `cache_salt`, `lora_name` and
+/// `extra_keys`: its namespace's LoRA and tenant, and each block's multimodal items
+/// (None for a block without). The core's rule (`StoredIdentity`), for the Python
+/// reference index.
+#[pyfunction]
+fn stored_identity(
+    py: Python<'_>,
+    cache_salt: Option<&str>,
+    lora_name: Option<&str>,
+    extra_keys: Option<Vec<Option<Vec<Bound<'_, PyAny>>>>>,
+) -> PyResult<Identity> {
+    let c = classes(py)?;
+    let extra_keys = extra_keys
+        .unwrap_or_default()
+        .iter()
+        .map(|block| match block {
+            None => Ok(None),
+            Some(keys) => keys
+                .iter()
+                .map(|k| extra_key_of(c, k))
+                .collect::<PyResult<Vec<_>>>()
+                .map(Some),
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let id = StoredIdentity {
+        cache_salt,
+        lora_name,
+        extra_keys: &extra_keys,
+    };
+    let mm = (0..extra_keys.len()).map(|i| id.mm_items(i)).collect();
+    Ok((id.lora().to_owned(), id.tenant().to_owned(), mm))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_batch, m)?)?;
+    m.add_function(wrap_pyfunction!(stored_identity, m)?)?;
     m.add("MAX_EVENT_DEPTH", events::MAX_DEPTH)?;
     // the medium-name bounds, so that the Python reference index applies the same ones
     m.add("MAX_MEDIUM_NAME_BYTES", events::MAX_MEDIUM_NAME_BYTES)?;

@@ -7,36 +7,15 @@
 
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use numpy::{PyArray1, PyArrayMethods};
-use pyo3::exceptions::{PyMemoryError, PyValueError};
+use numpy::PyArray1;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyList};
 
-use quillcache_core::index::{ApplyStats, EntryOut, Index, ReserveError, SourceKey};
+use quillcache_core::index::{Index, SourceKey};
 
-use crate::errors::{EventDecodeError, QuillCacheError};
-use crate::matches::{match_list, named_hits};
-
-/// `(batches, events, blocks_stored, blocks_removed, clears, orphan_blocks,
-/// unknown_removals, invalid_events)`: the fields of `quillcache.index.ApplyStats`.
-type StatsTuple = (u64, u64, u64, u64, u64, u64, u64, u64);
-
-/// `(blocks, nodes, resident_pairs, sources, pinned, spilled, memory_bytes,
-/// media_folded)`: an index's stats as Python gets them.
-pub type IndexStatsTuple = (u64, u64, u64, u64, u64, u64, u64, u64);
-
-fn stats_tuple(s: &ApplyStats) -> StatsTuple {
-    (
-        s.batches,
-        s.events,
-        s.blocks_stored,
-        s.blocks_removed,
-        s.clears,
-        s.orphan_blocks,
-        s.unknown_removals,
-        s.invalid_events,
-    )
-}
+use crate::convert::{keys_vec, payload_slices, stats_tuple, IndexStatsTuple, StatsTuple};
+use crate::errors::{OrRaise, PayloadFailure, QuillCacheError};
+use crate::reads;
 
 #[pyclass(frozen, module = "quillcache._native", name = "NativeIndex")]
 pub struct NativeIndex {
@@ -52,21 +31,6 @@ impl NativeIndex {
     fn write(&self) -> RwLockWriteGuard<'_, Index> {
         self.inner.write().unwrap_or_else(|e| e.into_inner())
     }
-}
-
-/// The keys, copied while the GIL is held (a request is ~64 keys; the copy is
-/// cheaper than numpy's tracked borrow and leaves nothing shared once released).
-fn keys_vec(keys: &Bound<'_, PyArray1<u64>>) -> PyResult<Vec<u64>> {
-    keys.to_vec()
-        .map_err(|_| QuillCacheError::new_err("keys must be a contiguous 1-D uint64 array"))
-}
-
-fn entry_tuple<'py>(py: Python<'py>, e: &EntryOut) -> PyResult<Bound<'py, PyTuple>> {
-    let holders = PyList::empty(py);
-    for h in &e.holders {
-        holders.append((h.worker, h.dp_rank, h.medium.as_str(), h.refcount))?;
-    }
-    (e.key, e.parent, e.depth, holders, e.pinned).into_pyobject(py)
 }
 
 #[pymethods]
@@ -102,24 +66,21 @@ impl NativeIndex {
         payloads: Vec<Bound<'_, PyBytes>>,
         dp_rank: u32,
     ) -> PyResult<StatsTuple> {
-        let slices: Vec<&[u8]> = payloads.iter().map(|b| b.as_bytes()).collect();
+        let slices = payload_slices(&payloads);
         let source = SourceKey { worker, dp_rank };
-        let result = py.detach(|| self.write().apply_payloads(source, &slices));
-        match result {
-            Ok(total) => Ok(stats_tuple(&total)),
-            Err(e) => {
-                let i = e.index;
-                let err = EventDecodeError::new_err(format!(
-                    "payload {i} of {} from worker {worker}: {}",
-                    slices.len(),
-                    e.error
-                ));
-                let value = err.value(py);
-                value.setattr("payload_index", i)?;
-                value.setattr("stats", stats_tuple(&e.applied))?;
-                Err(err)
-            }
-        }
+        py.detach(|| self.write().apply_payloads(source, &slices))
+            .map(|total| stats_tuple(&total))
+            .map_err(|e| {
+                PayloadFailure {
+                    item: None,
+                    worker,
+                    index: e.index,
+                    count: slices.len(),
+                    message: e.error.to_string(),
+                    applied: e.applied,
+                }
+                .into()
+            })
     }
 
     /// `apply` for many `(worker, payloads)` items in order, the GIL released once for
@@ -142,28 +103,23 @@ impl NativeIndex {
                     worker: *worker,
                     dp_rank,
                 };
-                (source, payloads.iter().map(|b| b.as_bytes()).collect())
+                (source, payload_slices(payloads))
             })
             .collect();
-        match py.detach(|| Index::apply_many(&calls, || self.write())) {
-            Ok(total) => Ok(stats_tuple(&total)),
-            Err(e) => {
+        py.detach(|| Index::apply_many(&calls, || self.write()))
+            .map(|total| stats_tuple(&total))
+            .map_err(|e| {
                 let (source, slices) = &calls[e.item];
-                let err = EventDecodeError::new_err(format!(
-                    "item {}: payload {} of {} from worker {}: {}",
-                    e.item,
-                    e.payload,
-                    slices.len(),
-                    source.worker,
-                    e.error
-                ));
-                let value = err.value(py);
-                value.setattr("item_index", e.item)?;
-                value.setattr("payload_index", e.payload)?;
-                value.setattr("stats", stats_tuple(&e.applied))?;
-                Err(err)
-            }
-        }
+                PayloadFailure {
+                    item: Some(e.item),
+                    worker: source.worker,
+                    index: e.payload,
+                    count: slices.len(),
+                    message: e.error.to_string(),
+                    applied: e.applied,
+                }
+                .into()
+            })
     }
 
     /// `[Match, ...]` sorted by (worker, dp_rank, medium); the objects are shared
@@ -174,9 +130,7 @@ impl NativeIndex {
         py: Python<'py>,
         keys: &Bound<'py, PyArray1<u64>>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let keys = keys_vec(keys)?;
-        let hits = py.detach(|| named_hits(&self.read(), &keys));
-        match_list(py, &hits)
+        reads::match_keys(py, &self.inner, &keys_vec(keys)?)
     }
 
     /// One `match` per request; the GIL is released once for the whole batch.
@@ -185,21 +139,11 @@ impl NativeIndex {
         py: Python<'py>,
         requests: Vec<Bound<'py, PyArray1<u64>>>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let slices = requests
+        let keys = requests
             .iter()
             .map(keys_vec)
-            .collect::<PyResult<Vec<Vec<u64>>>>()?;
-        let all = py.detach(|| {
-            slices
-                .iter()
-                .map(|k| named_hits(&self.read(), k))
-                .collect::<Vec<_>>()
-        });
-        let out = PyList::empty(py);
-        for hits in &all {
-            out.append(match_list(py, hits)?)?;
-        }
-        Ok(out)
+            .collect::<PyResult<Vec<_>>>()?;
+        reads::match_many(py, &self.inner, &keys)
     }
 
     fn remove_worker(&self, py: Python<'_>, worker: u64) -> u64 {
@@ -218,23 +162,12 @@ impl NativeIndex {
         py: Python<'py>,
         prefix: &Bound<'py, PyArray1<u64>>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let prefix = keys_vec(prefix)?;
-        let entries = py.detach(|| self.read().scan(&prefix));
-        let out = PyList::empty(py);
-        for e in &entries {
-            out.append(entry_tuple(py, e)?)?;
-        }
-        Ok(out)
+        reads::scan(py, &self.inner, &keys_vec(prefix)?)
     }
 
     /// Every block with a holder or a pin (same tuples as `scan`), in no order.
     fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let entries: Vec<EntryOut> = py.detach(|| self.read().entries().collect());
-        let out = PyList::empty(py);
-        for e in &entries {
-            out.append(entry_tuple(py, e)?)?;
-        }
-        Ok(out)
+        reads::entries(py, &self.inner)
     }
 
     fn pin(&self, py: Python<'_>, keys: &Bound<'_, PyArray1<u64>>) -> PyResult<()> {
@@ -251,27 +184,13 @@ impl NativeIndex {
 
     /// Pre-sizes the index for `blocks` blocks in all (a capacity hint).
     fn reserve(&self, py: Python<'_>, blocks: u64) -> PyResult<()> {
-        py.detach(|| self.write().reserve(blocks))
-            .map_err(|e| match e {
-                ReserveError::TooLarge { .. } => PyValueError::new_err(e.to_string()),
-                ReserveError::OutOfMemory { .. } => PyMemoryError::new_err(e.to_string()),
-            })
+        py.detach(|| self.write().reserve(blocks)).or_raise()
     }
 
     /// `(blocks, nodes, resident_pairs, sources, pinned, spilled, memory_bytes,
     /// media_folded)`.
-    fn stats(&self, py: Python<'_>) -> IndexStatsTuple {
-        let s = py.detach(|| self.read().stats());
-        (
-            s.blocks,
-            s.nodes,
-            s.resident_pairs,
-            s.sources,
-            s.pinned,
-            s.spilled,
-            s.memory_bytes,
-            s.media_folded,
-        )
+    fn stats(&self, py: Python<'_>) -> PyResult<IndexStatsTuple> {
+        reads::stats(py, &self.inner)
     }
 
     /// The whole state as a versioned, checksummed binary snapshot.
@@ -289,7 +208,7 @@ impl NativeIndex {
     fn from_snapshot(py: Python<'_>, data: &[u8]) -> PyResult<Self> {
         let idx = py
             .detach(|| Index::read_snapshot(&mut &data[..]))
-            .map_err(|e| QuillCacheError::new_err(e.to_string()))?;
+            .or_raise()?;
         Ok(Self {
             inner: RwLock::new(idx),
         })

@@ -3,12 +3,15 @@
 
 use pyo3::prelude::*;
 
+mod convert;
+mod durable;
 mod errors;
 mod events;
 mod hashing;
 mod index;
+mod kv_index;
 mod matches;
-mod persist;
+mod reads;
 mod relay;
 
 #[pymodule]
@@ -18,7 +21,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     hashing::register(m)?;
     events::register(m)?;
     index::register(m)?;
-    persist::register(m)?;
+    durable::register(m)?;
+    kv_index::register(m)?;
     relay::register(m)?;
     Ok(())
 }

@@ -16,10 +16,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyList, PyString};
 
 use quillcache_core::events::Medium;
-use quillcache_core::index::Index;
-
-/// `(worker, dp_rank, medium, blocks)` of one hit.
-pub(crate) type Hit = (u64, u32, Medium, u32);
+use quillcache_core::index::NamedHit;
 
 /// The cache is cleared when it reaches this size, so a long-lived process with
 /// unusual churn (many workers, long prefixes) keeps a bounded set.
@@ -28,7 +25,7 @@ const MAX_CACHED: usize = 1 << 16;
 struct Matches {
     class: Py<PyAny>,
     /// hashbrown's default hasher: std's SipHash showed up in a `match`'s profile.
-    cache: Mutex<HashMap<Hit, Py<PyAny>>>,
+    cache: Mutex<HashMap<NamedHit, Py<PyAny>>>,
 }
 
 static MATCHES: PyOnceLock<Matches> = PyOnceLock::new();
@@ -41,15 +38,6 @@ fn matches(py: Python<'_>) -> PyResult<&Matches> {
             cache: Mutex::new(HashMap::new()),
         })
     })
-}
-
-/// `idx`'s matches of `keys` with each medium resolved to its name (cloning a
-/// `Medium` of the common kinds is free); shared by every index class.
-pub(crate) fn named_hits(idx: &Index, keys: &[u64]) -> Vec<Hit> {
-    idx.match_keys(keys)
-        .into_iter()
-        .map(|h| (h.worker, h.dp_rank, idx.medium(h.medium).clone(), h.blocks))
-        .collect()
 }
 
 /// The name of a medium as a Python string; the common ones are interned.
@@ -67,7 +55,7 @@ fn medium_str<'py>(py: Python<'py>, m: &Medium) -> Bound<'py, PyString> {
 /// The cache's lock is held only around map operations, never across a call into
 /// Python (building a `Match` runs Python code, during which another thread may take
 /// the GIL and come here).
-pub(crate) fn match_list<'py>(py: Python<'py>, hits: &[Hit]) -> PyResult<Bound<'py, PyList>> {
+pub(crate) fn match_list<'py>(py: Python<'py>, hits: &[NamedHit]) -> PyResult<Bound<'py, PyList>> {
     let m = matches(py)?;
     let lock = || m.cache.lock().unwrap_or_else(|e| e.into_inner());
     let mut objs = Vec::with_capacity(hits.len());
@@ -76,8 +64,12 @@ pub(crate) fn match_list<'py>(py: Python<'py>, hits: &[Hit]) -> PyResult<Bound<'
         let obj = match cached {
             Some(obj) => obj,
             None => {
-                let (worker, dp_rank, medium, blocks) = hit;
-                let args = (*worker, *dp_rank, medium_str(py, medium), *blocks);
+                let args = (
+                    hit.worker,
+                    hit.dp_rank,
+                    medium_str(py, &hit.medium),
+                    hit.blocks,
+                );
                 let obj = m.class.bind(py).call1(args)?.unbind();
                 let evicted = {
                     let mut cache = lock();
