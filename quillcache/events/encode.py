@@ -3,6 +3,7 @@
 The simulator and the engine simulator publish through this module, so everything
 downstream of them (connectors, decoder, index) sees exactly what a real engine sends.
 
+The event classes are `quillcache.events.types`' (the decoders return the same ones).
 Two event shapes:
 
 * map form (vLLM >= 0.24, SGLang): ``{"type": name, field: value, ...}``, optional
@@ -20,81 +21,41 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any
 
 import msgpack
+
+from quillcache.events.types import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineHash,
+    Event,
+    MmKey,
+    RawKey,
+)
 
 __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
-    "EngineHashValue",
+    "EngineHash",
     "Event",
+    "MmKey",
+    "RawKey",
     "encode_batch",
     "encode_event",
     "frame",
 ]
 
-#: An engine hash as it goes on the wire: an int (uint64, or int64 for SGLang) or a digest.
-EngineHashValue = int | bytes
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    """Blocks entered the engine's prefix cache. Field names and order as in vLLM."""
-
-    TAG: ClassVar[str] = "BlockStored"
-    REQUIRED: ClassVar[int] = 7  # block_hashes .. lora_name are always written
-
-    block_hashes: Sequence[EngineHashValue]
-    parent_block_hash: EngineHashValue | None
-    token_ids: Sequence[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = "GPU"
-    lora_name: str | None = None
-    #: One entry per block: None, or a sequence of str / (mm_hash, offset) items.
-    extra_keys: Sequence[Sequence[Any] | None] | None = None
-    #: vLLM >= 0.30 writes 0 for the single-group case; None omits the key (older).
-    group_idx: int | None = 0
-    kv_cache_spec_kind: Any = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: Any = None
-    ownership: Any = None
-    session_id: str | None = None
-    lookahead_token_ids: Sequence[Sequence[int]] | None = None
-    #: SGLang only (vLLM carries the salt in block 0's extra keys).
-    cache_salt: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """Blocks left the engine's prefix cache (vLLM sends one hash per event)."""
-
-    TAG: ClassVar[str] = "BlockRemoved"
-    REQUIRED: ClassVar[int] = 2
-
-    block_hashes: Sequence[EngineHashValue]
-    medium: str | None = "GPU"
-    group_idx: int | None = 0
-    locality: Any = None
-    ownership: Any = None
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    """The engine dropped its whole prefix cache."""
-
-    TAG: ClassVar[str] = "AllBlocksCleared"
-    REQUIRED: ClassVar[int] = 0
-
-
-Event = BlockStored | BlockRemoved | AllBlocksCleared
-
 
 def _wire(value: Any) -> Any:
-    """Sequences become lists (msgpack writes tuples as arrays too; this keeps it explicit)."""
+    """Sequences become lists (msgpack writes tuples as arrays too; this keeps it explicit);
+    an mm item is vLLM's ``[mm_hash, offset]``, a raw item its own msgpack value."""
+    if isinstance(value, MmKey):
+        return [value.hash, value.offset]
+    if isinstance(value, RawKey):
+        return msgpack.unpackb(value.msgpack, raw=False, strict_map_key=False)
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     if isinstance(value, str) or not isinstance(value, Sequence):
@@ -113,7 +74,7 @@ def _map_header(declared: int, actual: int) -> bytes:
 
 def encode_event(event: Event, *, positional: bool = False) -> bytes:
     """msgpack bytes of one event, map form (default) or array form (vLLM <= 0.23)."""
-    names = [f.name for f in fields(event)]
+    names = event.WIRE_FIELDS
     values = [getattr(event, n) for n in names]
     packer = msgpack.Packer(use_bin_type=True)
     if positional:

@@ -1,8 +1,10 @@
-"""Decoded KV events, as both decoders return them (`docs/kv-events.md`).
+"""KV events: one tagged class per event, as vLLM makes its wire format its types
+(`docs/kv-events.md`).
 
-The native decoder (`quillcache._native.decode_batch`) and the pure-Python reference
-(`quillcache.events.pyref.decode_batch`) both build these classes, so results compare
-with ``==``. Values are normalised, not raw:
+The encoder (`quillcache.events.encode`) writes these classes byte for byte as the
+engines do; the native decoder (`quillcache._native.decode_batch`) and the pure-Python
+reference (`quillcache.events.pyref.decode_batch`) both return them, so results compare
+with ``==``. Decoded values are normalised, not raw:
 
 * engine hashes are ``int`` in ``0 .. 2**64-1``: uint64 as sent, int64 (SGLang) by its
   two's-complement bits, digests (bytes mode) by their last 8 bytes big-endian -- the
@@ -14,7 +16,9 @@ with ``==``. Values are normalised, not raw:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from quillcache import _native
 
@@ -38,32 +42,88 @@ class RawKey:
 ExtraKey = str | MmKey | RawKey
 
 
+#: An engine hash: an int as decoded (and as vLLM's default int mode sends it); the
+#: encoder also takes bytes, to write a digest (bytes mode) or SGLang's int64.
+EngineHash = int | bytes
+
+
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    block_hashes: tuple[int, ...]
-    parent_block_hash: int | None
-    token_ids: tuple[int, ...]
+    """Blocks entered the engine's prefix cache. Fields as vLLM declares them
+    (`vllm/distributed/kv_events.py`); `WIRE_FIELDS` is their order on the wire."""
+
+    TAG: ClassVar[str] = "BlockStored"
+    REQUIRED: ClassVar[int] = 7  # block_hashes .. lora_name are always written
+    WIRE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
+        "session_id",
+        "lookahead_token_ids",
+        "cache_salt",
+    )
+
+    block_hashes: Sequence[EngineHash]
+    parent_block_hash: EngineHash | None
+    token_ids: Sequence[int]
     block_size: int
-    lora_id: int | None
-    medium: str
-    lora_name: str | None
-    #: One entry per block (None = no extra keys); empty when the engine sent none.
-    extra_keys: tuple[tuple[ExtraKey, ...] | None, ...]
-    group_idx: int
+    lora_id: int | None = None
+    #: None writes nil (decoded: "GPU")
+    medium: str | None = "GPU"
+    lora_name: str | None = None
+    #: One entry per block (None = no extra keys); decoded: () when the engine sent none.
+    extra_keys: Sequence[Sequence[ExtraKey] | None] | None = None
+    #: vLLM >= 0.30 writes 0 for the single-group case; None omits the key (older).
+    group_idx: int | None = 0
     #: SGLang sends the salt as a field; vLLM puts it in block 0's extra keys.
-    cache_salt: str | None
+    cache_salt: str | None = None
+    # Written when set, not interpreted by the decoders (vLLM's newer fields).
+    kv_cache_spec_kind: Any = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: Any = None
+    ownership: Any = None
+    session_id: str | None = None
+    lookahead_token_ids: Sequence[Sequence[int]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    block_hashes: tuple[int, ...]
-    medium: str
-    group_idx: int
+    """Blocks left the engine's prefix cache (vLLM sends one hash per event)."""
+
+    TAG: ClassVar[str] = "BlockRemoved"
+    REQUIRED: ClassVar[int] = 2
+    WIRE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "block_hashes",
+        "medium",
+        "group_idx",
+        "locality",
+        "ownership",
+    )
+
+    block_hashes: Sequence[EngineHash]
+    medium: str | None = "GPU"
+    group_idx: int | None = 0
+    locality: Any = None
+    ownership: Any = None
 
 
 @dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
-    pass
+    """The engine dropped its whole prefix cache."""
+
+    TAG: ClassVar[str] = "AllBlocksCleared"
+    REQUIRED: ClassVar[int] = 0
+    WIRE_FIELDS: ClassVar[tuple[str, ...]] = ()
 
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared

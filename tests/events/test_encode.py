@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+from hypothesis import given, settings
 
+from quillcache.events import EventBatch, decode_batch, pyref
 from quillcache.events.encode import (
     AllBlocksCleared,
     BlockRemoved,
@@ -13,6 +15,7 @@ from quillcache.events.encode import (
     encode_event,
     frame,
 )
+from tests.events import strategies
 from tests.events.golden import FRAMES, TOPIC
 
 GOLDEN_EVENTS = {
@@ -122,3 +125,16 @@ def test_array_form_lists_fields_in_declaration_order() -> None:
 def test_batch_without_rank_has_two_elements() -> None:
     assert msgpack.unpackb(encode_batch([], 1.5, None)) == [1.5, []]
     assert msgpack.unpackb(encode_batch([], 2, 3)) == [2.0, [], 3]
+
+
+@settings(max_examples=200, deadline=None)
+@given(strategies.batches())
+def test_a_decoded_batch_encodes_again_to_what_decodes_the_same(
+    case: tuple[bytes, EventBatch],
+) -> None:
+    """One set of event classes: what a decoder returns is what the encoder writes."""
+    payload, _ = case
+    decoded = decode_batch(payload)
+    again = encode_batch(list(decoded.events), decoded.ts, decoded.dp_rank)
+    assert decode_batch(again) == decoded
+    assert pyref.decode_batch(again) == decoded
