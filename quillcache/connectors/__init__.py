@@ -9,13 +9,14 @@
 
 from __future__ import annotations
 
-from quillcache.connectors.ingestor import EventIngestor, IngestorStats, SourceStatus
+from quillcache.connectors.ingestor import EventIngestor, IngestorStats, IngestReceipt, SourceStatus
 from quillcache.connectors.sink import IndexSink, IngestSink
 from quillcache.connectors.zmq_source import ZmqSourceConfig
 
 __all__ = [
     "EventIngestor",
     "IndexSink",
+    "IngestReceipt",
     "IngestSink",
     "IngestorStats",
     "SourceStatus",

@@ -53,6 +53,7 @@ peak for the life of the process.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import ctypes.util
@@ -101,6 +102,26 @@ _malloc_trim = _libc_malloc_trim()
 
 
 _REBUILD_AFTER_DROPS_S = 0.25
+
+
+@dataclass
+class IngestReceipt:
+    """What became of the batches of one HTTP ingest call: filled on the applier thread,
+    which decodes each batch once, as it applies it; `done` resolves when they are through.
+
+    `invalid` holds (batch index, the decoder's message) of the batches that did not
+    decode (skipped; the others are applied); batches neither applied nor invalid were
+    skipped by sequencing (duplicates of applied seqs, or a source being rebuilt)."""
+
+    batches: int
+    first_seq: int | None = None
+    applied: int = 0
+    invalid: list[tuple[int, str]] = field(default_factory=list)
+    done: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+
+
+# a queue item: source, wire epoch, its batches, their bytes, the HTTP call's receipt
+_Item = tuple[SourceKey, int, Frames, int, IngestReceipt | None]
 
 
 class _Replayed(enum.Enum):
@@ -240,6 +261,9 @@ class EventIngestor:
         self._queued_batches = 0
         self._queued_bytes = 0
         self._held_peak = 0  # bytes queued or replayed since the last malloc_trim
+        # the HTTP call whose batches the applier is applying (`_process_receipted`)
+        self._receipt: IngestReceipt | None = None
+        self._receipt_base = 0
         self._bytes_lock = threading.Lock()
         self.sink = sink
         self.ctx = ctx or zmq.Context.instance()
@@ -249,7 +273,7 @@ class EventIngestor:
         self.drain_batch = drain_batch
         self.trims = 0
         # (source, epoch, frames, bytes)
-        self._queue: queue.SimpleQueue[tuple[SourceKey, int, Frames, int]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self.sources: dict[SourceKey, SourceStatus] = {}
         self._receivers: dict[SourceKey, ZmqReceiver] = {}
         self._lock = threading.Lock()
@@ -275,7 +299,7 @@ class EventIngestor:
         if old is not None:
             old.stop()
         if config.replay_endpoint:
-            self._queue.put((config.key, 0, [(_SYNC, b"")], 0))  # catch up on what we missed
+            self._queue.put((config.key, 0, [(_SYNC, b"")], 0, None))  # catch up on what we missed
         return status
 
     def request_tail_replay(self, worker: int) -> None:
@@ -332,13 +356,20 @@ class EventIngestor:
         if status is not None:
             status.malformed += 1
 
-    def _deliver(self, key: SourceKey, frames: Frames) -> int:
+    def _deliver(self, key: SourceKey, frames: Frames, receipt: IngestReceipt | None = None) -> int:
         """The receiver's hand-over (one source, in the publisher's order); returns how
         many batches the queue took. Only one thread delivers for a source."""
         status = self.sources.get(key) or self._status(key)
         status.received += len(frames)
         status.note_traffic()
         wire = status.wire
+        if receipt is not None:  # HTTP: one queue item, so that its outcome is its own
+            epoch = wire.epoch
+            if frames[0][0] >= 0:  # consecutive seqs: only the first can turn the epoch
+                epoch = wire.observe(frames[0][0])
+                for seq, _ in frames[1:]:
+                    wire.observe(seq)
+            return self._enqueue(status, key, epoch, frames, receipt)
         if frames[0][0] < 0:  # unsequenced (HTTP): no order to read
             return self._enqueue(status, key, wire.epoch, frames)
         epoch = wire.epoch
@@ -352,7 +383,14 @@ class EventIngestor:
         part = frames if start == 0 else frames[start:]
         return accepted + self._enqueue(status, key, epoch, part)
 
-    def _enqueue(self, status: SourceStatus, key: SourceKey, epoch: int, frames: Frames) -> int:
+    def _enqueue(
+        self,
+        status: SourceStatus,
+        key: SourceKey,
+        epoch: int,
+        frames: Frames,
+        receipt: IngestReceipt | None = None,
+    ) -> int:
         n = len(frames)
         take = size = 0
         with self._bytes_lock:
@@ -368,7 +406,7 @@ class EventIngestor:
             status.queued += take
             self._held_peak = max(self._held_peak, self._queued_bytes)
         if take:
-            self._queue.put((key, epoch, frames if take == n else frames[:take], size))
+            self._queue.put((key, epoch, frames if take == n else frames[:take], size, receipt))
         if take < n:
             status.dropped += n - take  # the gap they leave is replayed (next batch, or idle)
             status.needs_sync = True
@@ -376,10 +414,18 @@ class EventIngestor:
         return take
 
     def submit(
-        self, worker: int, payloads: Sequence[bytes], dp_rank: int = 0, seq: int | None = None
+        self,
+        worker: int,
+        payloads: Sequence[bytes],
+        dp_rank: int = 0,
+        seq: int | None = None,
+        receipt: IngestReceipt | None = None,
     ) -> int:
-        """HTTP ingest: enqueue batches (numbered from `seq` if given); returns how many fit."""
+        """HTTP ingest: enqueue batches (numbered from `seq` if given); returns how many fit.
+        With a `receipt`, all or none are queued, and the receipt tells what became of them."""
         if not payloads:
+            if receipt is not None:
+                receipt.done.set_result(None)
             return 0
         key = (worker, dp_rank)
         self._status(key)
@@ -387,7 +433,17 @@ class EventIngestor:
             frames = [(_UNSEQUENCED, p) for p in payloads]
         else:
             frames = [(seq + i, p) for i, p in enumerate(payloads)]
-        return self._deliver(key, frames)
+        if receipt is not None:
+            receipt.first_seq = seq
+            if not self._fits(frames):
+                return 0
+        return self._deliver(key, frames, receipt)
+
+    def _fits(self, frames: Frames) -> bool:
+        with self._bytes_lock:
+            room = self.queue_size - self._queued_batches
+            budget = self.queue_bytes - self._queued_bytes
+        return len(frames) <= room and sum(len(p) for _, p in frames) <= budget
 
     # -- applying (the applier thread) ---------------------------------------------------
 
@@ -415,7 +471,7 @@ class EventIngestor:
                 items.append(item)
                 count += len(item[2])
             with self._bytes_lock:
-                for key, _, frames, size in items:
+                for key, _, frames, size, _ in items:
                     if frames[0][0] == _SYNC:
                         continue
                     self._queued_batches -= len(frames)
@@ -425,7 +481,12 @@ class EventIngestor:
                         status.queued -= len(frames)
             run_key = items[0][0]
             run: list[tuple[int, Frames]] = []
-            for key, epoch, frames, _ in items:
+            for key, epoch, frames, _, receipt in items:
+                if receipt is not None:
+                    self._process(run_key, run)
+                    run_key, run = key, []
+                    self._process_receipted(key, epoch, frames, receipt)
+                    continue
                 if key != run_key:
                     self._process(run_key, run)
                     run_key, run = key, []
@@ -510,7 +571,23 @@ class EventIngestor:
                 )
         return bool(due)
 
+    def _process_receipted(
+        self, key: SourceKey, epoch: int, frames: Frames, receipt: IngestReceipt
+    ) -> None:
+        """One HTTP call's batches, alone, so that what was applied is theirs."""
+        status = self._status(key)
+        before = self._receipt_base = status.applied_batches
+        self._receipt = receipt
+        try:
+            self._process(key, [(epoch, frames)])
+        finally:
+            self._receipt = None
+            receipt.applied = status.applied_batches - before
+            receipt.done.set_result(None)
+
     def _process(self, key: SourceKey, parts: list[tuple[int, Frames]]) -> None:
+        if not parts:
+            return
         try:
             self._process_unsafe(key, parts)
         except KeyError as exc:  # e.g. the worker was removed while its batches were queued
@@ -802,6 +879,8 @@ class EventIngestor:
                 # stats of the ones applied before it
                 bad: int = exc.payload_index
                 status.decode_errors += 1
+                if self._receipt is not None:
+                    self._receipt_invalid(status, bad, items[bad][0], str(exc))
                 log.warning(
                     "kv events: worker %d rank %d: undecodable batch skipped: %s",
                     status.worker,
@@ -815,6 +894,17 @@ class EventIngestor:
             status.applied_batches += len(payloads)
             status.apply += stats
             return
+
+    def _receipt_invalid(self, status: SourceStatus, bad: int, seq: int, message: str) -> None:
+        """Batch `bad` of the slice being applied (seq `seq`) did not decode."""
+        receipt = self._receipt
+        assert receipt is not None
+        if receipt.first_seq is not None:
+            index = seq - receipt.first_seq
+        else:  # unsequenced batches reach the decoder in order, none skipped
+            applied = status.applied_batches + bad - self._receipt_base
+            index = applied + len(receipt.invalid)
+        receipt.invalid.append((index, message))
 
     # -- lifecycle and observation -------------------------------------------------------
 
@@ -872,3 +962,11 @@ class EventIngestor:
             r.stop()
         self._stop.set()
         self._thread.join(timeout=2.0)
+        # an HTTP call still waiting learns that none of its batches will be applied
+        while True:
+            try:
+                receipt = self._queue.get_nowait()[4]
+            except queue.Empty:
+                break
+            if receipt is not None and not receipt.done.done():
+                receipt.done.set_result(None)
