@@ -8,65 +8,82 @@ Pins: pin or unpin the blocks of a prompt.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from quillcache.controlplane import UnknownWorkerError
-from quillcache.gateway.config import WorkerConfig
+from quillcache.connectors import EventIngestor
+from quillcache.controlplane import ControlPlane, UnknownWorkerError
+from quillcache.gateway.config import GatewayConfig, WorkerConfig
 from quillcache.gateway.httpio import ApiError, json_object, validate_completion
-from quillcache.gateway.tenancy import valid_tenant
-from quillcache.gateway.workers import DiscoveryError, Worker
+from quillcache.gateway.identify import RequestIdentifier
+from quillcache.gateway.outcomes import LatencySamples
+from quillcache.gateway.tenancy import TenantPolicy, valid_tenant
+from quillcache.gateway.workers import DiscoveryError, Worker, WorkerPool
 from quillcache.tokenization.request import TokenizationError
-
-if TYPE_CHECKING:
-    from quillcache.gateway.app import Gateway
 
 
 class AdminApi:
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
+    def __init__(
+        self,
+        *,
+        config: GatewayConfig,
+        plane: ControlPlane,
+        pool: WorkerPool,
+        ingestor: EventIngestor,
+        tenancy: TenantPolicy,
+        identifier: RequestIdentifier,
+        samples: LatencySamples,
+        on_worker_added: Callable[[Worker], None],
+    ) -> None:
+        self.config = config
+        self.plane = plane
+        self.pool = pool
+        self.ingestor = ingestor
+        self.tenancy = tenancy
+        self.identifier = identifier
+        self.samples = samples
+        self.on_worker_added = on_worker_added
 
     async def workers(self, request: Request) -> Response:
-        gw = self.gw
         if request.method == "GET":
-            return JSONResponse({"workers": [w.as_dict() for w in gw.pool.workers.values()]})
+            return JSONResponse({"workers": [w.as_dict() for w in self.pool.workers.values()]})
         body = await self._body(request)
         try:
             cfg = WorkerConfig.model_validate(body)
         except ValueError as exc:
             raise ApiError(400, f"invalid worker: {exc}") from None
         try:
-            w = await gw.pool.add(cfg)
+            w = await self.pool.add(cfg)
         except DiscoveryError as exc:
             raise ApiError(400, str(exc)) from None
-        gw.start_parity_check(w)
+        self.on_worker_added(w)
         return JSONResponse(w.as_dict(), status_code=201)
 
     async def worker(self, request: Request) -> Response:
         if request.method == "DELETE":
-            removed = self._worker_call(request, self.gw.pool.remove)
+            removed = self._worker_call(request, self.pool.remove)
             return JSONResponse({"removed": removed.id})
-        return JSONResponse(self._worker_call(request, self.gw.pool.get).as_dict())
+        return JSONResponse(self._worker_call(request, self.pool.get).as_dict())
 
     async def drain(self, request: Request) -> Response:
         body = await self._body(request, default=b"{}")
         draining = body.get("draining", True)
         if not isinstance(draining, bool):
             raise ApiError(400, "'draining' must be true or false")
-        worker = self._worker_call(request, self.gw.pool.get)
-        self.gw.pool.set_draining(worker.id, draining)
+        worker = self._worker_call(request, self.pool.get)
+        self.pool.set_draining(worker.id, draining)
         return JSONResponse(worker.as_dict())
 
     async def lookup(self, request: Request) -> Response:
         """Which worker holds how much of this prompt (body: a completion or chat body)."""
-        gw = self.gw
         keys = await self._keys_of(request)
-        matches = gw.cp.match(keys)
-        bs = gw.cp.block_size
+        matches = self.plane.match(keys)
+        bs = self.plane.block_size
         ranked = sorted(matches, key=lambda m: -m.blocks)
         return JSONResponse(
             {
@@ -86,25 +103,20 @@ class AdminApi:
         )
 
     async def index(self, request: Request) -> Response:
-        gw = self.gw
-        stats = gw.cp.index_stats()
-        samples = {
-            "route_latency_us": gw.route_samples,
-            "pre_upstream_us": gw.pre_upstream_samples,
-            "relay_chunk_us": gw.relay_samples,
-        }
+        stats = self.plane.index_stats()
+        samples = self.samples.by_name()
         response = JSONResponse(
             {
-                "index": gw.config.index,
-                "secret": gw.tenancy.secret.as_dict(),
-                "tenants_isolated": gw.tenancy.isolating,
+                "index": self.config.index,
+                "secret": self.tenancy.secret.as_dict(),
+                "tenants_isolated": self.tenancy.isolating,
                 "blocks": stats.blocks,
                 "resident_pairs": stats.resident_pairs,
                 "sources": stats.sources,
                 "memory_bytes": stats.memory_bytes,
                 "extra": stats.extra,
-                "event_sources": [s.as_dict() for s in gw.ingestor.sources.values()],
-                "ingest": vars(gw.ingestor.stats()),
+                "event_sources": [s.as_dict() for s in self.ingestor.sources.values()],
+                "ingest": vars(self.ingestor.stats()),
                 **{name: percentiles_us(values) for name, values in samples.items()},
             }
         )
@@ -114,19 +126,18 @@ class AdminApi:
         return response
 
     async def pins(self, request: Request) -> Response:
-        gw = self.gw
         keys = await self._keys_of(request)
         pin = request.method == "POST"
         if pin:
-            gw.cp.pin(keys)
+            self.plane.pin(keys)
         else:
-            gw.cp.unpin(keys)
+            self.plane.unpin(keys)
         return JSONResponse({"pinned" if pin else "unpinned": len(keys)})
 
     # -- shared steps --------------------------------------------------------------------
 
     async def _body(self, request: Request, default: bytes = b"") -> dict[str, Any]:
-        return await json_object(request, self.gw.config.max_body_bytes, default)
+        return await json_object(request, self.config.max_body_bytes, default)
 
     def _worker_call(self, request: Request, call: Any) -> Worker:
         """`call(worker_id)` with the id of the path; 404 for a bad or unknown id."""
@@ -142,13 +153,13 @@ class AdminApi:
         body = await self._body(request)
         chat = "messages" in body
         validate_completion(body, chat)
-        tenancy = self.gw.tenancy
+        tenancy = self.tenancy
         tenant = request.headers.get(tenancy.tenant_header, "")
         if tenant and not valid_tenant(tenant):
             raise ApiError(400, f"the {tenancy.tenant_header} header is not a valid tenant")
         identity = tenancy.identity(tenant, body.get("cache_salt"))
         try:
-            route_request, _ = await self.gw.identify(body, chat, {}, identity)
+            route_request, _ = await self.identifier.identify(body, chat, {}, identity)
         except (TokenizationError, ValueError, TypeError) as exc:
             raise ApiError(400, f"cannot tokenize: {exc}") from None
         return route_request.content_keys

@@ -1,22 +1,21 @@
-"""The gateway: its parts, their lifecycle, request identity and the ASGI app.
+"""The gateway: its parts, their lifecycle and the ASGI app.
 
 Request path (`openai_api`): parse -> tokens (local or engine /tokenize) -> namespace ->
-content keys -> `ControlPlane.route` -> forward (retry once elsewhere on a failed
-connect) -> stream back. Event path (other thread): ZMQ (`connectors`) or HTTP
-(`ingest_http`) -> bounded queue -> index. Admin API: `admin`; parity check: `parity`.
+content keys (`identify`) -> `ControlPlane.route` -> forward (retry once elsewhere on a
+failed connect) -> stream back; what becomes of it is booked by `outcomes`. Event path
+(other thread): ZMQ (`connectors`) or HTTP (`ingest_http`) -> bounded queue -> index.
+Admin API: `admin`; parity check: `parity`. This module builds those parts and hands
+each the few collaborators it needs; none of them reaches back through the gateway.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import hmac
-import itertools
 import logging
 import secrets
-import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +34,18 @@ from quillcache.errors import ConfigError, QuillCacheError, UnknownRouterError
 from quillcache.gateway import asgi
 from quillcache.gateway.admin import AdminApi
 from quillcache.gateway.config import GatewayConfig
+from quillcache.gateway.identify import RequestIdentifier
 from quillcache.gateway.ingest_http import IngestEndpoint
 from quillcache.gateway.metrics import GatewayMetrics, state_metrics
 from quillcache.gateway.openai_api import CHAT_COMPLETIONS, COMPLETIONS, OpenAIEndpoints
-from quillcache.gateway.parity import parity_check
+from quillcache.gateway.outcomes import RequestOutcomes
+from quillcache.gateway.parity import ParityChecker
 from quillcache.gateway.secret import load_or_create
-from quillcache.gateway.tenancy import Identity, TenantPolicy
+from quillcache.gateway.tenancy import TenantPolicy
 from quillcache.gateway.workers import Worker, WorkerPool
-from quillcache.identity import content_keys, namespace
-from quillcache.routing import Request as RouteRequest
 from quillcache.routing import Router
 from quillcache.routing.registry import import_router
-from quillcache.tokenization.request import EngineUnreachable, RequestTokenizer
+from quillcache.tokenization.request import RequestTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -87,16 +86,16 @@ class Gateway:
         self.router_name = config.router
         self.tenancy: TenantPolicy
         self.relay_key = secrets.token_hex(16)
+        # the parts that serve requests, built by `startup`
+        self.identifier: RequestIdentifier
+        self.outcomes: RequestOutcomes
+        self.openai: OpenAIEndpoints
+        self.admin: AdminApi
+        self.ingest: IngestEndpoint
+        self.parity: ParityChecker
         self._tasks: list[asyncio.Task[Any]] = []
-        self._request_ids = itertools.count()
         self.started = False
         self.startup_error: QuillCacheError | None = None
-        # tokenize + hash + route time of recent requests, for /admin/index
-        self.route_samples: collections.deque[float] = collections.deque(maxlen=20_000)
-        # handler entry -> upstream request issued (parse, auth, tokenize, hash, route)
-        self.pre_upstream_samples: collections.deque[float] = collections.deque(maxlen=20_000)
-        # upstream chunk received -> written to the client, per streamed chunk
-        self.relay_samples: collections.deque[float] = collections.deque(maxlen=50_000)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -167,6 +166,7 @@ class Gateway:
         for w in described:
             self.pool.attach(w)
         self.tokenizer = RequestTokenizer(cfg.tokenizer, self.upstream)
+        self._build_parts()
         self.metrics.add_collector(self._collect)
         self._tasks = [
             asyncio.create_task(self._every(cfg.health_interval_s, self.pool.check_health)),
@@ -212,19 +212,56 @@ class Gateway:
                 log.exception("gateway background job %s failed", getattr(job, "__name__", job))
             await asyncio.sleep(interval_s)
 
-    # -- request identity ----------------------------------------------------------------
-
-    def base_model_of(self, model: str | None) -> str:
-        """The base model of the worker serving `model` (any worker's when None)."""
-        for w in self.pool.workers.values():
-            if not model or model in w.models:
-                return w.base_model
-        return ""
-
-    def namespace_of(self, model: str | None, salt: str) -> int:
-        lora = self.pool.models().get(model or "", "")
-        base = self.base_model_of(model)
-        return namespace(base, self.config.tokenizer_id, lora, salt, self.cp.block_size)
+    def _build_parts(self) -> None:
+        cfg, cp, pool = self.config, self.cp, self.pool
+        self.identifier = RequestIdentifier(
+            pool=pool,
+            tokenizer=self.tokenizer,
+            block_size=cp.block_size,
+            tokenizer_id=cfg.tokenizer_id,
+            session_header=cfg.session_header,
+            on_tokenize_retry=lambda worker_id: self.outcomes.tokenize_retry(worker_id),
+        )
+        self.outcomes = RequestOutcomes(
+            plane=cp,
+            ingestor=self.ingestor,
+            pool=pool,
+            metrics=self.metrics,
+            router_name=self.router_name,
+        )
+        self.openai = OpenAIEndpoints(
+            config=cfg,
+            plane=cp,
+            pool=pool,
+            tenancy=self.tenancy,
+            identifier=self.identifier,
+            outcomes=self.outcomes,
+            upstream=self.upstream,
+            peer_of=self.peer_of,
+        )
+        self.parity = ParityChecker(
+            identifier=self.identifier,
+            tokenizer=self.tokenizer,
+            client=self.client,
+            plane=cp,
+            ingestor=self.ingestor,
+        )
+        self.admin = AdminApi(
+            config=cfg,
+            plane=cp,
+            pool=pool,
+            ingestor=self.ingestor,
+            tenancy=self.tenancy,
+            identifier=self.identifier,
+            samples=self.outcomes.samples,
+            on_worker_added=self.start_parity_check,
+        )
+        self.ingest = IngestEndpoint(
+            ingestor=self.ingestor,
+            dp_ranks_of=lambda w: cp.worker(w).dp_ranks if w in pool.workers else None,
+            known_workers=lambda: list(pool.workers),
+            max_body_bytes=cfg.max_body_bytes,
+        )
 
     def peer_of(self, request: Request) -> str | None:
         """The client's address. Behind the native relay the app's peer is the relay:
@@ -234,74 +271,11 @@ class Gateway:
             return request.headers.get(PEER_HEADER)
         return request.client.host if request.client else None
 
-    async def identify(
-        self,
-        body: dict[str, Any],
-        chat: bool,
-        headers: Mapping[str, str],
-        identity: Identity,
-        candidates: frozenset[int] | None = None,
-    ) -> tuple[RouteRequest, int]:
-        """The routing request of a completion body, and its prompt length in tokens
-        (tokenized by one of the `candidates` when the engine tokenizes)."""
-        tokens = await self._tokens(body, chat, candidates)
-        return self.route_request_of(body, tokens, headers, identity), len(tokens)
-
-    def identify_now(
-        self, body: dict[str, Any], chat: bool, headers: Mapping[str, str], identity: Identity
-    ) -> tuple[RouteRequest, int] | None:
-        """`identify` without awaiting, when the gateway tokenizes locally (else None)."""
-        if self.tokenizer.local is None:
-            return None
-        tokens = self.tokenizer.local_tokens(body, chat)
-        return self.route_request_of(body, tokens, headers, identity), len(tokens)
-
-    def route_request_of(
-        self,
-        body: dict[str, Any],
-        tokens: list[int],
-        headers: Mapping[str, str],
-        identity: Identity,
-    ) -> RouteRequest:
-        """Keys in the namespace of the salt the engine gets: the engine's events carry
-        that salt back, and the index namespaces its blocks by it."""
-        ns = self.namespace_of(body.get("model"), identity.salt or "")
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
-        return RouteRequest(
-            # unique within this gateway: the plane tracks in-flight requests by it
-            request_id=next(self._request_ids),
-            content_keys=content_keys(tokens, self.cp.block_size, ns),
-            prompt_tokens=len(tokens),
-            namespace=ns,
-            session_id=headers.get(self.config.session_header),
-            expected_output_tokens=int(max_tokens) if isinstance(max_tokens, int) else 16,
-            arrival_s=time.monotonic(),
-        )
-
-    async def _tokens(
-        self, body: dict[str, Any], chat: bool, candidates: frozenset[int] | None
-    ) -> list[int]:
-        """Tokenize (with some routable engine's /tokenize when configured so). An engine
-        that cannot be reached is marked down and, once, another one asked: the health
-        check may not have seen it die yet (real vLLM killed between two checks)."""
-        for attempt in range(2):
-            w = self.pool.any_routable(candidates)
-            try:
-                return await self.tokenizer.tokens(body, chat, w.url if w else None)
-            except EngineUnreachable:
-                if w is None:  # no engine left to ask
-                    raise
-                self.pool.mark_down(w.id, "its /tokenize is unreachable")
-                if attempt == 1:
-                    raise
-                self.metrics.retries.labels(str(w.id)).inc()
-        raise AssertionError("unreachable")
-
     # -- small endpoints and checks ------------------------------------------------------
 
     def start_parity_check(self, w: Worker) -> None:
         if self.config.parity_check:
-            self._tasks.append(asyncio.create_task(parity_check(self, w)))
+            self._tasks.append(asyncio.create_task(self.parity.check(w)))
 
     async def health(self, request: Request) -> Response:
         routable = [w.id for w in self.pool.workers.values() if w.routable]
@@ -325,31 +299,48 @@ class Gateway:
     # -- assembly ------------------------------------------------------------------------
 
     def starlette(self, *, with_lifespan: bool = True) -> ASGIApp:
-        """The ASGI app; without lifespan the caller runs `startup`/`shutdown` itself."""
-        openai, admin = OpenAIEndpoints(self), AdminApi(self)
+        """The ASGI app; without lifespan the caller runs `startup`/`shutdown` itself.
+        The routes are bound before startup builds the parts that answer them."""
 
         def admin_only(handler: asgi.Handler) -> asgi.Handler:
             return asgi.admin_only(handler, lambda: self.config.admin_token)
 
+        async def completions(request: Request) -> Response:
+            return await self.openai.completions(request)
+
+        async def chat_completions(request: Request) -> Response:
+            return await self.openai.chat_completions(request)
+
+        def admin(name: str) -> asgi.Handler:
+            async def handler(request: Request) -> Response:
+                answer: Response = await getattr(self.admin, name)(request)
+                return answer
+
+            return admin_only(handler)
+
+        async def models(request: Request) -> Response:
+            return await self.openai.models(request)
+
+        async def ingest(request: Request) -> Response:
+            return await self.ingest(request)
+
         routes = [
-            Route(COMPLETIONS, openai.completions, methods=["POST"]),
-            Route(CHAT_COMPLETIONS, openai.chat_completions, methods=["POST"]),
-            Route("/v1/models", asgi.api_errors(openai.models), methods=["GET"]),
+            Route(COMPLETIONS, completions, methods=["POST"]),
+            Route(CHAT_COMPLETIONS, chat_completions, methods=["POST"]),
+            Route("/v1/models", asgi.api_errors(models), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
-            Route("/admin/workers", admin_only(admin.workers), methods=["GET", "POST"]),
-            Route(
-                "/admin/workers/{worker_id}", admin_only(admin.worker), methods=["GET", "DELETE"]
-            ),
-            Route("/admin/workers/{worker_id}/drain", admin_only(admin.drain), methods=["POST"]),
-            Route("/admin/lookup", admin_only(admin.lookup), methods=["POST"]),
-            Route("/admin/index", admin_only(admin.index), methods=["GET"]),
-            Route("/admin/pins", admin_only(admin.pins), methods=["POST", "DELETE"]),
-            Route("/ingest/kv_events", admin_only(IngestEndpoint(self)), methods=["POST"]),
+            Route("/admin/workers", admin("workers"), methods=["GET", "POST"]),
+            Route("/admin/workers/{worker_id}", admin("worker"), methods=["GET", "DELETE"]),
+            Route("/admin/workers/{worker_id}/drain", admin("drain"), methods=["POST"]),
+            Route("/admin/lookup", admin("lookup"), methods=["POST"]),
+            Route("/admin/index", admin("index"), methods=["GET"]),
+            Route("/admin/pins", admin("pins"), methods=["POST", "DELETE"]),
+            Route("/ingest/kv_events", admin_only(ingest), methods=["POST"]),
         ]
         app = Starlette(routes=routes, lifespan=self.lifespan if with_lifespan else None)
         app.add_exception_handler(404, asgi.not_found)
         app.add_exception_handler(405, asgi.not_allowed)
         app.add_exception_handler(Exception, asgi.internal_error)
-        hot = {COMPLETIONS: openai.completions, CHAT_COMPLETIONS: openai.chat_completions}
+        hot = {COMPLETIONS: completions, CHAT_COMPLETIONS: chat_completions}
         return asgi.HotPath(app, hot)

@@ -1,7 +1,7 @@
 """The OpenAI-compatible endpoints: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
 
 A proxied request: check the API key, read and check the body, derive its content keys
-(`Gateway.identify`), route, forward (once more elsewhere when the connect fails), and
+(`RequestIdentifier`), route, forward (once more elsewhere when the connect fails), and
 relay the answer (`proxy`). Every answer, error or not, is counted by endpoint and status.
 """
 
@@ -12,17 +12,18 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from quillcache.controlplane import RouterContractError
+from quillcache.controlplane import ControlPlane, RouterContractError
 from quillcache.errors import QuillCacheError
 from quillcache.gateway import proxy
+from quillcache.gateway.config import GatewayConfig
 from quillcache.gateway.httpio import (
     ApiError,
     check_context,
@@ -31,14 +32,13 @@ from quillcache.gateway.httpio import (
     read_body,
     validate_completion,
 )
-from quillcache.gateway.tenancy import Identity
+from quillcache.gateway.identify import RequestIdentifier
+from quillcache.gateway.outcomes import RequestOutcomes
+from quillcache.gateway.tenancy import Identity, TenantPolicy
+from quillcache.gateway.workers import Worker, WorkerPool
 from quillcache.routing import Action
 from quillcache.routing import Request as RouteRequest
 from quillcache.tokenization.request import EngineUnreachable, TokenizationError
-
-if TYPE_CHECKING:
-    from quillcache.gateway.app import Gateway
-    from quillcache.gateway.workers import Worker
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,26 @@ def _tokenize_errors() -> Iterator[None]:
 
 
 class OpenAIEndpoints:
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
+    def __init__(
+        self,
+        *,
+        config: GatewayConfig,
+        plane: ControlPlane,
+        pool: WorkerPool,
+        tenancy: TenantPolicy,
+        identifier: RequestIdentifier,
+        outcomes: RequestOutcomes,
+        upstream: aiohttp.ClientSession,
+        peer_of: Callable[[Request], str | None],
+    ) -> None:
+        self.config = config
+        self.plane = plane
+        self.pool = pool
+        self.tenancy = tenancy
+        self.identifier = identifier
+        self.outcomes = outcomes
+        self.upstream = upstream
+        self.peer_of = peer_of
 
     async def completions(self, request: Request) -> Response:
         return await self._counted(request, COMPLETIONS, chat=False)
@@ -100,17 +118,17 @@ class OpenAIEndpoints:
         return await self._counted(request, CHAT_COMPLETIONS, chat=True)
 
     async def models(self, request: Request) -> Response:
-        self.authenticate(request.headers, self.gw.peer_of(request))
-        gw, now = self.gw, int(time.time())
+        self.authenticate(request.headers, self.peer_of(request))
+        now = int(time.time())
         data = [
             {
                 "id": name,
                 "object": "model",
                 "created": now,
                 "owned_by": "quillcache",
-                "parent": gw.base_model_of(name) if lora else None,
+                "parent": self.identifier.base_model_of(name) if lora else None,
             }
-            for name, lora in sorted(gw.pool.models().items())
+            for name, lora in sorted(self.pool.models().items())
         ]
         return JSONResponse({"object": "list", "data": data})
 
@@ -121,12 +139,12 @@ class OpenAIEndpoints:
             response = await self._proxy(request, path, chat=chat)
         except ApiError as exc:
             response = exc.response()
-        self.gw.metrics.request_done(path, response.status_code)
+        self.outcomes.answered(path, response.status_code)
         return response
 
     def authenticate(self, headers: Mapping[str, str], peer: str | None) -> str:
         """The request's tenant ("" = the shared namespace), or a 401/403 ApiError."""
-        return self.gw.tenancy.authenticate(headers, peer)
+        return self.tenancy.authenticate(headers, peer)
 
     async def prepare(
         self, headers: Mapping[str, str], raw: bytes, chat: bool, tenant: str
@@ -135,13 +153,13 @@ class OpenAIEndpoints:
         routing. Shared by both data paths (this ASGI app's and the native relay's)."""
         size = len(raw)
         body, raw, candidates, identity = self._checked(raw, chat, tenant)
-        check_prompt_bytes(body, chat, size, self.gw.config.max_prompt_bytes)
+        check_prompt_bytes(body, chat, size, self.config.max_prompt_bytes)
         routing_started = time.perf_counter()  # tokenize + hash + route, for /admin/index
         with _tokenize_errors():
-            route_request, prompt_tokens = await self.gw.identify(
+            route_request, prompt_tokens = await self.identifier.identify(
                 body, chat, headers, identity, candidates
             )
-        check_context(prompt_tokens, self.gw.pool.context_limit(candidates))
+        check_context(prompt_tokens, self.pool.context_limit(candidates))
         return Prepared(raw, route_request, prompt_tokens, candidates, routing_started)
 
     def prepare_now(
@@ -149,16 +167,16 @@ class OpenAIEndpoints:
     ) -> Prepared | None:
         """`prepare` without awaiting when the gateway tokenizes locally, else None (the
         native relay then decides in a task: one event-loop turn less per request)."""
-        if self.gw.tokenizer.local is None:
+        if not self.identifier.tokenizes_locally:
             return None
         size = len(raw)
         body, raw, candidates, identity = self._checked(raw, chat, tenant)
-        check_prompt_bytes(body, chat, size, self.gw.config.max_prompt_bytes)
+        check_prompt_bytes(body, chat, size, self.config.max_prompt_bytes)
         routing_started = time.perf_counter()
         with _tokenize_errors():
-            identified = self.gw.identify_now(body, chat, headers, identity)
+            identified = self.identifier.identify_now(body, chat, headers, identity)
         assert identified is not None
-        check_context(identified[1], self.gw.pool.context_limit(candidates))
+        check_context(identified[1], self.pool.context_limit(candidates))
         return Prepared(raw, *identified, candidates, routing_started)
 
     def _checked(
@@ -166,14 +184,13 @@ class OpenAIEndpoints:
     ) -> tuple[dict[str, Any], bytes, frozenset[int] | None, Identity]:
         """The body as an object, its raw form to forward (with the derived salt), the
         engines serving it, and its namespace identity."""
-        gw = self.gw
         body = parse_object(raw)
         validate_completion(body, chat)
-        identity = gw.tenancy.identity(tenant, body.get("cache_salt"))
+        identity = self.tenancy.identity(tenant, body.get("cache_salt"))
         model = body.get("model")
-        candidates = gw.pool.serving(model)  # only engines serving the model (or adapter)
+        candidates = self.pool.serving(model)  # only engines serving the model (or adapter)
         if candidates is not None and not candidates:
-            known = ", ".join(sorted(gw.pool.models()))
+            known = ", ".join(sorted(self.pool.models()))
             raise ApiError(
                 404,
                 f"The model `{model}` does not exist; served: {known}",
@@ -192,11 +209,10 @@ class OpenAIEndpoints:
 
     async def _proxy(self, request: Request, path: str, *, chat: bool) -> Response:
         started = time.perf_counter()
-        tenant = self.authenticate(request.headers, self.gw.peer_of(request))
-        raw = await read_body(request, self.gw.config.max_body_bytes)
+        tenant = self.authenticate(request.headers, self.peer_of(request))
+        raw = await read_body(request, self.config.max_body_bytes)
         prepared = await self.prepare(request.headers, raw, chat, tenant)
         route_request = prepared.route_request
-        gw = self.gw
         # From here on a client that hangs up cancels this task: the upstream request is
         # dropped whether the engine is still computing (no headers yet: a non-streamed
         # answer only comes when complete) or its body is being read.
@@ -207,8 +223,7 @@ class OpenAIEndpoints:
             if not watch.client_left:
                 raise  # cancelled for another reason: propagate
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            gw.cp.finish(route_request.request_id)  # idempotent
-            gw.metrics.client_disconnects.inc()
+            self.outcomes.client_left(route_request.request_id)  # finish is idempotent
             return Response(status_code=499)  # nobody reads it; counted by the caller
         finally:
             watch.stop()
@@ -223,17 +238,18 @@ class OpenAIEndpoints:
     ) -> Response:
         """Route, send upstream (once more elsewhere when the connect fails or the engine
         hangs before its first byte), answer."""
-        gw, route_request = self.gw, prepared.route_request
+        route_request, outcomes = prepared.route_request, self.outcomes
+        rid = route_request.request_id
         for attempt in range(2):
             worker, first_byte_s = self.route(prepared)
-            gw.pre_upstream_samples.append(time.perf_counter() - started)
+            outcomes.forwarding(time.perf_counter() - started)
             # The first byte: a whole answer's head, or a stream's first chunk (its head
             # comes before the prefill). Until then the client has nothing: a retry is safe.
             first_byte = asyncio.timeout(first_byte_s)
             first: bytes | None = None
             try:
                 async with first_byte:
-                    resp = await gw.upstream.post(
+                    resp = await self.upstream.post(
                         worker.url + path,
                         data=prepared.raw,
                         headers=self.upstream_headers(request.headers, worker, route_request),
@@ -245,23 +261,23 @@ class OpenAIEndpoints:
                             resp.close()
                             raise
             except _CONNECT_ERRORS as exc:
-                gw.cp.finish(route_request.request_id)
-                gw.pool.mark_down(worker.id, f"connect failed: {type(exc).__name__}")
-                if attempt == 0:  # the down worker is not routable any more: retry elsewhere
-                    gw.metrics.retries.labels(str(worker.id)).inc()
+                # the down worker is not routable any more: retry elsewhere, once
+                why = f"connect failed: {type(exc).__name__}"
+                outcomes.engine_failed(rid, worker.id, why, retry=attempt == 0)
+                if attempt == 0:
                     continue
                 raise EngineError(
                     worker, 502, f"engine {worker.url} unreachable: {exc}", "APIConnectionError"
                 ) from None
             except UPSTREAM_ERRORS as exc:
-                gw.cp.finish(route_request.request_id)
                 if not first_byte.expired():
+                    outcomes.released(rid)
                     raise EngineError(
                         worker, 502, f"engine {worker.url} failed: {type(exc).__name__}"
                     ) from None
-                gw.pool.mark_down(worker.id, f"hung: no first byte within {first_byte_s:.1f} s")
+                why = f"hung: no first byte within {first_byte_s:.1f} s"
+                outcomes.engine_failed(rid, worker.id, why, retry=attempt == 0)
                 if attempt == 0:
-                    gw.metrics.retries.labels(str(worker.id)).inc()
                     continue
                 raise EngineError(
                     worker,
@@ -278,31 +294,29 @@ class OpenAIEndpoints:
         """Route one request among its candidates (None: any worker; raises the 503/429
         of a rejection) and count the decision. Returns the worker and how long it may
         take to send the first byte (`first_byte_limit`)."""
-        gw, route_request = self.gw, prepared.route_request
+        route_request = prepared.route_request
         candidates, prompt_tokens = prepared.candidates, prepared.prompt_tokens
+        rid = route_request.request_id
         try:
-            decision = gw.cp.route(route_request, now_s=time.monotonic(), only=candidates)
+            decision = self.plane.route(route_request, now_s=time.monotonic(), only=candidates)
         except RouterContractError as exc:
             log.error("gateway: %s", exc)
-            gw.metrics.decision(gw.router_name, "router error", "none")
+            self.outcomes.not_routed(rid, "router error", None)
             raise ApiError(500, f"routing failed: {exc}", "InternalServerError") from None
         routed_s = time.perf_counter() - prepared.routing_started
-        gw.metrics.route_time.observe(routed_s)
-        gw.route_samples.append(routed_s)
-        if decision.rejected:
-            gw.cp.finish(route_request.request_id)
+        if decision.rejected or decision.worker is None:
             reason = decision.reason or "rejected"
-            gw.metrics.decision(gw.router_name, reason[:60], "none")
+            self.outcomes.not_routed(rid, reason, routed_s)
             if "no routable worker" in reason:
                 raise ApiError(503, f"request not routed: {reason}", "ServiceUnavailableError")
             raise ApiError(429, f"request not routed: {reason}", "RateLimitError")
-        worker = gw.pool.get(decision.worker)  # type: ignore[arg-type]
-        gw.metrics.decision(gw.router_name, decision.reason or "chosen", str(worker.id))
+        worker = self.pool.get(decision.worker)
         # (blocks_by_action builds a dict over the whole Action enum, too costly per request)
         cached_blocks = sum(step.blocks for step in decision.plan if step.action == Action.REUSE)
-        cached_tokens = min(cached_blocks * gw.cp.block_size, prompt_tokens)
-        gw.metrics.predicted_hit_tokens.inc(cached_tokens)
-        gw.metrics.prompt_tokens.inc(prompt_tokens)
+        cached_tokens = min(cached_blocks * self.plane.block_size, prompt_tokens)
+        self.outcomes.routed(
+            worker.id, decision.reason or "chosen", routed_s, cached_tokens, prompt_tokens
+        )
         return worker, self.first_byte_limit(route_request, cached_tokens)
 
     def first_byte_limit(self, route_request: RouteRequest, cached_tokens: int) -> float:
@@ -314,7 +328,7 @@ class OpenAIEndpoints:
         takes seconds) plus the decode of the expected output: a whole answer's head
         only comes once it is complete. For a stream that overestimates by the decode,
         which only makes the limit looser; the gateway does not parse `stream`."""
-        cfg, cost = self.gw.config, self.gw.cp.cost
+        cfg, cost = self.config, self.plane.cost
         prompt = route_request.prompt_tokens
         new = max(prompt - cached_tokens, 1)
         expected = cost.prefill_time(new, prompt - new)
@@ -334,24 +348,25 @@ class OpenAIEndpoints:
         watch: proxy.DisconnectWatch,
     ) -> Response:
         """Relay the answer; `first` is a stream's first chunk, already read."""
-        gw, rid = self.gw, route_request.request_id
+        outcomes, rid = self.outcomes, route_request.request_id
         extra = {WORKER_HEADER: str(worker.id)}
-        stall_s = gw.config.stall_timeout_s
+        stall_s = self.config.stall_timeout_s
         if first is not None:
             watch.stop()  # the relay watches the client from here on
 
             def first_byte() -> None:
-                gw.metrics.first_byte(path, time.perf_counter() - started)
-                gw.cp.prefill_done(rid)
+                outcomes.first_byte(path, time.perf_counter() - started, rid)
 
             def end(failure: BaseException | None) -> None:
-                gw.cp.finish(rid)
-                gw.ingestor.expect_events(worker.id)
-                if isinstance(failure, UPSTREAM_ERRORS):
-                    gw.pool.mark_down(worker.id, f"broke mid-stream: {type(failure).__name__}")
-                elif failure is not None:  # cancelled or closed: the client went away
-                    gw.metrics.client_disconnects.inc()
-                gw.metrics.completed(path, time.perf_counter() - started)
+                broke = (
+                    f"broke mid-stream: {type(failure).__name__}"
+                    if isinstance(failure, UPSTREAM_ERRORS)
+                    else None
+                )
+                # otherwise cancelled or closed: the client went away
+                client_left = broke is None and failure is not None
+                elapsed = time.perf_counter() - started
+                outcomes.ended(path, rid, worker.id, elapsed, broke=broke, client_left=client_left)
 
             stream = proxy.relay_stream(
                 resp,
@@ -359,14 +374,14 @@ class OpenAIEndpoints:
                 stall_s=stall_s,
                 on_first_byte=first_byte,
                 on_end=end,
-                on_cached_tokens=gw.metrics.actual_hit_tokens.inc,
-                relay_samples=gw.relay_samples,
+                on_cached_tokens=outcomes.cached_tokens,
+                relay_samples=outcomes.samples.relay,
             )
             return proxy.streaming_response(resp, stream, extra)
         try:
             content = await proxy.read_all(resp, stall_s)  # `watch` cancels it if the client leaves
         except UPSTREAM_ERRORS as exc:
-            gw.pool.mark_down(worker.id, f"broke mid-response: {type(exc).__name__}")
+            outcomes.engine_broke(worker.id, f"broke mid-response: {type(exc).__name__}")
             reason = "stall timeout" if isinstance(exc, TimeoutError) else str(exc)
             raise EngineError(
                 worker, 502, f"engine failed mid-response: {reason or type(exc).__name__}"
@@ -376,15 +391,12 @@ class OpenAIEndpoints:
             raise
         finally:
             resp.release()
-            gw.cp.finish(rid)
-            gw.ingestor.expect_events(worker.id)  # even if every event of it is lost
-        elapsed = time.perf_counter() - started
-        gw.metrics.first_byte(path, elapsed)
-        gw.metrics.completed(path, elapsed)
+            outcomes.answer_over(rid, worker.id)
+        outcomes.whole_answer(path, time.perf_counter() - started)
         if resp.status == 200:
             cached = proxy.usage_cached_tokens(content)
             if cached is not None:
-                gw.metrics.actual_hit_tokens.inc(cached)
+                outcomes.cached_tokens(cached)
         return proxy.passthrough_response(resp, content, extra)
 
     def upstream_headers(
@@ -393,10 +405,9 @@ class OpenAIEndpoints:
         """Forwarded headers; for a data-parallel engine, also vLLM's `X-data-parallel-rank`
         naming the rank that holds the longest prefix (its internal balancer would not
         know which one does)."""
-        gw = self.gw
         forwarded = {k: v for k in proxy.FORWARDED_HEADERS if (v := headers.get(k))}
         if len(worker.sources) > 1 and len(route_request.content_keys):
-            matches = gw.cp.match(route_request.content_keys)
+            matches = self.plane.match(route_request.content_keys)
             best = max(
                 (m for m in matches if m.worker == worker.id and m.blocks > 0),
                 key=lambda m: m.blocks,

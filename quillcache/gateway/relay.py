@@ -36,7 +36,6 @@ from quillcache.gateway.openai_api import (
 
 if TYPE_CHECKING:
     from quillcache._native import Relay
-    from quillcache.gateway.app import Gateway
     from quillcache.gateway.workers import Worker
 
 log = logging.getLogger(__name__)
@@ -59,10 +58,10 @@ class Flight:
 class RelayHost:
     """Answers the relay's events on the gateway's event loop."""
 
-    def __init__(self, gw: Gateway, relay: Relay) -> None:
-        self.gw = gw
+    def __init__(self, endpoints: OpenAIEndpoints, relay: Relay) -> None:
+        self.endpoints = endpoints
+        self.outcomes = endpoints.outcomes
         self.relay = relay
-        self.endpoints = OpenAIEndpoints(gw)
         self.flights: dict[int, Flight] = {}
         self._deciding: set[asyncio.Task[None]] = set()
 
@@ -89,12 +88,12 @@ class RelayHost:
         elif kind == "first_byte":
             flight = self.flights.get(rid)
             if flight is not None:
-                self.gw.metrics.first_byte(flight.path, event[2])
-                self.gw.cp.prefill_done(flight.prepared.route_request.request_id)
+                route_id = flight.prepared.route_request.request_id
+                self.outcomes.first_byte(flight.path, event[2], route_id)
         elif kind == "usage":
             cached = proxy.usage_cached_tokens(event[2])
             if cached is not None and rid in self.flights:
-                self.gw.metrics.actual_hit_tokens.inc(cached)
+                self.outcomes.cached_tokens(cached)
         elif kind == "end":
             self._end(rid, *event[2:])
         elif kind == "upstream_failed":
@@ -154,23 +153,23 @@ class RelayHost:
             self._route_and_forward(rid, flight, started)
         except Exception as exc:
             if self.flights.pop(rid, None) is not None:
-                self.gw.cp.finish(flight.prepared.route_request.request_id)
+                self.outcomes.released(flight.prepared.route_request.request_id)
             self._answer_failure(rid, flight.path, exc)
 
     def _route_and_forward(self, rid: int, flight: Flight, started: float | None) -> None:
-        gw = self.gw
+        outcomes = self.outcomes
         worker, first_byte_s = self.endpoints.route(flight.prepared)
         flight.worker = worker
         flight.first_byte_s = first_byte_s
         route_id = flight.prepared.route_request.request_id
         if not worker.url.startswith("http://"):
             # The relay speaks plain HTTP; the ASGI path (aiohttp) serves https engines.
-            gw.cp.finish(route_id)
+            outcomes.released(route_id)
             self.flights.pop(rid, None)
             self.relay.delegate(rid)
             return
         if started is not None:
-            gw.pre_upstream_samples.append(time.perf_counter() - started)
+            outcomes.forwarding(time.perf_counter() - started)
         upstream = self.endpoints.upstream_headers(
             flight.headers, worker, flight.prepared.route_request
         )
@@ -184,13 +183,12 @@ class RelayHost:
             first_byte_s,
         ):  # the client left while it was being decided
             self.flights.pop(rid, None)
-            gw.cp.finish(route_id)
-            gw.metrics.client_disconnects.inc()
-            gw.metrics.request_done(flight.path, 499)
+            outcomes.client_left(route_id)
+            outcomes.answered(flight.path, 499)
 
     def _answer_error(self, rid: int, path: str, exc: ApiError) -> None:
         response = exc.response()
-        self.gw.metrics.request_done(path, exc.status)
+        self.outcomes.answered(path, exc.status)
         headers = [
             (k, v.encode("latin-1")) for k, v in response.headers.items() if k != "content-length"
         ]
@@ -205,15 +203,14 @@ class RelayHost:
         flight = self.flights.get(rid)
         if flight is None:
             return
-        gw, worker = self.gw, flight.worker
-        gw.cp.finish(flight.prepared.route_request.request_id)
+        worker, route_id = flight.worker, flight.prepared.route_request.request_id
         error: ApiError
         if connect or timed_out:
             reason = "connect failed" if connect else "hung"
-            gw.pool.mark_down(worker.id, f"{reason}: {message}")
-            if not flight.retried:  # the down worker is not routable any more
+            retry = not flight.retried  # the down worker is not routable any more
+            self.outcomes.engine_failed(route_id, worker.id, f"{reason}: {message}", retry=retry)
+            if retry:
                 flight.retried = True
-                gw.metrics.retries.labels(str(worker.id)).inc()
                 self._send(rid, flight)
                 return
             if connect:
@@ -225,6 +222,7 @@ class RelayHost:
                     worker, 504, f"engine {worker.url}: {message}", "APITimeoutError"
                 )
         else:
+            self.outcomes.released(route_id)
             error = EngineError(worker, 502, f"engine {worker.url} failed: {message}")
         self.flights.pop(rid, None)
         self._answer_error(rid, flight.path, error)
@@ -235,16 +233,18 @@ class RelayHost:
         flight = self.flights.pop(rid, None)
         if flight is None:
             return
-        gw, worker = self.gw, flight.worker
-        gw.cp.finish(flight.prepared.route_request.request_id)
-        gw.ingestor.expect_events(worker.id)  # even if every event of it is lost
+        broke = None
         if outcome == "upstream_failed":
-            broke = "mid-stream" if streamed else "mid-response"
-            gw.pool.mark_down(worker.id, f"broke {broke}: {detail}")
-        elif outcome == "client_left":
-            gw.metrics.client_disconnects.inc()
-        gw.metrics.completed(flight.path, elapsed)
-        gw.metrics.request_done(flight.path, status)
+            broke = f"broke {'mid-stream' if streamed else 'mid-response'}: {detail}"
+        self.outcomes.ended(
+            flight.path,
+            flight.prepared.route_request.request_id,
+            flight.worker.id,
+            elapsed,
+            broke=broke,
+            client_left=outcome == "client_left",
+        )
+        self.outcomes.answered(flight.path, status)
 
 
 def _internal(exc: Exception) -> ApiError:

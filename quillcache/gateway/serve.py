@@ -64,7 +64,7 @@ def serve_gateway(config: GatewayConfig, ready_file: str | None = None) -> None:
                 )
             except OSError as exc:  # e.g. the port is taken: the operator's to fix
                 raise ConfigError(str(exc)) from None
-            host = RelayHost(gateway, relay)
+            host = RelayHost(gateway.openai, relay)
             host.start()
             return {"url": f"http://{config.host}:{relay.port}", "port": relay.port}
 

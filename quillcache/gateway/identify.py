@@ -1,0 +1,120 @@
+"""A completion request's routing identity: its tokens, namespace and content keys.
+
+The rule itself (namespace, content keys) lives in `quillcache.identity`; this is where
+the gateway feeds it: which base model and LoRA adapter a request names, which engine
+tokenizes it when the gateway does not, and the request's session and output budget.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from quillcache.gateway.tenancy import Identity
+from quillcache.gateway.workers import WorkerPool
+from quillcache.identity import content_keys, namespace
+from quillcache.routing import Request as RouteRequest
+from quillcache.tokenization.request import EngineUnreachable, RequestTokenizer
+
+
+class RequestIdentifier:
+    """Turns a checked completion body into the `RouteRequest` the control plane routes."""
+
+    def __init__(
+        self,
+        *,
+        pool: WorkerPool,
+        tokenizer: RequestTokenizer,
+        block_size: int,
+        tokenizer_id: str,
+        session_header: str,
+        on_tokenize_retry: Callable[[int], None],
+    ) -> None:
+        self._pool = pool
+        self._tokenizer = tokenizer
+        self.block_size = block_size
+        self._tokenizer_id = tokenizer_id
+        self._session_header = session_header
+        self._on_tokenize_retry = on_tokenize_retry
+        # unique within this gateway: the plane tracks in-flight requests by it
+        self._request_ids = itertools.count()
+
+    @property
+    def tokenizes_locally(self) -> bool:
+        return self._tokenizer.local is not None
+
+    def base_model_of(self, model: str | None) -> str:
+        """The base model of the worker serving `model` (any worker's when None)."""
+        for w in self._pool.workers.values():
+            if not model or model in w.models:
+                return w.base_model
+        return ""
+
+    def namespace_of(self, model: str | None, salt: str) -> int:
+        lora = self._pool.models().get(model or "", "")
+        base = self.base_model_of(model)
+        return namespace(base, self._tokenizer_id, lora, salt, self.block_size)
+
+    async def identify(
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        headers: Mapping[str, str],
+        identity: Identity,
+        candidates: frozenset[int] | None = None,
+    ) -> tuple[RouteRequest, int]:
+        """The routing request of a completion body, and its prompt length in tokens
+        (tokenized by one of the `candidates` when the engine tokenizes)."""
+        tokens = await self._tokens(body, chat, candidates)
+        return self._route_request(body, tokens, headers, identity), len(tokens)
+
+    def identify_now(
+        self, body: dict[str, Any], chat: bool, headers: Mapping[str, str], identity: Identity
+    ) -> tuple[RouteRequest, int] | None:
+        """`identify` without awaiting, when the gateway tokenizes locally (else None)."""
+        if self._tokenizer.local is None:
+            return None
+        tokens = self._tokenizer.local_tokens(body, chat)
+        return self._route_request(body, tokens, headers, identity), len(tokens)
+
+    def _route_request(
+        self,
+        body: dict[str, Any],
+        tokens: list[int],
+        headers: Mapping[str, str],
+        identity: Identity,
+    ) -> RouteRequest:
+        """Keys in the namespace of the salt the engine gets: the engine's events carry
+        that salt back, and the index namespaces its blocks by it."""
+        ns = self.namespace_of(body.get("model"), identity.salt or "")
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        return RouteRequest(
+            request_id=next(self._request_ids),
+            content_keys=content_keys(tokens, self.block_size, ns),
+            prompt_tokens=len(tokens),
+            namespace=ns,
+            session_id=headers.get(self._session_header),
+            expected_output_tokens=int(max_tokens) if isinstance(max_tokens, int) else 16,
+            arrival_s=time.monotonic(),
+        )
+
+    async def _tokens(
+        self, body: dict[str, Any], chat: bool, candidates: frozenset[int] | None
+    ) -> list[int]:
+        """Tokenize (with some routable engine's /tokenize when configured so). An engine
+        that cannot be reached is marked down and, once, another one asked: the health
+        check may not have seen it die yet (real vLLM killed between two checks)."""
+        for attempt in range(2):
+            w = self._pool.any_routable(candidates)
+            try:
+                return await self._tokenizer.tokens(body, chat, w.url if w else None)
+            except EngineUnreachable:
+                if w is None:  # no engine left to ask
+                    raise
+                self._pool.mark_down(w.id, "its /tokenize is unreachable")
+                if attempt == 1:
+                    raise
+                self._on_tokenize_retry(w.id)
+        raise AssertionError("unreachable")
