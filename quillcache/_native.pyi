@@ -194,6 +194,13 @@ _EntryTuple: TypeAlias = tuple[int, int, int, list[_HolderTuple], bool]
 #:  unknown_removals, invalid_events): the fields of quillcache.index.ApplyStats.
 _ApplyTuple: TypeAlias = tuple[int, int, int, int, int, int, int, int]
 _Keys: TypeAlias = npt.NDArray[np.uint64]
+_MatchColumns: TypeAlias = tuple[
+    npt.NDArray[np.uint64],
+    npt.NDArray[np.uint32],
+    npt.NDArray[np.uint16],
+    npt.NDArray[np.uint32],
+    list[str],
+]
 
 @final
 class NativeIndex:
@@ -225,6 +232,9 @@ class NativeIndex:
     def match(self, keys: _Keys) -> list[Match]:
         """Longest run from block 0 of `keys` that each (source, medium) holds (>= 1),
         sorted by (worker, dp_rank, medium). The `Match` objects are shared (cached)."""
+    def match_columns(self, keys: _Keys) -> _MatchColumns:
+        """`match` as arrays in its order: (worker, dp_rank, medium, blocks, other
+        media); a medium is 0 GPU, 1 CPU, 2 DISK or 3 + i for other_media[i]."""
     def match_many(self, requests: list[_Keys]) -> list[list[Match]]:
         """`match` for each request; one GIL release for the whole list."""
     def remove_worker(self, worker: int) -> int:
@@ -313,6 +323,7 @@ class DurableIndex:
     ) -> tuple[int, int, int, int, int, int, int, int]:
         """Decode, log (one write) and apply; `seqs`: the engine's seq of each batch."""
     def match(self, keys: npt.NDArray[np.uint64]) -> list[Match]: ...
+    def match_columns(self, keys: npt.NDArray[np.uint64]) -> _MatchColumns: ...
     def match_many(self, requests: list[npt.NDArray[np.uint64]]) -> list[list[Match]]: ...
     def remove_worker(self, worker: int) -> int: ...
     def clear_source(self, worker: int, dp_rank: int = 0) -> int: ...
@@ -353,6 +364,7 @@ class KvIndex:
         self, worker: int, payloads: list[bytes], dp_rank: int = 0
     ) -> tuple[int, int, int, int, int, int, int, int]: ...
     def match(self, keys: npt.NDArray[np.uint64]) -> list[Match]: ...
+    def match_columns(self, keys: npt.NDArray[np.uint64]) -> _MatchColumns: ...
     def match_many(self, requests: list[npt.NDArray[np.uint64]]) -> list[list[Match]]: ...
     def remove_worker(self, worker: int) -> int: ...
     def clear_source(self, worker: int, dp_rank: int = 0) -> int: ...

@@ -11,7 +11,15 @@ from quillcache.index.registry import (
     create_backend,
     register_backend,
 )
-from quillcache.index.types import ApplyStats, Entry, IndexStats, Match, Residency, SourceId
+from quillcache.index.types import (
+    ApplyStats,
+    Entry,
+    IndexStats,
+    Match,
+    MatchColumns,
+    Residency,
+    SourceId,
+)
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -22,6 +30,7 @@ __all__ = [
     "IndexStats",
     "KeyArray",
     "Match",
+    "MatchColumns",
     "Residency",
     "SourceId",
     "available_backends",

@@ -30,7 +30,15 @@ from quillcache.events.types import (
 from quillcache.hashing.reference import block_key, namespace_id
 from quillcache.index.inputs import InvalidIndexInputError, as_key_array, check_source
 from quillcache.index.protocol import KeyArray
-from quillcache.index.types import ApplyStats, Entry, IndexStats, Match, Residency, SourceId
+from quillcache.index.types import (
+    ApplyStats,
+    Entry,
+    IndexStats,
+    Match,
+    MatchColumns,
+    Residency,
+    SourceId,
+)
 
 #: (source, medium): one holder of a block.
 Holder = tuple[SourceId, str]
@@ -249,6 +257,9 @@ class MemoryIndex:
             key = node.parent_node
 
     # --- queries ---------------------------------------------------------------
+
+    def match_columns(self, keys: KeyArray) -> MatchColumns:
+        return MatchColumns.of(self.match(keys))
 
     def match(self, keys: KeyArray) -> list[Match]:
         keys_list = [int(k) for k in as_key_array(keys)]

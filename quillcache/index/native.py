@@ -16,7 +16,15 @@ from quillcache import _native
 from quillcache.errors import EventDecodeError, QuillCacheError
 from quillcache.index.inputs import InvalidIndexInputError, as_key_array, check_source
 from quillcache.index.protocol import KeyArray
-from quillcache.index.types import ApplyStats, Entry, IndexStats, Match, Residency, SourceId
+from quillcache.index.types import (
+    ApplyStats,
+    Entry,
+    IndexStats,
+    Match,
+    MatchColumns,
+    Residency,
+    SourceId,
+)
 
 _new = object.__new__
 
@@ -142,6 +150,14 @@ class NativeIndex:
             return self._inner.match(keys)
         except (TypeError, QuillCacheError):
             return self._inner.match(as_key_array(keys))
+
+    def match_columns(self, keys: KeyArray) -> MatchColumns:
+        try:
+            cols = self._inner.match_columns(keys)
+        except (TypeError, QuillCacheError):
+            cols = self._inner.match_columns(as_key_array(keys))
+        worker, rank, medium, blocks, others = cols
+        return MatchColumns(worker, rank, medium, blocks, tuple(others))
 
     def match_many(self, requests: Sequence[KeyArray]) -> list[list[Match]]:
         """`match` for many requests in one call (one GIL release)."""

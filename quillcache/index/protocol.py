@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from quillcache.index.types import ApplyStats, Entry, IndexStats, Match, SourceId
+from quillcache.index.types import ApplyStats, Entry, IndexStats, Match, MatchColumns, SourceId
 
 KeyArray = npt.NDArray[np.uint64]
 
@@ -63,6 +63,10 @@ class IndexBackend(Protocol):
 
     def match(self, keys: KeyArray) -> list[Match]:
         """Longest cached prefix of `keys` per (source, medium); sources with 0 omitted."""
+        ...
+
+    def match_columns(self, keys: KeyArray) -> MatchColumns:
+        """`match` as arrays, in the same order (what the control plane routes on)."""
         ...
 
     def remove_worker(self, worker: int) -> int:

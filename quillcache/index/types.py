@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
 
 
 @dataclass(frozen=True, order=True)
@@ -21,6 +25,54 @@ class Match:
     dp_rank: int
     medium: str
     blocks: int
+
+
+#: `MatchColumns.medium` codes of the three named tiers; code 3 + i is other_media[i].
+MEDIUM_CODES: dict[str, int] = {"GPU": 0, "CPU": 1, "DISK": 2}
+_NAMED_MEDIA = ("GPU", "CPU", "DISK")
+
+
+@dataclass(frozen=True, slots=True)
+class MatchColumns:
+    """`match` as arrays, one entry per (source, medium) hit in `match`'s order: what a
+    router reads at fleet size without one Python object per hit. `medium` is a code:
+    0 GPU, 1 CPU, 2 DISK, ``3 + i`` for ``other_media[i]``."""
+
+    worker: npt.NDArray[np.uint64]
+    dp_rank: npt.NDArray[np.uint32]
+    medium: npt.NDArray[np.uint16]
+    blocks: npt.NDArray[np.uint32]
+    other_media: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, matches: Sequence[Match]) -> MatchColumns:
+        """The columns of a `match` list (backends that build `Match` objects)."""
+        others: list[str] = []
+        codes = []
+        for m in matches:
+            code = MEDIUM_CODES.get(m.medium)
+            if code is None:
+                if m.medium not in others:
+                    others.append(m.medium)
+                code = 3 + others.index(m.medium)
+            codes.append(code)
+        return cls(
+            np.fromiter((m.worker for m in matches), np.uint64, len(matches)),
+            np.fromiter((m.dp_rank for m in matches), np.uint32, len(matches)),
+            np.asarray(codes, dtype=np.uint16),
+            np.fromiter((m.blocks for m in matches), np.uint32, len(matches)),
+            tuple(others),
+        )
+
+    def medium_name(self, code: int) -> str:
+        return _NAMED_MEDIA[code] if code < 3 else self.other_media[code - 3]
+
+    def matches(self) -> list[Match]:
+        """The hits as `Match` objects, as `match` returns them."""
+        return [
+            Match(int(w), int(r), self.medium_name(int(c)), int(b))
+            for w, r, c, b in zip(self.worker, self.dp_rank, self.medium, self.blocks, strict=True)
+        ]
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,13 @@ def test_media_are_normalised(index: IndexBackend) -> None:
     index.apply(2, [payload(stored([1], t, medium=None))])
     index.apply(3, [payload(stored([1], t, medium="nvme-tier"))])
     assert [m.medium for m in index.match(keys(t))] == ["CPU", "GPU", "nvme-tier"]
+    cols = index.match_columns(keys(t))
+    assert (cols.worker.tolist(), cols.medium.tolist(), cols.blocks.tolist()) == (
+        [1, 2, 3],
+        [1, 0, 3],
+        [1, 1, 1],
+    )
+    assert cols.other_media == ("nvme-tier",)
 
 
 def test_batch_dp_rank_wins_over_argument(index: IndexBackend) -> None:

@@ -121,6 +121,7 @@ def assert_same_state(ref: IndexBackend, other: IndexBackend) -> None:
                     for mm in (None, 1):
                         k = request_keys(model, family, Variant(lora, salt, False, mm))
                         assert other.match(k) == ref.match(k), (model, family, lora, salt, mm)
+                        assert other.match_columns(k).matches() == ref.match(k)
                         assert other.scan(k[:1]) == ref.scan(k[:1])
     assert other.scan(EMPTY) == ref.scan(EMPTY)
     assert sorted(other.entries(), key=lambda e: e.key) == ref.scan(EMPTY)

@@ -133,6 +133,15 @@ impl NativeIndex {
         reads::match_keys(py, &self.inner, &keys_vec(keys)?)
     }
 
+    /// `match` as arrays (`reads::match_columns`).
+    fn match_columns<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyArray1<u64>>,
+    ) -> PyResult<reads::MatchColumns<'py>> {
+        reads::match_columns(py, &self.inner, &keys_vec(keys)?)
+    }
+
     /// One `match` per request; the GIL is released once for the whole batch.
     fn match_many<'py>(
         &self,

@@ -136,6 +136,15 @@ impl KvIndex {
         reads::match_keys(py, &self.inner, keys_slice(&keys)?)
     }
 
+    /// `match` as arrays (`reads::match_columns`).
+    fn match_columns<'py>(
+        &self,
+        py: Python<'py>,
+        keys: PyReadonlyArray1<'py, u64>,
+    ) -> PyResult<reads::MatchColumns<'py>> {
+        reads::match_columns(py, &self.inner, keys_slice(&keys)?)
+    }
+
     fn match_many<'py>(
         &self,
         py: Python<'py>,

@@ -13,6 +13,9 @@ use std::sync::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
+use numpy::PyArray1;
+
+use quillcache_core::events::Medium;
 use quillcache_core::index::{Index, IndexRead, NamedHit};
 
 use crate::convert::{entries_list, index_stats_tuple, IndexStatsTuple};
@@ -71,6 +74,57 @@ pub(crate) fn match_keys<'py, L: Locked>(
     let hits = read(py, lock, |ix| ix.matches(keys))?.or_raise()?;
     match_list(py, &hits)
 }
+
+/// `match_columns`: `(worker u64[], dp_rank u32[], medium u16[], blocks u32[],
+/// other_media)`, one entry per hit in `match`'s order. A medium is 0 (GPU), 1 (CPU),
+/// 2 (DISK) or `3 + i` for `other_media[i]`: a router reads a fleet's hits as arrays
+/// without one Python object per hit.
+pub(crate) fn match_columns<'py, L: Locked>(
+    py: Python<'py>,
+    lock: &L,
+    keys: &[u64],
+) -> PyResult<MatchColumns<'py>> {
+    let hits = read(py, lock, |ix| ix.matches(keys))?.or_raise()?;
+    let mut workers = Vec::with_capacity(hits.len());
+    let mut ranks = Vec::with_capacity(hits.len());
+    let mut media = Vec::with_capacity(hits.len());
+    let mut blocks = Vec::with_capacity(hits.len());
+    let mut others: Vec<String> = Vec::new();
+    for hit in &hits {
+        workers.push(hit.worker);
+        ranks.push(hit.dp_rank);
+        blocks.push(hit.blocks);
+        media.push(match &hit.medium {
+            Medium::Gpu => 0,
+            Medium::Cpu => 1,
+            Medium::Disk => 2,
+            Medium::Other(name) => {
+                let at = others.iter().position(|o| o == name).unwrap_or_else(|| {
+                    others.push(name.clone());
+                    others.len() - 1
+                });
+                // The index keeps at most MAX_CUSTOM_MEDIA + 1 other names.
+                3 + u16::try_from(at).unwrap_or(u16::MAX - 3)
+            }
+        });
+    }
+    Ok((
+        PyArray1::from_vec(py, workers),
+        PyArray1::from_vec(py, ranks),
+        PyArray1::from_vec(py, media),
+        PyArray1::from_vec(py, blocks),
+        others,
+    ))
+}
+
+/// `match_columns`' arrays and the names of the media beyond GPU / CPU / DISK.
+pub(crate) type MatchColumns<'py> = (
+    Bound<'py, PyArray1<u64>>,
+    Bound<'py, PyArray1<u32>>,
+    Bound<'py, PyArray1<u16>>,
+    Bound<'py, PyArray1<u32>>,
+    Vec<String>,
+);
 
 /// `match_many`: one `match` per request, the GIL released once for the whole list
 /// and the lock taken per request (an ingest waits behind one match, not the list).
