@@ -14,6 +14,10 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("quillcache.sim.cli", "replay a workload over routers x index backends"),
     "bench-index": ("quillcache.bench.index_cli", "benchmark index backends side by side"),
+    "bench-route": (
+        "quillcache.bench.route_cli",
+        "time routing decisions per router and fleet size",
+    ),
     "gateway": ("quillcache.gateway.cli", "run the OpenAI-compatible routing gateway"),
     "secret": ("quillcache.gateway.secret_cli", "show or rotate the gateway secret; hash API keys"),
     "engine-sim": ("quillcache.enginesim.cli", "run a simulated vLLM engine"),

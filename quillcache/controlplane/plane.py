@@ -34,11 +34,32 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
+from quillcache.controlplane.load import (
+    DECODES,
+    IN_FLIGHT,
+    KV_USAGE,
+    MEAN_CONTEXT,
+    QUEUED,
+    LoadStore,
+    LocalLoadStore,
+    load_column,
+)
 from quillcache.costmodel import CostModel, CostModelConfig
 from quillcache.errors import ConfigError, QuillCacheError
-from quillcache.index import ApplyStats, IndexBackend, IndexStats, KeyArray, Match, create_backend
-from quillcache.routing import Decision, Request, Router, View, WorkerView, create_router
-from quillcache.routing.types import tier_of
+from quillcache.index import (
+    ApplyStats,
+    IndexBackend,
+    IndexStats,
+    KeyArray,
+    Match,
+    MatchColumns,
+    create_backend,
+)
+from quillcache.routing import Decision, Request, Router, View, create_router
+from quillcache.routing.types import FLEET_FIELDS, WorkerColumns
 
 
 class RouterContractError(QuillCacheError):
@@ -52,23 +73,123 @@ class UnknownWorkerError(QuillCacheError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-@dataclass(slots=True)
 class WorkerState:
-    """What the control plane knows about one worker besides its cache (in the index)."""
+    """What the control plane knows about one worker besides its cache (in the index).
+    Its load lives in the plane's `LoadStore` and its capacity, resident blocks and
+    residency in the plane's fleet columns: these properties read and write them."""
 
-    worker: int
-    capacity_blocks: int
-    dp_ranks: int = 1
-    draining: bool = False
-    in_flight: int = 0
-    queued_prefill_tokens: int = 0
-    running_decodes: int = 0
-    kv_usage: float = 0.0
-    mean_context_tokens: float = 0.0
-    resident_blocks: int = 0  # stored - removed, from ingested events (all media)
-    # dp ranks whose events were lost beyond replay: until rebuilt, the index holds less
-    # than the engine does, so what it says of this worker is a lower bound
-    stale_ranks: set[int] = field(default_factory=set)
+    __slots__ = ("_fleet", "_load", "dp_ranks", "draining", "row", "stale_ranks", "worker")
+
+    def __init__(
+        self, worker: int, row: int, load: LoadStore, fleet: _FleetColumns, dp_ranks: int = 1
+    ) -> None:
+        self.worker = worker
+        self.row = row
+        self.dp_ranks = dp_ranks
+        self.draining = False
+        # dp ranks whose events were lost beyond replay: until rebuilt, the index holds
+        # less than the engine does, so what it says of this worker is a lower bound
+        self.stale_ranks: set[int] = set()
+        self._load = load
+        self._fleet = fleet
+
+    @property
+    def in_flight(self) -> float:
+        return self._load.value(self.row, IN_FLIGHT)
+
+    @property
+    def queued_prefill_tokens(self) -> float:
+        return self._load.value(self.row, QUEUED)
+
+    @property
+    def running_decodes(self) -> float:
+        return self._load.value(self.row, DECODES)
+
+    @property
+    def kv_usage(self) -> float:
+        return self._load.value(self.row, KV_USAGE)
+
+    @property
+    def mean_context_tokens(self) -> float:
+        return self._load.value(self.row, MEAN_CONTEXT)
+
+    @property
+    def capacity_blocks(self) -> int:
+        return int(self._fleet.m[self.row, CAPACITY])
+
+    @property
+    def resident_blocks(self) -> int:
+        """Stored - removed, from ingested events (all media)."""
+        return int(self._fleet.m[self.row, RESIDENT])
+
+    @resident_blocks.setter
+    def resident_blocks(self, value: int) -> None:
+        self._fleet.m[self.row, RESIDENT] = value
+
+    def __repr__(self) -> str:
+        return (
+            f"WorkerState(worker={self.worker}, in_flight={self.in_flight}, "
+            f"queued_prefill_tokens={self.queued_prefill_tokens}, "
+            f"running_decodes={self.running_decodes}, draining={self.draining})"
+        )
+
+
+CAPACITY, RESIDENT, KNOWN = range(len(FLEET_FIELDS))
+
+
+class _FleetColumns:
+    """The plane's own per-worker columns (FLEET_FIELDS), one row per worker slot."""
+
+    def __init__(self, rows: int = 64) -> None:
+        self.m = np.zeros((rows, len(FLEET_FIELDS)), dtype=np.float64)
+
+    def add(self, row: int, capacity_blocks: int) -> None:
+        if row >= len(self.m):
+            grown = np.zeros((max(row + 1, 2 * len(self.m)), len(FLEET_FIELDS)))
+            grown[: len(self.m)] = self.m
+            self.m = grown
+        self.m[row] = (capacity_blocks, 0.0, 1.0)
+
+
+@dataclass(slots=True)
+class _Candidates:
+    """The routable workers (or a subset) in id order: their ids, their rows, and each
+    worker id's position among them."""
+
+    ids: npt.NDArray[np.int64]
+    rows: npt.NDArray[np.intp] | slice
+    # position by worker id (-1: not a candidate), when ids are small enough for a table
+    table: npt.NDArray[np.intp] | None
+
+    def positions(self, workers: npt.NDArray[np.uint64]) -> npt.NDArray[np.intp]:
+        """Each worker's position among the candidates, -1 for the others."""
+        if self.table is not None:
+            w = workers.astype(np.intp)
+            inside = w < len(self.table)
+            if inside.all():
+                return self.table[w]
+            out = np.full(len(w), -1, dtype=np.intp)
+            out[inside] = self.table[w[inside]]
+            return out
+        at = np.searchsorted(self.ids, workers.astype(np.int64))
+        at = np.minimum(at, max(len(self.ids) - 1, 0))
+        found = self.ids[at] == workers.astype(np.int64) if len(self.ids) else at < 0
+        return np.where(found, at, -1)
+
+    @classmethod
+    def of(cls, ids: list[int], rows: list[int]) -> _Candidates:
+        ids_a = np.asarray(ids, dtype=np.int64)
+        rows_a = np.asarray(rows, dtype=np.intp)
+        contiguous = bool(len(rows_a)) and bool((rows_a == np.arange(len(rows_a))).all())
+        table = None
+        if len(ids_a) and ids_a[0] >= 0 and ids_a[-1] < _MAX_TABLE:
+            table = np.full(int(ids_a[-1]) + 1, -1, dtype=np.intp)
+            table[ids_a] = np.arange(len(ids_a))
+        return cls(ids_a, slice(0, len(rows_a)) if contiguous else rows_a, table)
+
+
+#: Worker ids below this get a position table; larger ids are searched.
+_MAX_TABLE = 1 << 20
 
 
 @dataclass(slots=True)
@@ -105,6 +226,7 @@ class ControlPlane:
         router_options: dict[str, Any] | None = None,
         index_options: dict[str, Any] | None = None,
         order_only: bool = False,
+        load_store: LoadStore | None = None,
     ) -> None:
         self.index: IndexBackend = (
             create_backend(index, **(index_options or {})) if isinstance(index, str) else index
@@ -122,14 +244,17 @@ class ControlPlane:
         self.order_only = order_only  # tells routers there is no time (View.order_only)
         self.latencies = OpLatencies()
         self.apply_stats = ApplyStats()
+        self.load: LoadStore = load_store if load_store is not None else LocalLoadStore()
+        self._fleet = _FleetColumns()
         self._workers: dict[int, WorkerState] = {}
+        self._free_rows: list[int] = []  # rows of removed workers, reused first
         self._tracked: dict[int | str, _Tracked] = {}
         # worker -> content key -> how many tracked requests are computing it
         self._pending: dict[int, dict[int, int]] = {}
+        self._pending_live: set[int] = set()  # workers whose entry is not empty
         self._next_expiry_s = float("inf")
-        self._tier_cache: dict[str, str] = {}
         # routable workers (not draining) by id; None: recompute on the next view
-        self._routable: list[WorkerState] | None = None
+        self._routable: _Candidates | None = None
         # The gateway ingests on one thread and routes on another: an index that does
         # not serialise its own readers and writers is used under this lock, by every
         # method here (nothing outside the plane touches the index).
@@ -156,7 +281,16 @@ class ControlPlane:
             if capacity_blocks is not None
             else self.cost.kv_capacity_blocks(self.block_size)
         )
-        state = WorkerState(worker=worker, capacity_blocks=cap, dp_ranks=dp_ranks)
+        old = self._workers.get(worker)
+        if old is not None:
+            row = old.row
+        elif self._free_rows:
+            row = self._free_rows.pop()
+        else:
+            row = len(self._workers)
+        state = WorkerState(worker, row, self.load, self._fleet, dp_ranks)
+        self.load.add(row)
+        self._fleet.add(row, cap)
         self._workers[worker] = state
         self._routable = None
         self._pending.setdefault(worker, {})
@@ -167,10 +301,13 @@ class ControlPlane:
 
     def remove_worker(self, worker: int) -> int:
         """Forget a worker (dead or scaled in); returns the resident pairs dropped."""
-        self._state(worker)
+        state = self._state(worker)
         del self._workers[worker]
+        self._free_rows.append(state.row)
+        self._free_rows.sort(reverse=True)  # lowest row first: rows stay in id order
         self._routable = None
         self._pending.pop(worker, None)
+        self._pending_live.discard(worker)
         for rid in [r for r, t in self._tracked.items() if t.worker == worker]:
             del self._tracked[rid]
         with self._index_lock:
@@ -184,11 +321,9 @@ class ControlPlane:
     def update_load(self, worker: int, **load: float) -> None:
         """Set load fields reported by the engine (in_flight, queued_prefill_tokens,
         running_decodes, kv_usage, mean_context_tokens)."""
-        state = self._state(worker)
+        row = self._state(worker).row
         for name, value in load.items():
-            if name not in _LOAD_FIELDS:
-                raise ConfigError(f"unknown load field {name!r}; known: {sorted(_LOAD_FIELDS)}")
-            setattr(state, name, value)
+            self.load.report(row, load_column(name), value)
 
     def workers(self) -> list[WorkerState]:
         return [self._workers[w] for w in sorted(self._workers)]
@@ -241,6 +376,7 @@ class ControlPlane:
             ranks.add(dp_rank)
         else:
             ranks.discard(dp_rank)
+        self._fleet.m[state.row, KNOWN] = 0.0 if ranks else 1.0
 
     def clear(self, worker: int, dp_rank: int = 0) -> int:
         """The source dropped its cache without an event (restart seen by seq reset)."""
@@ -255,86 +391,72 @@ class ControlPlane:
     def view(
         self, request: Request, now_s: float = 0.0, only: AbstractSet[int] | None = None
     ) -> View:
-        """What the router sees: routable workers, their load and their match. `only`
-        restricts the candidates (e.g. the workers serving the request's model); None:
-        every routable worker."""
+        """What the router sees: routable workers, their load and their match, as
+        columns (`View.columns`). `only` restricts the candidates (e.g. the workers
+        serving the request's model); None: every routable worker."""
+        if self.speculative and now_s > self._next_expiry_s:
+            self._expire(now_s)
+        cand = self._candidates(only)
+        n = len(cand.ids)
         keys = request.content_keys
-        per_worker: dict[int, dict[str, int]] = {}
+        tiers = np.zeros((3, n), dtype=np.int64)  # gpu, cpu, disk
+        hits: MatchColumns | None = None
         if len(keys):
             t0 = time.perf_counter_ns()
             with self._index_lock:
-                matches = self.index.match(keys)
+                hits = self.index.match_columns(keys)
             self.latencies.match_ns.append(time.perf_counter_ns() - t0)
-            for m in matches:
-                media = per_worker.get(m.worker)
-                if media is None:
-                    per_worker[m.worker] = {m.medium: m.blocks}
-                elif m.blocks > media.get(m.medium, 0):
-                    media[m.medium] = m.blocks
-        if self.speculative and now_s > self._next_expiry_s:
-            self._expire(now_s)
-        workers: list[WorkerView] = []
-        key_list: list[int] | None = None
-        tiers = self._tier_cache
-        pending_of = self._pending
+            if len(hits.worker) and n:
+                _scatter_tiers(hits, cand.positions(hits.worker), tiers)
+        pending = np.zeros(n, dtype=np.int64)
+        if self._pending_live and len(keys):
+            self._pending_prefixes(keys, cand, pending)
+        columns = WorkerColumns(
+            cand.ids,
+            self.load.rows(cand.rows),
+            self._fleet.m[cand.rows],
+            tiers[0],
+            tiers[1],
+            tiers[2],
+            pending,
+        )
+        return View(
+            None,
+            self.block_size,
+            self.cost,
+            now_s,
+            self.order_only,
+            columns=columns,
+            media_of=_MediaOf(hits) if hits is not None and len(hits.worker) else None,
+        )
+
+    def _candidates(self, only: AbstractSet[int] | None) -> _Candidates:
         routable = self._routable
         if routable is None:
-            routable = self._routable = [
-                self._workers[w] for w in sorted(self._workers) if not self._workers[w].draining
-            ]
-        if only is not None:
-            routable = [s for s in routable if s.worker in only]
-        for s in routable:
-            wid = s.worker
-            media = per_worker.get(wid)
-            gpu = cpu = disk = 0
-            if media is None:
-                media = {}
-            else:
-                for medium, blocks in media.items():
-                    tier = tiers.get(medium)
-                    if tier is None:
-                        tier = tiers[medium] = tier_of(medium)
-                    if tier == "gpu":
-                        gpu = max(gpu, blocks)
-                    elif tier == "cpu":
-                        cpu = max(cpu, blocks)
-                    else:
-                        disk = max(disk, blocks)
-            pending = 0
-            pend = pending_of.get(wid)
-            if pend:
-                if key_list is None:
-                    key_list = keys.tolist()
-                for k in key_list:
-                    if k not in pend:
-                        break
-                    pending += 1
-            workers.append(
-                WorkerView(
-                    wid,
-                    s.in_flight,
-                    s.queued_prefill_tokens,
-                    s.running_decodes,
-                    s.kv_usage,
-                    s.capacity_blocks,
-                    s.resident_blocks,
-                    s.mean_context_tokens,
-                    gpu,
-                    cpu,
-                    disk,
-                    pending,
-                    media,
-                    not s.stale_ranks,
-                )
-            )
-        return View(
-            workers=workers,
-            block_size=self.block_size,
-            cost=self.cost,
-            now_s=now_s,
-            order_only=self.order_only,
-        )
+            ids = sorted(w for w, s in self._workers.items() if not s.draining)
+            routable = self._routable = _Candidates.of(ids, [self._workers[w].row for w in ids])
+        if only is None:
+            return routable
+        ids = [int(w) for w in routable.ids.tolist() if w in only]
+        return _Candidates.of(ids, [self._workers[w].row for w in ids])
+
+    def _pending_prefixes(
+        self, keys: npt.NDArray[np.uint64], cand: _Candidates, out: npt.NDArray[np.int64]
+    ) -> None:
+        """Per candidate, how many of `keys` from block 0 a tracked request is computing
+        there (speculative residency)."""
+        key_list = keys.tolist()
+        for wid in self._pending_live:
+            pend = self._pending[wid]
+            blocks = 0
+            for k in key_list:
+                if k not in pend:
+                    break
+                blocks += 1
+            if blocks:
+                at = cand.positions(np.asarray([wid], dtype=np.uint64))[0]
+                if at >= 0:
+                    out[at] = blocks
 
     def route(
         self, request: Request, now_s: float = 0.0, only: AbstractSet[int] | None = None
@@ -366,12 +488,8 @@ class ControlPlane:
         t.prefilled = True
         self._unpend(t)
         if self.track_load and t.worker in self._workers:
-            s = self._workers[t.worker]
-            s.queued_prefill_tokens = max(s.queued_prefill_tokens - t.prefill_tokens, 0)
-            s.mean_context_tokens = (
-                s.mean_context_tokens * s.running_decodes + t.context_tokens
-            ) / (s.running_decodes + 1)
-            s.running_decodes += 1
+            row = self._workers[t.worker].row
+            self.load.prefilled(row, t.prefill_tokens, t.context_tokens)
 
     def finish(self, request_id: int | str) -> None:
         """The request is done (or failed): release everything tracked for it."""
@@ -381,12 +499,7 @@ class ControlPlane:
         if not t.prefilled:
             self._unpend(t)
         if self.track_load and t.worker in self._workers:
-            s = self._workers[t.worker]
-            s.in_flight = max(s.in_flight - 1, 0)
-            if t.prefilled:
-                s.running_decodes = max(s.running_decodes - 1, 0)
-            else:
-                s.queued_prefill_tokens = max(s.queued_prefill_tokens - t.prefill_tokens, 0)
+            self.load.release(self._workers[t.worker].row, t.prefill_tokens, t.prefilled)
 
     def _track(self, request: Request, decision: Decision, now_s: float) -> None:
         if not (self.track_load or self.speculative):
@@ -413,10 +526,10 @@ class ControlPlane:
             pend = self._pending.setdefault(t.worker, {})
             for k in keys:
                 pend[k] = pend.get(k, 0) + 1
+            if pend:
+                self._pending_live.add(t.worker)
         if self.track_load:
-            s = self._workers[t.worker]
-            s.in_flight += 1
-            s.queued_prefill_tokens += prefill_tokens
+            self.load.book(self._workers[t.worker].row, prefill_tokens)
 
     def _unpend(self, t: _Tracked) -> None:
         pend = self._pending.get(t.worker)
@@ -428,6 +541,8 @@ class ControlPlane:
                 pend[k] = n
             else:
                 pend.pop(k, None)
+        if not pend:
+            self._pending_live.discard(t.worker)
 
     def _expire(self, now_s: float) -> None:
         # Speculative entries outlive a lost prefill_done call by at most the TTL.
@@ -464,6 +579,53 @@ class ControlPlane:
         self.index.close()
 
 
-_LOAD_FIELDS = frozenset(
-    {"in_flight", "queued_prefill_tokens", "running_decodes", "kv_usage", "mean_context_tokens"}
-)
+class _MediaOf:
+    """A worker's raw medium name -> blocks (max over its dp ranks), from the match's
+    columns, for a `WorkerView` made on demand."""
+
+    __slots__ = ("_hits",)
+
+    def __init__(self, hits: MatchColumns) -> None:
+        self._hits = hits
+
+    def one(self, worker: int) -> dict[str, int]:
+        h = self._hits
+        media: dict[str, int] = {}
+        for i in np.flatnonzero(h.worker == worker).tolist():
+            name = h.medium_name(int(h.medium[i]))
+            blocks = int(h.blocks[i])
+            if blocks > media.get(name, 0):
+                media[name] = blocks
+        return media
+
+    def every(self) -> dict[int, dict[str, int]]:
+        h = self._hits
+        names = {c: h.medium_name(c) for c in set(h.medium.tolist())}
+        out: dict[int, dict[str, int]] = {}
+        for worker, code, blocks in zip(
+            h.worker.tolist(), h.medium.tolist(), h.blocks.tolist(), strict=True
+        ):
+            media = out.setdefault(worker, {})
+            name = names[code]
+            if blocks > media.get(name, 0):
+                media[name] = blocks
+        return out
+
+
+def _scatter_tiers(
+    hits: MatchColumns, at: npt.NDArray[np.intp], tiers: npt.NDArray[np.int64]
+) -> None:
+    """Each candidate's longest prefix per tier (gpu, cpu, disk) from the hits: a
+    medium beyond GPU and CPU counts as disk (`routing.types.tier_of`)."""
+    tier = np.minimum(hits.medium, 2)
+    # A candidate has several hits in one tier only with several dp ranks, or with
+    # disk and other media: then the longest is taken; otherwise a plain store.
+    several = bool(hits.dp_rank.any())
+    for t in range(3):
+        sel = (tier == t) & (at >= 0)
+        if not sel.any():
+            continue
+        if several or (t == 2 and hits.other_media):
+            np.maximum.at(tiers[t], at[sel], hits.blocks[sel])
+        else:
+            tiers[t][at[sel]] = hits.blocks[sel]

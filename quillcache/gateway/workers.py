@@ -414,8 +414,8 @@ class WorkerPool:
         scrape that saw a request the gateway had just finished would keep it counted
         for good (the max would compare against itself from then on)."""
         state = self.cp.worker(w.id)
-        own_in_flight = max(state.in_flight - w.scraped_in_flight, 0)
-        own_decodes = max(state.running_decodes - w.scraped_decodes, 0)
+        own_in_flight = max(int(state.in_flight) - w.scraped_in_flight, 0)
+        own_decodes = max(int(state.running_decodes) - w.scraped_decodes, 0)
         in_flight = max(own_in_flight, int(w.load.running + w.load.waiting))
         decodes = max(own_decodes, int(w.load.running))
         w.scraped_in_flight = in_flight - own_in_flight

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from quillcache.routing.base import Router
@@ -14,6 +15,18 @@ from quillcache.routing.types import Decision, Request, View, WorkerView
 def load_key(w: WorkerView) -> tuple[int, int, int]:
     """Requests in flight first, then queued prefill tokens, then id (deterministic)."""
     return (w.in_flight, w.queued_prefill_tokens, w.worker)
+
+
+def least_loaded_at(view: View) -> int:
+    """The position of the least loaded worker by `load_key`, from the columns."""
+    c = view.columns
+    at = np.flatnonzero(c.in_flight == c.in_flight.min())
+    if len(at) > 1:
+        queued = c.queued_prefill_tokens[at]
+        at = at[queued == queued.min()]
+    if len(at) > 1:
+        return int(at[np.argmin(c.worker[at])])
+    return int(at[0])
 
 
 class RoundRobin(Router):
@@ -26,9 +39,9 @@ class RoundRobin(Router):
         self._next = 0
 
     def route(self, request: Request, view: View) -> Decision:
-        if not view.workers:
+        if not len(view):
             return self.no_workers()
-        w = view.workers[self._next % len(view.workers)]
+        w = view.worker_at(self._next % len(view))
         self._next += 1
         return self.decide(request, view, w)
 
@@ -39,9 +52,10 @@ class RandomRouter(Router):
     source = "Mooncake (FAST'25) baseline 'random'; Dynamo `--router-mode random`"
 
     def route(self, request: Request, view: View) -> Decision:
-        if not view.workers:
+        if not len(view):
             return self.no_workers()
-        return self.decide(request, view, self.rng.choice(view.workers))
+        # as rng.choice(view.workers) draws: one index below the count
+        return self.decide(request, view, view.worker_at(self.rng.randrange(len(view))))
 
 
 class LeastLoaded(Router):
@@ -50,9 +64,9 @@ class LeastLoaded(Router):
     source = "Mooncake (FAST'25) baseline 'load balancing'"
 
     def route(self, request: Request, view: View) -> Decision:
-        if not view.workers:
+        if not len(view):
             return self.no_workers()
-        return self.decide(request, view, min(view.workers, key=load_key))
+        return self.decide(request, view, view.worker_at(least_loaded_at(view)))
 
 
 class PowerOfTwo(Router):
@@ -61,11 +75,13 @@ class PowerOfTwo(Router):
     source = "Mitzenmacher, 'The Power of Two Choices in Randomized Load Balancing' (2001)"
 
     def route(self, request: Request, view: View) -> Decision:
-        if not view.workers:
+        if not len(view):
             return self.no_workers()
-        if len(view.workers) == 1:
-            return self.decide(request, view, view.workers[0])
-        a, b = self.rng.sample(view.workers, 2)
+        if len(view) == 1:
+            return self.decide(request, view, view.worker_at(0))
+        # the draws of rng.sample(view.workers, 2), as positions
+        i, j = self.rng.sample(range(len(view)), 2)
+        a, b = view.worker_at(i), view.worker_at(j)
         return self.decide(request, view, min(a, b, key=load_key))
 
 
@@ -107,9 +123,9 @@ class SessionAffinity(Router):
         self._ring_for = workers
 
     def route(self, request: Request, view: View) -> Decision:
-        if not view.workers:
+        if not len(view):
             return self.no_workers()
-        self._ring(tuple(w.worker for w in view.workers))
+        self._ring(tuple(view.columns.worker.tolist()))
         if request.session_id is not None:
             h = xxhash.xxh3_64_intdigest(str(request.session_id).encode())
         elif len(request.content_keys):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from quillcache.routing.base import Router
 from quillcache.routing.types import Decision, Request, View
 
@@ -39,26 +41,27 @@ class DynamoKvCost(Router):
         self.temperature = temperature
 
     def route(self, request: Request, view: View) -> Decision:
-        if not view.workers:
+        if not len(view):
             return self.no_workers()
+        c = view.columns
         bs = view.block_size
         request_blocks = -(-request.prompt_tokens // bs)
         g_c, c_c, d_c = self.credits
-        costs = []
-        for w in view.workers:
-            gpu = w.gpu_blocks
-            cpu = max(w.cpu_blocks - gpu, 0)
-            disk = max(w.disk_blocks - max(gpu, w.cpu_blocks), 0)
-            overlap = g_c * gpu + c_c * cpu + d_c * disk
-            prefill = w.queued_prefill_tokens / bs + request_blocks
-            decode = w.kv_usage * w.capacity_blocks
-            costs.append(self.prefill_load_scale * max(prefill - overlap, 0.0) + decode)
+        gpu = c.gpu_blocks
+        cpu = np.maximum(c.cpu_blocks - gpu, 0)
+        disk = np.maximum(c.disk_blocks - np.maximum(gpu, c.cpu_blocks), 0)
+        overlap = g_c * gpu + c_c * cpu + d_c * disk
+        prefill = c.queued_prefill_tokens / bs + request_blocks
+        decode = c.kv_usage * c.capacity_blocks
+        costs = self.prefill_load_scale * np.maximum(prefill - overlap, 0.0) + decode
         if self.temperature <= 0:
-            best = min(costs)
-            ties = [w for w, c in zip(view.workers, costs, strict=True) if c == best]
-            choice = ties[0] if len(ties) == 1 else self.rng.choice(ties)
+            ties = np.flatnonzero(costs == costs.min())
+            # as rng.choice(ties) draws: one index below the count
+            at = int(ties[0] if len(ties) == 1 else ties[self.rng.randrange(len(ties))])
         else:
-            top = max(costs) or 1.0
-            weights = [math.exp(-(c / top) / self.temperature) for c in costs]
-            choice = self.rng.choices(view.workers, weights=weights)[0]
-        return self.decide(request, view, choice)
+            values = costs.tolist()
+            top = max(values) or 1.0
+            # math.exp, not numpy's: the weights (and so the draws) stay bit for bit
+            weights = [math.exp(-(v / top) / self.temperature) for v in values]
+            at = self.rng.choices(range(len(values)), weights=weights)[0]
+        return self.decide(request, view, view.worker_at(at))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from quillcache.routing.base import Router
 from quillcache.routing.types import Decision, Request, View
 
@@ -35,23 +37,33 @@ class LlmdPrecisePrefix(Router):
         self.tiers = (gpu_tier_weight, cpu_tier_weight)
 
     def route(self, request: Request, view: View) -> Decision:
-        if not view.workers:
+        if not len(view):
             return self.no_workers()
+        c = view.columns
         n = max(len(request.content_keys), 1)
         wp, wq, wk = self.weights
         tg, tc = self.tiers
-        queues = [w.in_flight for w in view.workers]
-        qlo, qhi = min(queues), max(queues)
+        gpu = c.gpu_blocks
+        lower = np.maximum(c.cpu_blocks, c.disk_blocks) - gpu
+        prefix = (tg * gpu + tc * np.maximum(lower, 0)) / n
+        queues = c.in_flight
+        qlo, qhi = queues.min(), queues.max()
+        queue = np.ones(len(queues)) if qhi == qlo else (qhi - queues) / (qhi - qlo)
+        scores = wp * prefix + wq * queue + wk * (1.0 - c.kv_usage)
+        # Ties within 1e-12, as the scheduler compares them, in view order. Only scores
+        # near the top can end among them (a later one above the best by more than the
+        # tolerance starts the list again), so only those are walked.
+        near = np.flatnonzero(scores >= scores.max() - _NEAR).tolist()
         best_score, best = -1.0, []
-        for w in view.workers:
-            gpu = w.gpu_blocks
-            lower = max(w.cpu_blocks, w.disk_blocks) - gpu
-            prefix = (tg * gpu + tc * max(lower, 0)) / n
-            queue = 1.0 if qhi == qlo else (qhi - w.in_flight) / (qhi - qlo)
-            score = wp * prefix + wq * queue + wk * (1.0 - w.kv_usage)
+        for i in near:
+            score = float(scores[i])
             if score > best_score + 1e-12:
-                best_score, best = score, [w]
+                best_score, best = score, [i]
             elif abs(score - best_score) <= 1e-12:
-                best.append(w)
-        choice = best[0] if len(best) == 1 else self.rng.choice(best)
-        return self.decide(request, view, choice)
+                best.append(i)
+        at = best[0] if len(best) == 1 else best[self.rng.randrange(len(best))]
+        return self.decide(request, view, view.worker_at(at))
+
+
+#: Scores this far below the top are never among the tied best (see `route`).
+_NEAR = 1e-9

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from quillcache.routing.base import Router
 from quillcache.routing.types import Decision, Request, View
 
@@ -35,16 +38,28 @@ class SglangCacheAware(Router):
         self.balance_rel_threshold = balance_rel_threshold
 
     def route(self, request: Request, view: View) -> Decision:
-        if not view.workers:
+        if not len(view):
             return self.no_workers()
-        loads = [w.in_flight for w in view.workers]
-        lo, hi = min(loads), max(loads)
+        c = view.columns
+        loads = c.in_flight
+        lo, hi = loads.min(), loads.max()
         if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
-            w = min(view.workers, key=lambda w: (w.in_flight, w.worker))
-            return self.decide(request, view, w, "load imbalanced: shortest queue")
-        best = max(view.workers, key=lambda w: (w.gpu_blocks, -w.in_flight, -w.worker))
+            # shortest queue, then lowest id
+            at = _first_min(loads, c.worker)
+            return self.decide(request, view, view.worker_at(at), "load imbalanced: shortest queue")
+        # longest match, then shortest queue, then lowest id
+        longest = np.flatnonzero(c.gpu_blocks == c.gpu_blocks.max())
+        best = view.worker_at(int(longest[_first_min(loads[longest], c.worker[longest])]))
         rate = best.gpu_blocks * view.block_size / max(request.prompt_tokens, 1)
         if rate > self.cache_threshold:
             return self.decide(request, view, best, f"match rate {rate:.2f}")
-        w = min(view.workers, key=lambda w: (w.resident_blocks, w.in_flight, w.worker))
-        return self.decide(request, view, w, "low match: smallest cache")
+        # smallest cache, then shortest queue, then lowest id
+        small = np.flatnonzero(c.resident_blocks == c.resident_blocks.min())
+        at = int(small[_first_min(loads[small], c.worker[small])])
+        return self.decide(request, view, view.worker_at(at), "low match: smallest cache")
+
+
+def _first_min(values: npt.NDArray[np.float64], ids: npt.NDArray[np.int64]) -> int:
+    """The position of the lowest value, the lowest id among equals."""
+    at = np.flatnonzero(values == values.min())
+    return int(at[np.argmin(ids[at])]) if len(at) > 1 else int(at[0])

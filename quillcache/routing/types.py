@@ -8,9 +8,10 @@ the cost model's estimate).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -85,31 +86,268 @@ class WorkerView:
         return max(self.gpu_blocks, self.cpu_blocks, self.disk_blocks)
 
 
-@dataclass(slots=True)
-class View:
-    """The state a router decides on. `workers` holds routable workers only, by id."""
+#: A worker's load columns (`WorkerColumns.load`), in order.
+LOAD_FIELDS: tuple[str, ...] = (
+    "in_flight",
+    "queued_prefill_tokens",
+    "running_decodes",
+    "kv_usage",
+    "mean_context_tokens",
+)
+#: The plane's own per-worker columns (`WorkerColumns.fleet`), in order.
+FLEET_FIELDS: tuple[str, ...] = ("capacity_blocks", "resident_blocks", "residency_known")
 
-    workers: list[WorkerView]
-    block_size: int
-    cost: CostModel
-    now_s: float = 0.0
-    # True in order-only replay (`--timing none`): no time passes, the load fields are
-    # a proxy of recent assignments and no latency is measured
-    order_only: bool = False
+
+@dataclass(frozen=True, slots=True)
+class WorkerColumns:
+    """The routable workers as arrays, one row per worker in `View` order (by id):
+    what a router reads to score a fleet without one object per worker."""
+
+    worker: npt.NDArray[np.int64]
+    load: npt.NDArray[np.float64]  # (n, len(LOAD_FIELDS))
+    fleet: npt.NDArray[np.float64]  # (n, len(FLEET_FIELDS))
+    gpu_blocks: npt.NDArray[np.int64]
+    cpu_blocks: npt.NDArray[np.int64]
+    disk_blocks: npt.NDArray[np.int64]
+    pending_blocks: npt.NDArray[np.int64]
+
+    @property
+    def in_flight(self) -> npt.NDArray[np.float64]:
+        return self.load[:, 0]
+
+    @property
+    def queued_prefill_tokens(self) -> npt.NDArray[np.float64]:
+        return self.load[:, 1]
+
+    @property
+    def running_decodes(self) -> npt.NDArray[np.float64]:
+        return self.load[:, 2]
+
+    @property
+    def kv_usage(self) -> npt.NDArray[np.float64]:
+        return self.load[:, 3]
+
+    @property
+    def mean_context_tokens(self) -> npt.NDArray[np.float64]:
+        return self.load[:, 4]
+
+    @property
+    def capacity_blocks(self) -> npt.NDArray[np.float64]:
+        return self.fleet[:, 0]
+
+    @property
+    def resident_blocks(self) -> npt.NDArray[np.float64]:
+        return self.fleet[:, 1]
+
+    @property
+    def residency_known(self) -> npt.NDArray[np.bool_]:
+        return self.fleet[:, 2] != 0.0
+
+    @classmethod
+    def of(cls, workers: Sequence[WorkerView]) -> WorkerColumns:
+        """The columns of a list of `WorkerView`s."""
+        n = len(workers)
+        load = np.array(
+            [[getattr(w, f) for f in LOAD_FIELDS] for w in workers], dtype=np.float64
+        ).reshape(n, len(LOAD_FIELDS))
+        fleet = np.array(
+            [[w.capacity_blocks, w.resident_blocks, float(w.residency_known)] for w in workers],
+            dtype=np.float64,
+        ).reshape(n, len(FLEET_FIELDS))
+
+        def ints(field: str) -> npt.NDArray[np.int64]:
+            return np.fromiter((getattr(w, field) for w in workers), np.int64, n)
+
+        return cls(
+            ints("worker"),
+            load,
+            fleet,
+            ints("gpu_blocks"),
+            ints("cpu_blocks"),
+            ints("disk_blocks"),
+            ints("pending_blocks"),
+        )
+
+
+class MediaOf(Protocol):
+    """Each worker's raw medium name -> blocks (`WorkerView.matches`), made on demand."""
+
+    def one(self, worker: int) -> dict[str, int]: ...
+
+    def every(self) -> dict[int, dict[str, int]]:
+        """Every worker with a hit (the others have none)."""
+        ...
+
+
+class _NoMedia:
+    def one(self, worker: int) -> dict[str, int]:
+        return {}
+
+    def every(self) -> dict[int, dict[str, int]]:
+        return {}
+
+
+def _count(x: float) -> Any:
+    """A count as an int (the columns hold float64); a fractional driver figure kept."""
+    return int(x) if x.is_integer() else x
+
+
+class View:
+    """The state a router decides on: the routable workers, by id.
+
+    Two ways to read it: `columns` (arrays, what the built-in routers score at fleet
+    size) and `workers` (a `WorkerView` per worker, made on first use, for routers
+    that loop). `worker_at(i)` makes just one."""
+
+    __slots__ = (
+        "_best_peer",
+        "_columns",
+        "_media_of",
+        "_workers",
+        "block_size",
+        "cost",
+        "now_s",
+        "order_only",
+    )
+
+    def __init__(
+        self,
+        workers: Sequence[WorkerView] | None,
+        block_size: int,
+        cost: CostModel,
+        now_s: float = 0.0,
+        order_only: bool = False,
+        *,
+        columns: WorkerColumns | None = None,
+        media_of: MediaOf | None = None,
+    ) -> None:
+        if (workers is None) == (columns is None):
+            raise TypeError("a View is made of workers or of columns, exactly one")
+        self._workers = list(workers) if workers is not None else None
+        self._columns = columns
+        self._media_of: MediaOf = media_of or _NoMedia()
+        self._best_peer: tuple[int, int] | None = None
+        self.block_size = block_size
+        self.cost = cost
+        self.now_s = now_s
+        # True in order-only replay (`--timing none`): no time passes, the load fields
+        # are a proxy of recent assignments and no latency is measured
+        self.order_only = order_only
+
+    @property
+    def columns(self) -> WorkerColumns:
+        if self._columns is None:
+            self._columns = WorkerColumns.of(self._workers or [])
+        return self._columns
+
+    @property
+    def workers(self) -> list[WorkerView]:
+        if self._workers is None:
+            c = self.columns
+            media = self._media_of.every()
+            self._workers = [
+                WorkerView(
+                    wid,
+                    _count(in_flight),
+                    _count(queued),
+                    _count(decodes),
+                    kv_usage,
+                    _count(capacity),
+                    _count(resident),
+                    mean_context,
+                    gpu,
+                    cpu,
+                    disk,
+                    pending,
+                    media.get(wid, {}),
+                    known != 0.0,
+                )
+                for wid, (in_flight, queued, decodes, kv_usage, mean_context), (
+                    capacity,
+                    resident,
+                    known,
+                ), gpu, cpu, disk, pending in zip(
+                    c.worker.tolist(),
+                    c.load.tolist(),
+                    c.fleet.tolist(),
+                    c.gpu_blocks.tolist(),
+                    c.cpu_blocks.tolist(),
+                    c.disk_blocks.tolist(),
+                    c.pending_blocks.tolist(),
+                    strict=True,
+                )
+            ]
+        return self._workers
+
+    def __len__(self) -> int:
+        if self._workers is not None:
+            return len(self._workers)
+        return len(self.columns.worker)
+
+    def worker_at(self, i: int) -> WorkerView:
+        """The `i`-th worker's view (made alone when the list was not made yet)."""
+        if self._workers is not None:
+            return self._workers[i]
+        return self._make(i)
+
+    def _make(self, i: int) -> WorkerView:
+        c = self.columns
+        in_flight, queued, decodes, kv_usage, mean_context = c.load[i].tolist()
+        capacity, resident, known = c.fleet[i].tolist()
+        wid = int(c.worker[i])
+        return WorkerView(
+            wid,
+            _count(in_flight),
+            _count(queued),
+            _count(decodes),
+            kv_usage,
+            _count(capacity),
+            _count(resident),
+            mean_context,
+            int(c.gpu_blocks[i]),
+            int(c.cpu_blocks[i]),
+            int(c.disk_blocks[i]),
+            int(c.pending_blocks[i]),
+            self._media_of.one(wid),
+            known != 0.0,
+        )
+
+    def position(self, worker: int) -> int:
+        """Where `worker` is in the view; KeyError when it is not a candidate."""
+        if self._workers is not None:
+            for i, w in enumerate(self._workers):
+                if w.worker == worker:
+                    return i
+            raise KeyError(worker)
+        hits = np.flatnonzero(self.columns.worker == worker)
+        if not len(hits):
+            raise KeyError(worker)
+        return int(hits[0])
 
     def by_id(self, worker: int) -> WorkerView:
-        for w in self.workers:
-            if w.worker == worker:
-                return w
-        raise KeyError(worker)
+        return self.worker_at(self.position(worker))
 
     def best_peer_blocks(self, exclude: int) -> tuple[int | None, int]:
-        """The worker (other than `exclude`) with the longest GPU prefix, and its length."""
-        best, blocks = None, 0
-        for w in self.workers:
-            if w.worker != exclude and w.gpu_blocks > blocks:
-                best, blocks = w.worker, w.gpu_blocks
-        return best, blocks
+        """The worker (other than `exclude`) with the longest GPU prefix, and its length;
+        the first in view order among equals."""
+        if self._best_peer is None:
+            gpu = self.columns.gpu_blocks
+            first = second = -1
+            if len(gpu):
+                first = int(np.argmax(gpu))
+                if len(gpu) > 1:
+                    rest = gpu.copy()
+                    rest[first] = -1
+                    second = int(np.argmax(rest))
+            self._best_peer = (first, second)
+        for i in self._best_peer:
+            if i < 0:
+                break
+            c = self.columns
+            if int(c.worker[i]) != exclude:
+                blocks = int(c.gpu_blocks[i])
+                return (int(c.worker[i]), blocks) if blocks > 0 else (None, 0)
+        return None, 0
 
 
 class Action(StrEnum):

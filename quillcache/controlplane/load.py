@@ -1,0 +1,106 @@
+"""Where the control plane keeps each worker's load: the `LoadStore` interface and the
+in-process store every plane uses today.
+
+Load is what routing books and engines report: requests in flight, queued prefill
+tokens, running decodes, KV usage, the running decodes' mean context. Routers never
+read a store; the plane reads it into the columns of a `View` (one row per worker, in
+`LOAD_FIELDS` order). A store shared by several gateway replicas (Redis) implements
+the same interface, so the routers and the plane's bookkeeping stay as they are.
+
+A row is the plane's slot for a worker (`ControlPlane` allocates them); the store
+keeps its matrix in those rows so that the plane reads a fleet's load with one slice.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from quillcache.errors import ConfigError
+from quillcache.routing.types import LOAD_FIELDS
+
+IN_FLIGHT, QUEUED, DECODES, KV_USAGE, MEAN_CONTEXT = range(len(LOAD_FIELDS))
+_COLUMN = {name: i for i, name in enumerate(LOAD_FIELDS)}
+
+
+def load_column(name: str) -> int:
+    """The matrix column of a load field; ConfigError naming the known ones."""
+    try:
+        return _COLUMN[name]
+    except KeyError:
+        raise ConfigError(f"unknown load field {name!r}; known: {sorted(LOAD_FIELDS)}") from None
+
+
+class LoadStore(Protocol):
+    """Per-worker load, booked by routing and reported by engines."""
+
+    def add(self, row: int) -> None:
+        """A worker took `row`: its load starts at zero."""
+        ...
+
+    def report(self, row: int, column: int, value: float) -> None:
+        """An engine-reported value (or the driver's own figure) replaces the field."""
+        ...
+
+    def book(self, row: int, prefill_tokens: float) -> None:
+        """A request was routed here: one more in flight, its prefill queued."""
+        ...
+
+    def prefilled(self, row: int, prefill_tokens: float, context_tokens: float) -> None:
+        """A booked request finished its prefill and decodes now."""
+        ...
+
+    def release(self, row: int, prefill_tokens: float, prefilled: bool) -> None:
+        """A booked request ended (done or failed)."""
+        ...
+
+    def value(self, row: int, column: int) -> float: ...
+
+    def rows(self, rows: npt.NDArray[np.intp] | slice) -> npt.NDArray[np.float64]:
+        """The load matrix's `rows` (a slice is a view, not a copy)."""
+        ...
+
+
+class LocalLoadStore:
+    """One process's load: a float64 matrix, one row per worker slot."""
+
+    def __init__(self, rows: int = 64) -> None:
+        self._m = np.zeros((max(rows, 1), len(LOAD_FIELDS)), dtype=np.float64)
+
+    def add(self, row: int) -> None:
+        if row >= len(self._m):
+            grown = np.zeros((max(row + 1, 2 * len(self._m)), len(LOAD_FIELDS)))
+            grown[: len(self._m)] = self._m
+            self._m = grown
+        self._m[row] = 0.0
+
+    def report(self, row: int, column: int, value: float) -> None:
+        self._m[row, column] = value
+
+    def book(self, row: int, prefill_tokens: float) -> None:
+        r = self._m[row]
+        r[IN_FLIGHT] += 1
+        r[QUEUED] += prefill_tokens
+
+    def prefilled(self, row: int, prefill_tokens: float, context_tokens: float) -> None:
+        r = self._m[row]
+        r[QUEUED] = max(r[QUEUED] - prefill_tokens, 0.0)
+        decodes = r[DECODES]
+        r[MEAN_CONTEXT] = (r[MEAN_CONTEXT] * decodes + context_tokens) / (decodes + 1)
+        r[DECODES] = decodes + 1
+
+    def release(self, row: int, prefill_tokens: float, prefilled: bool) -> None:
+        r = self._m[row]
+        r[IN_FLIGHT] = max(r[IN_FLIGHT] - 1, 0.0)
+        if prefilled:
+            r[DECODES] = max(r[DECODES] - 1, 0.0)
+        else:
+            r[QUEUED] = max(r[QUEUED] - prefill_tokens, 0.0)
+
+    def value(self, row: int, column: int) -> float:
+        return float(self._m[row, column])
+
+    def rows(self, rows: npt.NDArray[np.intp] | slice) -> npt.NDArray[np.float64]:
+        return self._m[rows]

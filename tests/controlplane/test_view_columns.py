@@ -1,0 +1,126 @@
+"""The plane's columnar view against a view built the plain way, worker by worker,
+from the index's `match` list and the plane's own records: random fleets (ids that
+are not 0..n-1, several dp ranks, other media, draining, workers removed and re-added,
+candidate subsets, speculative placements and reported loads)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quillcache.controlplane import ControlPlane
+from quillcache.events.encode import BlockStored, encode_batch
+from quillcache.hashing.reference import content_keys, namespace_id
+from quillcache.routing import Request, WorkerView
+from quillcache.routing.types import tier_of
+
+BS = 4
+MODEL = "view-model"
+NS = namespace_id(model=MODEL, block_size=BS)
+MEDIA = ["GPU", "CPU", "DISK", "nvme-tier"]
+
+
+def tokens(family: int, blocks: int) -> list[int]:
+    return [family * 1_000 + t for t in range(blocks * BS)]
+
+
+def expected_view(
+    cp: ControlPlane,
+    keys: np.ndarray,
+    candidates: list[int],
+    pending_keys: dict[int, set[int]],
+) -> list[WorkerView]:
+    media: dict[int, dict[str, int]] = {}
+    for m in cp.match(keys):
+        own = media.setdefault(m.worker, {})
+        own[m.medium] = max(own.get(m.medium, 0), m.blocks)
+    out = []
+    for w in candidates:
+        s = cp.worker(w)
+        tiers = {"gpu": 0, "cpu": 0, "disk": 0}
+        for medium, blocks in media.get(w, {}).items():
+            tier = tier_of(medium)
+            tiers[tier] = max(tiers[tier], blocks)
+        pending = 0
+        for k in keys.tolist():
+            if k not in pending_keys.get(w, set()):
+                break
+            pending += 1
+        out.append(
+            WorkerView(
+                w,
+                s.in_flight,
+                s.queued_prefill_tokens,
+                s.running_decodes,
+                s.kv_usage,
+                s.capacity_blocks,
+                s.resident_blocks,
+                s.mean_context_tokens,
+                tiers["gpu"],
+                tiers["cpu"],
+                tiers["disk"],
+                pending,
+                media.get(w, {}),
+                not s.stale_ranks,
+            )
+        )
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_the_columnar_view_is_the_plain_view(data: st.DataObject) -> None:
+    cp = ControlPlane(index="native", router="round-robin", block_size=BS, track_load=True)
+    try:
+        drawn = data.draw(st.lists(st.integers(0, 5_000), min_size=1, max_size=8, unique=True))
+        ids = sorted(drawn)
+        for w in ids:
+            capacity = data.draw(st.integers(1, 999))
+            cp.add_worker(w, capacity_blocks=capacity, dp_ranks=2, model=MODEL)
+        next_hash = 1
+        for _ in range(data.draw(st.integers(0, 12))):
+            w = data.draw(st.sampled_from(ids))
+            rank = data.draw(st.integers(0, 1))
+            family = data.draw(st.integers(0, 2))
+            n = data.draw(st.integers(1, 6))
+            ev = BlockStored(
+                block_hashes=list(range(next_hash, next_hash + n)),
+                parent_block_hash=None,
+                token_ids=tokens(family, n),
+                block_size=BS,
+                medium=data.draw(st.sampled_from(MEDIA)),
+            )
+            next_hash += n
+            cp.ingest(w, [encode_batch([ev], 1.0, rank)], rank)
+        if data.draw(st.booleans()):  # a worker leaves and comes back: a fresh slot
+            w = data.draw(st.sampled_from(ids))
+            cp.remove_worker(w)
+            cp.add_worker(w, capacity_blocks=7, model=MODEL)
+        for w in ids:
+            if data.draw(st.booleans()):
+                cp.update_load(w, kv_usage=data.draw(st.floats(0, 1)), in_flight=3)
+            if data.draw(st.integers(0, 4)) == 0:
+                cp.set_draining(w)
+            if data.draw(st.integers(0, 4)) == 0:
+                cp.set_source_stale(w, 1, True)
+        pending_keys: dict[int, set[int]] = {}
+        for rid in range(data.draw(st.integers(0, 4))):  # speculative placements
+            family = data.draw(st.integers(0, 2))
+            keys = np.array(content_keys(tokens(family, 5), BS, NS), np.uint64)
+            decision = cp.route(Request(rid, keys, 5 * BS + 1))
+            if decision.worker is not None and data.draw(st.booleans()):
+                pending_keys.setdefault(decision.worker, set()).update(keys.tolist())
+            elif decision.worker is not None:
+                cp.prefill_done(rid)
+        query = np.array(content_keys(tokens(data.draw(st.integers(0, 2)), 6), BS, NS), np.uint64)
+        routable = [w for w in ids if not cp.worker(w).draining]
+        only = None
+        if data.draw(st.booleans()):
+            only = set(data.draw(st.lists(st.sampled_from(ids), unique=True)))
+            routable = [w for w in routable if w in only]
+        view = cp.view(Request(99, query, 6 * BS), only=only)
+        assert view.workers == expected_view(cp, query, routable, pending_keys)
+        assert [view.worker_at(i) for i in range(len(view))] == view.workers
+    finally:
+        cp.close()

@@ -1,0 +1,116 @@
+"""The built-in routers' choices written as plain loops over `view.workers`, one
+worker at a time: the reference the column-scoring routers are compared against
+(`test_columns.py`). Each takes the router (for its parameters and its random
+generator) and returns the chosen worker's id."""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import xxhash
+
+from quillcache.routing import Request, View, WorkerView
+from quillcache.routing.baselines import (
+    LeastLoaded,
+    PowerOfTwo,
+    RandomRouter,
+    RoundRobin,
+    SessionAffinity,
+)
+from quillcache.routing.dynamo import DynamoKvCost
+from quillcache.routing.llmd import LlmdPrecisePrefix
+from quillcache.routing.sglang import SglangCacheAware
+
+
+def load_key(w: WorkerView) -> tuple[int, int, int]:
+    return (w.in_flight, w.queued_prefill_tokens, w.worker)
+
+
+def round_robin(r: RoundRobin, request: Request, view: View, turn: int) -> int:
+    return view.workers[turn % len(view.workers)].worker
+
+
+def random_choice(r: RandomRouter, request: Request, view: View, turn: int) -> int:
+    return r.rng.choice(view.workers).worker
+
+
+def least_loaded(r: LeastLoaded, request: Request, view: View, turn: int) -> int:
+    return min(view.workers, key=load_key).worker
+
+
+def power_of_two(r: PowerOfTwo, request: Request, view: View, turn: int) -> int:
+    if len(view.workers) == 1:
+        return view.workers[0].worker
+    a, b = r.rng.sample(view.workers, 2)
+    return min(a, b, key=load_key).worker
+
+
+def session_affinity(r: SessionAffinity, request: Request, view: View, turn: int) -> int:
+    ring = sorted(
+        (xxhash.xxh3_64_intdigest(f"{w.worker}#{v}".encode()), w.worker)
+        for w in view.workers
+        for v in range(r.vnodes)
+    )
+    points = [p for p, _ in ring]
+    if request.session_id is not None:
+        h = xxhash.xxh3_64_intdigest(str(request.session_id).encode())
+    elif len(request.content_keys):
+        h = int(request.content_keys[min(len(request.content_keys), r.prefix_blocks) - 1])
+    else:
+        h = xxhash.xxh3_64_intdigest(str(request.request_id).encode())
+    return ring[bisect.bisect_left(points, h) % len(points)][1]
+
+
+def dynamo(r: DynamoKvCost, request: Request, view: View, turn: int) -> int:
+    bs = view.block_size
+    request_blocks = -(-request.prompt_tokens // bs)
+    g_c, c_c, d_c = r.credits
+    costs = []
+    for w in view.workers:
+        gpu = w.gpu_blocks
+        cpu = max(w.cpu_blocks - gpu, 0)
+        disk = max(w.disk_blocks - max(gpu, w.cpu_blocks), 0)
+        overlap = g_c * gpu + c_c * cpu + d_c * disk
+        prefill = w.queued_prefill_tokens / bs + request_blocks
+        decode = w.kv_usage * w.capacity_blocks
+        costs.append(r.prefill_load_scale * max(prefill - overlap, 0.0) + decode)
+    if r.temperature <= 0:
+        best = min(costs)
+        ties = [w for w, c in zip(view.workers, costs, strict=True) if c == best]
+        return (ties[0] if len(ties) == 1 else r.rng.choice(ties)).worker
+    top = max(costs) or 1.0
+    weights = [math.exp(-(c / top) / r.temperature) for c in costs]
+    return r.rng.choices(view.workers, weights=weights)[0].worker
+
+
+def llmd(r: LlmdPrecisePrefix, request: Request, view: View, turn: int) -> int:
+    n = max(len(request.content_keys), 1)
+    wp, wq, wk = r.weights
+    tg, tc = r.tiers
+    queues = [w.in_flight for w in view.workers]
+    qlo, qhi = min(queues), max(queues)
+    best_score, best = -1.0, []
+    for w in view.workers:
+        gpu = w.gpu_blocks
+        lower = max(w.cpu_blocks, w.disk_blocks) - gpu
+        prefix = (tg * gpu + tc * max(lower, 0)) / n
+        queue = 1.0 if qhi == qlo else (qhi - w.in_flight) / (qhi - qlo)
+        score = wp * prefix + wq * queue + wk * (1.0 - w.kv_usage)
+        if score > best_score + 1e-12:
+            best_score, best = score, [w]
+        elif abs(score - best_score) <= 1e-12:
+            best.append(w)
+    return (best[0] if len(best) == 1 else r.rng.choice(best)).worker
+
+
+def sglang(r: SglangCacheAware, request: Request, view: View, turn: int) -> int:
+    workers = view.workers
+    loads = [w.in_flight for w in workers]
+    lo, hi = min(loads), max(loads)
+    if hi - lo > r.balance_abs_threshold and hi > lo * r.balance_rel_threshold:
+        return min(workers, key=lambda w: (w.in_flight, w.worker)).worker
+    best = max(workers, key=lambda w: (w.gpu_blocks, -w.in_flight, -w.worker))
+    if best.gpu_blocks * view.block_size / max(request.prompt_tokens, 1) > r.cache_threshold:
+        return best.worker
+    return min(workers, key=lambda w: (w.resident_blocks, w.in_flight, w.worker)).worker
