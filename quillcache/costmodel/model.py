@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from quillcache.costmodel.config import CostModelConfig
+
+#: A column of per-worker numbers (counts are exact in float64 below 2**53).
+Column = npt.NDArray[np.float64] | npt.NDArray[np.int64]
+Floats = npt.NDArray[np.float64]
 
 GIB = 1024**3
 
@@ -166,3 +173,61 @@ class CostModel:
             prefill_s=self.prefill_time(new, prompt_tokens - new),
             decode_s=self.decode_step_time(running_decodes + 1, mean_context_tokens),
         )
+
+    # --- the same estimates over columns (routers scoring a fleet at once) ----------
+    # Each is its scalar namesake applied per element, operation for operation, so the
+    # results are bit-identical to a loop (`tests/costmodel/test_arrays.py`).
+
+    def prefill_compute_s_array(self, new_tokens: Column, context_tokens: Column) -> Floats:
+        pairs = new_tokens * (context_tokens + (new_tokens + 1) / 2.0)
+        flops = self._linear_flops_per_token * new_tokens + self._attn_flops_per_pair * pairs
+        return np.where(new_tokens <= 0, 0.0, flops / self._flops_per_s)
+
+    def queue_time_array(self, queued_prefill_tokens: Column) -> Floats:
+        q = queued_prefill_tokens
+        steps = -(-q // self.chunk_budget)
+        t = self.prefill_compute_s_array(q, np.zeros_like(q)) + steps * self.overhead_s
+        return np.where(q <= 0, 0.0, t)
+
+    def prefill_time_array(self, new_tokens: Column, context_tokens: Column) -> Floats:
+        steps = -(-new_tokens // self.chunk_budget)
+        t = steps * self.overhead_s + np.maximum(
+            self.prefill_compute_s_array(new_tokens, context_tokens), steps * self._weight_read_s
+        )
+        return np.where(new_tokens <= 0, 0.0, t)
+
+    def loaded_prefill_time_array(
+        self,
+        *,
+        queued_tokens: Column,
+        new_tokens: Column,
+        context_tokens: Column,
+        running_decodes: Column,
+        mean_context_tokens: Column,
+    ) -> Floats:
+        new_tokens = np.maximum(new_tokens, 1)
+        total = queued_tokens + new_tokens
+        budget = np.maximum(self.chunk_budget - running_decodes, 1)
+        steps = -(-total // budget)
+        compute = self.prefill_compute_s_array(
+            queued_tokens, np.zeros_like(queued_tokens)
+        ) + self.prefill_compute_s_array(new_tokens, context_tokens)
+        per_step = self.overhead_s + (
+            running_decodes * mean_context_tokens * self._kv_read_s_per_token
+        )
+        return steps * per_step + np.maximum(compute, steps * self._weight_read_s)
+
+    def transfer_time_array(self, blocks: Column, tier: str) -> Floats:
+        t = self.config.transfer
+        gbps = {"cpu": t.cpu_to_gpu_gbps, "disk": t.disk_to_gpu_gbps, "peer": t.peer_gbps}[tier]
+        nbytes = blocks * self.block_size * self.config.model.kv_bytes_per_token
+        return np.where(blocks <= 0, 0.0, t.latency_s + nbytes / (gbps * 1e9))
+
+    def kv_read_s_array(self, tokens: Floats) -> Floats:
+        return tokens * self._kv_read_s_per_token
+
+    def decode_step_time_array(self, batch: Column, mean_context_tokens: Column) -> Floats:
+        # step_time(0.0, batch, int(batch * mean_context_tokens))
+        context = np.trunc(batch * mean_context_tokens)
+        t = self.overhead_s + max(0.0, self._weight_read_s) + context * self._kv_read_s_per_token
+        return np.where(batch <= 0, 0.0, t)

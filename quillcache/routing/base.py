@@ -15,6 +15,9 @@ from __future__ import annotations
 import random
 from typing import Any, ClassVar
 
+import numpy as np
+import numpy.typing as npt
+
 from quillcache.errors import ConfigError
 from quillcache.routing.types import (
     Action,
@@ -85,6 +88,81 @@ def estimate_ttft_s(request: Request, view: View, worker: WorkerView) -> float:
         + transfer_s
         + cost.prefill_time(new_tokens, request.prompt_tokens - new_tokens)
     )
+
+
+def peer_blocks_array(view: View) -> npt.NDArray[np.int64]:
+    """Per worker, `view.best_peer_blocks(exclude=worker)[1]`: the longest GPU prefix
+    another worker holds."""
+    gpu = view.columns.gpu_blocks
+    if len(gpu) < 2:
+        return np.zeros(len(gpu), dtype=np.int64)
+    first = int(np.argmax(gpu))
+    rest = gpu.copy()
+    rest[first] = 0
+    out = np.full(len(gpu), gpu[first], dtype=np.int64)
+    out[first] = rest.max()
+    return np.maximum(out, 0)
+
+
+def covered_array(
+    request: Request, view: View, gpu: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+    """Per worker, the blocks it can serve without recomputing given `gpu` (its usable
+    GPU prefix, at most the request's blocks) and the transfer time that takes: local
+    tiers beyond the GPU prefix, then a peer's GPU prefix where fetching beats
+    recomputing, as `estimate_ttft_s` adds them one worker at a time."""
+    cost = view.cost
+    c = view.columns
+    n = len(request.content_keys)
+    bs = view.block_size
+    covered = gpu
+    transfer = np.zeros(len(gpu))
+    for tier, blocks in (("cpu", c.cpu_blocks), ("disk", c.disk_blocks)):
+        blocks = np.minimum(blocks, n)
+        more = blocks > covered
+        if more.any():
+            transfer = np.where(
+                more, transfer + cost.transfer_time_array(blocks - covered, tier), transfer
+            )
+            covered = np.where(more, blocks, covered)
+    if cost.config.transfer.allow_peer_fetch:
+        peer = np.minimum(peer_blocks_array(view), n)
+        more = peer > covered
+        if more.any():
+            peer_s = cost.transfer_time_array(peer - covered, "peer")
+            worth = more & (peer_s < cost.prefill_time_array((peer - covered) * bs, covered * bs))
+            transfer = np.where(worth, transfer + peer_s, transfer)
+            covered = np.where(worth, peer, covered)
+    return covered, transfer
+
+
+def estimate_ttft_s_array(request: Request, view: View) -> npt.NDArray[np.float64]:
+    """`estimate_ttft_s` for every worker of the view at once (bit-identical)."""
+    cost = view.cost
+    c = view.columns
+    bs = view.block_size
+    prompt = request.prompt_tokens
+    covered, transfer = covered_array(
+        request, view, np.minimum(c.gpu_blocks, len(request.content_keys))
+    )
+    new = np.maximum(prompt - np.minimum(covered * bs, prompt), 1)
+    return (
+        cost.queue_time_array(c.queued_prefill_tokens)
+        + transfer
+        + cost.prefill_time_array(new, prompt - new)
+    )
+
+
+def first_min(*keys: npt.NDArray[np.generic]) -> int:
+    """The position of the smallest row by `keys` compared in order (a tuple key), the
+    first among equals: `min(range(n), key=lambda i: tuple(k[i] for k in keys))`."""
+    at = np.flatnonzero(keys[0] == keys[0].min())
+    for k in keys[1:]:
+        if len(at) == 1:
+            break
+        sub = k[at]
+        at = at[sub == sub.min()]
+    return int(at[0])
 
 
 def plan_and_estimate(

@@ -10,8 +10,10 @@ Preble's post-assignment load rebalancing and prefix autoscaling are not modelle
 
 from __future__ import annotations
 
-from quillcache.routing.base import Router
-from quillcache.routing.types import Decision, Request, View, WorkerView
+import numpy as np
+
+from quillcache.routing.base import Router, first_min
+from quillcache.routing.types import Decision, Request, View
 
 
 class PrebleE2(Router):
@@ -20,28 +22,30 @@ class PrebleE2(Router):
     source = "Preble (ICLR'25), section 4 'E2 global scheduler'"
 
     def route(self, request: Request, view: View) -> Decision:
-        if not view.workers:
+        if not len(view):
             return self.no_workers()
         bs = view.block_size
-        best = max(view.workers, key=lambda w: (w.gpu_blocks, -w.in_flight, -w.worker))
+        c = view.columns
+        gpu = c.gpu_blocks
+        # the longest cached prefix, then the fewest in flight, then the lowest id
+        best = view.worker_at(first_min(-gpu, c.in_flight, c.worker))
         matched = best.gpu_blocks * bs
         if matched > request.prompt_tokens - matched:
             return self.decide(request, view, best, "exploit")
 
         cost = view.cost
-
-        def total(w: WorkerView) -> tuple[float, int]:
-            new_tokens = max(request.prompt_tokens - w.gpu_blocks * bs, 1)
-            load = cost.queue_time(w.queued_prefill_tokens) + w.running_decodes * (
-                cost.decode_step_time(max(w.running_decodes, 1), w.mean_context_tokens)
-                / max(w.running_decodes, 1)
-            )
-            free = w.capacity_blocks * (1.0 - w.kv_usage)
-            evict_blocks = max(-(-new_tokens // bs) - free, 0.0)
-            evict = cost.prefill_time(int(evict_blocks * bs)) if evict_blocks else 0.0
-            return (
-                load + cost.prefill_time(new_tokens, request.prompt_tokens - new_tokens) + evict,
-                w.worker,
-            )
-
-        return self.decide(request, view, min(view.workers, key=total), "explore")
+        prompt = request.prompt_tokens
+        new_tokens = np.maximum(prompt - gpu * bs, 1)
+        decodes = c.running_decodes
+        busy = np.maximum(decodes, 1)
+        load = cost.queue_time_array(c.queued_prefill_tokens) + decodes * (
+            cost.decode_step_time_array(busy, c.mean_context_tokens) / busy
+        )
+        free = c.capacity_blocks * (1.0 - c.kv_usage)
+        evict_blocks = np.maximum(-(-new_tokens // bs) - free, 0.0)
+        evict_tokens = np.trunc(evict_blocks * bs)
+        evict = np.where(
+            evict_blocks != 0, cost.prefill_time_array(evict_tokens, np.zeros_like(free)), 0.0
+        )
+        total = load + cost.prefill_time_array(new_tokens, prompt - new_tokens) + evict
+        return self.decide(request, view, view.worker_at(first_min(total, c.worker)), "explore")

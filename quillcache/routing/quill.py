@@ -36,8 +36,11 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from quillcache.errors import ConfigError
-from quillcache.routing.base import Router
+from quillcache.routing.base import Router, covered_array, first_min
 from quillcache.routing.types import Decision, Request, View, WorkerView
 
 
@@ -94,6 +97,9 @@ class QuillCacheRouter(Router):
         self._live: dict[int, int] = {}  # worker -> live sessions homed there
 
     def estimate_s(self, request: Request, view: View, w: WorkerView) -> float:
+        """One worker's score, the formula written out; `route` scores every worker at
+        once with the same operations (`estimates`), after setting the per-request
+        state this reads."""
         cost = view.cost
         bs = view.block_size
         n = len(request.content_keys)
@@ -160,20 +166,79 @@ class QuillCacheRouter(Router):
             extra += self.home_decode_weight * out * cost.kv_read_s(batch * w.mean_context_tokens)
         return extra + ttft
 
+    def estimates(self, request: Request, view: View) -> npt.NDArray[np.float64]:
+        """`estimate_s` for every worker of the view, bit for bit."""
+        cost = view.cost
+        c = view.columns
+        bs = view.block_size
+        n = len(request.content_keys)
+        prompt = request.prompt_tokens
+        gpu = c.gpu_blocks
+        if self.speculative:
+            gpu = np.maximum(gpu, c.pending_blocks)
+        covered, transfer = covered_array(request, view, np.minimum(gpu, n))
+        new = np.maximum(prompt - np.minimum(covered * bs, prompt), 1)
+        decodes = c.running_decodes
+        mean_context = c.mean_context_tokens
+        extra: npt.NDArray[np.float64] = np.zeros(len(c.worker))
+        if self.work_weight:
+            lam: float | npt.NDArray[np.float64] = self._lambda
+            if self.adaptive and self.work_scope == "worker":
+                waiting = np.maximum(c.in_flight - decodes, 0)
+                lam = np.minimum(
+                    self.work_weight * (self.work_base + waiting), self.max_work_weight
+                )
+            if self._continuing:
+                lam = lam * self.continuing_work_weight
+            extra = extra + lam * cost.prefill_compute_s_array(new, prompt - new)
+        if self.interference:
+            ttft = transfer + cost.loaded_prefill_time_array(
+                queued_tokens=c.queued_prefill_tokens,
+                new_tokens=new,
+                context_tokens=prompt - new,
+                running_decodes=decodes,
+                mean_context_tokens=mean_context,
+            )
+        else:
+            ttft = (
+                transfer
+                + cost.queue_time_array(c.queued_prefill_tokens)
+                + cost.prefill_time_array(new, prompt - new)
+            )
+        out = request.expected_output_tokens
+        excess = decodes - self._mean_decodes
+        if self.decode_weight and not self._continuing:
+            piling = excess > 0
+            if piling.any():
+                step = cost.decode_step_time_array(decodes, mean_context)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    overlap = np.where(step > 0, np.maximum(out - ttft / step, 0.0), out)
+                term = self.decode_weight * excess * overlap * cost.kv_read_s(prompt + out / 2)
+                extra = np.where(piling, extra + term, extra)
+        if self.home_decode_weight and self._session_decodes:
+            homes = self._session_decodes
+            batch = np.asarray([homes.get(w, 0.0) for w in c.worker.tolist()])
+            extra = extra + self.home_decode_weight * out * cost.kv_read_s_array(
+                batch * mean_context
+            )
+        return extra + ttft
+
     def route(self, request: Request, view: View) -> Decision:
-        if not view.workers:
+        if not len(view):
             return self.no_workers()
         if view.order_only:
             return self.decide(request, view, self._cache_choice(request, view))
-        workers = view.workers
+        c = view.columns
+        count = len(c.worker)
         self._lambda = self.work_weight
-        self._mean_decodes = sum(w.running_decodes for w in workers) / len(workers)
+        # summed in order, as a loop over the workers adds them
+        self._mean_decodes = sum(c.running_decodes.tolist()) / count
         if self.adaptive and self.work_scope == "cluster":
             # Each second of compute added delays every request that queues behind it:
             # weigh it by how many are waiting per worker right now.
-            waiting = sum(max(w.in_flight - w.running_decodes, 0) for w in workers)
+            waiting = sum(np.maximum(c.in_flight - c.running_decodes, 0).tolist())
             self._lambda = min(
-                self._lambda * (self.work_base + waiting / len(workers)),
+                self._lambda * (self.work_base + waiting / count),
                 self.max_work_weight,
             )
         sid = str(request.session_id) if request.session_id is not None else None
@@ -181,15 +246,14 @@ class QuillCacheRouter(Router):
         self._session_decodes = {}
         if self.sessions and sid is not None:
             self._session_load(sid, view)
-        best = min(
-            workers,
-            key=lambda w: (
-                self.estimate_s(request, view, w),
-                -max(w.local_blocks, w.pending_blocks),
-                w.in_flight,
-                w.worker,
-            ),
+        local = np.maximum(np.maximum(c.gpu_blocks, c.cpu_blocks), c.disk_blocks)
+        at = first_min(
+            self.estimates(request, view),
+            -np.maximum(local, c.pending_blocks),
+            c.in_flight,
+            c.worker,
         )
+        best = view.worker_at(at)
         if self.sessions and sid is not None:
             self._homes[sid] = (best.worker, view.now_s)
             self._live[best.worker] = self._live.get(best.worker, 0) + 1
@@ -201,14 +265,10 @@ class QuillCacheRouter(Router):
         """Order-only: most reused tokens, least recent cache pressure."""
         bs = view.block_size
         n = len(request.content_keys)
-        return max(
-            view.workers,
-            key=lambda w: (
-                min(w.local_blocks, n) * bs - self.pressure_weight * w.queued_prefill_tokens,
-                -w.in_flight,
-                -w.worker,
-            ),
-        )
+        c = view.columns
+        local = np.maximum(np.maximum(c.gpu_blocks, c.cpu_blocks), c.disk_blocks)
+        reused = np.minimum(local, n) * bs - self.pressure_weight * c.queued_prefill_tokens
+        return view.worker_at(first_min(-reused, c.in_flight, c.worker))
 
     def _session_load(self, sid: str, view: View) -> None:
         """Forget sessions idle for longer than the TTL, take this one out of its home
@@ -227,9 +287,8 @@ class QuillCacheRouter(Router):
             live[home[0]] -= 1
             self._continuing = True
             return
-        total = sum(live.get(w.worker, 0) for w in view.workers)
+        ids = view.columns.worker.tolist()
+        total = sum(live.get(w, 0) for w in ids)
         if total:
-            per_session = sum(w.running_decodes for w in view.workers) / total
-            self._session_decodes = {
-                w.worker: live.get(w.worker, 0) * per_session for w in view.workers
-            }
+            per_session = sum(view.columns.running_decodes.tolist()) / total
+            self._session_decodes = {w: live.get(w, 0) * per_session for w in ids}

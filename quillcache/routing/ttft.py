@@ -8,14 +8,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from quillcache.routing.base import Router, estimate_ttft_s, plan_and_estimate
-from quillcache.routing.types import Decision, Request, View, WorkerView
+import numpy as np
+
+from quillcache.routing.base import Router, estimate_ttft_s_array, first_min, plan_and_estimate
+from quillcache.routing.types import Decision, Request, View
 
 
-def ttft_key(request: Request, view: View, w: WorkerView) -> tuple[float, int, int, int]:
-    """Sort key: estimated TTFT; ties (short prompts cost one weight read wherever they
-    go) go to the longer cached prefix, then the fewer requests in flight."""
-    return (estimate_ttft_s(request, view, w), -w.local_blocks, w.in_flight, w.worker)
+def lowest_ttft_at(request: Request, view: View) -> int:
+    """The position of the lowest estimated TTFT; ties (short prompts cost one weight
+    read wherever they go) go to the longer cached prefix, then the fewer requests in
+    flight, then the lower id."""
+    c = view.columns
+    local = np.maximum(np.maximum(c.gpu_blocks, c.cpu_blocks), c.disk_blocks)
+    return first_min(estimate_ttft_s_array(request, view), -local, c.in_flight, c.worker)
 
 
 class MooncakeConductor(Router):
@@ -36,9 +41,9 @@ class MooncakeConductor(Router):
         self.tbt_slo_s = tbt_slo_s
 
     def route(self, request: Request, view: View) -> Decision:
-        if not view.workers:
+        if not len(view):
             return self.no_workers()
-        w = min(view.workers, key=lambda w: ttft_key(request, view, w))
+        w = view.worker_at(lowest_ttft_at(request, view))
         plan, est = plan_and_estimate(request, view, w)
         ttft_slo = request.slo.ttft_s if request.slo and request.slo.ttft_s else self.ttft_slo_s
         tbt_slo = request.slo.tbt_s if request.slo and request.slo.tbt_s else self.tbt_slo_s
@@ -62,7 +67,7 @@ class QuillGreedy(Router):
     source = "QuillCache (this project)"
 
     def route(self, request: Request, view: View) -> Decision:
-        if not view.workers:
+        if not len(view):
             return self.no_workers()
-        w = min(view.workers, key=lambda w: ttft_key(request, view, w))
+        w = view.worker_at(lowest_ttft_at(request, view))
         return self.decide(request, view, w)

@@ -10,7 +10,8 @@ import math
 
 import xxhash
 
-from quillcache.routing import Request, View, WorkerView
+from quillcache.routing import Request, Router, View, WorkerView
+from quillcache.routing.base import estimate_ttft_s
 from quillcache.routing.baselines import (
     LeastLoaded,
     PowerOfTwo,
@@ -20,6 +21,8 @@ from quillcache.routing.baselines import (
 )
 from quillcache.routing.dynamo import DynamoKvCost
 from quillcache.routing.llmd import LlmdPrecisePrefix
+from quillcache.routing.preble import PrebleE2
+from quillcache.routing.quill import QuillCacheRouter
 from quillcache.routing.sglang import SglangCacheAware
 
 
@@ -114,3 +117,92 @@ def sglang(r: SglangCacheAware, request: Request, view: View, turn: int) -> int:
     if best.gpu_blocks * view.block_size / max(request.prompt_tokens, 1) > r.cache_threshold:
         return best.worker
     return min(workers, key=lambda w: (w.resident_blocks, w.in_flight, w.worker)).worker
+
+
+def quill(r: QuillCacheRouter, request: Request, view: View, turn: int) -> int:
+    """QuillCacheRouter.route as a loop: per-request state, then `estimate_s` per worker."""
+    if view.order_only:
+        bs, n = view.block_size, len(request.content_keys)
+        return max(
+            view.workers,
+            key=lambda w: (
+                min(w.local_blocks, n) * bs - r.pressure_weight * w.queued_prefill_tokens,
+                -w.in_flight,
+                -w.worker,
+            ),
+        ).worker
+    workers = view.workers
+    r._lambda = r.work_weight
+    r._mean_decodes = sum(w.running_decodes for w in workers) / len(workers)
+    if r.adaptive and r.work_scope == "cluster":
+        waiting = sum(max(w.in_flight - w.running_decodes, 0) for w in workers)
+        r._lambda = min(r._lambda * (r.work_base + waiting / len(workers)), r.max_work_weight)
+    sid = str(request.session_id) if request.session_id is not None else None
+    r._continuing = False
+    r._session_decodes = {}
+    if r.sessions and sid is not None:
+        homes, live = r._homes, r._live
+        horizon = view.now_s - r.session_ttl_s
+        while homes:
+            old, (worker, seen) = next(iter(homes.items()))
+            if seen >= horizon:
+                break
+            del homes[old]
+            live[worker] -= 1
+        home = homes.pop(sid, None)
+        if home is not None:
+            live[home[0]] -= 1
+            r._continuing = True
+        else:
+            total = sum(live.get(w.worker, 0) for w in workers)
+            if total:
+                per_session = sum(w.running_decodes for w in workers) / total
+                r._session_decodes = {
+                    w.worker: live.get(w.worker, 0) * per_session for w in workers
+                }
+    best = min(
+        workers,
+        key=lambda w: (
+            r.estimate_s(request, view, w),
+            -max(w.local_blocks, w.pending_blocks),
+            w.in_flight,
+            w.worker,
+        ),
+    )
+    if r.sessions and sid is not None:
+        r._homes[sid] = (best.worker, view.now_s)
+        r._live[best.worker] = r._live.get(best.worker, 0) + 1
+    return best.worker
+
+
+def ttft_argmin(r: Router, request: Request, view: View, turn: int) -> int:
+    """quillcache-greedy and mooncake (without an SLO): the lowest estimated TTFT."""
+    return min(
+        view.workers,
+        key=lambda w: (estimate_ttft_s(request, view, w), -w.local_blocks, w.in_flight, w.worker),
+    ).worker
+
+
+def preble(r: PrebleE2, request: Request, view: View, turn: int) -> int:
+    bs = view.block_size
+    best = max(view.workers, key=lambda w: (w.gpu_blocks, -w.in_flight, -w.worker))
+    matched = best.gpu_blocks * bs
+    if matched > request.prompt_tokens - matched:
+        return best.worker
+    cost = view.cost
+
+    def total(w: WorkerView) -> tuple[float, int]:
+        new_tokens = max(request.prompt_tokens - w.gpu_blocks * bs, 1)
+        load = cost.queue_time(w.queued_prefill_tokens) + w.running_decodes * (
+            cost.decode_step_time(max(w.running_decodes, 1), w.mean_context_tokens)
+            / max(w.running_decodes, 1)
+        )
+        free = w.capacity_blocks * (1.0 - w.kv_usage)
+        evict_blocks = max(-(-new_tokens // bs) - free, 0.0)
+        evict = cost.prefill_time(int(evict_blocks * bs)) if evict_blocks else 0.0
+        return (
+            load + cost.prefill_time(new_tokens, request.prompt_tokens - new_tokens) + evict,
+            w.worker,
+        )
+
+    return min(view.workers, key=total).worker

@@ -13,7 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from quillcache.costmodel import CostModel, CostModelConfig
 from quillcache.routing import Request, View, WorkerView, create_router
+from quillcache.routing.quill import QuillCacheRouter
 from quillcache.routing.types import WorkerColumns
 from tests.routing import scalar_reference as ref
 from tests.routing.strategies import BLOCK, COST, requests, worker_views
@@ -28,6 +30,12 @@ REFERENCES: dict[str, tuple[Callable[..., int], dict[str, Any]]] = {
     "dynamo-sampled": (ref.dynamo, {"temperature": 0.7}),
     "llm-d": (ref.llmd, {}),
     "sglang": (ref.sglang, {}),
+    "quillcache": (ref.quill, {}),
+    "quillcache-worker-scope": (ref.quill, {"work_scope": "worker", "decode_weight": 2.0}),
+    "quillcache-plain": (ref.quill, {"interference": False, "speculative": False}),
+    "quillcache-greedy": (ref.ttft_argmin, {}),
+    "mooncake": (ref.ttft_argmin, {}),
+    "preble": (ref.preble, {}),
 }
 
 
@@ -43,6 +51,7 @@ def tied_worker_views(draw: st.DrawFn, worker: int, n_blocks: int) -> WorkerView
         kv_usage=draw(st.sampled_from([0.0, 0.5])),
         capacity_blocks=100,
         resident_blocks=draw(st.sampled_from([0, 10])),
+        mean_context_tokens=draw(st.sampled_from([0.0, 3_000.0])),
         gpu_blocks=gpu,
         cpu_blocks=draw(st.sampled_from([gpu, n_blocks])),
         disk_blocks=draw(st.sampled_from([0, n_blocks])),
@@ -50,43 +59,69 @@ def tied_worker_views(draw: st.DrawFn, worker: int, n_blocks: int) -> WorkerView
     )
 
 
+Played = tuple[CostModel, bool, list[tuple[Request, list[WorkerView], float]]]
+PEER_FETCH = CostModel(CostModelConfig().with_overrides({"transfer.allow_peer_fetch": True}))
+
+
 @st.composite
-def rounds(draw: st.DrawFn) -> list[tuple[Request, list[WorkerView]]]:
+def rounds(draw: st.DrawFn) -> Played:
+    """Requests one after another (the same router keeps its state), each with a view;
+    a cost model with or without peer fetch; timed or order-only replay."""
     out = []
     tied = draw(st.booleans())
+    now = 0.0
+    fleet = draw(st.lists(st.integers(0, 300), min_size=1, max_size=40, unique=True))
     for _ in range(draw(st.integers(1, 6))):
         req = draw(requests())
-        ids = sorted(draw(st.lists(st.integers(0, 300), min_size=1, max_size=40, unique=True)))
+        req.session_id = draw(st.sampled_from([None, "a", "b", "c", req.session_id]))
+        # mostly the same fleet from request to request (sessions stay homed on it)
+        ids = sorted(fleet if draw(st.integers(0, 3)) else draw(st.permutations(fleet))[:2])
         make = tied_worker_views if tied else worker_views
-        out.append((req, [draw(make(w, len(req.content_keys))) for w in ids]))
-    return out
+        now += draw(st.sampled_from([0.0, 1.0, 60.0]))  # sessions expire after 45 s
+        out.append((req, [draw(make(w, len(req.content_keys))) for w in ids], now))
+    return draw(st.sampled_from([COST, PEER_FETCH])), draw(st.booleans()), out
 
 
-def columns_view(workers: list[WorkerView]) -> View:
-    return View(None, BLOCK, COST, columns=WorkerColumns.of(workers))
+def columns_view(workers: list[WorkerView], cost: CostModel = COST, **kw: Any) -> View:
+    return View(None, BLOCK, cost, columns=WorkerColumns.of(workers), **kw)
 
 
 @pytest.mark.parametrize("case", sorted(REFERENCES))
 @settings(max_examples=150)
 @given(seed=st.integers(0, 2**32), played=rounds())
-def test_column_scoring_chooses_as_the_loop_does(
-    case: str, seed: int, played: list[tuple[Request, list[WorkerView]]]
-) -> None:
+def test_column_scoring_chooses_as_the_loop_does(case: str, seed: int, played: Played) -> None:
     reference, params = REFERENCES[case]
-    name = case.removesuffix("-sampled")
+    name = case.removesuffix("-sampled").removesuffix("-worker-scope").removesuffix("-plain")
     scored = create_router(name, seed=seed, **params)
     looped = create_router(name, seed=seed, **params)
-    for turn, (req, workers) in enumerate(played):
-        want = reference(looped, req, View(workers, BLOCK, COST), turn)
-        got = scored.route(req, columns_view(workers))
+    cost, order_only, requests_ = played
+    for turn, (req, workers, now) in enumerate(requests_):
+        want = reference(looped, req, View(workers, BLOCK, cost, now, order_only), turn)
+        got = scored.route(req, columns_view(workers, cost, now_s=now, order_only=order_only))
         assert got.worker == want, (turn, [w.worker for w in workers])
 
 
+QUILL = {k: v for k, v in REFERENCES.items() if v[0] is ref.quill}
+
+
+@pytest.mark.parametrize("case", sorted(QUILL))
 @given(played=rounds())
-def test_a_view_reads_the_same_through_columns_and_workers(
-    played: list[tuple[Request, list[WorkerView]]],
-) -> None:
-    for _, workers in played:
+def test_quillcache_scores_every_worker_as_estimate_s_does(case: str, played: Played) -> None:
+    """Not only the winner: every worker's score, bit for bit, in the state each
+    request leaves (sessions homed, decode pile-up, work weight)."""
+    router = create_router("quillcache", **QUILL[case][1])
+    assert isinstance(router, QuillCacheRouter)
+    cost, _, requests_ = played
+    for turn, (req, workers, now) in enumerate(requests_):
+        plain = View(workers, BLOCK, cost, now)
+        ref.quill(router, req, plain, turn)  # sets the per-request state, homes the session
+        got = router.estimates(req, columns_view(workers, cost, now_s=now)).tolist()
+        assert got == [router.estimate_s(req, plain, w) for w in workers]
+
+
+@given(played=rounds())
+def test_a_view_reads_the_same_through_columns_and_workers(played: Played) -> None:
+    for _, workers, _ in played[2]:
         view = columns_view(workers)
         made = view.workers
         for w, m in zip(workers, made, strict=True):
