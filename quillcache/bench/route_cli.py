@@ -38,7 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated fleet sizes (engines, one DP rank each)",
     )
     parser.add_argument(
-        "--routers", default=None, help="comma-separated routers (default: every built-in one)"
+        "--routers",
+        default="all",
+        help="comma-separated routers (registered names or 'pkg.module:Class'), or 'all' "
+        "(the built-in ones)",
     )
     parser.add_argument("--requests", type=int, default=2_500, help="timed requests per cell")
     parser.add_argument(
@@ -179,7 +182,9 @@ def run(args: argparse.Namespace) -> int:
 
     from quillcache.console import table_console
     from quillcache.errors import ConfigError
-    from quillcache.routing import available_routers
+    from quillcache.index import backend_status
+    from quillcache.routing import BUILTIN_ORDER, available_routers
+    from quillcache.routing.registry import import_router
 
     try:
         sizes = [int(s) for s in args.engines.split(",") if s]
@@ -189,10 +194,23 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     if not sizes or min(sizes) < 1:
         raise ConfigError("--engines wants at least one fleet size >= 1")
-    routers = args.routers.split(",") if args.routers else available_routers()
-    unknown = sorted(set(routers) - set(available_routers()))
+    if args.requests < 1:
+        raise ConfigError(f"--requests must be >= 1, got {args.requests}")
+    if args.rate <= 0:
+        raise ConfigError(f"--rate must be positive, got {args.rate}")
+    routers = list(BUILTIN_ORDER) if args.routers == "all" else args.routers.split(",")
+    for r in routers:
+        if ":" in r:  # a user's router class, as the gateway and simulate take it
+            import_router(r)
+    unknown = [r for r in routers if r not in set(available_routers())]
     if unknown:
-        raise ConfigError(f"unknown routers {unknown}; known: {available_routers()}")
+        known = ", ".join(available_routers())
+        raise ConfigError(f"unknown routers {', '.join(unknown)}; known: {known}")
+    status = backend_status()
+    if args.index not in status:
+        raise ConfigError(f"unknown index backend {args.index!r}; known: {', '.join(status)}")
+    if status[args.index] is not None:
+        raise ConfigError(f"index backend {args.index!r} is unavailable: {status[args.index]}")
     to_stdout = args.json == "-"
     progress = Console(stderr=True)
     results = []
