@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from quillcache.controlplane.load import LoadStore, LocalLoadStore
 from quillcache.controlplane.plane import (
     ControlPlane,
+    OpLatencies,
     RouterContractError,
     UnknownWorkerError,
     WorkerState,
 )
 
-__all__ = ["ControlPlane", "RouterContractError", "UnknownWorkerError", "WorkerState"]
+__all__ = [
+    "ControlPlane",
+    "LoadStore",
+    "LocalLoadStore",
+    "OpLatencies",
+    "RouterContractError",
+    "UnknownWorkerError",
+    "WorkerState",
+]

@@ -227,6 +227,7 @@ class ControlPlane:
         index_options: dict[str, Any] | None = None,
         order_only: bool = False,
         load_store: LoadStore | None = None,
+        latencies: OpLatencies | None = None,
     ) -> None:
         self.index: IndexBackend = (
             create_backend(index, **(index_options or {})) if isinstance(index, str) else index
@@ -242,7 +243,10 @@ class ControlPlane:
         self.speculative = speculative
         self.speculative_ttl_s = speculative_ttl_s
         self.order_only = order_only  # tells routers there is no time (View.order_only)
-        self.latencies = OpLatencies()
+        # Where match and apply latencies are recorded, every sample kept (a replay's
+        # report); None (a long-lived gateway) records none: the lists would grow with
+        # every request.
+        self.latencies = latencies
         self.apply_stats = ApplyStats()
         self.load: LoadStore = load_store if load_store is not None else LocalLoadStore()
         self._fleet = _FleetColumns()
@@ -358,7 +362,8 @@ class ControlPlane:
         t0 = time.perf_counter_ns()
         with self._index_lock:
             stats = self.index.apply(worker, payloads, dp_rank, seqs=seqs)
-        self.latencies.apply_ns.append(time.perf_counter_ns() - t0)
+        if self.latencies is not None:
+            self.latencies.apply_ns.append(time.perf_counter_ns() - t0)
         state.resident_blocks += stats.blocks_stored - stats.blocks_removed
         if stats.clears:
             state.resident_blocks = max(state.resident_blocks, 0)
@@ -405,7 +410,8 @@ class ControlPlane:
             t0 = time.perf_counter_ns()
             with self._index_lock:
                 hits = self.index.match_columns(keys)
-            self.latencies.match_ns.append(time.perf_counter_ns() - t0)
+            if self.latencies is not None:
+                self.latencies.match_ns.append(time.perf_counter_ns() - t0)
             if len(hits.worker) and n:
                 _scatter_tiers(hits, cand.positions(hits.worker), tiers)
         pending = np.zeros(n, dtype=np.int64)

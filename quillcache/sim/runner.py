@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from quillcache.controlplane import ControlPlane
+from quillcache.controlplane import ControlPlane, OpLatencies
 from quillcache.costmodel import CostModel
 from quillcache.errors import ConfigError
 from quillcache.routing import Action, Decision, Request, Router, create_router
@@ -81,6 +81,7 @@ def run(
         if isinstance(router, str)
         else router
     )
+    latencies = OpLatencies()
     cp = ControlPlane(
         index=backend,
         router=router_obj,
@@ -88,6 +89,7 @@ def run(
         block_size=bs,
         speculative=config.speculative and config.timing == "full",
         order_only=config.timing == "none",
+        latencies=latencies,
     )
     engines = [
         EngineModel(
@@ -124,8 +126,8 @@ def run(
         records=records,
         index_blocks=stats.blocks,
         events_applied=cp.apply_stats.events,
-        match_ns=cp.latencies.match_ns,
-        apply_ns=cp.latencies.apply_ns,
+        match_ns=latencies.match_ns,
+        apply_ns=latencies.apply_ns,
         wall_s=wall,
     )
 

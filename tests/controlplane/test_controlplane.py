@@ -158,3 +158,43 @@ def test_a_stale_source_makes_its_workers_residency_unknown_until_rebuilt(
     cp.remove_worker(2)
     sink.set_stale(2, 0, True)  # a worker removed meanwhile: nothing to mark, no error
     assert known() == {0: True, 1: True}
+
+
+def _routing_growth(plane: ControlPlane, requests: int) -> int:
+    """Bytes the plane holds more after `requests` routed and finished requests."""
+    import tracemalloc
+
+    def route_some(n: int, start: int) -> None:
+        for rid in range(start, start + n):
+            plane.route(_request(rid))
+            plane.prefill_done(rid)
+            plane.finish(rid)
+
+    route_some(200, 0)  # warm: caches, first allocations
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        route_some(requests, 10_000)
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    return sum(d.size_diff for d in after.compare_to(before, "filename"))
+
+
+def test_a_long_lived_plane_keeps_no_per_request_samples() -> None:
+    from quillcache.controlplane import OpLatencies
+
+    plain = ControlPlane(index="native", router="round-robin", block_size=BS, track_load=True)
+    plain.add_worker(0, model=MODEL)
+    recorder = OpLatencies()
+    replay = ControlPlane(
+        index="native", router="round-robin", block_size=BS, track_load=True, latencies=recorder
+    )
+    replay.add_worker(0, model=MODEL)
+    try:
+        assert _routing_growth(plain, 5_000) < 32_000
+        assert _routing_growth(replay, 5_000) > 100_000  # the samples a replay asked for
+        assert len(recorder.match_ns) == 5_200
+    finally:
+        plain.close()
+        replay.close()

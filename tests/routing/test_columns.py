@@ -6,6 +6,7 @@ workers."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -152,3 +153,22 @@ def test_a_view_is_made_of_workers_or_of_columns() -> None:
     with pytest.raises(TypeError, match="exactly one"):
         View([WorkerView(3)], BLOCK, COST, columns=cols)
     assert np.array_equal(View([WorkerView(3, in_flight=2)], BLOCK, COST).columns.in_flight, [2])
+
+
+def _docs_example() -> type:
+    """The fast custom router of docs/routing.md, run as written there."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "routing.md").read_text()
+    section = text[text.index("### At fleet size") :]
+    code = section[section.index("```python") + len("```python") : section.index("```\n", 10)]
+    namespace: dict[str, Any] = {}
+    exec(code, namespace)
+    return namespace["FewestRequestsFast"]
+
+
+@given(played=rounds())
+def test_the_documented_fast_router_chooses_as_its_loop(played: Played) -> None:
+    fast = _docs_example()()
+    for req, workers, _ in played[2]:
+        want = min(workers, key=lambda w: (w.in_flight, w.worker)).worker
+        assert fast.route(req, columns_view(workers)).worker == want
+        assert fast.route(req, View(workers, BLOCK, COST)).worker == want
