@@ -29,6 +29,7 @@ __all__ = [
     "KvIndex",
     "Namespace",
     "NativeIndex",
+    "PendingPrefixes",
     "PersistenceError",
     "QuillCacheError",
     "Relay",
@@ -235,6 +236,11 @@ class NativeIndex:
     def match_columns(self, keys: _Keys) -> _MatchColumns:
         """`match` as arrays in its order: (worker, dp_rank, medium, blocks, other
         media); a medium is 0 GPU, 1 CPU, 2 DISK or 3 + i for other_media[i]."""
+    def match_tiers(
+        self, keys: _Keys, position: npt.NDArray[np.intp], candidates: int
+    ) -> tuple[npt.NDArray[np.int64], _MatchColumns]:
+        """`match_columns` and, per candidate (`position[worker]`, negative or past the
+        end: none), its longest prefix per tier, flat: gpu, cpu, disk x candidates."""
     def match_many(self, requests: list[_Keys]) -> list[list[Match]]:
         """`match` for each request; one GIL release for the whole list."""
     def remove_worker(self, worker: int) -> int:
@@ -324,6 +330,9 @@ class DurableIndex:
         """Decode, log (one write) and apply; `seqs`: the engine's seq of each batch."""
     def match(self, keys: npt.NDArray[np.uint64]) -> list[Match]: ...
     def match_columns(self, keys: npt.NDArray[np.uint64]) -> _MatchColumns: ...
+    def match_tiers(
+        self, keys: npt.NDArray[np.uint64], position: npt.NDArray[np.intp], candidates: int
+    ) -> tuple[npt.NDArray[np.int64], _MatchColumns]: ...
     def match_many(self, requests: list[npt.NDArray[np.uint64]]) -> list[list[Match]]: ...
     def remove_worker(self, worker: int) -> int: ...
     def clear_source(self, worker: int, dp_rank: int = 0) -> int: ...
@@ -365,6 +374,9 @@ class KvIndex:
     ) -> tuple[int, int, int, int, int, int, int, int]: ...
     def match(self, keys: npt.NDArray[np.uint64]) -> list[Match]: ...
     def match_columns(self, keys: npt.NDArray[np.uint64]) -> _MatchColumns: ...
+    def match_tiers(
+        self, keys: npt.NDArray[np.uint64], position: npt.NDArray[np.intp], candidates: int
+    ) -> tuple[npt.NDArray[np.int64], _MatchColumns]: ...
     def match_many(self, requests: list[npt.NDArray[np.uint64]]) -> list[list[Match]]: ...
     def remove_worker(self, worker: int) -> int: ...
     def clear_source(self, worker: int, dp_rank: int = 0) -> int: ...
@@ -452,3 +464,17 @@ class Relay:
         """Let the backend app serve the request as it came."""
     def stop(self) -> None:
         """Stop accepting and close every connection (waits for the relay's thread)."""
+
+@final
+class PendingPrefixes:
+    """Speculative residency: content key -> the workers computing it right now."""
+
+    def __init__(self) -> None: ...
+    def add(self, worker: int, keys: _Keys) -> None:
+        """One more request computing `keys` on `worker`."""
+    def remove(self, worker: int, keys: _Keys) -> None:
+        """One request fewer computing `keys` on `worker` (keys never added: ignored)."""
+    def remove_worker(self, worker: int) -> None: ...
+    def prefixes(self, keys: _Keys) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint32]]:
+        """(workers, blocks): how many of `keys` from the first each worker is computing."""
+    def __len__(self) -> int: ...

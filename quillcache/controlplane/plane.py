@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from quillcache._native import PendingPrefixes
 from quillcache.controlplane.load import (
     DECODES,
     IN_FLIGHT,
@@ -58,6 +59,7 @@ from quillcache.index import (
     MatchColumns,
     create_backend,
 )
+from quillcache.index.inputs import as_key_array
 from quillcache.routing import Decision, Request, Router, View, create_router
 from quillcache.routing.types import FLEET_FIELDS, WorkerColumns
 
@@ -188,6 +190,8 @@ class _Candidates:
         return cls(ids_a, slice(0, len(rows_a)) if contiguous else rows_a, table)
 
 
+_NO_KEYS: npt.NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
+
 #: Worker ids below this get a position table; larger ids are searched.
 _MAX_TABLE = 1 << 20
 
@@ -195,7 +199,7 @@ _MAX_TABLE = 1 << 20
 @dataclass(slots=True)
 class _Tracked:
     worker: int
-    keys: tuple[int, ...]
+    keys: npt.NDArray[np.uint64]  # empty when not speculating
     prefill_tokens: int
     context_tokens: int
     expires_s: float
@@ -254,8 +258,7 @@ class ControlPlane:
         self._free_rows: list[int] = []  # rows of removed workers, reused first
         self._tracked: dict[int | str, _Tracked] = {}
         # worker -> content key -> how many tracked requests are computing it
-        self._pending: dict[int, dict[int, int]] = {}
-        self._pending_live: set[int] = set()  # workers whose entry is not empty
+        self._pending = PendingPrefixes()
         self._next_expiry_s = float("inf")
         # routable workers (not draining) by id; None: recompute on the next view
         self._routable: _Candidates | None = None
@@ -297,7 +300,6 @@ class ControlPlane:
         self._fleet.add(row, cap)
         self._workers[worker] = state
         self._routable = None
-        self._pending.setdefault(worker, {})
         for rank in range(dp_ranks):
             with self._index_lock:
                 self.index.register_source(worker, rank, model=model, tokenizer=tokenizer)
@@ -310,8 +312,7 @@ class ControlPlane:
         self._free_rows.append(state.row)
         self._free_rows.sort(reverse=True)  # lowest row first: rows stay in id order
         self._routable = None
-        self._pending.pop(worker, None)
-        self._pending_live.discard(worker)
+        self._pending.remove_worker(worker)
         for rid in [r for r, t in self._tracked.items() if t.worker == worker]:
             del self._tracked[rid]
         with self._index_lock:
@@ -404,19 +405,26 @@ class ControlPlane:
         cand = self._candidates(only)
         n = len(cand.ids)
         keys = request.content_keys
-        tiers = np.zeros((3, n), dtype=np.int64)  # gpu, cpu, disk
         hits: MatchColumns | None = None
-        if len(keys):
+        if not len(keys):
+            tiers = np.zeros((3, n), dtype=np.int64)
+        else:
             t0 = time.perf_counter_ns()
             with self._index_lock:
-                hits = self.index.match_columns(keys)
+                if cand.table is not None:  # the index places the hits itself
+                    tiers, hits = self.index.match_tiers(keys, cand.table, n)
+                else:
+                    hits = self.index.match_columns(keys)
             if self.latencies is not None:
                 self.latencies.match_ns.append(time.perf_counter_ns() - t0)
-            if len(hits.worker) and n:
-                _scatter_tiers(hits, cand.positions(hits.worker), tiers)
+            if cand.table is None:
+                tiers = hits.tiers_at(cand.positions(hits.worker), n)
         pending = np.zeros(n, dtype=np.int64)
-        if self._pending_live and len(keys):
-            self._pending_prefixes(keys, cand, pending)
+        if len(self._pending) and len(keys):
+            workers, blocks = self._pending.prefixes(as_key_array(keys))
+            at = cand.positions(workers)
+            ok = at >= 0
+            pending[at[ok]] = blocks[ok]
         columns = WorkerColumns(
             cand.ids,
             self.load.rows(cand.rows),
@@ -445,24 +453,6 @@ class ControlPlane:
             return routable
         ids = [int(w) for w in routable.ids.tolist() if w in only]
         return _Candidates.of(ids, [self._workers[w].row for w in ids])
-
-    def _pending_prefixes(
-        self, keys: npt.NDArray[np.uint64], cand: _Candidates, out: npt.NDArray[np.int64]
-    ) -> None:
-        """Per candidate, how many of `keys` from block 0 a tracked request is computing
-        there (speculative residency)."""
-        key_list = keys.tolist()
-        for wid in self._pending_live:
-            pend = self._pending[wid]
-            blocks = 0
-            for k in key_list:
-                if k not in pend:
-                    break
-                blocks += 1
-            if blocks:
-                at = cand.positions(np.asarray([wid], dtype=np.uint64))[0]
-                if at >= 0:
-                    out[at] = blocks
 
     def route(
         self, request: Request, now_s: float = 0.0, only: AbstractSet[int] | None = None
@@ -510,7 +500,7 @@ class ControlPlane:
     def _track(self, request: Request, decision: Decision, now_s: float) -> None:
         if not (self.track_load or self.speculative):
             return
-        keys = tuple(request.content_keys.tolist()) if self.speculative else ()
+        keys = as_key_array(request.content_keys) if self.speculative else _NO_KEYS
         cached = 0
         for step in decision.plan:
             if step.action != "recompute":
@@ -529,26 +519,13 @@ class ControlPlane:
         self._tracked[request.request_id] = t
         self._next_expiry_s = min(self._next_expiry_s, t.expires_s)
         if self.speculative:
-            pend = self._pending.setdefault(t.worker, {})
-            for k in keys:
-                pend[k] = pend.get(k, 0) + 1
-            if pend:
-                self._pending_live.add(t.worker)
+            self._pending.add(t.worker, keys)
         if self.track_load:
             self.load.book(self._workers[t.worker].row, prefill_tokens)
 
     def _unpend(self, t: _Tracked) -> None:
-        pend = self._pending.get(t.worker)
-        if not pend:
-            return
-        for k in t.keys:
-            n = pend.get(k, 0) - 1
-            if n > 0:
-                pend[k] = n
-            else:
-                pend.pop(k, None)
-        if not pend:
-            self._pending_live.discard(t.worker)
+        if len(t.keys):
+            self._pending.remove(t.worker, t.keys)
 
     def _expire(self, now_s: float) -> None:
         # Speculative entries outlive a lost prefill_done call by at most the TTL.
@@ -616,22 +593,3 @@ class _MediaOf:
             if blocks > media.get(name, 0):
                 media[name] = blocks
         return out
-
-
-def _scatter_tiers(
-    hits: MatchColumns, at: npt.NDArray[np.intp], tiers: npt.NDArray[np.int64]
-) -> None:
-    """Each candidate's longest prefix per tier (gpu, cpu, disk) from the hits: a
-    medium beyond GPU and CPU counts as disk (`routing.types.tier_of`)."""
-    tier = np.minimum(hits.medium, 2)
-    # A candidate has several hits in one tier only with several dp ranks, or with
-    # disk and other media: then the longest is taken; otherwise a plain store.
-    several = bool(hits.dp_rank.any())
-    for t in range(3):
-        sel = (tier == t) & (at >= 0)
-        if not sel.any():
-            continue
-        if several or (t == 2 and hits.other_media):
-            np.maximum.at(tiers[t], at[sel], hits.blocks[sel])
-        else:
-            tiers[t][at[sel]] = hits.blocks[sel]

@@ -13,6 +13,9 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
+
 from quillcache._native import stored_identity
 from quillcache.errors import EventDecodeError
 from quillcache.events.pyref import decode_batch
@@ -260,6 +263,12 @@ class MemoryIndex:
 
     def match_columns(self, keys: KeyArray) -> MatchColumns:
         return MatchColumns.of(self.match(keys))
+
+    def match_tiers(
+        self, keys: KeyArray, position: npt.NDArray[np.intp], candidates: int
+    ) -> tuple[npt.NDArray[np.int64], MatchColumns]:
+        cols = self.match_columns(keys)
+        return cols.tiers(position, candidates), cols
 
     def match(self, keys: KeyArray) -> list[Match]:
         keys_list = [int(k) for k in as_key_array(keys)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from quillcache import _native
 from quillcache.errors import EventDecodeError, QuillCacheError
@@ -158,6 +159,18 @@ class NativeIndex:
             cols = self._inner.match_columns(as_key_array(keys))
         worker, rank, medium, blocks, others = cols
         return MatchColumns(worker, rank, medium, blocks, tuple(others))
+
+    def match_tiers(
+        self, keys: KeyArray, position: npt.NDArray[np.intp], candidates: int
+    ) -> tuple[npt.NDArray[np.int64], MatchColumns]:
+        try:
+            tiers, cols = self._inner.match_tiers(keys, position, candidates)
+        except (TypeError, QuillCacheError):
+            tiers, cols = self._inner.match_tiers(as_key_array(keys), position, candidates)
+        worker, rank, medium, blocks, others = cols
+        return tiers.reshape(3, candidates), MatchColumns(
+            worker, rank, medium, blocks, tuple(others)
+        )
 
     def match_many(self, requests: Sequence[KeyArray]) -> list[list[Match]]:
         """`match` for many requests in one call (one GIL release)."""

@@ -69,6 +69,14 @@ class IndexBackend(Protocol):
         """`match` as arrays, in the same order (what the control plane routes on)."""
         ...
 
+    def match_tiers(
+        self, keys: KeyArray, position: npt.NDArray[np.intp], candidates: int
+    ) -> tuple[npt.NDArray[np.int64], MatchColumns]:
+        """`match_columns`, and a (3, candidates) array: per candidate (its place is
+        `position[worker]`; negative or past the end: not a candidate) its longest
+        prefix in the gpu, cpu and disk tiers (a medium beyond GPU and CPU is disk)."""
+        ...
+
     def remove_worker(self, worker: int) -> int:
         """Drop every source of a worker (all dp ranks); returns resident pairs dropped."""
         ...

@@ -64,6 +64,24 @@ class MatchColumns:
             tuple(others),
         )
 
+    def tiers(self, position: npt.NDArray[np.intp], candidates: int) -> npt.NDArray[np.int64]:
+        """Per candidate (`position[worker]`; negative or past the end: not one), its
+        longest prefix per tier: rows gpu, cpu, disk (a medium beyond GPU and CPU is
+        disk)."""
+        at = [int(position[w]) if w < len(position) else -1 for w in self.worker.tolist()]
+        return self.tiers_at(np.asarray(at, dtype=np.intp), candidates)
+
+    def tiers_at(self, at: npt.NDArray[np.intp], candidates: int) -> npt.NDArray[np.int64]:
+        """`tiers` given each hit's candidate position (-1: not a candidate)."""
+        out = np.zeros((3, candidates), dtype=np.int64)
+        for i, code, blocks in zip(
+            at.tolist(), self.medium.tolist(), self.blocks.tolist(), strict=True
+        ):
+            if 0 <= i < candidates:
+                tier = min(code, 2)
+                out[tier, i] = max(int(out[tier, i]), blocks)
+        return out
+
     def medium_name(self, code: int) -> str:
         return _NAMED_MEDIA[code] if code < 3 else self.other_media[code - 3]
 

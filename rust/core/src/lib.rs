@@ -6,6 +6,7 @@
 //! * [`index`]: the residency index (which source holds which block, in which medium).
 //! * [`backends`]: the index over key-value stores (RocksDB, Holt) for the ART-vs-LSM study.
 //! * [`persist`]: write-ahead log, snapshots, the crash-safe index (docs/persistence.md).
+//! * [`speculative`]: the prefixes being computed on workers, until their events arrive.
 //!
 //! The binding crate (`rust/python`) only converts types and releases the GIL.
 
@@ -15,4 +16,5 @@ pub mod events;
 pub mod index;
 pub mod namespace;
 pub mod persist;
+pub mod speculative;
 pub mod vllm_hash;

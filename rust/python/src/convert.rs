@@ -32,6 +32,15 @@ pub(crate) fn keys_slice<'a>(keys: &'a PyReadonlyArray1<'_, u64>) -> PyResult<&'
     keys.as_slice().map_err(|_| not_keys())
 }
 
+/// Candidate positions by worker id (`match_tiers`), borrowed from numpy.
+pub(crate) fn positions_slice<'a>(
+    position: &'a PyReadonlyArray1<'_, isize>,
+) -> PyResult<&'a [isize]> {
+    position
+        .as_slice()
+        .map_err(|_| QuillCacheError::new_err("position must be a contiguous 1-D intp array"))
+}
+
 /// Raw msgpack batches, borrowed from their `bytes` objects.
 pub(crate) fn payload_slices<'a>(payloads: &'a [Bound<'_, PyBytes>]) -> Vec<&'a [u8]> {
     payloads.iter().map(|b| b.as_bytes()).collect()

@@ -19,7 +19,9 @@ use quillcache_core::persist::{
     SharedDurable, SnapshotTicker, WalOptions,
 };
 
-use crate::convert::{keys_slice, payload_slices, stats_tuple, IndexStatsTuple, StatsTuple};
+use crate::convert::{
+    keys_slice, payload_slices, positions_slice, stats_tuple, IndexStatsTuple, StatsTuple,
+};
 use crate::errors::{
     closed, CoreError, OrRaise, PayloadFailure, PersistenceError, QuillCacheError,
 };
@@ -191,6 +193,23 @@ impl DurableIndex {
         keys: PyReadonlyArray1<'py, u64>,
     ) -> PyResult<Bound<'py, PyList>> {
         reads::match_keys(py, &*self.inner, keys_slice(&keys)?)
+    }
+
+    /// `match_columns` plus each candidate's prefix per tier (`reads::match_tiers`).
+    fn match_tiers<'py>(
+        &self,
+        py: Python<'py>,
+        keys: PyReadonlyArray1<'py, u64>,
+        position: PyReadonlyArray1<'py, isize>,
+        candidates: usize,
+    ) -> PyResult<reads::MatchTiers<'py>> {
+        reads::match_tiers(
+            py,
+            &*self.inner,
+            keys_slice(&keys)?,
+            positions_slice(&position)?,
+            candidates,
+        )
     }
 
     /// `match` as arrays (`reads::match_columns`).

@@ -7,13 +7,15 @@
 
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use numpy::PyArray1;
+use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
 use quillcache_core::index::{Index, SourceKey};
 
-use crate::convert::{keys_vec, payload_slices, stats_tuple, IndexStatsTuple, StatsTuple};
+use crate::convert::{
+    keys_vec, payload_slices, positions_slice, stats_tuple, IndexStatsTuple, StatsTuple,
+};
 use crate::errors::{OrRaise, PayloadFailure, QuillCacheError};
 use crate::reads;
 
@@ -131,6 +133,23 @@ impl NativeIndex {
         keys: &Bound<'py, PyArray1<u64>>,
     ) -> PyResult<Bound<'py, PyList>> {
         reads::match_keys(py, &self.inner, &keys_vec(keys)?)
+    }
+
+    /// `match_columns` plus each candidate's prefix per tier (`reads::match_tiers`).
+    fn match_tiers<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyArray1<u64>>,
+        position: PyReadonlyArray1<'py, isize>,
+        candidates: usize,
+    ) -> PyResult<reads::MatchTiers<'py>> {
+        reads::match_tiers(
+            py,
+            &self.inner,
+            &keys_vec(keys)?,
+            positions_slice(&position)?,
+            candidates,
+        )
     }
 
     /// `match` as arrays (`reads::match_columns`).

@@ -16,7 +16,9 @@ use quillcache_core::backends::kv_index::KvIndexError;
 use quillcache_core::backends::{open_store, KvErrorKind, KvIndex as CoreKvIndex, KvStore};
 use quillcache_core::index::{ApplyStats, SourceKey};
 
-use crate::convert::{keys_slice, payload_slices, stats_tuple, IndexStatsTuple, StatsTuple};
+use crate::convert::{
+    keys_slice, payload_slices, positions_slice, stats_tuple, IndexStatsTuple, StatsTuple,
+};
 use crate::errors::{closed, CoreError, OrRaise, PayloadFailure};
 use crate::reads;
 
@@ -134,6 +136,23 @@ impl KvIndex {
         keys: PyReadonlyArray1<'py, u64>,
     ) -> PyResult<Bound<'py, PyList>> {
         reads::match_keys(py, &self.inner, keys_slice(&keys)?)
+    }
+
+    /// `match_columns` plus each candidate's prefix per tier (`reads::match_tiers`).
+    fn match_tiers<'py>(
+        &self,
+        py: Python<'py>,
+        keys: PyReadonlyArray1<'py, u64>,
+        position: PyReadonlyArray1<'py, isize>,
+        candidates: usize,
+    ) -> PyResult<reads::MatchTiers<'py>> {
+        reads::match_tiers(
+            py,
+            &self.inner,
+            keys_slice(&keys)?,
+            positions_slice(&position)?,
+            candidates,
+        )
     }
 
     /// `match` as arrays (`reads::match_columns`).

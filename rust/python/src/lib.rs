@@ -13,6 +13,7 @@ mod kv_index;
 mod matches;
 mod reads;
 mod relay;
+mod speculative;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -24,5 +25,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     durable::register(m)?;
     kv_index::register(m)?;
     relay::register(m)?;
+    speculative::register(m)?;
     Ok(())
 }

@@ -85,36 +85,91 @@ pub(crate) fn match_columns<'py, L: Locked>(
     keys: &[u64],
 ) -> PyResult<MatchColumns<'py>> {
     let hits = read(py, lock, |ix| ix.matches(keys))?.or_raise()?;
-    let mut workers = Vec::with_capacity(hits.len());
-    let mut ranks = Vec::with_capacity(hits.len());
-    let mut media = Vec::with_capacity(hits.len());
-    let mut blocks = Vec::with_capacity(hits.len());
-    let mut others: Vec<String> = Vec::new();
-    for hit in &hits {
-        workers.push(hit.worker);
-        ranks.push(hit.dp_rank);
-        blocks.push(hit.blocks);
-        media.push(match &hit.medium {
-            Medium::Gpu => 0,
-            Medium::Cpu => 1,
-            Medium::Disk => 2,
-            Medium::Other(name) => {
-                let at = others.iter().position(|o| o == name).unwrap_or_else(|| {
-                    others.push(name.clone());
-                    others.len() - 1
-                });
-                // The index keeps at most MAX_CUSTOM_MEDIA + 1 other names.
-                3 + u16::try_from(at).unwrap_or(u16::MAX - 3)
-            }
-        });
+    Ok(HitColumns::of(&hits).into_py(py))
+}
+
+/// `match_tiers`: `match_columns` plus, for `candidates` positions, each one's longest
+/// prefix per tier as a flat `[gpu.., cpu.., disk..]` array of `3 * candidates`.
+/// `position[worker]` is a worker's place among the candidates (negative, or past the
+/// table's end: not a candidate); a medium beyond GPU and CPU counts as disk.
+pub(crate) fn match_tiers<'py, L: Locked>(
+    py: Python<'py>,
+    lock: &L,
+    keys: &[u64],
+    position: &[isize],
+    candidates: usize,
+) -> PyResult<MatchTiers<'py>> {
+    let hits = read(py, lock, |ix| ix.matches(keys))?.or_raise()?;
+    let columns = HitColumns::of(&hits);
+    let mut tiers = vec![0i64; 3 * candidates];
+    for (i, &worker) in columns.workers.iter().enumerate() {
+        let at = usize::try_from(worker)
+            .ok()
+            .and_then(|w| position.get(w))
+            .and_then(|&p| usize::try_from(p).ok())
+            .filter(|&p| p < candidates);
+        if let Some(at) = at {
+            let tier = usize::from(columns.media[i].min(2));
+            let slot = &mut tiers[tier * candidates + at];
+            *slot = (*slot).max(i64::from(columns.blocks[i]));
+        }
     }
-    Ok((
-        PyArray1::from_vec(py, workers),
-        PyArray1::from_vec(py, ranks),
-        PyArray1::from_vec(py, media),
-        PyArray1::from_vec(py, blocks),
-        others,
-    ))
+    Ok((PyArray1::from_vec(py, tiers), columns.into_py(py)))
+}
+
+/// `match_tiers`' flat tier array and the match's columns.
+pub(crate) type MatchTiers<'py> = (Bound<'py, PyArray1<i64>>, MatchColumns<'py>);
+
+/// A match's hits as columns, before they become numpy arrays.
+struct HitColumns {
+    workers: Vec<u64>,
+    ranks: Vec<u32>,
+    media: Vec<u16>,
+    blocks: Vec<u32>,
+    others: Vec<String>,
+}
+
+impl HitColumns {
+    fn of(hits: &[NamedHit]) -> Self {
+        let mut c = HitColumns {
+            workers: Vec::with_capacity(hits.len()),
+            ranks: Vec::with_capacity(hits.len()),
+            media: Vec::with_capacity(hits.len()),
+            blocks: Vec::with_capacity(hits.len()),
+            others: Vec::new(),
+        };
+        for hit in hits {
+            c.workers.push(hit.worker);
+            c.ranks.push(hit.dp_rank);
+            c.blocks.push(hit.blocks);
+            let code = match &hit.medium {
+                Medium::Gpu => 0,
+                Medium::Cpu => 1,
+                Medium::Disk => 2,
+                Medium::Other(name) => {
+                    let others = &mut c.others;
+                    let at = others.iter().position(|o| o == name).unwrap_or_else(|| {
+                        others.push(name.clone());
+                        others.len() - 1
+                    });
+                    // The index keeps at most MAX_CUSTOM_MEDIA + 1 other names.
+                    3 + u16::try_from(at).unwrap_or(u16::MAX - 3)
+                }
+            };
+            c.media.push(code);
+        }
+        c
+    }
+
+    fn into_py(self, py: Python<'_>) -> MatchColumns<'_> {
+        (
+            PyArray1::from_vec(py, self.workers),
+            PyArray1::from_vec(py, self.ranks),
+            PyArray1::from_vec(py, self.media),
+            PyArray1::from_vec(py, self.blocks),
+            self.others,
+        )
+    }
 }
 
 /// `match_columns`' arrays and the names of the media beyond GPU / CPU / DISK.
