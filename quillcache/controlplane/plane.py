@@ -192,6 +192,9 @@ class _Candidates:
 
 _NO_KEYS: npt.NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 
+#: Candidate subsets (`route(only=...)`) kept per routable set.
+_MAX_SUBSETS = 64
+
 #: Worker ids below this get a position table; larger ids are searched.
 _MAX_TABLE = 1 << 20
 
@@ -262,6 +265,7 @@ class ControlPlane:
         self._next_expiry_s = float("inf")
         # routable workers (not draining) by id; None: recompute on the next view
         self._routable: _Candidates | None = None
+        self._subsets: dict[frozenset[int], _Candidates] = {}  # `only` sets seen
         # The gateway ingests on one thread and routes on another: an index that does
         # not serialise its own readers and writers is used under this lock, by every
         # method here (nothing outside the plane touches the index).
@@ -449,10 +453,21 @@ class ControlPlane:
         if routable is None:
             ids = sorted(w for w, s in self._workers.items() if not s.draining)
             routable = self._routable = _Candidates.of(ids, [self._workers[w].row for w in ids])
+            self._subsets.clear()
         if only is None:
             return routable
-        ids = [int(w) for w in routable.ids.tolist() if w in only]
-        return _Candidates.of(ids, [self._workers[w].row for w in ids])
+        # A gateway names the same few subsets (the workers serving each model) again
+        # and again: each is built once per routable set.
+        key = only if isinstance(only, frozenset) else None
+        subset = self._subsets.get(key) if key is not None else None
+        if subset is None:
+            ids = [int(w) for w in routable.ids.tolist() if w in only]
+            subset = _Candidates.of(ids, [self._workers[w].row for w in ids])
+            if key is not None:
+                if len(self._subsets) >= _MAX_SUBSETS:
+                    self._subsets.clear()
+                self._subsets[key] = subset
+        return subset
 
     def route(
         self, request: Request, now_s: float = 0.0, only: AbstractSet[int] | None = None

@@ -117,12 +117,20 @@ def test_the_columnar_view_is_the_plain_view(data: st.DataObject) -> None:
                 cp.prefill_done(rid)
         query = np.array(content_keys(tokens(data.draw(st.integers(0, 2)), 6), BS, NS), np.uint64)
         routable = [w for w in ids if not cp.worker(w).draining]
-        only = None
+        only: set[int] | frozenset[int] | None = None
         if data.draw(st.booleans()):
             only = set(data.draw(st.lists(st.sampled_from(ids), unique=True)))
-            routable = [w for w in routable if w in only]
-        view = cp.view(Request(99, query, 6 * BS), only=only)
-        assert view.workers == expected_view(cp, query, routable, pending_keys)
-        assert [view.worker_at(i) for i in range(len(view))] == view.workers
+            if data.draw(st.booleans()):  # a gateway's: kept by the plane per routable set
+                only = frozenset(only)
+        for _ in range(2):
+            candidates = [w for w in routable if only is None or w in only]
+            view = cp.view(Request(99, query, 6 * BS), only=only)
+            assert view.workers == expected_view(cp, query, candidates, pending_keys)
+            assert [view.worker_at(i) for i in range(len(view))] == view.workers
+            # then the fleet changes under the same `only`
+            w = data.draw(st.sampled_from(ids))
+            draining = data.draw(st.booleans())
+            cp.set_draining(w, draining)
+            routable = [x for x in ids if not cp.worker(x).draining]
     finally:
         cp.close()
