@@ -79,8 +79,15 @@ pub fn claimed(h: Holder) -> bool {
 #[derive(Debug, Default, Clone)]
 pub struct Spills {
     words: Vec<u64>,
-    /// Offsets of free blocks, by log2 of their capacity.
-    free: Vec<Vec<u32>>,
+    /// The first free block of each capacity (by log2 of the capacity), as its
+    /// offset + 1 (0: none). The free blocks of one capacity form a list threaded
+    /// through the arena itself: a free block's first holder word holds the next
+    /// one's offset + 1.
+    /// So the free lists take no memory of their own, and an arena that served a
+    /// fleet serves the next one of the same size with the same bytes (a `Vec` of
+    /// offsets per capacity kept the capacity it reached when a fleet left:
+    /// `index/churn_tests.rs`).
+    free: [u32; 32],
     in_use: usize,
 }
 
@@ -101,8 +108,15 @@ impl Spills {
     fn alloc(&mut self, holders: &[Holder]) -> u32 {
         let capacity = holders.len().next_power_of_two().max(2);
         let class = capacity.trailing_zeros() as usize;
-        let at = match self.free.get_mut(class).and_then(Vec::pop) {
-            Some(at) => at,
+        let at = match self.free[class] {
+            0 => None,
+            head => Some(head - 1),
+        };
+        let at = match at {
+            Some(at) => {
+                self.free[class] = self.words[at as usize + 1] as u32;
+                at
+            }
             None => {
                 let at = self.words.len();
                 // Offset u32::MAX would read as `HolderSet::FREED`.
@@ -124,10 +138,9 @@ impl Spills {
     fn release(&mut self, at: u32) {
         let (_, capacity) = self.header(at);
         let class = capacity.trailing_zeros() as usize;
-        if self.free.len() <= class {
-            self.free.resize_with(class + 1, Vec::new);
-        }
-        self.free[class].push(at);
+        // Every capacity is at least 2: the first holder word is there.
+        self.words[at as usize + 1] = self.free[class] as u64;
+        self.free[class] = at + 1;
         self.in_use -= 1;
     }
 
@@ -185,8 +198,6 @@ impl Spills {
     /// Heap bytes held by the arena.
     pub fn heap_bytes(&self) -> usize {
         self.words.capacity() * 8
-            + self.free.capacity() * std::mem::size_of::<Vec<u32>>()
-            + self.free.iter().map(|f| f.capacity() * 4).sum::<usize>()
     }
 }
 

@@ -31,6 +31,8 @@ pub mod sources;
 mod tree;
 
 #[cfg(test)]
+mod churn_tests;
+#[cfg(test)]
 mod tests;
 
 pub use batch::PayloadsError;

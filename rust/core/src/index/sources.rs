@@ -81,6 +81,12 @@ pub struct Sources {
     pub slots: Vec<Option<Source>>,
     by_key: HashMap<SourceKey, u32, MixBuild>,
     free: Vec<u32>,
+    /// Live sources in key order, with their slots; `rank[slot]` is a slot's place
+    /// here. `match` orders its hits by it without a comparison sort (at 1,024
+    /// engines every request matches every engine on the system prompt). Kept on
+    /// every add and removal: O(sources) each, rare events.
+    ordered: Vec<(SourceKey, u32)>,
+    rank: Vec<u32>,
 }
 
 impl Sources {
@@ -119,7 +125,42 @@ impl Sources {
             }
         };
         self.by_key.insert(key, slot);
+        self.ordered_insert(key, slot);
         Some(slot)
+    }
+
+    fn ordered_insert(&mut self, key: SourceKey, slot: u32) {
+        let at = self.ordered.partition_point(|(k, _)| *k < key);
+        self.ordered.insert(at, (key, slot));
+        if self.rank.len() <= slot as usize {
+            self.rank.resize(slot as usize + 1, u32::MAX);
+        }
+        for (r, &(_, s)) in self.ordered.iter().enumerate().skip(at) {
+            self.rank[s as usize] = r as u32;
+        }
+    }
+
+    fn ordered_remove(&mut self, key: SourceKey) {
+        let at = self.ordered.partition_point(|(k, _)| *k < key);
+        if self.ordered.get(at).is_some_and(|(k, _)| *k == key) {
+            let (_, slot) = self.ordered.remove(at);
+            self.rank[slot as usize] = u32::MAX;
+            for (r, &(_, s)) in self.ordered.iter().enumerate().skip(at) {
+                self.rank[s as usize] = r as u32;
+            }
+        }
+    }
+
+    /// The place of a live slot's key among the live sources' keys.
+    #[inline]
+    pub fn rank(&self, slot: u32) -> u32 {
+        self.rank[slot as usize]
+    }
+
+    /// The live sources in key order, with their slots (`rank` indexes it).
+    #[inline]
+    pub fn ordered(&self) -> &[(SourceKey, u32)] {
+        &self.ordered
     }
 
     /// Puts a source at a given slot (snapshot restore).
@@ -128,7 +169,12 @@ impl Sources {
         if self.slots.len() <= s {
             self.slots.resize_with(s + 1, || None);
         }
+        if let Some(old) = self.slots[s].take() {
+            self.by_key.remove(&old.key);
+            self.ordered_remove(old.key);
+        }
         self.by_key.insert(source.key, slot);
+        self.ordered_insert(source.key, slot);
         self.slots[s] = Some(source);
     }
 
@@ -157,6 +203,7 @@ impl Sources {
     pub fn remove(&mut self, slot: u32) {
         if let Some(src) = self.slots[slot as usize].take() {
             self.by_key.remove(&src.key);
+            self.ordered_remove(src.key);
             self.free.push(slot);
         }
     }
@@ -183,6 +230,8 @@ impl Sources {
         self.slots.capacity() * std::mem::size_of::<Option<Source>>()
             + self.by_key.allocation_size()
             + self.free.capacity() * 4
+            + self.ordered.capacity() * std::mem::size_of::<(SourceKey, u32)>()
+            + self.rank.capacity() * 4
             + self.iter().map(|(_, s)| s.heap_bytes()).sum::<usize>()
     }
 }
@@ -270,6 +319,14 @@ impl Media {
 
     pub fn all(&self) -> &[Medium] {
         &self.names
+    }
+
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
     }
 
     pub fn heap_bytes(&self) -> usize {

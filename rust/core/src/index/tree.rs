@@ -106,6 +106,22 @@ impl Slab for [Node] {
     }
 }
 
+/// From this many nodes on, a full slab grows by an eighth instead of doubling.
+const GENTLE_GROWTH_FROM: usize = 1 << 20;
+
+/// Makes room for one more element: beyond [`GENTLE_GROWTH_FROM`], by an eighth of
+/// the capacity rather than `Vec`'s doubling, so that the slab's unused capacity is
+/// at most 12.5 % of it instead of up to 50 % (at 10 M nodes a doubled slab held
+/// 2^24 slots: 268 MB of the index's 942 MB unused; docs/results/residency-index.md).
+/// The slab is that large only in its own mmap, which glibc's `realloc` moves with
+/// `mremap` (no copy), so the extra growths cost page-table updates, not copies.
+#[inline]
+fn grow_gently<T>(v: &mut Vec<T>) {
+    if v.len() == v.capacity() && v.capacity() >= GENTLE_GROWTH_FROM {
+        v.reserve_exact(v.capacity() / 8);
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct Tree {
     /// Key and holders of each node, by id.
@@ -317,6 +333,8 @@ impl Tree {
     /// pages (`hugepages`).
     #[inline]
     fn push(&mut self, hot: Hot, node: Node) -> u32 {
+        grow_gently(&mut self.hot);
+        grow_gently(&mut self.nodes);
         let capacities = (self.hot.capacity(), self.nodes.capacity());
         self.hot.push(hot);
         self.nodes.push(node);
