@@ -181,6 +181,7 @@ class _Candidates:
     @classmethod
     def of(cls, ids: list[int], rows: list[int]) -> _Candidates:
         ids_a = np.asarray(ids, dtype=np.int64)
+        ids_a.flags.writeable = False  # shared by every view of this candidate set
         rows_a = np.asarray(rows, dtype=np.intp)
         contiguous = bool(len(rows_a)) and bool((rows_a == np.arange(len(rows_a))).all())
         table = None
@@ -429,10 +430,16 @@ class ControlPlane:
             at = cand.positions(workers)
             ok = at >= 0
             pending[at[ok]] = blocks[ok]
+        # The load and fleet rows may be views of the plane's own matrices (and the ids
+        # are shared by every view): read-only, so a router cannot change the plane.
+        load = self.load.rows(cand.rows)
+        load.flags.writeable = False
+        fleet = self._fleet.m[cand.rows]
+        fleet.flags.writeable = False
         columns = WorkerColumns(
             cand.ids,
-            self.load.rows(cand.rows),
-            self._fleet.m[cand.rows],
+            load,
+            fleet,
             tiers[0],
             tiers[1],
             tiers[2],

@@ -198,3 +198,13 @@ def test_a_long_lived_plane_keeps_no_per_request_samples() -> None:
     finally:
         plain.close()
         replay.close()
+
+
+def test_a_router_cannot_change_the_plane_through_its_view(cp: ControlPlane) -> None:
+    cp.update_load(1, in_flight=4)
+    view = cp.view(_request())
+    for column in (view.columns.worker, view.columns.load, view.columns.fleet):
+        with pytest.raises(ValueError, match="read-only"):
+            column[0] = 99
+    assert cp.worker(1).in_flight == 4
+    assert cp.view(_request()).columns.worker.tolist() == [0, 1, 2]
