@@ -158,7 +158,7 @@ class _Candidates:
     """The routable workers (or a subset) in id order: their ids, their rows, and each
     worker id's position among them."""
 
-    ids: npt.NDArray[np.int64]
+    ids: npt.NDArray[np.uint64]
     rows: npt.NDArray[np.intp] | slice
     # position by worker id (-1: not a candidate), when ids are small enough for a table
     table: npt.NDArray[np.intp] | None
@@ -166,26 +166,25 @@ class _Candidates:
     def positions(self, workers: npt.NDArray[np.uint64]) -> npt.NDArray[np.intp]:
         """Each worker's position among the candidates, -1 for the others."""
         if self.table is not None:
-            w = workers.astype(np.intp)
-            inside = w < len(self.table)
+            inside = workers < len(self.table)  # compared as u64: ids up to 2**64-1
             if inside.all():
-                return self.table[w]
-            out = np.full(len(w), -1, dtype=np.intp)
-            out[inside] = self.table[w[inside]]
+                return self.table[workers.astype(np.intp)]
+            out = np.full(len(workers), -1, dtype=np.intp)
+            out[inside] = self.table[workers[inside].astype(np.intp)]
             return out
-        at = np.searchsorted(self.ids, workers.astype(np.int64))
-        at = np.minimum(at, max(len(self.ids) - 1, 0))
-        found = self.ids[at] == workers.astype(np.int64) if len(self.ids) else at < 0
-        return np.where(found, at, -1)
+        if not len(self.ids):
+            return np.full(len(workers), -1, dtype=np.intp)
+        at = np.minimum(np.searchsorted(self.ids, workers), len(self.ids) - 1)
+        return np.where(self.ids[at] == workers, at, -1)
 
     @classmethod
     def of(cls, ids: list[int], rows: list[int]) -> _Candidates:
-        ids_a = np.asarray(ids, dtype=np.int64)
+        ids_a = np.asarray(ids, dtype=np.uint64)
         ids_a.flags.writeable = False  # shared by every view of this candidate set
         rows_a = np.asarray(rows, dtype=np.intp)
         contiguous = bool(len(rows_a)) and bool((rows_a == np.arange(len(rows_a))).all())
         table = None
-        if len(ids_a) and ids_a[0] >= 0 and ids_a[-1] < _MAX_TABLE:
+        if len(ids_a) and ids_a[-1] < _MAX_TABLE:
             table = np.full(int(ids_a[-1]) + 1, -1, dtype=np.intp)
             table[ids_a] = np.arange(len(ids_a))
         return cls(ids_a, slice(0, len(rows_a)) if contiguous else rows_a, table)

@@ -13,9 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
-from quillcache.routing.base import Router
+from quillcache.routing.base import Router, first_min
 from quillcache.routing.types import Decision, Request, View
 
 
@@ -45,21 +44,15 @@ class SglangCacheAware(Router):
         lo, hi = loads.min(), loads.max()
         if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
             # shortest queue, then lowest id
-            at = _first_min(loads, c.worker)
+            at = first_min(loads, c.worker)
             return self.decide(request, view, view.worker_at(at), "load imbalanced: shortest queue")
         # longest match, then shortest queue, then lowest id
         longest = np.flatnonzero(c.gpu_blocks == c.gpu_blocks.max())
-        best = view.worker_at(int(longest[_first_min(loads[longest], c.worker[longest])]))
+        best = view.worker_at(int(longest[first_min(loads[longest], c.worker[longest])]))
         rate = best.gpu_blocks * view.block_size / max(request.prompt_tokens, 1)
         if rate > self.cache_threshold:
             return self.decide(request, view, best, f"match rate {rate:.2f}")
         # smallest cache, then shortest queue, then lowest id
         small = np.flatnonzero(c.resident_blocks == c.resident_blocks.min())
-        at = int(small[_first_min(loads[small], c.worker[small])])
+        at = int(small[first_min(loads[small], c.worker[small])])
         return self.decide(request, view, view.worker_at(at), "low match: smallest cache")
-
-
-def _first_min(values: npt.NDArray[np.float64], ids: npt.NDArray[np.int64]) -> int:
-    """The position of the lowest value, the lowest id among equals."""
-    at = np.flatnonzero(values == values.min())
-    return int(at[np.argmin(ids[at])]) if len(at) > 1 else int(at[0])

@@ -103,7 +103,7 @@ class WorkerColumns:
     """The routable workers as arrays, one row per worker in `View` order (by id):
     what a router reads to score a fleet without one object per worker."""
 
-    worker: npt.NDArray[np.int64]
+    worker: npt.NDArray[np.uint64]  # ids: 0 .. 2**64-1
     load: npt.NDArray[np.float64]  # (n, len(LOAD_FIELDS))
     fleet: npt.NDArray[np.float64]  # (n, len(FLEET_FIELDS))
     gpu_blocks: npt.NDArray[np.int64]
@@ -159,7 +159,7 @@ class WorkerColumns:
             return np.fromiter((getattr(w, field) for w in workers), np.int64, n)
 
         return cls(
-            ints("worker"),
+            np.fromiter((w.worker for w in workers), np.uint64, n),
             load,
             fleet,
             ints("gpu_blocks"),

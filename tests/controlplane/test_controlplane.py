@@ -208,3 +208,19 @@ def test_a_router_cannot_change_the_plane_through_its_view(cp: ControlPlane) -> 
             column[0] = 99
     assert cp.worker(1).in_flight == 4
     assert cp.view(_request()).columns.worker.tolist() == [0, 1, 2]
+
+
+def test_any_u64_worker_id_routes_and_a_huge_draining_one_is_placed_nowhere() -> None:
+    huge = 2**64 - 1
+    plane = ControlPlane(index="native", router="quillcache-greedy", block_size=BS)
+    try:
+        for w in (1, 2, huge):
+            plane.add_worker(w, capacity_blocks=100, model=MODEL)
+        plane.ingest(huge, [_stored(list(range(1, 7)), None, TOKENS)])
+        assert plane.route(_request()).worker == huge  # it holds the prompt
+        plane.set_draining(huge)
+        view = plane.view(_request())  # small ids: a position table; the hit is off it
+        assert view.columns.worker.tolist() == [1, 2]
+        assert view.columns.gpu_blocks.tolist() == [0, 0]
+    finally:
+        plane.close()

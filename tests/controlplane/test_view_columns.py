@@ -74,7 +74,7 @@ def test_the_columnar_view_is_the_plain_view(data: st.DataObject) -> None:
     cp = ControlPlane(index="native", router="round-robin", block_size=BS, track_load=True)
     try:
         # ids past the plane's position table (2**20) are placed by search, not a table
-        top = data.draw(st.sampled_from([5_000, 2**40]))
+        top = data.draw(st.sampled_from([5_000, 2**40, 2**64 - 1]))
         drawn = data.draw(st.lists(st.integers(0, top), min_size=1, max_size=8, unique=True))
         ids = sorted(drawn)
         for w in ids:
