@@ -25,8 +25,8 @@
 //! Phases, each printed on its own line: ingest (wall and CPU, blocks/s), match
 //! p50/p99 (each match timed on its own), memory (IndexStats::memory_bytes and the
 //! process RSS growth, per resident pair and per block), churn (remove 1,000 engines,
-//! then 1,000 new ones replay the removed engines' stores: memory_bytes before, after
-//! removal, after re-adding), and native-wal (the same stream through `DurableIndex`,
+//! then 1,000 new ones replay the removed engines' stores: each removal's time, p50,
+//! p99 and max; memory_bytes before, after removal, after re-adding), and native-wal (the same stream through `DurableIndex`,
 //! then `snapshot()` and a reopen: write and restore times).
 //!
 //!     cargo bench -p quillcache-core --bench fleet
@@ -378,10 +378,23 @@ fn churn(idx: &mut Index, target: u64) {
     let before = idx.stats();
     let t0 = Instant::now();
     let mut dropped = 0;
+    // Each removal timed on its own: it holds the index's write lock, so its worst
+    // case is a stall of every routing decision.
+    let mut each = Vec::with_capacity(REMOVED as usize);
     for w in 0..REMOVED {
+        let t = Instant::now();
         dropped += idx.remove_worker(w);
+        each.push(t.elapsed());
     }
     let remove_s = t0.elapsed().as_secs_f64();
+    each.sort_unstable();
+    let at = |q: f64| each[((each.len() - 1) as f64 * q) as usize].as_secs_f64() * 1e3;
+    println!(
+        "fleet/churn: remove_worker each: p50 {:.3} ms, p99 {:.3} ms, max {:.3} ms",
+        at(0.5),
+        at(0.99),
+        at(1.0)
+    );
     let removed = idx.stats();
     let idx_cell = Mutex::new(std::mem::take(idx));
     let t0 = Instant::now();

@@ -82,6 +82,9 @@ impl Index {
         if new_pair {
             self.resident_pairs += 1;
             self.sources.get_mut(slot).pairs += 1;
+            if set.slot_count(&self.tree.spills, slot) == 1 {
+                self.note_held(slot, id);
+            }
         }
         if !was_visible {
             self.blocks += 1;
@@ -238,6 +241,7 @@ impl Index {
             }
             self.after_shrink(id, was_visible);
         }
+        self.after_letting_go(slot);
     }
 
     /// The content key that `(group, hash)` (as `engine_map_key`) names in the engine

@@ -33,6 +33,8 @@ mod tree;
 #[cfg(test)]
 mod churn_tests;
 #[cfg(test)]
+mod removal_tests;
+#[cfg(test)]
 mod tests;
 
 pub use batch::PayloadsError;
@@ -134,6 +136,10 @@ pub struct Index {
     /// Nodes with a holder or a pin.
     blocks: u64,
     pinned: u64,
+    /// Nodes visited by `clear_slot` since creation (tests: a removal visits what
+    /// the source held, not the slab).
+    #[cfg(test)]
+    clear_visits: u64,
 }
 
 impl Index {

@@ -152,28 +152,110 @@ impl Index {
         dropped
     }
 
+    /// Drops every residency of source `slot` and its engine map; returns the pairs
+    /// dropped. Visits the nodes on the source's list (`Source::blocks`), not the
+    /// slab: O(what the source held), not O(nodes) (docs/index.md, "Removing a
+    /// source").
     pub(super) fn clear_slot(&mut self, slot: u32) -> u64 {
         let src = self.sources.get_mut(slot);
-        let engine = std::mem::take(&mut src.engine);
+        src.engine = Default::default();
         let before = src.pairs;
-        // The engine map names nearly every held block; a full pass catches the rest
-        // (residency whose hash was re-stored under another key).
-        let mut candidates: Vec<u32> = engine.values().filter_map(|&k| self.tree.find(k)).collect();
-        candidates.sort_unstable();
-        candidates.dedup();
-        self.drop_slot_from(slot, &candidates);
-        if self.sources.get(slot).pairs > 0 {
+        let mut ids = std::mem::take(&mut src.blocks);
+        // Slab order: neighbouring slots share cache lines (a stored run of blocks
+        // has consecutive ids), and duplicates go.
+        ids.sort_unstable();
+        ids.dedup();
+        self.drop_slot_from(slot, &ids);
+        let left = self.sources.get(slot).pairs;
+        debug_assert_eq!(left, 0, "a held node missing from the source's list");
+        if left > 0 {
+            // Never expected (the lists are tested against the holders); if it
+            // happens, correctness first: one pass over every node.
             let all: Vec<u32> = self.tree.ids().collect();
             self.drop_slot_from(slot, &all);
         }
-        debug_assert_eq!(self.sources.get(slot).pairs, 0);
         before
     }
 
+    /// Records that source `slot` gained its first holder on node `id`. When the
+    /// list is full and at least 1.5 × the source's pairs long, it is compacted
+    /// first: entries of nodes the source no longer holds (or freed) and
+    /// duplicates go, leaving at most `pairs` (so at least a third goes: O(1)
+    /// amortised per append). The list grows by a quarter at a time.
+    pub(super) fn note_held(&mut self, slot: u32, id: u32) {
+        let src = self.sources.get(slot);
+        let len = src.blocks.len() as u64;
+        if len == src.blocks.capacity() as u64 {
+            if len >= 16 && 2 * len >= 3 * src.pairs {
+                self.compact_blocks(slot);
+            }
+            // Grown by a quarter, not doubled: the lists are ~4 bytes per
+            // resident pair, and a doubled list is a third empty on average.
+            let blocks = &mut self.sources.get_mut(slot).blocks;
+            if blocks.len() == blocks.capacity() {
+                blocks.reserve_exact((blocks.len() / 4).max(8));
+            }
+        }
+        self.sources.get_mut(slot).blocks.push(id);
+    }
+
+    /// After source `slot` let go of nodes (BlockRemoved): once its list is more
+    /// than 4 × its pairs (+ 64) long, compact it (at least three quarters go: O(1)
+    /// amortised per entry) and give back capacity beyond twice what is left. So
+    /// `blocks.len() <= 4 × pairs + 64` always (`check_invariants`), whatever an
+    /// engine stored and evicted before.
+    pub(super) fn after_letting_go(&mut self, slot: u32) {
+        let src = self.sources.get(slot);
+        if src.blocks.len() as u64 > 4 * src.pairs + 64 {
+            self.compact_blocks(slot);
+            let blocks = &mut self.sources.get_mut(slot).blocks;
+            if blocks.capacity() > 2 * blocks.len() + 64 {
+                blocks.shrink_to(2 * blocks.len() + 64);
+            }
+        }
+    }
+
+    /// Keeps only the entries of nodes the source holds, in slab order, once each.
+    fn compact_blocks(&mut self, slot: u32) {
+        let mut list = std::mem::take(&mut self.sources.get_mut(slot).blocks);
+        list.retain(|&b| self.holds(slot, b));
+        list.sort_unstable();
+        list.dedup();
+        self.sources.get_mut(slot).blocks = list;
+    }
+
+    /// Whether node `id` (maybe a freed slot) has a holder of source `slot`.
+    #[inline]
+    pub(super) fn holds(&self, slot: u32, id: u32) -> bool {
+        let set = self.tree.holders(id);
+        !set.is_freed() && set.has_slot(&self.tree.spills, slot)
+    }
+
+    /// Removes source `slot`'s holders from the nodes `ids` (sorted; freed slots
+    /// and nodes it does not hold are skipped), then collects what is left empty.
     fn drop_slot_from(&mut self, slot: u32, ids: &[u32]) {
+        const AHEAD: usize = 16;
+        #[cfg(test)]
+        {
+            self.clear_visits += ids.len() as u64;
+        }
         let mut emptied = vec![];
-        for &id in ids {
+        for (i, &id) in ids.iter().enumerate() {
+            // The lists name random nodes: start loading later ones (hot and cold
+            // parts, then a spilled holder list once its node is in cache).
+            if let Some(&far) = ids.get(i + AHEAD) {
+                self.tree.prefetch_node(far);
+            }
+            if let Some(&near) = ids.get(i + AHEAD / 2) {
+                let set = self.tree.holders(near);
+                if !set.is_freed() {
+                    set.prefetch(&self.tree.spills);
+                }
+            }
             let mut set = self.tree.holders(id);
+            if set.is_freed() {
+                continue;
+            }
             let was_visible = self.visible(id);
             let gone = set.remove_slot(&mut self.tree.spills, slot) as u64;
             if gone == 0 {
@@ -188,9 +270,17 @@ impl Index {
             }
         }
         // Collect after all holders are gone; an id may already have been freed as
-        // the ancestor of another.
-        for id in emptied {
-            if self.tree.is_live(id) {
+        // the ancestor of another (no node is created meanwhile, so a freed slot
+        // is still marked freed). Each collection removes the key and primary hash
+        // from their tables: their slots (random lines) are loaded ahead.
+        for (i, &id) in emptied.iter().enumerate() {
+            if let Some(&far) = emptied.get(i + AHEAD) {
+                self.tree.prefetch_collect(far);
+            }
+            if let Some(&near) = emptied.get(i + AHEAD / 2) {
+                self.tree.prefetch_collect_clusters(near);
+            }
+            if !self.tree.holders(id).is_freed() {
                 self.tree.collect(id);
             }
         }
@@ -302,9 +392,34 @@ impl Index {
                 (pairs, blocks, pinned)
             ));
         }
+        let mut held_by: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
+        for &id in &live {
+            for &h in self.tree.holders(id).as_slice(&self.tree.spills) {
+                held_by.entry(slot_of(id_of(h))).or_default().insert(id);
+            }
+        }
         for (slot, s) in self.sources.iter() {
             if per_slot.get(&slot).copied().unwrap_or(0) != s.pairs {
                 return Err(format!("source {:?}: pairs counter off", s.key));
+            }
+            let listed: BTreeSet<u32> = s.blocks.iter().copied().collect();
+            if let Some(missing) = held_by
+                .get(&slot)
+                .and_then(|held| held.difference(&listed).next())
+            {
+                return Err(format!(
+                    "source {:?}: holds node {:#x}, not on its list",
+                    s.key,
+                    self.tree.key(*missing)
+                ));
+            }
+            if s.blocks.len() as u64 > 4 * s.pairs + 64 {
+                return Err(format!(
+                    "source {:?}: list of {} nodes for {} pairs",
+                    s.key,
+                    s.blocks.len(),
+                    s.pairs
+                ));
             }
             for &map_key in s.engine.keys() {
                 if let Some(id) = self.tree.find_ehash(map_key) {

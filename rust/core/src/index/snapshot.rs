@@ -367,6 +367,7 @@ impl Index {
         let has_ehash = self.tree.node(id).ehash().is_some();
         let n_holders = i.u32()?;
         let mut set = self.tree.holders(id);
+        let mut previous_slot = None;
         for _ in 0..n_holders {
             let h = i.u64()?;
             let hid = id_of(h);
@@ -384,7 +385,14 @@ impl Index {
             if claimed(h) {
                 set.set_claim(&mut self.tree.spills, slot, true);
             }
-            self.sources.get_mut(slot).pairs += 1;
+            let src = self.sources.get_mut(slot);
+            src.pairs += 1;
+            // Each source's node list (`Source::blocks`), rebuilt: once per source
+            // per node, whatever its media.
+            if previous_slot != Some(slot) {
+                src.blocks.push(id);
+                previous_slot = Some(slot);
+            }
             self.resident_pairs += 1;
         }
         self.tree.set_holders(id, set);

@@ -67,11 +67,24 @@ pub struct Source {
     pub engine: EngineMap,
     /// Resident (block, medium) pairs this source holds.
     pub pairs: u64,
+    /// The nodes this source holds, so that removing it visits them and nothing
+    /// else (`Index::clear_slot`; docs/index.md, "Removing a source"). A node is
+    /// appended when the source gains its first holder on it; it is not taken out
+    /// when the source lets go (that would need its place stored per holder), so
+    /// the list may also name nodes the source no longer holds, freed slots and
+    /// duplicates. It is compacted when it is full and at least 1.5 × `pairs` long
+    /// (`Index::note_held`), so it stays within a small factor of `pairs` and each
+    /// append costs O(1) amortised. Derived state: not in snapshots, rebuilt from
+    /// the holders when one is read.
+    pub blocks: Vec<u32>,
 }
 
 impl Source {
     fn heap_bytes(&self) -> usize {
-        self.model.capacity() + self.tokenizer.capacity() + self.engine.allocation_size()
+        self.model.capacity()
+            + self.tokenizer.capacity()
+            + self.engine.allocation_size()
+            + self.blocks.capacity() * 4
     }
 }
 

@@ -391,14 +391,17 @@ proptest! {
         idx.check_invariants().map_err(TestCaseError::fail)?;
         let mut buf = vec![];
         idx.write_snapshot(&mut buf).unwrap();
-        let back = Index::read_snapshot(&mut buf.as_slice()).unwrap();
+        let mut back = Index::read_snapshot(&mut buf.as_slice()).unwrap();
         prop_assert!(back.state_eq(&idx));
+        back.check_invariants().map_err(TestCaseError::fail)?;
         for alpha in 0..3 {
             let keys = keys_of(&toks(3, alpha));
             prop_assert_eq!(back.match_keys(&keys), idx.match_keys(&keys));
         }
         for w in 0..3 {
-            idx.remove_worker(w);
+            // The restored index removes through its rebuilt per-source lists.
+            prop_assert_eq!(back.remove_worker(w), idx.remove_worker(w));
+            prop_assert!(back.state_eq(&idx));
         }
         for alpha in 0..3 {
             for blocks in 1..4 {

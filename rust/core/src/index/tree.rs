@@ -245,6 +245,52 @@ impl Tree {
         (h.key == key && !h.holders.is_freed()).then_some(id)
     }
 
+    /// Starts loading node `id`'s hot and cold parts (nothing beyond the slab).
+    #[inline]
+    pub fn prefetch_node(&self, id: u32) {
+        if let (Some(h), Some(n)) = (self.hot.get(id as usize), self.nodes.get(id as usize)) {
+            super::keytable::prefetch(h);
+            super::keytable::prefetch(n);
+        }
+    }
+
+    /// Starts loading what collecting node `id` touches first: its key's and its
+    /// primary hash's table slots and its parent (nothing for a freed slot).
+    #[inline]
+    pub fn prefetch_collect(&self, id: u32) {
+        let Some(h) = self.hot.get(id as usize) else {
+            return;
+        };
+        if h.holders.is_freed() {
+            return;
+        }
+        self.table.prefetch_slot(h.key);
+        let n = &self.nodes[id as usize];
+        if let Some(e) = n.ehash() {
+            self.by_ehash.prefetch_slot(e);
+        }
+        if let Some(p) = self.nodes.get(n.parent_id as usize) {
+            super::keytable::prefetch(p);
+        }
+    }
+
+    /// The second step after [`Tree::prefetch_collect`], once the table slots are
+    /// in cache: the nodes of the clusters that the removal of `id`'s key and primary
+    /// hash will shift back (each a random line of the slab).
+    #[inline]
+    pub fn prefetch_collect_clusters(&self, id: u32) {
+        let Some(h) = self.hot.get(id as usize) else {
+            return;
+        };
+        if h.holders.is_freed() {
+            return;
+        }
+        self.table.prefetch_cluster(h.key, self.hot.as_slice(), 6);
+        if let Some(e) = self.nodes[id as usize].ehash() {
+            self.by_ehash.prefetch_cluster(e, self.nodes.as_slice(), 6);
+        }
+    }
+
     /// Starts loading the hot parts of nodes `first .. first + count` (clamped to
     /// the slab): every cache line they span.
     #[inline]
@@ -444,6 +490,7 @@ impl Tree {
     }
 
     /// True if `id` names a live node (not a freed slot).
+    #[cfg(test)]
     pub fn is_live(&self, id: u32) -> bool {
         (id as usize) < self.hot.len() && self.find(self.hot[id as usize].key) == Some(id)
     }
