@@ -274,10 +274,10 @@ impl Index {
         // is still marked freed). Each collection removes the key and primary hash
         // from their tables: their slots (random lines) are loaded ahead.
         for (i, &id) in emptied.iter().enumerate() {
-            if let Some(&far) = emptied.get(i + AHEAD) {
+            if let Some(&far) = emptied.get(i + 2 * AHEAD) {
                 self.tree.prefetch_collect(far);
             }
-            if let Some(&near) = emptied.get(i + AHEAD / 2) {
+            if let Some(&near) = emptied.get(i + AHEAD) {
                 self.tree.prefetch_collect_clusters(near);
             }
             if !self.tree.holders(id).is_freed() {

@@ -285,9 +285,9 @@ impl Tree {
         if h.holders.is_freed() {
             return;
         }
-        self.table.prefetch_cluster(h.key, self.hot.as_slice(), 6);
+        self.table.prefetch_cluster(h.key, self.hot.as_slice(), 4);
         if let Some(e) = self.nodes[id as usize].ehash() {
-            self.by_ehash.prefetch_cluster(e, self.nodes.as_slice(), 6);
+            self.by_ehash.prefetch_cluster(e, self.nodes.as_slice(), 4);
         }
     }
 
