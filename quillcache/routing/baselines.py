@@ -6,6 +6,7 @@ import bisect
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from quillcache.routing.base import Router
@@ -100,6 +101,10 @@ class SessionAffinity(Router):
         self.vnodes = vnodes
         self.prefix_blocks = max(prefix_blocks, 1)
         self._ring_for: tuple[int, ...] = ()
+        # the id column the ring was last built for: the control plane hands out the
+        # same read-only array while the fleet does not change, so most requests skip
+        # building a 1,000-id tuple to find that out
+        self._ring_ids: npt.NDArray[np.uint64] | None = None
         self._points: list[int] = []
         self._owners: list[int] = []
         # rings of recent worker sets: a gateway shows each model's workers in turn
@@ -125,7 +130,10 @@ class SessionAffinity(Router):
     def route(self, request: Request, view: View) -> Decision:
         if not len(view):
             return self.no_workers()
-        self._ring(tuple(view.columns.worker.tolist()))
+        ids = view.columns.worker
+        if ids is not self._ring_ids:
+            self._ring(tuple(ids.tolist()))
+            self._ring_ids = ids if not ids.flags.writeable else None
         if request.session_id is not None:
             h = xxhash.xxh3_64_intdigest(str(request.session_id).encode())
         elif len(request.content_keys):

@@ -224,3 +224,21 @@ def test_any_u64_worker_id_routes_and_a_huge_draining_one_is_placed_nowhere() ->
         assert view.columns.gpu_blocks.tolist() == [0, 0]
     finally:
         plane.close()
+
+
+def test_session_affinity_follows_the_fleet_as_it_changes() -> None:
+    plane = ControlPlane(index="native", router="session-affinity", block_size=BS)
+    try:
+        for w in range(4):
+            plane.add_worker(w, model=MODEL)
+        req = _request()
+        req.session_id = "s-1"
+        home = plane.route(req).worker
+        assert home is not None and plane.route(req).worker == home  # sticky
+        plane.set_draining(home)
+        moved = plane.route(req).worker
+        assert moved not in (None, home)
+        plane.set_draining(home, False)
+        assert plane.route(req).worker == home  # the ring of the full fleet again
+    finally:
+        plane.close()
