@@ -71,7 +71,7 @@ import zmq
 from quillcache.connectors.replay import ReplayError, ReplayStream
 from quillcache.connectors.sequence import SequenceTracker, Verdict, WireOrder
 from quillcache.connectors.sink import IngestSink
-from quillcache.connectors.zmq_source import ZmqReceiver, ZmqSourceConfig
+from quillcache.connectors.zmq_source import ZmqReceiver, ZmqSourceConfig, raise_socket_limit
 from quillcache.errors import EventDecodeError
 from quillcache.index.types import ApplyStats
 
@@ -267,6 +267,7 @@ class EventIngestor:
         self._bytes_lock = threading.Lock()
         self.sink = sink
         self.ctx = ctx or zmq.Context.instance()
+        raise_socket_limit(self.ctx)
         self.replay_timeout_s = replay_timeout_s
         self.stale_rebuild_s = stale_rebuild_s
         self.quiet_tail_s = quiet_tail_s  # 0: no tail checks
@@ -275,6 +276,7 @@ class EventIngestor:
         # (source, epoch, frames, bytes)
         self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self.sources: dict[SourceKey, SourceStatus] = {}
+        self._ranks: dict[int, tuple[int, ...]] = {}  # worker -> its sources' dp ranks
         self._receivers: dict[SourceKey, ZmqReceiver] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -325,12 +327,14 @@ class EventIngestor:
         with self._lock:
             for k in [k for k in self.sources if k[0] == worker]:
                 del self.sources[k]
+            self._ranks.pop(worker, None)
 
     def _status(self, key: SourceKey) -> SourceStatus:
         with self._lock:
             status = self.sources.get(key)
             if status is None:
                 status = self.sources[key] = SourceStatus(worker=key[0], dp_rank=key[1])
+                self._ranks[key[0]] = (*self._ranks.get(key[0], ()), key[1])
             return status
 
     # -- receiving (any thread) ----------------------------------------------------------
@@ -338,8 +342,9 @@ class EventIngestor:
     def expect_events(self, worker: int) -> None:
         """The gateway sent `worker` a request: its events should follow. If none arrive
         (all lost), the quiet-tail check still asks its replay socket."""
-        for status in list(self.sources.values()):
-            if status.worker == worker:
+        for rank in self._ranks.get(worker, ()):  # once per request: not a fleet scan
+            status = self.sources.get((worker, rank))
+            if status is not None:
                 status.note_traffic()
 
     def _on_peer(self, key: SourceKey) -> None:
@@ -447,20 +452,34 @@ class EventIngestor:
 
     # -- applying (the applier thread) ---------------------------------------------------
 
+    # how often the applier looks at its sources when the queue is empty: every 50 ms
+    # while one has something pending, else 4 times a second (an idle fleet of a
+    # thousand sources is otherwise scanned 20 times a second for nothing; new batches
+    # wake the applier at once either way)
+    TICK_S = 0.05
+    IDLE_TICK_S = 0.25
+
     def _run(self) -> None:
+        tick = self.TICK_S
         while not self._stop.is_set():
             try:
-                first = self._queue.get(timeout=0.05)
+                first = self._queue.get(timeout=tick)
             except queue.Empty:
-                busy = self._rebuild_lost_sources()
-                busy = self._sync_dropped_tails() or busy
-                busy = self._check_quiet_tails() or busy
+                # one pass over the sources, not four: the checks below look only at
+                # sources with something pending (an idle fleet has none), since this
+                # runs 20 times a second and a fleet may have a thousand sources
+                pending = self._pending_sources()
+                tick = self.TICK_S if pending else self.IDLE_TICK_S
+                busy = self._rebuild_lost_sources(pending)
+                busy = self._sync_dropped_tails(pending) or busy
+                busy = self._check_quiet_tails(pending) or busy
                 if not busy:
                     self._idle.set()
                     self._trim_if_held()
-                self._expire_stale()
+                self._expire_stale(pending)
                 continue
             self._idle.clear()
+            tick = self.TICK_S
             items = [first]
             count = len(first[2])
             while count < self.drain_batch:
@@ -496,6 +515,18 @@ class EventIngestor:
             self._check_quiet_tails()  # a quiet source next to a busy one
             self._expire_stale()
 
+    def _pending_sources(self) -> list[SourceStatus]:
+        """The sources that one of the idle checks may act on: lost (waiting for a
+        rebuild), with dropped tails, stale, or with traffic not checked yet."""
+        return [
+            s
+            for s in list(self.sources.values())
+            if s.rebuild_from is not None
+            or s.needs_sync
+            or s.stale
+            or s.traffic_seen != s.traffic_checked
+        ]
+
     def _trim_if_held(self) -> None:
         if self._held_peak < _TRIM_AFTER_BYTES or _malloc_trim is None:
             return
@@ -503,13 +534,13 @@ class EventIngestor:
         self.trims += 1
         _malloc_trim(0)
 
-    def _sync_dropped_tails(self) -> bool:
+    def _sync_dropped_tails(self, sources: list[SourceStatus] | None = None) -> bool:
         """Replay [last applied + 1, last seq received] of every source that lost batches
         to a full queue: the last batches of a burst may have been dropped with nothing
         after them to reveal the gap. Returns whether there was anything to do."""
         todo = [
             s
-            for s in list(self.sources.values())
+            for s in (list(self.sources.values()) if sources is None else sources)
             # a source lost beyond its buffer waits for its rebuild, which covers this
             if s.needs_sync and not s.queued and s.rebuild_from is None
         ]
@@ -526,7 +557,7 @@ class EventIngestor:
                 log.exception("kv events: tail replay of worker %d failed", status.worker)
         return bool(todo)
 
-    def _check_quiet_tails(self) -> bool:
+    def _check_quiet_tails(self, sources: list[SourceStatus] | None = None) -> bool:
         """Replay after the last applied seq of every source quiet for `quiet_tail_s` since
         its last traffic, with nothing queued (what is queued is not missing). At most one
         check per source per quiet period: the next needs new traffic (a replayed batch is
@@ -536,7 +567,7 @@ class EventIngestor:
             return False
         now = time.monotonic()
         due: list[tuple[SourceStatus, int]] = []
-        for s in list(self.sources.values()):
+        for s in list(self.sources.values()) if sources is None else sources:
             seen = s.traffic_seen  # read before last_traffic_s: see note_traffic
             if (
                 seen != s.traffic_checked
@@ -806,14 +837,14 @@ class EventIngestor:
         status.tracker.restarted(status.tracker.epoch)
         status.rebuild_from = first
 
-    def _rebuild_lost_sources(self) -> bool:
+    def _rebuild_lost_sources(self, sources: list[SourceStatus] | None = None) -> bool:
         """Rebuild every source lost beyond its engine's buffer whose queued batches are
         all skipped by now: replay the buffer from where it started at the loss (or from
         where it starts now, if it moved on) to its end. Returns whether any was due."""
         now = time.monotonic()
         due = [
             s
-            for s in list(self.sources.values())
+            for s in (list(self.sources.values()) if sources is None else sources)
             if s.rebuild_from is not None
             and not s.queued
             # still overflowing the queue: a rebuild now would be lost again at once
@@ -843,9 +874,9 @@ class EventIngestor:
         status.stale_since = time.monotonic()
         self.sink.set_stale(status.worker, status.dp_rank, True)
 
-    def _expire_stale(self) -> None:
+    def _expire_stale(self, sources: list[SourceStatus] | None = None) -> None:
         now = time.monotonic()
-        for status in list(self.sources.values()):
+        for status in list(self.sources.values()) if sources is None else sources:
             if status.stale and now - status.stale_since >= self.stale_rebuild_s:
                 status.stale = False
                 self.sink.set_stale(status.worker, status.dp_rank, False)

@@ -1,8 +1,10 @@
 """One ZMQ SUB receiver per (engine endpoint, dp rank), on its own thread.
 
 The thread creates its socket and sits in `poll` from the start: a binding SUB
-gets nothing from a connecting PUB until it is blocked in poll/recv (libzmq), and a
-short poll timeout lets it notice `stop()`. It does nothing but move what is ready
+gets nothing from a connecting PUB until it is blocked in poll/recv (libzmq). It polls
+without a timeout: `stop()` wakes it through a pipe of its own. (It used to wake every
+50 ms to look for a stop: at 256 engines that was 5,000 wake-ups a second and a third
+of a core with no event at all.) It does nothing but move what is ready
 (`(seq, payload)` frames, up to `DRAIN_MAX` at a time) into the ingestor's bounded queue,
 so it never falls behind.
 
@@ -20,7 +22,9 @@ checks the replay socket after either.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,6 +69,25 @@ def with_rank(endpoint: str, dp_rank: int) -> str:
     return f"{head}:{int(port) + dp_rank}"
 
 
+def raise_socket_limit(ctx: zmq.Context) -> None:
+    """Let `ctx` hold as many sockets as libzmq allows. Its default is 1,023, and each
+    engine rank takes three (the SUB, its monitor's two ends) plus a DEALER during a
+    replay: 340 engines would fill it ("Too many open files" from libzmq, however many
+    file descriptors the process may open). Only takes effect before the context's first
+    socket (libzmq sizes its table then); a no-op after."""
+    limit = min(ctx.get(zmq.SOCKET_LIMIT), 65535)
+    if ctx.get(zmq.MAX_SOCKETS) < limit:
+        ctx.set(zmq.MAX_SOCKETS, limit)
+    # the process' own limit on open files, towards its hard limit
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        target = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+        if target > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 # returns how many of the frames the consumer took (the rest it dropped, counted)
 Deliver = Callable[[tuple[int, int], list[tuple[int, bytes]]], int]
 OnPeer = Callable[[tuple[int, int]], None]
@@ -75,7 +98,7 @@ _PEER_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED
 class ZmqReceiver:
     """Receives `[topic, seq, payload]` messages and hands them to `deliver`."""
 
-    POLL_MS = 50
+    POLL_MS: int | None = None  # no timeout: stop() writes to the wake-up pipe
     # libzmq's default. Frames wait there only while this thread is busy handing over
     # the previous ones; a deeper buffer would hold, outside any budget, batches the
     # ingestor's full queue then drops anyway.
@@ -101,6 +124,9 @@ class ZmqReceiver:
         self.bound_endpoint: str | None = None
         self.error: str | None = None
         self._zap: PublisherAllowlist | None = None
+        # stop() writes a byte here; the thread closes the read end, stop() the write end
+        self._wake_r, self._wake_w = os.pipe()
+        self._stopped = False
         self._thread = threading.Thread(
             target=self._run, name=f"kv-sub-{config.worker}.{config.dp_rank}", daemon=True
         )
@@ -122,7 +148,14 @@ class ZmqReceiver:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+        if not self._stopped:
+            self._stopped = True
+            with contextlib.suppress(OSError):  # the thread is gone: it closed the read end
+                os.write(self._wake_w, b"x")
+            os.close(self._wake_w)
+        if not self._thread.is_alive() and self._thread.ident is None:
+            os.close(self._wake_r)  # never started: nobody else closes it
+        elif self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=2.0)
 
     def _run(self) -> None:
@@ -152,11 +185,13 @@ class ZmqReceiver:
             sock.disable_monitor()
             monitor.close(0)
             sock.close(0)
+            os.close(self._wake_r)
             return
         self._ready.set()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(self.POLL_MS))
@@ -168,6 +203,7 @@ class ZmqReceiver:
             sock.disable_monitor()
             monitor.close(0)
             sock.close(0)
+            os.close(self._wake_r)
 
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
         while True:

@@ -33,7 +33,7 @@ from quillcache.controlplane import ControlPlane
 from quillcache.errors import ConfigError, QuillCacheError, UnknownRouterError
 from quillcache.gateway import asgi
 from quillcache.gateway.admin import AdminApi
-from quillcache.gateway.config import GatewayConfig
+from quillcache.gateway.config import GatewayConfig, WorkerConfig
 from quillcache.gateway.identify import RequestIdentifier
 from quillcache.gateway.ingest_http import IngestEndpoint
 from quillcache.gateway.metrics import GatewayMetrics, state_metrics
@@ -48,6 +48,8 @@ from quillcache.routing.registry import import_router
 from quillcache.tokenization.request import RequestTokenizer
 
 log = logging.getLogger(__name__)
+
+DESCRIBE_AT_ONCE = 64  # engines described concurrently at start-up
 
 # What the native relay adds to a request it passes to this app: the client's address,
 # and a per-process key that tells it came from the relay (any local process could
@@ -126,9 +128,7 @@ class Gateway:
             ),
             auto_decompress=False,
         )
-        described = await asyncio.gather(
-            *(WorkerPool.describe(self.client, w) for w in cfg.workers)
-        )
+        described = await self._describe_all(cfg.workers)
         sizes = {w.block_size for w in described if w.block_size is not None}
         if cfg.block_size is not None:
             sizes.add(cfg.block_size)
@@ -176,12 +176,33 @@ class Gateway:
             self.start_parity_check(w)
         self.started = True
 
+    async def _describe_all(self, workers: list[WorkerConfig]) -> list[Worker]:
+        """Every configured engine described, at most `DESCRIBE_AT_ONCE` at a time, on
+        connections that are not kept: httpx scans its whole pool on every request, so
+        1,024 engines described at once through one pool took O(engines²) (tens of
+        seconds, and engines' keep-alive timeouts closed connections under it: their
+        event sources were missed)."""
+        cfg = self.config
+        gate = asyncio.Semaphore(DESCRIBE_AT_ONCE)
+        async with httpx.AsyncClient(
+            timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
+            limits=httpx.Limits(max_connections=DESCRIBE_AT_ONCE, max_keepalive_connections=0),
+        ) as client:
+
+            async def one(w: WorkerConfig) -> Worker:
+                async with gate:
+                    return await WorkerPool.describe(client, w)
+
+            return list(await asyncio.gather(*(one(w) for w in workers)))
+
     async def shutdown(self) -> None:
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        if hasattr(self, "pool"):
+            self.pool.close()
         if hasattr(self, "ingestor"):
             self.ingestor.close()
         if hasattr(self, "client"):

@@ -26,6 +26,7 @@ from quillcache.connectors.zmq_source import engine_binds, with_rank
 from quillcache.controlplane import ControlPlane
 from quillcache.errors import ConfigError
 from quillcache.gateway.config import WorkerConfig
+from quillcache.gateway.probe import EngineProbe, Result, fetch_all, parse_metrics_fast
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,10 @@ class Worker:
     scraped_in_flight: int = 0
     scraped_decodes: int = 0
     sources: list[ZmqSourceConfig] = field(default_factory=list)
+    # the last /metrics page read, and the KV usage last given to the plane: a scrape
+    # that changes nothing costs neither a parse nor a load update
+    last_metrics_page: bytes = b""
+    reported_kv_usage: float | None = None
 
     @property
     def url(self) -> str:
@@ -185,9 +190,14 @@ class WorkerPool:
         self._next_id = 0
         self._models: dict[str, str] | None = None  # cache of models(), reset on changes
         self._serving: dict[str, frozenset[int] | None] = {}  # cache of serving()
+        # cache of context_limit(): asked on every request, a loop over the whole fleet
+        self._limits: dict[frozenset[int] | None, int | None] = {}
         # last engine seq per (worker, dp_rank) kept by a persistent index: resume there
         self.resume_seqs: dict[tuple[int, int], int] = {}
         self.failures_to_down = 2  # consecutive failed health checks before "down"
+        # one kept-alive connection per engine for the health checks and scrapes
+        # (`probe.py`); None for an engine the probe cannot speak to (https): httpx
+        self._probes: dict[int, EngineProbe | None] = {}
 
     # -- discovery -----------------------------------------------------------------------
 
@@ -261,8 +271,13 @@ class WorkerPool:
         ranks = max(len(w.sources), w.config.dp_ranks, 1)
         self.cp.add_worker(w.id, dp_ranks=ranks, model=w.base_model, tokenizer=self.tokenizer_id)
         self.workers[w.id] = w
+        try:
+            self._probes[w.id] = EngineProbe(w.url)
+        except ValueError:
+            self._probes[w.id] = None
         self._models = None
         self._serving = {}
+        self._limits = {}
         subscribed = []
         for src in w.sources:
             src = ZmqSourceConfig(
@@ -301,8 +316,12 @@ class WorkerPool:
         self.ingestor.remove_worker(worker_id)
         self.cp.remove_worker(worker_id)
         del self.workers[worker_id]
+        probe = self._probes.pop(worker_id, None)
+        if probe is not None:
+            probe.close()
         self._models = None
         self._serving = {}
+        self._limits = {}
         return w
 
     def get(self, worker_id: int) -> Worker:
@@ -371,6 +390,14 @@ class WorkerPool:
     def context_limit(self, only: frozenset[int] | None = None) -> int | None:
         """The longest context any of the workers `only` (None: all) takes, in tokens;
         None when one of them did not say (its engine judges each request itself)."""
+        try:
+            return self._limits[only]
+        except KeyError:
+            pass
+        self._limits[only] = found = self._context_limit(only)
+        return found
+
+    def _context_limit(self, only: frozenset[int] | None) -> int | None:
         limit = 0
         for w in self.workers.values():
             if only is None or w.id in only:
@@ -387,15 +414,45 @@ class WorkerPool:
 
     # -- background loops ----------------------------------------------------------------
 
-    async def check_health(self) -> None:
-        async def one(w: Worker) -> None:
+    async def _fetch_all(
+        self, workers: list[Worker], path: str, timeout_s: float = 2.0
+    ) -> dict[int, Result]:
+        """`GET path` of every engine in `workers`: one round on the probe connections
+        (`probe.fetch_all`), httpx for the engines a probe cannot speak to (https)."""
+        probes = {w.id: p for w in workers if (p := self._probes.get(w.id)) is not None}
+        others = [w for w in workers if w.id not in probes]
+
+        async def by_httpx(w: Worker) -> Result:
             try:
-                resp = await self.client.get(f"{w.url}/health", timeout=2.0)
-                ok = resp.status_code == 200
-                why = f"/health answered {resp.status_code}"
+                resp = await self.client.get(f"{w.url}{path}", timeout=timeout_s)
             except httpx.HTTPError as exc:
-                ok, why = False, f"/health failed: {type(exc).__name__}"
-            w.last_health_s = time.monotonic()
+                return exc
+            return resp.status_code, resp.content
+
+        results = await fetch_all(probes, path, timeout_s)
+        if others:
+            got = await asyncio.gather(*(by_httpx(w) for w in others))
+            results.update({w.id: r for w, r in zip(others, got, strict=True)})
+        return results
+
+    def close(self) -> None:
+        for probe in self._probes.values():
+            if probe is not None:
+                probe.close()
+
+    async def check_health(self) -> None:
+        workers = list(self.workers.values())
+        results = await self._fetch_all(workers, "/health")
+        now = time.monotonic()
+        for w in workers:
+            result = results[w.id]
+            if isinstance(result, BaseException):
+                ok, why = False, f"/health failed: {type(result).__name__}"
+            else:
+                ok, why = result[0] == 200, f"/health answered {result[0]}"
+            w.last_health_s = now
+            if w.id not in self.workers:  # removed meanwhile
+                continue
             if ok:
                 w.failures = 0
                 self.mark_up(w.id)
@@ -403,8 +460,6 @@ class WorkerPool:
                 w.failures += 1
                 if w.failures >= self.failures_to_down:  # one slow answer is not a death
                     self.mark_down(w.id, f"{why} ({w.failures} checks in a row)")
-
-        await asyncio.gather(*(one(w) for w in list(self.workers.values())))
 
     def _merge_engine_load(self, w: Worker) -> None:
         """The engine may serve clients that bypass this gateway: its own counts raise
@@ -418,22 +473,33 @@ class WorkerPool:
         own_decodes = max(int(state.running_decodes) - w.scraped_decodes, 0)
         in_flight = max(own_in_flight, int(w.load.running + w.load.waiting))
         decodes = max(own_decodes, int(w.load.running))
+        unchanged = (
+            w.scraped_in_flight == w.scraped_decodes == 0
+            and in_flight == own_in_flight == state.in_flight
+            and decodes == own_decodes == state.running_decodes
+            and w.load.kv_usage == w.reported_kv_usage
+        )
         w.scraped_in_flight = in_flight - own_in_flight
         w.scraped_decodes = decodes - own_decodes
+        if unchanged:  # the plane holds these values already (an idle engine, mostly)
+            return
         self.cp.update_load(
             w.id, kv_usage=w.load.kv_usage, in_flight=in_flight, running_decodes=decodes
         )
+        w.reported_kv_usage = w.load.kv_usage
 
     async def scrape(self) -> None:
-        async def one(w: Worker) -> None:
-            if not w.healthy:
-                return
-            try:
-                text = (await self.client.get(f"{w.url}/metrics", timeout=2.0)).text
-                w.load = parse_engine_metrics(text)
-            except (httpx.HTTPError, ValueError):
-                return
+        workers = [w for w in self.workers.values() if w.healthy]
+        results = await self._fetch_all(workers, "/metrics")
+        for w in workers:
+            result = results[w.id]
+            if isinstance(result, BaseException) or result[0] != 200:
+                continue
+            if result[1] != w.last_metrics_page:  # an idle engine's page does not change
+                try:
+                    w.load = parse_metrics_fast(result[1])
+                except ValueError:
+                    continue
+                w.last_metrics_page = result[1]
             if w.id in self.workers:
                 self._merge_engine_load(w)
-
-        await asyncio.gather(*(one(w) for w in list(self.workers.values())))
