@@ -44,10 +44,13 @@ async def serve_app(
     ready_file: str | None,
     on_started: Callable[[int], dict[str, Any]] | None = None,
     http: Any = "auto",
+    sockets: list[Any] | None = None,
 ) -> None:
     """Serve `app` until stopped. Once it listens: `on_started(port)` (whose result is
     announced instead) or the announcement of `host:port`. `http`: uvicorn's protocol
-    (the gateway passes its own answers to bad HTTP, `gateway.h1`)."""
+    (the gateway passes its own answers to bad HTTP, `gateway.h1`). `sockets`: listen on
+    these bound sockets instead of `host:port` (one server, many ports: the port
+    announced is the first socket's)."""
     import uvicorn
 
     server = uvicorn.Server(
@@ -65,7 +68,7 @@ async def serve_app(
             http=http,
         )
     )
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=sockets))
     while not server.started and not task.done():
         await asyncio.sleep(0.01)
     if server.started:

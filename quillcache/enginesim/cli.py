@@ -1,4 +1,5 @@
-"""`quillcache engine-sim`: run one simulated vLLM engine."""
+"""`quillcache engine-sim`: run one simulated vLLM engine, or N of them in one process
+(`--engines N`, `fleet.py`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,21 @@ from quillcache.errors import ConfigError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--host", default="127.0.0.1", help="address to listen on")
-    a("--port", type=int, default=8100, help="HTTP port (0: any free port, see --ready-file)")
+    a(
+        "--port",
+        type=int,
+        default=8100,
+        help="HTTP port; with --engines N, engine i listens on PORT + i (0: any free port "
+        "each, see --ready-file)",
+    )
+    a(
+        "--engines",
+        type=int,
+        default=1,
+        help="simulated engines served by this one process, each with its own HTTP port, "
+        "KV cache, /metrics and KV-event sockets (a fixed KV port: engine i at the base "
+        "port + i x --data-parallel-size)",
+    )
     a("--model", default="sim-model", help="served model name")
     a("--lora-modules", nargs="*", default=[], help="LoRA adapter names served as models")
     a("--tokenizer", default="builtin", help="'builtin' (one id per byte) or a tokenizer.json")
@@ -71,18 +86,6 @@ def _kv_config(raw: str | None) -> dict[str, Any] | None:
     return cfg
 
 
-def _rank_endpoint(endpoint: str, rank: int) -> str:
-    """Rank r's endpoint: the base port + r (vLLM's rule). A wildcard port (`:*`, `:0`)
-    stays one: each rank binds its own free port and /kv_event_sources says which."""
-    from quillcache.connectors.zmq_source import with_rank
-
-    if rank == 0 or endpoint.endswith((":*", ":0")):
-        return endpoint
-    if endpoint.startswith(("ipc://", "inproc://")):
-        return f"{endpoint}-{rank}"
-    return with_rank(endpoint, rank)
-
-
 def _fixed_latency(spec: str | None) -> tuple[float, float] | None:
     if spec is None:
         return None
@@ -96,17 +99,28 @@ def _fixed_latency(spec: str | None) -> tuple[float, float] | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import zmq
+
+    from quillcache.connectors.zmq_source import raise_socket_limit
     from quillcache.costmodel import CostModelConfig
+    from quillcache.enginesim import fleet
     from quillcache.enginesim.app import EngineApp
     from quillcache.enginesim.engine import EngineConfig
-    from quillcache.enginesim.publisher import KvEventPublisher
+    from quillcache.enginesim.publisher import KvEventPublisher, ReplayHub
     from quillcache.tokenization.local import load_tokenizer
 
+    n, dp = args.engines, args.data_parallel_size
     try:
+        fleet.check_counts(n, args.port, dp)
         kv = _kv_config(args.kv_events_config)
         tokenizer = load_tokenizer(args.tokenizer)
         cost = CostModelConfig.load(args.cost_config) if args.cost_config else None
         fixed = _fixed_latency(args.fixed_latency_ms)
+        if kv is not None:  # every port the last engine's last rank needs exists
+            for key in ("endpoint", "replay_endpoint"):
+                if kv.get(key):
+                    fleet.offset_endpoint(kv[key], n * dp - 1)
+        sockets = fleet.listen(args.host, args.port, n) if n > 1 else None
     except ConfigError as exc:
         print(f"engine-sim: {exc}", file=sys.stderr)
         return 2
@@ -121,37 +135,85 @@ def run(args: argparse.Namespace) -> int:
         lora_modules=list(args.lora_modules),
         fixed_latency_s=fixed,
     )
-    if args.data_parallel_size < 1:
-        print("engine-sim: --data-parallel-size must be at least 1", file=sys.stderr)
-        return 2
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    if n > 1:  # libzmq's default is 1,023 sockets a context; each engine rank takes two
+        raise_socket_limit(ctx)
+    hub = ReplayHub() if n > 1 else None  # one replay thread for the whole fleet
     publishers: list[KvEventPublisher] = []
-    if kv is not None:
-        replay = kv.get("replay_endpoint")
-        for rank in range(args.data_parallel_size):  # rank r: base port + r, like vLLM
-            publishers.append(
-                KvEventPublisher(
-                    _rank_endpoint(kv.get("endpoint", "tcp://*:5557"), rank),
-                    _rank_endpoint(replay, rank) if replay else None,
-                    topic=kv.get("topic", ""),
-                    buffer_steps=int(kv.get("buffer_steps", 10_000)),
-                    hwm=int(kv.get("hwm", 100_000)),
-                    legacy_replay=args.legacy_replay,
-                )
-            )
-    publisher = publishers[0] if publishers else None
-    app = EngineApp(
-        config, tokenizer, publishers or None, args.data_parallel_size, flavor=args.flavor
-    )
+    apps: list[EngineApp] = []
+    try:
+        for i in range(n):
+            mine: list[KvEventPublisher] = []
+            if kv is not None:
+                replay = kv.get("replay_endpoint")
+                for rank in range(dp):  # rank r: base port + r, like vLLM
+                    offset = i * dp + rank
+                    mine.append(
+                        KvEventPublisher(
+                            fleet.offset_endpoint(kv.get("endpoint", "tcp://*:5557"), offset),
+                            fleet.offset_endpoint(replay, offset) if replay else None,
+                            topic=kv.get("topic", ""),
+                            buffer_steps=int(kv.get("buffer_steps", 10_000)),
+                            hwm=int(kv.get("hwm", 100_000)),
+                            legacy_replay=args.legacy_replay,
+                            ctx=ctx,
+                            replay_hub=hub,
+                        )
+                    )
+            publishers += mine
+            apps.append(EngineApp(config, tokenizer, mine or None, dp, flavor=args.flavor))
+    except zmq.ZMQError as exc:
+        print(
+            f"engine-sim: engine {len(apps)}: cannot open its KV-event sockets: {exc}",
+            file=sys.stderr,
+        )
+        for p in publishers:
+            p.close()
+        if hub is not None:
+            hub.close()
+        for sock in sockets or []:
+            sock.close()
+        return 2
+    if hub is not None:
+        hub.start()
+
+    def describe(app: EngineApp, port: int) -> dict[str, Any]:
+        pub = app.publishers[0]
+        return {
+            "url": f"http://{args.host}:{port}",
+            "port": port,
+            "kv_endpoint": pub.endpoint if pub else None,
+            "replay_endpoint": pub.replay_endpoint if pub else None,
+        }
 
     async def serve() -> None:
         from quillcache.serving import serve_app
 
-        extra = {
-            "kv_endpoint": publisher.endpoint if publisher else None,
-            "replay_endpoint": publisher.replay_endpoint if publisher else None,
-        }
+        if sockets is None:
+            app = apps[0]
+            await serve_app(
+                app.starlette(),
+                args.host,
+                args.port,
+                args.log_level,
+                {k: v for k, v in describe(app, 0).items() if k.endswith("endpoint")},
+                args.ready_file,
+            )
+            return
+        ports = [s.getsockname()[1] for s in sockets]
+        dispatch = fleet.PortDispatch(
+            {port: app.starlette() for port, app in zip(ports, apps, strict=True)}
+        )
+        engines = [describe(app, port) for port, app in zip(ports, apps, strict=True)]
         await serve_app(
-            app.starlette(), args.host, args.port, args.log_level, extra, args.ready_file
+            dispatch,
+            args.host,
+            ports[0],
+            args.log_level,
+            {},
+            args.ready_file,
+            on_started=lambda _port: {**engines[0], "engines": engines},
+            sockets=sockets,
         )
 
     from quillcache.serving import run_loop
@@ -161,4 +223,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for p in publishers:
             p.close()
+        if hub is not None:
+            hub.close()
     return 0

@@ -3,9 +3,12 @@
 The PUB binds when the endpoint has `*`, `::` or is ipc/inproc, else it connects (the
 consumer binds), exactly vLLM's rule. Every batch is kept in a ring of `buffer_steps`
 for replay. The replay socket is served by its own thread, so a replay never waits
-for the event loop. Fault injection for tests: `drop_next(n)` skips sending the next
-n batches on the PUB (they stay replayable), `drop_next(n, forget=True)` also keeps
-them out of the replay buffer (an unreplayable gap).
+for the event loop; the publishers of many engines in one process (`engine-sim
+--engines N`) share one such thread (`ReplayHub`: one poll over every ROUTER socket,
+not a thread per engine waking twenty times a second). Fault injection for tests:
+`drop_next(n)` skips sending the next n batches on the PUB (they stay replayable),
+`drop_next(n, forget=True)` also keeps them out of the replay buffer (an unreplayable
+gap).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class KvEventPublisher:
         hwm: int = 100_000,
         legacy_replay: bool = False,  # vLLM < 0.26 replies [b"", seq, payload]
         ctx: zmq.Context | None = None,
+        replay_hub: ReplayHub | None = None,  # None: a thread of its own
     ) -> None:
         self.ctx = ctx or zmq.Context.instance()
         self.topic = topic.encode()
@@ -71,17 +75,17 @@ class KvEventPublisher:
             self._pub.connect(endpoint)
             self.endpoint = endpoint
         self.replay_endpoint: str | None = None
-        self._stop = threading.Event()
-        self._replay_thread: threading.Thread | None = None
+        self._hub: ReplayHub | None = None
         if replay_endpoint:
             router = self.ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
             _bind(router, replay_endpoint)  # the replay socket always binds
             self.replay_endpoint = self._resolved(router)
-            self._replay_thread = threading.Thread(
-                target=self._serve_replay, args=(router,), name="kv-replay", daemon=True
-            )
-            self._replay_thread.start()
+            self._hub = replay_hub or ReplayHub()
+            self._hub.add(router, self)
+            if replay_hub is None:
+                self._hub.start()
+        self._own_hub = replay_hub is None
 
     @staticmethod
     def _resolved(sock: zmq.Socket) -> str:
@@ -113,30 +117,77 @@ class KvEventPublisher:
                 self.dropped += 1
         return seq
 
-    def _serve_replay(self, router: zmq.Socket) -> None:
+    def answer_replay(self, router: zmq.Socket) -> None:
+        """Answer one request waiting on this publisher's ROUTER socket (the hub's thread)."""
+        frames = router.recv_multipart()
+        if len(frames) < 3 or len(frames[2]) != 8:
+            log.warning("replay: malformed request of %d frames ignored", len(frames))
+            return
+        identity, start = frames[0], int.from_bytes(frames[2], "big")
+        with self._lock:
+            batches = [(s, p) for s, p in self._buffer if s >= start]
+        for seq, payload in batches:
+            seq_b = seq.to_bytes(8, "big")
+            if self.legacy_replay:
+                router.send_multipart([identity, b"", seq_b, payload])
+            else:
+                router.send_multipart([identity, b"", self.topic, seq_b, payload])
+        router.send_multipart([identity, b"", b"", END_SEQ.to_bytes(8, "big"), b""])
+
+    def close(self) -> None:
+        if self._hub is not None and self._own_hub:
+            self._hub.close()
+        self._pub.close(0)
+
+
+class ReplayHub:
+    """One thread answering the replay requests of any number of publishers: a single
+    poll over their ROUTER sockets. Sockets added before `start()` are served from the
+    first poll; `close()` stops the thread and closes every socket it holds."""
+
+    POLL_MS = 100  # how soon `close()` is noticed; requests wake the poll at once
+
+    def __init__(self) -> None:
+        self._sockets: dict[zmq.Socket, KvEventPublisher] = {}
+        self._lock = threading.Lock()
+        self._changed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-replay", daemon=True)
+
+    def add(self, router: zmq.Socket, publisher: KvEventPublisher) -> None:
+        with self._lock:
+            self._sockets[router] = publisher
+            self._changed = True
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        owners: dict[zmq.Socket, KvEventPublisher] = {}
         try:
             while not self._stop.is_set():
-                if not router.poll(50):
-                    continue
-                frames = router.recv_multipart()
-                if len(frames) < 3 or len(frames[2]) != 8:
-                    log.warning("replay: malformed request of %d frames ignored", len(frames))
-                    continue
-                identity, start = frames[0], int.from_bytes(frames[2], "big")
-                with self._lock:
-                    batches = [(s, p) for s, p in self._buffer if s >= start]
-                for seq, payload in batches:
-                    seq_b = seq.to_bytes(8, "big")
-                    if self.legacy_replay:
-                        router.send_multipart([identity, b"", seq_b, payload])
-                    else:
-                        router.send_multipart([identity, b"", self.topic, seq_b, payload])
-                router.send_multipart([identity, b"", b"", END_SEQ.to_bytes(8, "big"), b""])
+                if self._changed:
+                    with self._lock:
+                        for sock in self._sockets.keys() - owners.keys():
+                            poller.register(sock, zmq.POLLIN)
+                        owners = dict(self._sockets)
+                        self._changed = False
+                for sock, _ in poller.poll(self.POLL_MS):
+                    try:
+                        owners[sock].answer_replay(sock)
+                    except zmq.ZMQError as exc:  # one peer's trouble stops no other answer
+                        log.warning("replay: %s", exc)
         finally:
-            router.close(0)
+            with self._lock:
+                for sock in self._sockets:
+                    sock.close(0)
 
     def close(self) -> None:
         self._stop.set()
-        if self._replay_thread is not None:
-            self._replay_thread.join(timeout=1.0)
-        self._pub.close(0)
+        if self._thread.ident is not None:  # started: its last act closes the sockets
+            self._thread.join(timeout=1.0)
+        else:
+            with self._lock:
+                for sock in self._sockets:
+                    sock.close(0)
