@@ -2,9 +2,9 @@
 
 The thread creates its socket and sits in `poll` from the start: a binding SUB
 gets nothing from a connecting PUB until it is blocked in poll/recv (libzmq). It polls
-without a timeout: `stop()` wakes it through a pipe of its own. (It used to wake every
-50 ms to look for a stop: at 256 engines that was 5,000 wake-ups a second and a third
-of a core with no event at all.) It does nothing but move what is ready
+without a timeout: `stop()` wakes it through a pipe of its own, so an idle fleet's
+receivers cost nothing (a timed poll would wake every receiver many times a second for
+no event; docs/results/online.md). It does nothing but move what is ready
 (`(seq, payload)` frames, up to `DRAIN_MAX` at a time) into the ingestor's bounded queue,
 so it never falls behind.
 

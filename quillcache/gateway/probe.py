@@ -2,9 +2,9 @@
 every second, for every engine.
 
 That is O(fleet) work whatever the traffic, so it must cost little per engine: at 1,024
-engines it is 2,048 requests a second. httpx scanned its whole connection pool on every
-request (O(engines) each, so O(engines²) a second: 256 idle engines kept the gateway at
-one full core) and aiohttp spends ~0.2 ms of interpreter time per request. Here each
+engines it is 2,048 requests a second. httpx scans its whole connection pool on every
+request (O(engines) each, so O(engines²) a second) and aiohttp's per-request interpreter
+cost is several times what a round needs here (docs/results/online.md). Here each
 engine has one keep-alive HTTP/1.1 connection (`EngineProbe`, an asyncio protocol with
 httptools' parser; opened once, reopened after a failure), and a round (`fetch_all`)
 writes one pre-built request on every connection and collects the answers from the

@@ -111,8 +111,8 @@ const GENTLE_GROWTH_FROM: usize = 1 << 20;
 
 /// Makes room for one more element: beyond [`GENTLE_GROWTH_FROM`], by an eighth of
 /// the capacity rather than `Vec`'s doubling, so that the slab's unused capacity is
-/// at most 12.5 % of it instead of up to 50 % (at 10 M nodes a doubled slab held
-/// 2^24 slots: 268 MB of the index's 942 MB unused; docs/results/residency-index.md).
+/// at most an eighth of it instead of up to half (at fleet size a doubled slab leaves
+/// a large share of the index's memory unused; docs/results/residency-index.md).
 /// The slab is that large only in its own mmap, which glibc's `realloc` moves with
 /// `mremap` (no copy), so the extra growths cost page-table updates, not copies.
 #[inline]
