@@ -35,6 +35,9 @@
 //! `QC_FLEET_PHASES` (default `ingest,match,memory,churn,wal`) picks phases; `ingest`,
 //! `match` and `memory` share one built index.
 
+mod common;
+use common::{encode_stored, mix, thread_cpu_seconds, Rng};
+
 use std::hint::black_box;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -53,23 +56,6 @@ const NEW_BLOCKS: usize = 4;
 const SAMPLE_EVERY: u64 = 64;
 const REMOVED: u64 = 1000;
 
-fn mix(mut x: u64) -> u64 {
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d049bb133111eb);
-    x ^ (x >> 31)
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e3779b97f4a7c15);
-        mix(self.0)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 /// vLLM's hash of a block, the same on every engine (default seed).
 fn engine_hash(key: u64) -> u64 {
     mix(key ^ 0x5555)
@@ -79,43 +65,6 @@ fn engine_hash(key: u64) -> u64 {
 fn block_tokens(conv: u64, block: usize, out: &mut Vec<u32>) {
     let seed = mix(conv.wrapping_mul(0x1000_0000_01b3) ^ (block as u64) << 48);
     out.extend((0..BS as u64).map(|i| (mix(seed ^ i) % 50_000) as u32));
-}
-
-/// A BlockStored batch in vLLM's map form: `[ts, [event], 0]`.
-fn encode_stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> Vec<u8> {
-    use rmp::encode::*;
-    let mut w = Vec::with_capacity(64 + tokens.len() * 3 + hashes.len() * 9);
-    write_array_len(&mut w, 3).unwrap();
-    write_f64(&mut w, 1.0).unwrap();
-    write_array_len(&mut w, 1).unwrap();
-    write_map_len(&mut w, 8).unwrap();
-    write_str(&mut w, "type").unwrap();
-    write_str(&mut w, "BlockStored").unwrap();
-    write_str(&mut w, "block_hashes").unwrap();
-    write_array_len(&mut w, hashes.len() as u32).unwrap();
-    for &h in hashes {
-        write_u64(&mut w, h).unwrap();
-    }
-    write_str(&mut w, "parent_block_hash").unwrap();
-    match parent {
-        Some(p) => write_u64(&mut w, p).unwrap(),
-        None => write_nil(&mut w).unwrap(),
-    }
-    write_str(&mut w, "token_ids").unwrap();
-    write_array_len(&mut w, tokens.len() as u32).unwrap();
-    for &t in tokens {
-        write_uint(&mut w, t as u64).unwrap();
-    }
-    write_str(&mut w, "block_size").unwrap();
-    write_uint(&mut w, BS as u64).unwrap();
-    write_str(&mut w, "lora_id").unwrap();
-    write_nil(&mut w).unwrap();
-    write_str(&mut w, "medium").unwrap();
-    write_str(&mut w, "GPU").unwrap();
-    write_str(&mut w, "lora_name").unwrap();
-    write_nil(&mut w).unwrap();
-    write_uint(&mut w, 0).unwrap(); // dp_rank
-    w
 }
 
 struct Conv {
@@ -196,7 +145,7 @@ fn generate(
     };
     // Every engine stores the system prompt first.
     let mut call: Vec<(u64, Vec<u8>)> = (0..ENGINES)
-        .map(|e| (e, encode_stored(&sys_hashes, None, &sys_tokens)))
+        .map(|e| (e, encode_stored(&sys_hashes, None, &sys_tokens, BS)))
         .collect();
     out.blocks_stored += SYS_BLOCKS as u64 * ENGINES;
     emit(&mut call, &mut out);
@@ -266,7 +215,7 @@ fn generate(
                 }
                 out.blocks_stored += (to - from) as u64;
                 let parent_hash = engine_hash(c.keys[from - 1]);
-                call.push((e, encode_stored(&hashes, Some(parent_hash), &toks)));
+                call.push((e, encode_stored(&hashes, Some(parent_hash), &toks, BS)));
             }
             emit(&mut call, &mut out);
         }
@@ -283,20 +232,6 @@ fn generate(
         }
     }
     out
-}
-
-/// CPU time of this thread (utime + stime from /proc, 10 ms ticks).
-fn thread_cpu_seconds() -> f64 {
-    let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default();
-    let after_comm = stat.rsplit(')').next().unwrap_or("");
-    let fields: Vec<&str> = after_comm.split_whitespace().collect();
-    let ticks = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|f| f.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    (ticks(11) + ticks(12)) / 100.0
 }
 
 /// Resident set size of this process, bytes.

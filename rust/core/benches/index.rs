@@ -16,6 +16,9 @@
 //! and only runs matches back to back for that long, then prints the mean time per
 //! match; `QC_INTERLEAVED=1` builds it from the interleaved payload order instead.
 
+mod common;
+use common::{encode_stored, mix, thread_cpu_seconds, Rng};
+
 use std::collections::HashSet;
 use std::hint::black_box;
 use std::time::Instant;
@@ -34,57 +37,6 @@ const TURN_BLOCKS: usize = 8;
 const HOME: u64 = 4;
 const TARGET_BLOCKS: usize = 1_000_000;
 const REQUEST_BLOCKS: usize = 64;
-
-fn mix(mut x: u64) -> u64 {
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d049bb133111eb);
-    x ^ (x >> 31)
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e3779b97f4a7c15);
-        mix(self.0)
-    }
-}
-
-/// A BlockStored batch in vLLM's map form: `[ts, [event], 0]`.
-fn encode_stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> Vec<u8> {
-    use rmp::encode::*;
-    let mut w = Vec::with_capacity(64 + tokens.len() * 3 + hashes.len() * 9);
-    write_array_len(&mut w, 3).unwrap();
-    write_f64(&mut w, 1.0).unwrap();
-    write_array_len(&mut w, 1).unwrap();
-    write_map_len(&mut w, 8).unwrap();
-    write_str(&mut w, "type").unwrap();
-    write_str(&mut w, "BlockStored").unwrap();
-    write_str(&mut w, "block_hashes").unwrap();
-    write_array_len(&mut w, hashes.len() as u32).unwrap();
-    for &h in hashes {
-        write_u64(&mut w, h).unwrap();
-    }
-    write_str(&mut w, "parent_block_hash").unwrap();
-    match parent {
-        Some(p) => write_u64(&mut w, p).unwrap(),
-        None => write_nil(&mut w).unwrap(),
-    }
-    write_str(&mut w, "token_ids").unwrap();
-    write_array_len(&mut w, tokens.len() as u32).unwrap();
-    for &t in tokens {
-        write_uint(&mut w, t as u64).unwrap();
-    }
-    write_str(&mut w, "block_size").unwrap();
-    write_uint(&mut w, BS as u64).unwrap();
-    write_str(&mut w, "lora_id").unwrap();
-    write_nil(&mut w).unwrap();
-    write_str(&mut w, "medium").unwrap();
-    write_str(&mut w, "GPU").unwrap();
-    write_str(&mut w, "lora_name").unwrap();
-    write_nil(&mut w).unwrap();
-    write_uint(&mut w, 0).unwrap(); // dp_rank
-    w
-}
 
 struct Workload {
     payloads: Vec<(SourceKey, Vec<u8>)>,
@@ -159,7 +111,7 @@ fn workload() -> Workload {
                     )
                 };
             blocks_stored += hashes.len() as u64;
-            payloads.push((source, encode_stored(&hashes, parent_hash, &tokens)));
+            payloads.push((source, encode_stored(&hashes, parent_hash, &tokens, BS)));
             origin.push((s, t));
             keys.extend(new_keys);
         }
@@ -394,22 +346,6 @@ fn print_latency(name: &str, idx: &Index, requests: &[Vec<u64>]) {
             hits as f64 / requests.len() as f64
         );
     }
-}
-
-/// CPU time of this thread (utime + stime from /proc, 10 ms ticks): on a shared,
-/// loaded machine wall time overstates the cost of a long run.
-fn thread_cpu_seconds() -> f64 {
-    let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default();
-    let after_comm = stat.rsplit(')').next().unwrap_or("");
-    let fields: Vec<&str> = after_comm.split_whitespace().collect();
-    let ticks = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|f| f.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    // Fields 14 and 15 of stat (utime, stime) are 11 and 12 after the comm field.
-    (ticks(11) + ticks(12)) / 100.0
 }
 
 /// Matches back to back for `secs` seconds (`QC_MATCH_ONLY`), for profilers.
