@@ -10,12 +10,12 @@
 //! tokenizer strings) and the interned media — must not grow.
 
 use crate::content_key::chain_keys;
-use crate::events::{BlockStored, Event, EventBatch, Medium};
+use crate::events::{EventBatch, Medium};
 use crate::namespace::Namespace;
 
 use super::*;
 
-const BS: u32 = 4;
+use super::tests::{self, BS};
 const SYS: u32 = 4;
 /// Every engine serves the same model (so that they share the system prompt); each
 /// source still keeps its own copy of the name, which goes with the source.
@@ -29,22 +29,7 @@ fn tokens(conv: u32, block: u32) -> Vec<u32> {
 }
 
 fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>, medium: Medium) -> EventBatch {
-    EventBatch {
-        ts: 0.0,
-        events: vec![Event::BlockStored(BlockStored {
-            block_hashes: hashes.to_vec(),
-            parent_block_hash: parent,
-            token_ids: tokens,
-            block_size: BS,
-            lora_id: None,
-            medium,
-            lora_name: None,
-            extra_keys: vec![],
-            group_idx: 0,
-            cache_salt: None,
-        })],
-        dp_rank: None,
-    }
+    tests::batch(vec![tests::stored(hashes, parent, tokens, medium)])
 }
 
 /// The engine hash of block `block` of conversation `conv` (the same on every

@@ -4,30 +4,19 @@
 //! bounded by its pairs, and a removal must leave nothing of the source behind.
 
 use crate::content_key::chain_keys;
-use crate::events::{BlockRemoved, BlockStored, Event, EventBatch, Medium};
+use crate::events::{BlockRemoved, Event, EventBatch, Medium};
 use crate::namespace::Namespace;
 
 use super::*;
 
-const BS: u32 = 4;
+use super::tests::{self, BS};
 
 fn src(worker: u64) -> SourceKey {
     SourceKey { worker, dp_rank: 0 }
 }
 
 fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>, medium: Medium) -> EventBatch {
-    batch(Event::BlockStored(BlockStored {
-        block_hashes: hashes.to_vec(),
-        parent_block_hash: parent,
-        token_ids: tokens,
-        block_size: BS,
-        lora_id: None,
-        medium,
-        lora_name: None,
-        extra_keys: vec![],
-        group_idx: 0,
-        cache_salt: None,
-    }))
+    tests::batch(vec![tests::stored(hashes, parent, tokens, medium)])
 }
 
 fn removed(hashes: &[u64]) -> EventBatch {
@@ -39,11 +28,7 @@ fn removed(hashes: &[u64]) -> EventBatch {
 }
 
 fn batch(event: Event) -> EventBatch {
-    EventBatch {
-        ts: 0.0,
-        events: vec![event],
-        dp_rank: None,
-    }
+    tests::batch(vec![event])
 }
 
 /// Tokens of blocks `from..to` of sequence `seq` (sequence 0: a shared prompt).

@@ -11,13 +11,18 @@ use crate::namespace::Namespace;
 
 use super::*;
 
-const BS: u32 = 4;
+pub(super) const BS: u32 = 4;
 
 fn src(worker: u64) -> SourceKey {
     SourceKey { worker, dp_rank: 0 }
 }
 
-fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>, medium: Medium) -> Event {
+pub(super) fn stored(
+    hashes: &[u64],
+    parent: Option<u64>,
+    tokens: Vec<u32>,
+    medium: Medium,
+) -> Event {
     Event::BlockStored(BlockStored {
         block_hashes: hashes.to_vec(),
         parent_block_hash: parent,
@@ -40,7 +45,7 @@ fn removed(hashes: &[u64], medium: Medium) -> Event {
     })
 }
 
-fn batch(events: Vec<Event>) -> EventBatch {
+pub(super) fn batch(events: Vec<Event>) -> EventBatch {
     EventBatch {
         ts: 0.0,
         events,
