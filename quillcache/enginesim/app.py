@@ -166,6 +166,8 @@ class EngineApp:
         self.flood_blocks = 0
         self._flooding = False
         self._flood_task: asyncio.Task[None] | None = None
+        # path -> (answers still to fail, their status), set through /debug/fail
+        self._failing: dict[str, tuple[int, int]] = {}
         self._registry = CollectorRegistry(auto_describe=True)
         collector = SglangCollector(self.ranks) if flavor == "sglang" else None
         self._registry.register(collector or _EngineCollector(self.ranks))
@@ -232,6 +234,9 @@ class EngineApp:
         return Response(generate_latest(self._registry), media_type="text/plain; version=0.0.4")
 
     async def kv_event_sources(self, request: Request) -> Response:
+        failed = self._injected_failure("/kv_event_sources")
+        if failed is not None:
+            return failed
         sources = [
             {
                 "dp_rank": rank,
@@ -335,6 +340,27 @@ class EngineApp:
                 await asyncio.sleep(0.005)
         finally:
             self._flooding = False
+
+    async def debug_fail(self, request: Request) -> Response:
+        """`{"path": "/kv_event_sources", "times": N, "status": 503}`: the next N requests
+        to `path` get `status` (a flaky engine, for discovery tests)."""
+        body = await _json(request)
+        if isinstance(body, Response):
+            return body
+        path, times, status = body.get("path"), body.get("times", 1), body.get("status", 503)
+        if path != "/kv_event_sources" or not isinstance(times, int) or times < 0:
+            return error_response(400, "path must be /kv_event_sources and times an int >= 0")
+        if not isinstance(status, int) or not 400 <= status <= 599:
+            return error_response(400, "status must be an HTTP error status (400-599)")
+        self._failing[path] = (times, status)
+        return JSONResponse({"path": path, "times": times, "status": status})
+
+    def _injected_failure(self, path: str) -> Response | None:
+        times, status = self._failing.get(path, (0, 0))
+        if times <= 0:
+            return None
+        self._failing[path] = (times - 1, status)
+        return error_response(status, f"injected failure ({times - 1} more)")
 
     async def debug_health(self, request: Request) -> Response:
         body = await _json(request)
@@ -473,6 +499,7 @@ class EngineApp:
             Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
             Route("/debug/drop_events", self.debug_drop_events, methods=["POST"]),
             Route("/debug/health", self.debug_health, methods=["POST"]),
+            Route("/debug/fail", self.debug_fail, methods=["POST"]),
             Route("/debug/flood", self.debug_flood, methods=["GET", "POST", "DELETE"]),
         ]
         if self.flavor == "sglang":  # where the KV events are: the server arguments

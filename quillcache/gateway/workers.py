@@ -81,6 +81,36 @@ class Worker:
         }
 
 
+#: Waits before each retry of an engine's event-source description (`_describe_json`).
+DESCRIBE_RETRY_S = (0.2, 0.5, 1.0)
+
+
+async def _describe_json(client: httpx.AsyncClient, url: str) -> dict[str, Any] | None:
+    """A JSON description an engine may or may not offer: None when it does not (a 4xx,
+    or not a JSON object). A failure that says nothing about the engine's endpoints (no
+    connection, a 5xx) is retried, then a `DiscoveryError`: taken for "not offered", it
+    would leave the engine routed without its KV events for good."""
+    why = ""
+    for wait_s in (*DESCRIBE_RETRY_S, None):
+        try:
+            resp = await client.get(url)
+        except httpx.HTTPError as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        else:
+            if resp.status_code < 500:
+                if resp.status_code != 200:
+                    return None
+                try:
+                    data = resp.json()
+                except ValueError:
+                    return None
+                return data if isinstance(data, dict) else None
+            why = f"HTTP {resp.status_code}"
+        if wait_s is not None:
+            await asyncio.sleep(wait_s)
+    raise DiscoveryError(f"{url}: {why} ({len(DESCRIBE_RETRY_S) + 1} attempts)")
+
+
 async def _get_json(client: httpx.AsyncClient, url: str) -> dict[str, Any] | None:
     try:
         resp = await client.get(url)
@@ -228,7 +258,7 @@ class WorkerPool:
             )
         if cfg.events and cfg.kv_endpoint is None:
             host = urlsplit(cfg.url).hostname or "127.0.0.1"
-            info = await _get_json(client, f"{cfg.url}/kv_event_sources")
+            info = await _describe_json(client, f"{cfg.url}/kv_event_sources")
             if info is not None:
                 w.block_size = info.get("block_size") or w.block_size
                 w.sources = sources_from_kv_event_sources(info, host)

@@ -567,3 +567,22 @@ def test_speculative_residency_steers_a_twin_request_before_any_event(stack: Sta
     send("second")
     first.join(timeout=30)
     assert results["first"] == results["second"]
+
+
+def test_an_engine_whose_event_sources_fail_at_first_is_subscribed_all_the_same(
+    stack: Stack,
+) -> None:
+    """A 503 from /kv_event_sources at start-up is retried: read as "no event source",
+    the engine would be routed without its KV events for good."""
+    engine = stack.engine()
+    failing = {"path": "/kv_event_sources", "times": 2, "status": 503}
+    assert http_post(engine.url + "/debug/fail", json=failing).status_code == 200
+    stack.start_gateway({})
+    (described,) = stack.admin().get("/admin/workers").json()["workers"]
+    assert len(described["kv_sources"]) == 1
+    prompt = {"prompt": long_prompt("subscribed", blocks=4), "max_tokens": 1}
+    assert http_post(stack.gateway.url + "/v1/completions", json=prompt).status_code == 200
+    wait_for(
+        lambda: stack.admin().get("/admin/index").json()["blocks"] > 0,
+        what="the engine's events in the index",
+    )
