@@ -246,7 +246,7 @@ class QuillCacheRouter(Router):
         self._session_decodes = {}
         if self.sessions and sid is not None:
             self._session_load(sid, view)
-        local = np.maximum(np.maximum(c.gpu_blocks, c.cpu_blocks), c.disk_blocks)
+        local = c.local_blocks
         at = first_min(
             self.estimates(request, view),
             -np.maximum(local, c.pending_blocks),
@@ -266,7 +266,7 @@ class QuillCacheRouter(Router):
         bs = view.block_size
         n = len(request.content_keys)
         c = view.columns
-        local = np.maximum(np.maximum(c.gpu_blocks, c.cpu_blocks), c.disk_blocks)
+        local = c.local_blocks
         reused = np.minimum(local, n) * bs - self.pressure_weight * c.queued_prefill_tokens
         return view.worker_at(first_min(-reused, c.in_flight, c.worker))
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from quillcache.routing.base import Router, estimate_ttft_s_array, first_min, plan_and_estimate
 from quillcache.routing.types import Decision, Request, View
 
@@ -19,7 +17,7 @@ def lowest_ttft_at(request: Request, view: View) -> int:
     read wherever they go) go to the longer cached prefix, then the fewer requests in
     flight, then the lower id."""
     c = view.columns
-    local = np.maximum(np.maximum(c.gpu_blocks, c.cpu_blocks), c.disk_blocks)
+    local = c.local_blocks
     return first_min(estimate_ttft_s_array(request, view), -local, c.in_flight, c.worker)
 
 

@@ -132,6 +132,11 @@ class WorkerColumns:
         return self.load[:, 4]
 
     @property
+    def local_blocks(self) -> npt.NDArray[np.int64]:
+        """`WorkerView.local_blocks` per worker: the longest prefix in any local tier."""
+        return np.maximum(np.maximum(self.gpu_blocks, self.cpu_blocks), self.disk_blocks)
+
+    @property
     def capacity_blocks(self) -> npt.NDArray[np.float64]:
         return self.fleet[:, 0]
 
