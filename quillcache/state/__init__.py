@@ -1,0 +1,39 @@
+"""The state the gateway replicas of one fleet share through Redis (issue 16): booked
+load per (engine, dp rank) under per-replica leases, the anti-herding booking step,
+speculative placements, session bindings, pins, draining flags and engines added at
+run time. Reference: docs/state.md."""
+
+from quillcache.state.choose import choose
+from quillcache.state.redis_state import PinResult, RedisFleetState, default_replica_id, session_key
+from quillcache.state.types import (
+    Booked,
+    Candidate,
+    EngineKey,
+    EngineLoad,
+    FleetConfig,
+    LoadWeights,
+    LocalFallback,
+    SecretMismatchError,
+    Shared,
+    StateError,
+    StateStats,
+)
+
+__all__ = [
+    "Booked",
+    "Candidate",
+    "EngineKey",
+    "EngineLoad",
+    "FleetConfig",
+    "LoadWeights",
+    "LocalFallback",
+    "PinResult",
+    "RedisFleetState",
+    "SecretMismatchError",
+    "Shared",
+    "StateError",
+    "StateStats",
+    "choose",
+    "default_replica_id",
+    "session_key",
+]

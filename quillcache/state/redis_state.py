@@ -1,0 +1,749 @@
+"""`RedisFleetState`: what the gateway replicas of one fleet share through Redis.
+
+One object per replica, used from the replica's event loop. Every operation is at most
+one round trip (one Lua script, EVALSHA with an EVAL fallback on NOSCRIPT), bounded by
+a latency budget; past it, or with Redis unreachable, the operation is applied to the
+replica's own book and returns a `LocalFallback` instead of raising. The replica keeps
+its own book of the requests it booked, so that it can put its share back in Redis
+(`resync`) after an outage, a Redis restart (empty or not) or a lapsed lease.
+
+See docs/state.md for the key layout, the leases and the failure modes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import math
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.backoff import NoBackoff
+from redis.exceptions import BusyLoadingError, NoScriptError, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from quillcache.errors import ConfigError
+from quillcache.gateway.secret import GatewaySecret, fingerprint
+from quillcache.state import scripts
+from quillcache.state.choose import choose
+from quillcache.state.types import (
+    ZERO_LOAD,
+    Booked,
+    Candidate,
+    EngineKey,
+    EngineLoad,
+    FleetConfig,
+    LoadWeights,
+    LocalFallback,
+    SecretMismatchError,
+    Shared,
+    StateError,
+    StateStats,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WEIGHTS = LoadWeights()
+_CEILING_MAX = 1e300  # what an infinite ceiling is sent as (Lua's tonumber has no "inf")
+_FIELDS = {"n": 0, "q": 1, "d": 2, "c": 3}
+
+
+class _Script:
+    """A Lua script run by EVALSHA, by EVAL when the server does not have it (NOSCRIPT:
+    a restarted or flushed Redis; EVAL caches it again)."""
+
+    __slots__ = ("sha", "source")
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    async def __call__(self, client: Redis, args: Sequence[str | int | float]) -> Any:
+        try:
+            return await client.execute_command("EVALSHA", self.sha, 0, *args)
+        except NoScriptError:
+            return await client.execute_command("EVAL", self.source, 0, *args)
+
+
+_BOOK = _Script(scripts.BOOK)
+_PREFILLED = _Script(scripts.PREFILLED)
+_RELEASE = _Script(scripts.RELEASE)
+_RESYNC = _Script(scripts.RESYNC)
+_RENEW = _Script(scripts.RENEW)
+_LEAVE = _Script(scripts.LEAVE)
+_SNAPSHOT = _Script(scripts.SNAPSHOT)
+_PENDING = _Script(scripts.PENDING)
+_PIN = _Script(scripts.PIN)
+_UNPIN = _Script(scripts.UNPIN)
+_CONFIG = _Script(scripts.CONFIG)
+_SET_CONFIG = _Script(scripts.SET_CONFIG)
+_SECRET = _Script(scripts.SECRET)
+
+
+@dataclass(slots=True)
+class _Entry:
+    """A request this replica booked (in Redis or, while it could not, locally)."""
+
+    engine: EngineKey
+    prefill_tokens: int
+    context_tokens: int
+    prefilled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PinResult:
+    """`pinned`: the prefix is pinned for the tenant; else `owner` holds it."""
+
+    pinned: bool
+    owner: str
+    shared: bool = True
+
+
+class _RateLimitedLog:
+    """At most one line per `every_s` per kind; the next line says how many were not
+    written."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._muted: dict[str, int] = {}
+
+    def __call__(self, kind: str, level: int, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -math.inf) < self.every_s:
+            self._muted[kind] = self._muted.get(kind, 0) + 1
+            return
+        muted = self._muted.pop(kind, 0)
+        self._last[kind] = now
+        if muted:
+            msg += " (%d similar lines not logged)"
+            args = (*args, muted)
+        log.log(level, msg, *args)
+
+
+def session_key(session_id: str) -> str:
+    """A client's session id as it appears in a key name: a hash (bounded length, and
+    the client's string is not stored in Redis)."""
+    return hashlib.blake2b(session_id.encode(), digest_size=12).hexdigest()
+
+
+def _hex(key: int) -> str:
+    return f"{key & 0xFFFF_FFFF_FFFF_FFFF:016x}"
+
+
+def default_replica_id() -> str:
+    host = socket.gethostname().split(".")[0][:24] or "replica"
+    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class RedisFleetState:
+    """The shared state of one fleet, as seen by one gateway replica."""
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        prefix: str = "quillcache",
+        replica: str | None = None,
+        lease_ttl_s: float = 3.0,
+        heartbeat_s: float | None = None,
+        budget_s: float = 0.010,
+        admin_timeout_s: float = 1.0,
+        reconnect_s: float = 0.25,
+        slow_limit: int = 3,
+        log_every_s: float = 10.0,
+        clock: Callable[[], int] | None = None,
+        client: Redis | None = None,
+    ) -> None:
+        if not prefix or any(ch in prefix for ch in "{}"):
+            raise ConfigError(f"state prefix must be non-empty without braces, got {prefix!r}")
+        if replica is not None and (not replica or any(ch in replica for ch in "|{} ")):
+            raise ConfigError(
+                f"replica id must be non-empty without '|', braces or spaces: {replica!r}"
+            )
+        if not lease_ttl_s > 0:
+            raise ConfigError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
+        heartbeat_s = lease_ttl_s / 3 if heartbeat_s is None else heartbeat_s
+        if not 0 < heartbeat_s < lease_ttl_s:
+            raise ConfigError(
+                f"heartbeat_s must be > 0 and below lease_ttl_s ({lease_ttl_s}), got {heartbeat_s}"
+            )
+        if not budget_s > 0 or not admin_timeout_s > 0 or not reconnect_s > 0:
+            raise ConfigError("budget_s, admin_timeout_s and reconnect_s must be > 0")
+        self.url = url
+        self.prefix = prefix
+        self.base = "{" + prefix + "}:"
+        self.replica = replica or default_replica_id()
+        self.lease_ttl_s = lease_ttl_s
+        self.heartbeat_s = heartbeat_s
+        self.budget_s = budget_s
+        self.admin_timeout_s = admin_timeout_s
+        self.reconnect_s = reconnect_s
+        self.slow_limit = slow_limit
+        self.stats = StateStats()
+        self._ttl_ms = max(int(lease_ttl_s * 1000), 1)
+        self._clock = clock
+        self._client = client or Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_connect_timeout=max(admin_timeout_s, 0.1),
+            # no socket timeout: every call runs under its own asyncio.timeout (a socket
+            # timeout costs redis-py an asyncio.wait_for, a task, per call)
+            socket_timeout=None,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+        self._ids = itertools.count(1)
+        self._book: dict[str, _Entry] = {}
+        self._inflight = 0  # operations between the gate and their reply
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._open = asyncio.Event()  # closed while a resync runs
+        self._open.set()
+        self._up = False
+        self._dirty = True  # this replica's share in Redis may differ from its book
+        self._slow = 0  # consecutive timeouts
+        self._secret: GatewaySecret | None = None
+        self._refusal: SecretMismatchError | None = None
+        self._known: dict[EngineKey, EngineLoad] = {}  # last loads seen (fallback choice)
+        self._sessions: dict[str, EngineKey] = {}  # local bindings (fallback choice)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._log = _RateLimitedLog(log_every_s)
+        self.epoch = ""
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        """Redis is in use (False: every operation falls back to the local book)."""
+        return self._up
+
+    async def start(self, secret: GatewaySecret | None = None) -> None:
+        """Connect, check the fleet's secret fingerprint, put this replica's lease in
+        Redis and start the heartbeat. Raises `SecretMismatchError` when Redis holds
+        another secret's fingerprint; with Redis unreachable it starts in fallback and
+        does all of this when Redis comes (refusing then if the secret differs)."""
+        self._secret = secret
+        try:
+            await self._connect()
+        except SecretMismatchError:
+            await self._client.aclose()
+            raise
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._down("start", exc)
+        self._task = asyncio.create_task(self._maintain(), name=f"state-{self.replica}")
+
+    async def close(self, *, leave: bool = True) -> None:
+        """Stop the heartbeat; with `leave`, take this replica's share out of Redis now
+        (else it goes when the lease lapses)."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if leave and self._up:
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                async with asyncio.timeout(self.admin_timeout_s):
+                    await _LEAVE(self._client, self._head())
+        self._up = False
+        await self._client.aclose()
+
+    def new_request_id(self) -> str:
+        """A request id unique across the fleet: this replica's id and a counter."""
+        return f"{self.replica}-{next(self._ids)}"
+
+    # --- the routed request ---------------------------------------------------------
+
+    async def book(
+        self,
+        request_id: str,
+        shortlist: Sequence[Candidate],
+        *,
+        prefill_tokens: int,
+        context_tokens: int = 0,
+        weights: LoadWeights = DEFAULT_WEIGHTS,
+        session: str | None = None,
+        session_ttl_s: float = 600.0,
+        anchors: Sequence[tuple[int, int]] = (),
+        spec_ttl_s: float = 10.0,
+    ) -> Booked | LocalFallback:
+        """The anti-herding step, one round trip: read the shortlist's shared load, take
+        a candidate (`choose`), book the request on it under this replica's lease, bind
+        the session to it and record its speculative placement (`anchors`: the request's
+        prefix keys with their lengths in blocks). A request id already booked returns
+        its engine again (reason "retry") without booking twice."""
+        if not shortlist:
+            raise StateError("book() needs a non-empty shortlist")
+        old = self._book.get(request_id)
+        if old is not None:
+            return Booked(old.engine, _position(shortlist, old.engine), "retry", ())
+        args = self._head()
+        args += [
+            request_id,
+            f"{int(prefill_tokens)}|{int(context_tokens)}|{weights.in_flight!r}|"
+            f"{weights.queued_tokens!r}|{weights.decodes!r}|"
+            f"{session_key(session) if session else ''}|"
+            f"{max(int(session_ttl_s * 1000), 1)}|{max(int(spec_ttl_s * 1000), 1)}",
+            ",".join(
+                f"{c.engine.engine}:{c.engine.rank}={min(c.ceiling, _CEILING_MAX)!r}"
+                for c in shortlist
+            ),
+            ",".join(f"{_hex(k)}={int(b)}" for k, b in anchors),
+        ]
+        reply = await self._run("book", _BOOK, args, self.budget_s)
+        status = reply[0] if reply is not None else None
+        if status == "ok":
+            i = int(reply[1]) - 1
+            loads = tuple(
+                EngineLoad(*(int(v) for v in reply[3 + 4 * j : 7 + 4 * j]))
+                for j in range(len(shortlist))
+            )
+            engine = shortlist[i].engine
+            for c, ld in zip(shortlist, loads, strict=True):
+                self._known[c.engine] = ld
+            self._note(request_id, engine, prefill_tokens, context_tokens, session)
+            self.stats.booked += 1
+            return Booked(engine, i, str(reply[2]), loads)
+        if status == "dup":  # a booking that reached Redis from an earlier attempt
+            engine = EngineKey.decode(reply[1])
+            self._note(request_id, engine, prefill_tokens, context_tokens, session)
+            return Booked(engine, _position(shortlist, engine), "retry", ())
+        reason = self._lost("book") if status == "lost" else self._why()
+        i, _ = choose(
+            shortlist,
+            self._known,
+            weights,
+            session_engine=self._sessions.get(session) if session else None,
+        )
+        engine = shortlist[i].engine
+        self._note(request_id, engine, prefill_tokens, context_tokens, session)
+        self.stats.fell_back_bookings += 1
+        return LocalFallback(reason, engine)
+
+    async def prefill_done(self, request_id: str) -> Shared | LocalFallback:
+        """The request's prompt is computed: its queued prefill turns into a decode."""
+        e = self._book.get(request_id)
+        if e is None:
+            return Shared("unknown request")
+        if e.prefilled:
+            return Shared("already prefilled")
+        e.prefilled = True
+        self._adjust(e.engine, queued=-e.prefill_tokens, decodes=1, context=e.context_tokens)
+        reply = await self._run(
+            "prefill_done", _PREFILLED, [*self._head(), request_id], self.budget_s
+        )
+        return self._outcome("prefill_done", reply)
+
+    async def release(self, request_id: str) -> Shared | LocalFallback:
+        """The request ended (done or failed): its load leaves the engine."""
+        e = self._book.pop(request_id, None)
+        if e is None:
+            return Shared("unknown request")
+        if e.prefilled:
+            self._adjust(e.engine, in_flight=-1, decodes=-1, context=-e.context_tokens)
+        else:
+            self._adjust(e.engine, in_flight=-1, queued=-e.prefill_tokens)
+        reply = await self._run("release", _RELEASE, [*self._head(), request_id], self.budget_s)
+        return self._outcome("release", reply)
+
+    # --- reads ----------------------------------------------------------------------
+
+    async def loads(self) -> dict[EngineKey, EngineLoad] | LocalFallback:
+        """Every engine key's booked load over the fleet's live replicas (keys with no
+        load are absent). One round trip; also reaps dead replicas."""
+        reply = await self._run("loads", _SNAPSHOT, self._head(), self.admin_timeout_s)
+        if reply is None:
+            return LocalFallback(self._why())
+        self.epoch = str(reply[1])
+        rows: dict[EngineKey, list[int]] = {}
+        for i in range(2, len(reply), 2):
+            name, _, f = str(reply[i]).partition("|")
+            row = rows.setdefault(EngineKey.decode(name), [0, 0, 0, 0])
+            row[_FIELDS[f]] = int(reply[i + 1])
+        out = {k: EngineLoad(*v) for k, v in rows.items()}
+        self._known = dict(out)
+        return out
+
+    async def pending(
+        self, anchors: Sequence[tuple[int, int]]
+    ) -> dict[EngineKey, int] | LocalFallback:
+        """Per engine key, the longest of `anchors` (prefix key, blocks) that a request
+        routed by any replica is computing there now."""
+        reply = await self._run(
+            "pending", _PENDING, [*self._head(), *(_hex(k) for k, _ in anchors)], self.budget_s
+        )
+        if reply is None:
+            return LocalFallback(self._why())
+        out: dict[EngineKey, int] = {}
+        for i in range(0, len(reply), 2):
+            engine = EngineKey.decode(str(reply[i + 1]))
+            blocks = int(anchors[int(reply[i]) - 1][1])
+            out[engine] = max(out.get(engine, 0), blocks)
+        return out
+
+    async def session(self, session_id: str) -> EngineKey | LocalFallback | None:
+        """The engine a session is bound to (by `book(..., session=...)`), if any."""
+        key = self.base + "sess:" + session_key(session_id)
+        reply = await self._run("session", None, ["GET", key], self.budget_s)
+        if reply is _FAILED:
+            return LocalFallback(self._why())
+        return EngineKey.decode(str(reply)) if reply else None
+
+    # --- what the admin API changes -------------------------------------------------
+
+    async def pin(self, prefix_key: int, tenant: str, ttl_s: float) -> PinResult | LocalFallback:
+        """Pin a prefix for `tenant` until `ttl_s` from now (again: extends it); refused
+        (`pinned=False`) while another tenant holds it."""
+        args = [*self._head(), _hex(prefix_key), tenant, max(int(ttl_s * 1000), 1)]
+        reply = await self._run("pin", _PIN, args, self.admin_timeout_s)
+        if reply is None:
+            return LocalFallback(self._why())
+        return PinResult(reply[0] == "ok", tenant if reply[0] == "ok" else str(reply[1]))
+
+    async def unpin(self, prefix_key: int, tenant: str) -> PinResult | LocalFallback:
+        reply = await self._run(
+            "unpin", _UNPIN, [*self._head(), _hex(prefix_key), tenant], self.admin_timeout_s
+        )
+        if reply is None:
+            return LocalFallback(self._why())
+        if reply[0] == "owned":
+            return PinResult(True, str(reply[1]))
+        return PinResult(False, "")
+
+    async def set_draining(
+        self, engine: EngineKey, draining: bool = True
+    ) -> Shared | LocalFallback:
+        return await self._set_config("draining", engine.encode(), "1" if draining else "")
+
+    async def add_engine(self, engine: int, spec: Mapping[str, Any]) -> Shared | LocalFallback:
+        """An engine added through the admin API (its spec: whatever the gateway needs to
+        reach it, as JSON)."""
+        return await self._set_config(
+            "engines", str(int(engine)), json.dumps(dict(spec), sort_keys=True)
+        )
+
+    async def remove_engine(self, engine: int) -> Shared | LocalFallback:
+        return await self._set_config("engines", str(int(engine)), "")
+
+    async def config(self) -> FleetConfig | LocalFallback:
+        """Engines added at run time, draining flags and live pins, in one round trip;
+        `version` changes whenever one of them does (poll `loads()`'s cheaper twin, or
+        this, every few hundred ms)."""
+        reply = await self._run("config", _CONFIG, self._head(), self.admin_timeout_s)
+        if reply is None:
+            return LocalFallback(self._why())
+        version = int(reply[0])
+        at = 1
+        parts: list[list[str]] = []
+        for _ in range(2):
+            n = int(reply[at])
+            parts.append([str(x) for x in reply[at + 1 : at + 1 + n]])
+            at += 1 + n
+        pins_kv = [str(x) for x in reply[at:]]
+        engines = {
+            int(k): json.loads(v) for k, v in zip(parts[0][::2], parts[0][1::2], strict=True)
+        }
+        draining = frozenset(EngineKey.decode(k) for k in parts[1][::2])
+        pins = {int(k, 16): v for k, v in zip(pins_kv[::2], pins_kv[1::2], strict=True)}
+        return FleetConfig(version, engines, draining, pins)
+
+    async def _set_config(self, table: str, field: str, value: str) -> Shared | LocalFallback:
+        reply = await self._run(
+            table, _SET_CONFIG, [*self._head(), table, field, value], self.admin_timeout_s
+        )
+        if reply is None:
+            return LocalFallback(self._why())
+        return Shared("changed" if int(reply[1]) else "unchanged")
+
+    # --- this replica's share -------------------------------------------------------
+
+    def booked(self) -> dict[str, tuple[EngineKey, int, int, bool]]:
+        """This replica's own book: request id -> (engine, prefill, context, prefilled)."""
+        return {
+            rid: (e.engine, e.prefill_tokens, e.context_tokens, e.prefilled)
+            for rid, e in self._book.items()
+        }
+
+    async def resync(self) -> bool:
+        """Replace this replica's share in Redis with its book (after an outage, a Redis
+        restart, a lapsed lease or a timed-out call). Waits for this replica's calls in
+        flight and holds new ones back meanwhile; True when done."""
+        if self._refusal is not None:
+            return False
+        self._open.clear()
+        try:
+            async with asyncio.timeout(self.admin_timeout_s):
+                await self._idle.wait()
+                args: list[str | int | float] = self._head()
+                for rid, e in self._book.items():
+                    args += [
+                        rid,
+                        e.engine.encode(),
+                        e.prefill_tokens,
+                        e.context_tokens,
+                        int(e.prefilled),
+                    ]
+                await _RESYNC(self._client, args)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._down("resync", exc)
+            return False
+        finally:
+            self._open.set()
+        self._dirty = False
+        self.stats.resyncs += 1
+        return True
+
+    # --- internals ------------------------------------------------------------------
+
+    def _head(self) -> list[str | int | float]:
+        now = "" if self._clock is None else str(int(self._clock()))
+        return [self.base, self.replica, self._ttl_ms, now]
+
+    async def _run(
+        self, op: str, script: _Script | None, args: Sequence[str | int | float], timeout_s: float
+    ) -> Any:
+        """One round trip within `timeout_s`; None (or `_FAILED` for plain commands)
+        when it could not be had: the caller falls back."""
+        failed = None if script is not None else _FAILED
+        if not self._up:
+            self._fallback(op)
+            return failed
+        try:
+            async with asyncio.timeout(timeout_s):
+                if not self._open.is_set():
+                    await self._open.wait()
+                self._inflight += 1
+                self._idle.clear()
+                try:
+                    if script is None:
+                        out = await self._client.execute_command(*args)
+                    else:
+                        out = await script(self._client, args)
+                finally:
+                    self._inflight -= 1
+                    if not self._inflight:
+                        self._idle.set()
+        except TimeoutError:
+            self.stats.timeouts += 1
+            self._dirty = True  # the call may still reach Redis: resync on the next beat
+            self._slow += 1
+            if self._slow >= self.slow_limit:
+                self._down(
+                    op, TimeoutError(f"{self._slow} calls in a row over {timeout_s * 1000:.1f} ms")
+                )
+            self._fallback(op, f"redis slower than the {timeout_s * 1000:.1f} ms budget")
+            return failed
+        except (RedisError, OSError) as exc:
+            if _is_connection_error(exc):
+                self._down(op, exc)
+            else:
+                self._dirty = True
+                self._log("error", logging.WARNING, "shared state: %s failed in redis: %s", op, exc)
+            self._fallback(op)
+            return failed
+        self._slow = 0
+        return out
+
+    def _fallback(self, op: str, why: str | None = None) -> None:
+        self.stats.fallback(op)
+        self._log(
+            "fallback",
+            logging.WARNING,
+            "shared state: %s used this replica's local state (%s)",
+            op,
+            why or self._why(),
+        )
+
+    def _why(self) -> str:
+        if self._refusal is not None:
+            return f"refused: {self._refusal}"
+        if not self._up:
+            return "redis unreachable"
+        return "redis too slow or failed"
+
+    def _lost(self, op: str) -> str:
+        """Redis did not hold this replica's lease (it restarted, was flushed, or this
+        replica paused past its TTL): put the share back as soon as possible."""
+        self.stats.lost_leases += 1
+        self.stats.fallback(op)
+        self._dirty = True
+        self._wake.set()
+        self._log(
+            "lost",
+            logging.WARNING,
+            "shared state: redis lost this replica's lease; resynchronising",
+        )
+        return "lease lost in redis; resynchronising"
+
+    def _outcome(self, op: str, reply: Any) -> Shared | LocalFallback:
+        if reply is None:
+            return LocalFallback(self._why())
+        if reply[0] == "lost":
+            return LocalFallback(self._lost(op))
+        return Shared(str(reply[0]))
+
+    def _note(
+        self, rid: str, engine: EngineKey, prefill: int, context: int, session: str | None
+    ) -> None:
+        self._book[rid] = _Entry(engine, int(prefill), int(context))
+        self._adjust(engine, in_flight=1, queued=int(prefill))
+        if session:
+            if len(self._sessions) > 100_000:
+                self._sessions.clear()
+            self._sessions[session] = engine
+
+    def _adjust(
+        self,
+        engine: EngineKey,
+        in_flight: int = 0,
+        queued: int = 0,
+        decodes: int = 0,
+        context: int = 0,
+    ) -> None:
+        """Keep the last known loads (the fallback's view) moving with this replica's
+        own bookings."""
+        ld = self._known.get(engine, ZERO_LOAD)
+        self._known[engine] = EngineLoad(
+            max(ld.in_flight + in_flight, 0),
+            max(ld.queued_prefill_tokens + queued, 0),
+            max(ld.running_decodes + decodes, 0),
+            max(ld.context_tokens + context, 0),
+        )
+
+    def _down(self, op: str, exc: BaseException) -> None:
+        if self._up:
+            self.stats.disconnects += 1
+        self._up = False
+        self._dirty = True
+        self._log(
+            "down",
+            logging.WARNING,
+            "shared state: redis at %s unusable during %s (%s: %s); routing on local state "
+            "and reconnecting every %.2f s",
+            self.url,
+            op,
+            type(exc).__name__,
+            exc,
+            self.reconnect_s,
+        )
+        self._wake.set()
+
+    async def _connect(self) -> None:
+        """Ping, check the secret, put the share back; raises on failure."""
+        async with asyncio.timeout(self.admin_timeout_s):
+            await self._client.execute_command("PING")
+            if self._secret is not None:
+                await self._check_secret(self._secret)
+            await self._warn_eviction()
+        self._up = True
+        if not await self.resync():
+            raise TimeoutError("resync did not complete")
+
+    async def _check_secret(self, secret: GatewaySecret) -> None:
+        prev = ""
+        until_ms = 0
+        if secret.previous is not None and secret.previous_until:
+            prev = fingerprint(secret.previous)
+            until_ms = int(secret.previous_until * 1000)
+        reply = await _SECRET(
+            self._client,
+            [*self._head(), secret.fingerprint, prev, until_ms, secrets.token_hex(8)],
+        )
+        status, stored, self.epoch = str(reply[0]), str(reply[1]), str(reply[2])
+        if status == "mismatch":
+            self._refusal = SecretMismatchError(
+                f"this replica's gateway secret (fingerprint {secret.fingerprint}, file "
+                f"{secret.path or '?'}) is not the one fleet {self.prefix!r} in Redis uses "
+                f"(fingerprint {stored}): give every replica of a fleet the same secret file "
+                "(copy it from a running replica, or mount the same secret store), or give "
+                "this replica another state prefix if it belongs to another fleet"
+            )
+            raise self._refusal
+        self._refusal = None
+        if status == "rotated":
+            log.warning(
+                "shared state: fleet %r moves to secret fingerprint %s (was %s)",
+                self.prefix,
+                secret.fingerprint,
+                stored,
+            )
+
+    async def _warn_eviction(self) -> None:
+        """Eviction of a share or a lease would corrupt the sum: say so once."""
+        with contextlib.suppress(RedisError):
+            policy = await self._client.execute_command("CONFIG", "GET", "maxmemory-policy")
+            value = policy.get("maxmemory-policy") if isinstance(policy, dict) else policy[1]
+            if value and value != "noeviction":
+                log.warning(
+                    "shared state: redis maxmemory-policy is %s; set it to noeviction (an "
+                    "evicted share or lease makes the fleet's load wrong until a resync)",
+                    value,
+                )
+
+    async def _maintain(self) -> None:
+        """Heartbeat while Redis is up (renew the lease; resync when dirty); reconnect
+        every `reconnect_s` while it is not."""
+        while not self._closed:
+            interval = self.heartbeat_s if self._up else self.reconnect_s
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self._wake.wait()
+            self._wake.clear()
+            try:
+                if not self._up:
+                    await self._reconnect()
+                elif self._dirty:
+                    await self.resync()
+                else:
+                    reply = await self._run("renew", _RENEW, self._head(), self.admin_timeout_s)
+                    if reply is not None and reply[0] == "lost":
+                        self._lost("renew")
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the heartbeat must outlive anything a call can raise
+                log.exception("shared state: heartbeat failed")
+
+    async def _reconnect(self) -> None:
+        try:
+            await self._connect()
+        except SecretMismatchError as exc:
+            self._up = False
+            self._log("refused", logging.ERROR, "shared state: %s", exc)
+            return
+        except (RedisError, OSError, TimeoutError):
+            self._up = False
+            return
+        self.stats.reconnects += 1
+        log.warning(
+            "shared state: redis at %s is back; this replica's %d bookings resynchronised",
+            self.url,
+            len(self._book),
+        )
+
+
+_FAILED = object()
+
+
+def _position(shortlist: Sequence[Candidate], engine: EngineKey) -> int:
+    for i, c in enumerate(shortlist):
+        if c.engine == engine:
+            return i
+    return -1
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    return isinstance(exc, RedisConnectionError | RedisTimeoutError | BusyLoadingError | OSError)

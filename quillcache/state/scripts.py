@@ -1,0 +1,401 @@
+"""The server-side Lua scripts of the shared fleet state (Redis 7.0 commands only).
+
+Every script starts with `PRELUDE`, whose ARGV[1..4] are the key base (the fleet's
+hash-tagged prefix, e.g. "{quillcache}:"), the calling replica, its lease TTL (ms),
+and "now" in ms ("" = Redis's own clock, `TIME`; tests pass their own). The prelude
+reaps dead replicas (lease deadline <= now) before anything else: their share is
+subtracted from the aggregate and their keys deleted, so a dead replica's load goes
+away without the dead replica.
+
+All the keys of one fleet carry the same hash tag, so they live in one slot; the
+scripts build the per-replica and per-anchor key names themselves from the base, which
+a standalone Redis (and Valkey) allows.
+
+Layout under the base B:
+    B..'leases'      ZSET  replica -> lease deadline (ms)
+    B..'load'        HASH  '<engine>:<rank>|n|q|d|c' -> sum over live replicas
+    B..'share:'..r   HASH  the same fields, replica r's part of the sum
+    B..'bk:'..r      HASH  request id -> '<engine>:<rank>|<prefill>|<context>|<0|1>'
+    B..'sess:'..s    STRING session -> '<engine>:<rank>', PX
+    B..'spec:'..k    ZSET  '<engine>:<rank>' -> deadline (ms); PX = the latest deadline
+    B..'pins'        HASH  prefix key (hex) -> owner tenant
+    B..'pinx'        ZSET  prefix key (hex) -> deadline (ms)
+    B..'draining'    HASH  '<engine>:<rank>' -> '1'
+    B..'engines'     HASH  engine id -> JSON spec (engines added through the admin API)
+    B..'cfgver'      STRING counter, bumped by every change of engines, draining, pins
+    B..'meta'        HASH  epoch, secret_fp, secret_prev, secret_prev_until
+"""
+
+from __future__ import annotations
+
+PRELUDE = r"""
+local B = ARGV[1]
+local replica = ARGV[2]
+local ttl = tonumber(ARGV[3])
+local now
+if ARGV[4] ~= '' then
+  now = tonumber(ARGV[4])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local LEASES = B .. 'leases'
+local LOAD = B .. 'load'
+local SHARE = B .. 'share:' .. replica
+local BK = B .. 'bk:' .. replica
+
+local function bump(key, field, delta)
+  if delta ~= 0 then
+    if redis.call('HINCRBY', key, field, delta) == 0 then redis.call('HDEL', key, field) end
+  end
+end
+
+-- a booked request's load, added (sign 1) or taken away (sign -1), to the sum and a share
+local function apply(share, e, q, c, p, sign)
+  bump(LOAD, e .. '|n', sign); bump(share, e .. '|n', sign)
+  if p == '1' then
+    bump(LOAD, e .. '|d', sign); bump(share, e .. '|d', sign)
+    bump(LOAD, e .. '|c', sign * c); bump(share, e .. '|c', sign * c)
+  else
+    bump(LOAD, e .. '|q', sign * q); bump(share, e .. '|q', sign * q)
+  end
+end
+
+local function parse(rec)
+  local e, q, c, p = string.match(rec, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+  return e, tonumber(q), tonumber(c), p
+end
+
+-- take a replica's whole share out of the sum and forget its bookings
+local function drop_share(r)
+  local sk = B .. 'share:' .. r
+  local kv = redis.call('HGETALL', sk)
+  for i = 1, #kv, 2 do bump(LOAD, kv[i], -tonumber(kv[i + 1])) end
+  redis.call('DEL', sk, B .. 'bk:' .. r)
+end
+
+local reaped = 0
+do
+  local dead = redis.call('ZRANGEBYSCORE', LEASES, '-inf', now, 'LIMIT', 0, 64)
+  for _, r in ipairs(dead) do
+    drop_share(r)
+    redis.call('ZREM', LEASES, r)
+  end
+  reaped = #dead
+end
+
+local function live()
+  local d = redis.call('ZSCORE', LEASES, replica)
+  return d and tonumber(d) > now
+end
+
+local function renew()
+  redis.call('ZADD', LEASES, now + ttl, replica)
+end
+"""
+
+# ARGV[5] request id, [6] 'prefill|context|wn|wq|wd|session|session ttl ms|spec ttl ms'
+# (session: a key name suffix or empty), [7] the shortlist 'engine=ceiling,...' in the
+# router's order, [8] the request's anchors 'key=blocks,...' (may be empty). Few
+# arguments: the client packs each argument in Python, a long ARGV costs more there
+# than these string.gmatch loops cost here.
+# Returns {'lost'} | {'dup', engine} | {'ok', index (1-based), reason, n1, q1, d1, c1, ...}
+BOOK = (
+    PRELUDE
+    + r"""
+if not live() then return {'lost'} end
+renew()
+local rid = ARGV[5]
+local prev = redis.call('HGET', BK, rid)
+if prev then
+  local e = parse(prev)
+  return {'dup', e}
+end
+local q, c, wn, wq, wd, sess, sess_ttl, spec_ttl = string.match(ARGV[6],
+  '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+q, c, wn, wq, wd = tonumber(q), tonumber(c), tonumber(wn), tonumber(wq), tonumber(wd)
+sess_ttl, spec_ttl = tonumber(sess_ttl), tonumber(spec_ttl)
+local engs, ceils, fields = {}, {}, {}
+local n = 0
+for e, ceil in string.gmatch(ARGV[7], '([^=,]+)=([^,]+)') do
+  n = n + 1
+  engs[n] = e
+  ceils[n] = tonumber(ceil)
+  fields[#fields + 1] = e .. '|n'
+  fields[#fields + 1] = e .. '|q'
+  fields[#fields + 1] = e .. '|d'
+  fields[#fields + 1] = e .. '|c'
+end
+local akeys, ablocks = {}, {}
+for k, b in string.gmatch(ARGV[8], '([^=,]+)=([^,]+)') do
+  akeys[#akeys + 1] = k
+  ablocks[#ablocks + 1] = tonumber(b)
+end
+local m = #akeys
+local vals = redis.call('HMGET', LOAD, unpack(fields))
+local score, under = {}, {}
+for i = 1, n do
+  local ln = tonumber(vals[4 * i - 3]) or 0
+  local lq = tonumber(vals[4 * i - 2]) or 0
+  local ld = tonumber(vals[4 * i - 1]) or 0
+  score[i] = wn * ln + wq * lq + wd * ld
+  under[i] = score[i] < ceils[i]
+end
+local chosen, reason = nil, nil
+if sess ~= '' then
+  local bound = redis.call('GET', B .. 'sess:' .. sess)
+  if bound then
+    for i = 1, n do
+      if engs[i] == bound and under[i] then chosen, reason = i, 'session'; break end
+    end
+  end
+end
+if not chosen and m > 0 then
+  local pos = {}
+  for i = 1, n do pos[engs[i]] = i end
+  local blocks = {}
+  for j = 1, m do
+    local members = redis.call('ZRANGEBYSCORE', B .. 'spec:' .. akeys[j], '(' .. now, '+inf')
+    local b = ablocks[j]
+    for _, e in ipairs(members) do
+      local i = pos[e]
+      if i and under[i] and b > (blocks[i] or 0) then blocks[i] = b end
+    end
+  end
+  local best = 0
+  for i = 1, n do
+    if (blocks[i] or 0) > best then chosen, reason, best = i, 'pending', blocks[i] end
+  end
+end
+if not chosen then
+  for i = 1, n do
+    if under[i] then chosen, reason = i, 'under'; break end
+  end
+end
+if not chosen then
+  chosen, reason = 1, 'over'
+  for i = 2, n do
+    if score[i] - ceils[i] < score[chosen] - ceils[chosen] then chosen = i end
+  end
+end
+local e = engs[chosen]
+apply(SHARE, e, q, c, '0', 1)
+redis.call('HSET', BK, rid, e .. '|' .. q .. '|' .. c .. '|0')
+if sess ~= '' then redis.call('SET', B .. 'sess:' .. sess, e, 'PX', sess_ttl) end
+for j = 1, m do
+  local k = B .. 'spec:' .. akeys[j]
+  redis.call('ZREMRANGEBYSCORE', k, '-inf', now)
+  redis.call('ZADD', k, 'GT', now + spec_ttl, e)
+  if redis.call('PTTL', k) < spec_ttl then redis.call('PEXPIRE', k, spec_ttl) end
+end
+local out = {'ok', chosen, reason}
+for i = 1, 4 * n do out[#out + 1] = tonumber(vals[i]) or 0 end
+return out
+"""
+)
+
+# ARGV[5] request id. Returns {'lost'} | {'none'} | {'noop'} | {'ok'}
+PREFILLED = (
+    PRELUDE
+    + r"""
+if not live() then return {'lost'} end
+renew()
+local rid = ARGV[5]
+local rec = redis.call('HGET', BK, rid)
+if not rec then return {'none'} end
+local e, q, c, p = parse(rec)
+if p == '1' then return {'noop'} end
+apply(SHARE, e, q, c, '0', -1)
+apply(SHARE, e, q, c, '1', 1)
+redis.call('HSET', BK, rid, e .. '|' .. q .. '|' .. c .. '|1')
+return {'ok'}
+"""
+)
+
+# ARGV[5] request id. Returns {'lost'} | {'none'} | {'ok'}
+RELEASE = (
+    PRELUDE
+    + r"""
+if not live() then return {'lost'} end
+renew()
+local rid = ARGV[5]
+local rec = redis.call('HGET', BK, rid)
+if not rec then return {'none'} end
+local e, q, c, p = parse(rec)
+apply(SHARE, e, q, c, p, -1)
+redis.call('HDEL', BK, rid)
+return {'ok'}
+"""
+)
+
+# Replace this replica's share with its own book (the caller holds its other calls
+# back meanwhile). ARGV[5..]: request id, engine, prefill, context, prefilled (0|1),
+# repeated. Returns {'ok', bookings}.
+RESYNC = (
+    PRELUDE
+    + r"""
+drop_share(replica)
+local count = 0
+for i = 5, #ARGV, 5 do
+  local rid, e, p = ARGV[i], ARGV[i + 1], ARGV[i + 4]
+  local q, c = tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
+  apply(SHARE, e, q, c, p, 1)
+  redis.call('HSET', BK, rid, e .. '|' .. q .. '|' .. c .. '|' .. p)
+  count = count + 1
+end
+renew()
+return {'ok', count}
+"""
+)
+
+# Returns {'lost'} | {'ok', reaped}
+RENEW = (
+    PRELUDE
+    + r"""
+if not live() then return {'lost'} end
+renew()
+return {'ok', reaped}
+"""
+)
+
+# A replica leaving cleanly: its share goes now, not at the lease's end.
+LEAVE = (
+    PRELUDE
+    + r"""
+drop_share(replica)
+redis.call('ZREM', LEASES, replica)
+return {'ok'}
+"""
+)
+
+# The fleet's load (after reaping) and the config version.
+# Returns {cfgver, epoch, field1, value1, ...}
+SNAPSHOT = (
+    PRELUDE
+    + r"""
+local out = {redis.call('GET', B .. 'cfgver') or '0'}
+out[2] = redis.call('HGET', B .. 'meta', 'epoch') or ''
+local kv = redis.call('HGETALL', LOAD)
+for i = 1, #kv do out[#out + 1] = kv[i] end
+return out
+"""
+)
+
+# ARGV[5..] anchor key suffixes. Returns {j, engine, ...}: anchor j (1-based) is being
+# computed on engine.
+PENDING = (
+    PRELUDE
+    + r"""
+local out = {}
+for j = 5, #ARGV do
+  local members = redis.call('ZRANGEBYSCORE', B .. 'spec:' .. ARGV[j], '(' .. now, '+inf')
+  for _, e in ipairs(members) do out[#out + 1] = j - 4; out[#out + 1] = e end
+end
+return out
+"""
+)
+
+# ARGV[5] prefix key (hex), [6] tenant, [7] TTL ms.
+# Returns {'ok'} | {'owned', owner}
+PIN = (
+    PRELUDE
+    + r"""
+local PINS, PINX = B .. 'pins', B .. 'pinx'
+local expired = redis.call('ZRANGEBYSCORE', PINX, '-inf', now)
+for _, k in ipairs(expired) do redis.call('HDEL', PINS, k) end
+if #expired > 0 then
+  redis.call('ZREMRANGEBYSCORE', PINX, '-inf', now)
+  redis.call('INCR', B .. 'cfgver')
+end
+local owner = redis.call('HGET', PINS, ARGV[5])
+if owner and owner ~= ARGV[6] then return {'owned', owner} end
+redis.call('HSET', PINS, ARGV[5], ARGV[6])
+redis.call('ZADD', PINX, now + tonumber(ARGV[7]), ARGV[5])
+if not owner then redis.call('INCR', B .. 'cfgver') end
+return {'ok'}
+"""
+)
+
+# ARGV[5] prefix key (hex), [6] tenant. Returns {'ok'} | {'none'} | {'owned', owner}
+UNPIN = (
+    PRELUDE
+    + r"""
+local PINS, PINX = B .. 'pins', B .. 'pinx'
+local owner = redis.call('HGET', PINS, ARGV[5])
+if not owner then return {'none'} end
+if owner ~= ARGV[6] then return {'owned', owner} end
+redis.call('HDEL', PINS, ARGV[5])
+redis.call('ZREM', PINX, ARGV[5])
+redis.call('INCR', B .. 'cfgver')
+return {'ok'}
+"""
+)
+
+# Returns {cfgver, #engines*2, engines kv..., #draining*2, draining kv..., pins kv...}
+CONFIG = (
+    PRELUDE
+    + r"""
+local PINS, PINX = B .. 'pins', B .. 'pinx'
+local expired = redis.call('ZRANGEBYSCORE', PINX, '-inf', now)
+for _, k in ipairs(expired) do redis.call('HDEL', PINS, k) end
+if #expired > 0 then
+  redis.call('ZREMRANGEBYSCORE', PINX, '-inf', now)
+  redis.call('INCR', B .. 'cfgver')
+end
+local out = {redis.call('GET', B .. 'cfgver') or '0'}
+for _, name in ipairs({'engines', 'draining'}) do
+  local kv = redis.call('HGETALL', B .. name)
+  out[#out + 1] = #kv
+  for i = 1, #kv do out[#out + 1] = kv[i] end
+end
+local kv = redis.call('HGETALL', PINS)
+for i = 1, #kv do out[#out + 1] = kv[i] end
+return out
+"""
+)
+
+# ARGV[5] hash name ('engines' | 'draining'), [6] field, [7] value or '' to delete.
+SET_CONFIG = (
+    PRELUDE
+    + r"""
+local h = B .. ARGV[5]
+local changed
+if ARGV[7] == '' then
+  changed = redis.call('HDEL', h, ARGV[6])
+else
+  changed = 1
+  if redis.call('HGET', h, ARGV[6]) == ARGV[7] then changed = 0 end
+  redis.call('HSET', h, ARGV[6], ARGV[7])
+end
+if changed > 0 then redis.call('INCR', B .. 'cfgver') end
+return {'ok', changed}
+"""
+)
+
+# The fleet's secret fingerprint. ARGV[5] this replica's current fingerprint, [6] its
+# previous one or '', [7] until when (ms) the previous one is accepted, [8] a new epoch
+# (used when the fleet has none yet).
+# Returns {'set'|'ok'|'rotated'|'previous'|'mismatch', stored fingerprint, epoch}
+SECRET = (
+    PRELUDE
+    + r"""
+local META = B .. 'meta'
+redis.call('HSETNX', META, 'epoch', ARGV[8])
+local epoch = redis.call('HGET', META, 'epoch')
+local cur, prev, until_ms = ARGV[5], ARGV[6], tonumber(ARGV[7])
+local stored = redis.call('HGET', META, 'secret_fp')
+if not stored then
+  redis.call('HSET', META, 'secret_fp', cur)
+  return {'set', cur, epoch}
+end
+if stored == cur then return {'ok', stored, epoch} end
+if prev ~= '' and prev == stored and until_ms > now then
+  redis.call('HSET', META, 'secret_fp', cur, 'secret_prev', stored, 'secret_prev_until', until_ms)
+  return {'rotated', stored, epoch}
+end
+local sprev = redis.call('HGET', META, 'secret_prev')
+local suntil = tonumber(redis.call('HGET', META, 'secret_prev_until') or '0')
+if sprev == cur and suntil > now then return {'previous', stored, epoch} end
+return {'mismatch', stored, epoch}
+"""
+)

@@ -1,0 +1,145 @@
+"""What the shared fleet state takes and returns: engine keys, shortlist candidates,
+per-engine load, and the typed results of every operation (shared, or a local
+fallback that says why)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from quillcache.errors import ConfigError, QuillCacheError
+
+
+class StateError(QuillCacheError):
+    """The shared fleet state cannot be used as configured."""
+
+
+class SecretMismatchError(StateError, ConfigError):
+    """This replica's tenant-salt secret is not the one the fleet in Redis uses."""
+
+
+class EngineKey(NamedTuple):
+    """One routable row of the fleet: an engine and one of its data-parallel ranks."""
+
+    engine: int
+    rank: int = 0
+
+    def encode(self) -> str:
+        return f"{self.engine}:{self.rank}"
+
+    @classmethod
+    def decode(cls, text: str) -> EngineKey:
+        engine, _, rank = text.partition(":")
+        try:
+            return cls(int(engine), int(rank or 0))
+        except ValueError:
+            raise StateError(f"malformed engine key {text!r} in the shared state") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A shortlist entry: the engine, and the load (in `LoadWeights` units) at or above
+    which it stops being preferred. `math.inf`: never too loaded."""
+
+    engine: EngineKey
+    ceiling: float = math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class LoadWeights:
+    """How the booking step turns an engine's shared load into the one number compared
+    with a candidate's ceiling: `in_flight * in_flight + queued_prefill_tokens *
+    queued_tokens + running_decodes * decodes`. The default counts requests in flight."""
+
+    in_flight: float = 1.0
+    queued_tokens: float = 0.0
+    decodes: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("in_flight", "queued_tokens", "decodes"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v < 0:
+                raise ConfigError(f"LoadWeights.{name} must be finite and >= 0, got {v}")
+
+    def score(self, load: EngineLoad) -> float:
+        return (
+            self.in_flight * load.in_flight
+            + self.queued_tokens * load.queued_prefill_tokens
+            + self.decodes * load.running_decodes
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """The booked load of one engine key, summed over the fleet's live replicas."""
+
+    in_flight: int = 0
+    queued_prefill_tokens: int = 0
+    running_decodes: int = 0
+    context_tokens: int = 0  # sum over the running decodes
+
+    @property
+    def mean_context_tokens(self) -> float:
+        return self.context_tokens / self.running_decodes if self.running_decodes else 0.0
+
+
+ZERO_LOAD = EngineLoad()
+
+
+@dataclass(frozen=True, slots=True)
+class Booked:
+    """The booking step ran in Redis: `engine` is booked under this replica's lease."""
+
+    engine: EngineKey
+    index: int  # position of `engine` in the shortlist
+    reason: str  # "session", "pending", "under" (first under its ceiling), "over", "retry"
+    loads: tuple[EngineLoad, ...]  # the shortlist's shared load before this booking
+    shared: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """An operation applied to the shared state."""
+
+    detail: str = "ok"
+    shared: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class LocalFallback:
+    """Redis was not used (unreachable, slower than the budget, or an error): the
+    operation was applied to this replica's own book only; `engine` is the local choice
+    of a booking (None for other operations). It is resynchronised when Redis is back."""
+
+    reason: str
+    engine: EngineKey | None = None
+    shared: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """What the admin API changed at run time, as the fleet sees it."""
+
+    version: int
+    engines: Mapping[int, Mapping[str, object]]
+    draining: frozenset[EngineKey]
+    pins: Mapping[int, str]  # prefix key -> owner tenant
+
+
+@dataclass
+class StateStats:
+    """Counters for the gateway's /metrics (plain numbers: the caller exports them)."""
+
+    fallbacks: dict[str, int] = field(default_factory=dict)  # by operation
+    timeouts: int = 0
+    disconnects: int = 0
+    reconnects: int = 0
+    resyncs: int = 0
+    lost_leases: int = 0  # Redis did not hold this replica's lease (restart, or a pause)
+    booked: int = 0
+    fell_back_bookings: int = 0
+
+    def fallback(self, op: str) -> None:
+        self.fallbacks[op] = self.fallbacks.get(op, 0) + 1
