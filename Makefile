@@ -21,9 +21,11 @@ export QUILLCACHE_VLLM_PYTHON ?= $(VLLM_VENV)/bin/python
 help:
 	@echo "targets: install build-dev build-release test test-fast test-rust test-python lint fmt bench asv-quick"
 
-deps:  ## system packages (clang for the rocksdb crate's bindgen), pinned Python dev deps
+deps:  ## system packages (clang for the rocksdb crate's bindgen; redis-server and valkey-server for tests/state), pinned Python dev deps
 	@command -v clang >/dev/null && [ -n "$$(ls /usr/lib/llvm-*/lib/libclang*.so* 2>/dev/null)" ] \
 	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang libclang-dev >/dev/null; }
+	@command -v redis-server >/dev/null && command -v valkey-server >/dev/null \
+	  || bash scripts/install-redis-servers.sh
 	@command -v cargo-nextest >/dev/null || cargo install --locked cargo-nextest
 	$(PYTHON) -m pip install -q "maturin>=1.8,<2"
 	$(PYTHON) -m pip install -q -r requirements-dev.lock
