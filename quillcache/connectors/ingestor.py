@@ -175,6 +175,14 @@ class SourceStatus:
     tail_replayed_batches: int = 0  # batches that such a check found missing
     peer_connects: int = 0  # connections with the engine set up (first one and reconnects)
     restart_probe: bool = False  # a connection was set up: the next tail check verifies `last`
+    # cold start (`caught_up`): a replay read the engine's buffer to its end marker, or a
+    # batch from the wire went through the applier (with whatever replay its gap needed)
+    replayed_to_end: bool = False
+    wire_applied: bool = False
+    # set once, when `connected` and (no replay socket, or one of the two above) first
+    # held: the gateway's /ready waits for it; it does not go back (a later loss is what
+    # `stale` and the replays are for)
+    caught_up: bool = False
     apply: ApplyStats = field(default_factory=ApplyStats)
 
     @property
@@ -184,6 +192,33 @@ class SourceStatus:
     @property
     def tail_pending(self) -> bool:
         return self.traffic_seen != self.traffic_checked
+
+    @property
+    def connected(self) -> bool:
+        """A connection with the engine was set up (the socket monitor saw it) or a batch
+        came in: a batch received proves it where the monitor's event was missed."""
+        return self.peer_connects > 0 or self.received > 0
+
+    def catching_up(self) -> bool:
+        """Whether this source is caught up now, latching `caught_up` the first time:
+        connected, and, with a replay socket, what that socket offered is applied (a
+        replay reached its end marker, or a batch off the wire went through the applier,
+        with the replay of its gap). Without a replay socket nothing can be fetched, so
+        being connected is all there is to wait for."""
+        if (
+            not self.caught_up
+            and self.connected
+            and (not self.replay_endpoint or self.replayed_to_end or self.wire_applied)
+        ):
+            self.caught_up = True
+            log.info(
+                "kv events: worker %d rank %d caught up (last seq %d, %d batches replayed)",
+                self.worker,
+                self.dp_rank,
+                self.tracker.last,
+                self.replayed_batches,
+            )
+        return self.caught_up
 
     def note_traffic(self) -> None:
         """Any thread. The time first, then the count: a checker that reads the count
@@ -196,6 +231,7 @@ class SourceStatus:
             k: v for k, v in vars(self).items() if k not in ("tracker", "apply", "wire")
         }
         out["last_seq"] = self.tracker.last
+        out["connected"] = self.connected
         out["epoch"] = self.tracker.epoch
         out["wire_last_seq"] = self.wire.last
         out["wire_epoch"] = self.wire.epoch
@@ -227,6 +263,8 @@ class IngestorStats:
     tail_replayed_batches: int = 0
     queue_depth: int = 0
     queue_bytes: int = 0
+    sources: int = 0
+    sources_caught_up: int = 0  # `SourceStatus.caught_up`: cold start progress
     # one {"worker", "dp_rank", counter: value, ...} per source (JSON-ready)
     publishers_denied: int = 0  # connections refused by a binding source's allowlist
     per_source: list[dict[str, int]] = field(default_factory=list)
@@ -355,6 +393,7 @@ class EventIngestor:
         status.peer_connects += 1
         status.restart_probe = True
         status.note_traffic()
+        status.catching_up()
 
     def _on_malformed(self, key: SourceKey) -> None:
         status = self.sources.get(key)
@@ -630,6 +669,7 @@ class EventIngestor:
         status = self._status(key)
         tracker = status.tracker
         pending: Frames = []  # (seq or -1, payload), consecutive, not applied yet
+        wire = False  # a sequenced batch went through (`SourceStatus.wire_applied`)
         for epoch, frames in parts:
             head = frames[0][0]
             if status.rebuild_from is not None and head >= 0:
@@ -654,6 +694,7 @@ class EventIngestor:
                     status.skipped_while_lost += len(frames) - i
                     break
                 last = tracker.last
+                through = True  # applied, or already applied by a replay
                 if seq == last + 1:
                     pending.append((seq, payload))
                     tracker.last = seq
@@ -662,10 +703,15 @@ class EventIngestor:
                 else:
                     self._flush(status, pending)
                     pending = []
-                    if self._fill_gap(status, seq):
+                    through = self._fill_gap(status, seq)
+                    if through:
                         pending.append((seq, payload))
                         tracker.last = seq
+                wire = wire or through
         self._flush(status, pending)
+        if wire and not status.wire_applied:
+            status.wire_applied = True
+            status.catching_up()
 
     def _flush(self, status: SourceStatus, pending: Frames) -> None:
         """Apply consecutive pending batches; keep the digest of the last (restart probes)."""
@@ -814,6 +860,8 @@ class EventIngestor:
             if hole or (progressed and not stream.complete):
                 continue  # ask again from where it stopped
             if stream.complete:
+                status.replayed_to_end = True
+                status.catching_up()
                 return _Replayed.ENDED
             status.replay_failures += 1
             log.warning(
@@ -971,6 +1019,8 @@ class EventIngestor:
             out.decode_errors += s.decode_errors
             out.tail_checks += s.tail_checks
             out.tail_replayed_batches += s.tail_replayed_batches
+            out.sources += 1
+            out.sources_caught_up += s.caught_up
             out.per_source.append(
                 {
                     "worker": s.worker,

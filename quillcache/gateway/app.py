@@ -36,10 +36,11 @@ from quillcache.gateway.admin import AdminApi
 from quillcache.gateway.config import GatewayConfig, WorkerConfig
 from quillcache.gateway.identify import RequestIdentifier
 from quillcache.gateway.ingest_http import IngestEndpoint
-from quillcache.gateway.metrics import GatewayMetrics, state_metrics
+from quillcache.gateway.metrics import GatewayMetrics, readiness_metrics, state_metrics
 from quillcache.gateway.openai_api import CHAT_COMPLETIONS, COMPLETIONS, OpenAIEndpoints
 from quillcache.gateway.outcomes import RequestOutcomes
 from quillcache.gateway.parity import ParityChecker
+from quillcache.gateway.readiness import Readiness, readiness
 from quillcache.gateway.secret import load_or_create
 from quillcache.gateway.tenancy import TenantPolicy
 from quillcache.gateway.workers import Worker, WorkerPool
@@ -299,11 +300,17 @@ class Gateway:
             self._tasks.append(asyncio.create_task(self.parity.check(w)))
 
     async def health(self, request: Request) -> Response:
-        routable = [w.id for w in self.pool.workers.values() if w.routable]
-        return JSONResponse(
-            {"status": "ok" if routable else "no routable worker", "routable_workers": routable},
-            status_code=200 if routable else 503,
-        )
+        """Liveness: the process serves (`readiness.py`), whatever the engines do."""
+        return JSONResponse({"status": "ok"})
+
+    def readiness(self) -> Readiness:
+        return readiness(self.pool.workers.values(), self.ingestor.sources)
+
+    async def ready(self, request: Request) -> Response:
+        """Readiness: a routable engine, and every routable engine's event sources caught
+        up; 503 saying what is missing otherwise (`readiness.py`)."""
+        state = self.readiness()
+        return JSONResponse(state.as_dict(), status_code=200 if state.ready else 503)
 
     async def prometheus(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -316,6 +323,7 @@ class Gateway:
             list(self.pool.workers.values()),
             lambda worker_id: float(self.cp.worker(worker_id).in_flight),
         )
+        yield from readiness_metrics(self.readiness())
 
     # -- assembly ------------------------------------------------------------------------
 
@@ -350,6 +358,7 @@ class Gateway:
             Route(CHAT_COMPLETIONS, chat_completions, methods=["POST"]),
             Route("/v1/models", asgi.api_errors(models), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/admin/workers", admin("workers"), methods=["GET", "POST"]),
             Route("/admin/workers/{worker_id}", admin("worker"), methods=["GET", "DELETE"]),

@@ -264,3 +264,27 @@ def state_metrics(
     )
     for name, doc, value in _WORKER_GAUGES:
         yield gauge(name, doc, {(str(w.id),): value(w) for w in workers}, ["worker"])
+
+
+def readiness_metrics(state: Any) -> Iterator[Any]:
+    """Cold-start progress and readiness (a `readiness.Readiness`): what `/ready` says."""
+    yield gauge(
+        "quillcache_kv_sources",
+        "KV-event sources of the engines the gateway knows.",
+        {(): state.sources},
+        [],
+    )
+    yield gauge(
+        "quillcache_kv_sources_caught_up",
+        "Of those, the ones caught up: connected, and what the engine's replay socket "
+        "offered applied (or a first batch off the wire applied).",
+        {(): state.caught_up},
+        [],
+    )
+    yield gauge(
+        "quillcache_ready",
+        "1 when /ready answers 200: an engine routable and every routable engine's "
+        "sources caught up.",
+        {(): float(state.ready)},
+        [],
+    )

@@ -469,7 +469,8 @@ def test_requests_go_only_to_engines_serving_their_model(stack: Stack, router: s
     """Two engines serving different models (one with a LoRA adapter): each request goes
     to an engine that lists its model, whatever the router (HighestWorker would always
     pick worker 1); an unknown model is OpenAI's 404 `model_not_found`; when the only
-    engine of a model is down, 503, never the other model's engine."""
+    engine of a model is down, 503, never the other model's engine; /ready answers 503
+    once no engine is routable, while /health (liveness) stays 200."""
     a = stack.engine(model="model-a", extra=["--lora-modules", "lora-a"])
     b = stack.engine(model="model-b")
     gw = stack.start_gateway({"router": router, "health_interval_s": 0.2})
@@ -509,10 +510,11 @@ def test_requests_go_only_to_engines_serving_their_model(stack: Stack, router: s
     assert down.status_code == 503 and down.json()["error"]["message"]
     ok = http_post(gw.url + "/v1/completions", json={"model": "model-a", "prompt": "x"})
     assert ok.status_code == 200 and ok.headers["x-quillcache-worker"] == "0"
-    health = http_get(gw.url + "/health")
-    assert health.status_code == 200 and health.json()["routable_workers"] == [0]
+    readiness = http_get(gw.url + "/ready")
+    assert readiness.status_code == 200 and readiness.json()["routable_workers"] == [0]
     assert http_post(a.url + "/debug/health", json={"healthy": False}).status_code == 200
-    wait_for(lambda: http_get(gw.url + "/health").status_code == 503, what="no routable worker")
+    wait_for(lambda: http_get(gw.url + "/ready").status_code == 503, what="no routable worker")
+    assert http_get(gw.url + "/health").status_code == 200  # liveness: the process serves
 
 
 def test_a_user_router_class_from_the_config(stack: Stack) -> None:
