@@ -23,7 +23,8 @@
 //!   engines holding the system prompt: ~1,025 hits per match.
 //!
 //! Phases, each printed on its own line: ingest (wall and CPU, blocks/s), match
-//! p50/p99 (each match timed on its own), memory (IndexStats::memory_bytes and the
+//! p50/p99 (each match timed on its own; `match_keys` and `match_compact`
+//! alternated on the same requests), memory (IndexStats::memory_bytes and the
 //! process RSS growth, per resident pair and per block), churn (remove 1,000 engines,
 //! then 1,000 new ones replay the removed engines' stores: each removal's time, p50,
 //! p99 and max; memory_bytes before, after removal, after re-adding), and native-wal (the same stream through `DurableIndex`,
@@ -266,28 +267,59 @@ fn build(target: u64) -> (Index, Generated, f64, f64) {
 
 fn print_match(idx: &Index, requests: &[Vec<u64>]) {
     const N: usize = 200_000;
-    let mut samples = Vec::with_capacity(N);
+    // The full match and the compact one on the same requests, alternated (which
+    // goes first too), so that both see the same caches and the same host.
+    let mut full = Vec::with_capacity(N);
+    let mut compact = Vec::with_capacity(N);
     for round in 0..N {
         let req = &requests[(round * 7919) % requests.len()];
-        let t0 = Instant::now();
-        black_box(idx.match_keys(black_box(req)));
-        samples.push(t0.elapsed().as_nanos() as u64);
+        for k in 0..2 {
+            let t0 = Instant::now();
+            if (round + k) % 2 == 0 {
+                black_box(idx.match_keys(black_box(req)));
+                full.push(t0.elapsed().as_nanos() as u64);
+            } else {
+                black_box(idx.match_compact(black_box(req)));
+                compact.push(t0.elapsed().as_nanos() as u64);
+            }
+        }
     }
-    samples.sort_unstable();
-    let pct = |p: f64| samples[((samples.len() - 1) as f64 * p) as usize];
     let hits: usize = requests.iter().map(|r| idx.match_keys(r).len()).sum();
+    let compact_hits: usize = requests
+        .iter()
+        .map(|r| idx.match_compact(r).hits.len())
+        .sum();
+    let floors: usize = requests
+        .iter()
+        .map(|r| idx.match_compact(r).floors.len())
+        .sum();
     let blocks: usize = requests.iter().map(|r| r.len()).sum();
-    println!(
-        "fleet/match: p50 {} ns, p90 {} ns, p99 {} ns, p99.9 {} ns ({} samples over {} requests of {:.1} blocks, {:.1} hits per request)",
-        pct(0.50),
-        pct(0.90),
-        pct(0.99),
-        pct(0.999),
-        samples.len(),
-        requests.len(),
-        blocks as f64 / requests.len() as f64,
-        hits as f64 / requests.len() as f64
-    );
+    let n = requests.len() as f64;
+    for (name, samples, per_request) in [
+        ("match", &mut full, format!("{:.1} hits", hits as f64 / n)),
+        (
+            "match_compact",
+            &mut compact,
+            format!(
+                "{:.1} hits and {:.2} floors",
+                compact_hits as f64 / n,
+                floors as f64 / n
+            ),
+        ),
+    ] {
+        samples.sort_unstable();
+        let pct = |p: f64| samples[((samples.len() - 1) as f64 * p) as usize];
+        println!(
+            "fleet/{name}: p50 {} ns, p90 {} ns, p99 {} ns, p99.9 {} ns ({} samples over {} requests of {:.1} blocks, {per_request} per request)",
+            pct(0.50),
+            pct(0.90),
+            pct(0.99),
+            pct(0.999),
+            samples.len(),
+            requests.len(),
+            blocks as f64 / n,
+        );
+    }
 }
 
 fn print_memory(idx: &Index, rss_growth: u64) {

@@ -7,7 +7,7 @@
 
 use std::cell::RefCell;
 
-use super::holders::{id_of, medium_of, slot_of, HolderId};
+use super::holders::{id_of, medium_of, slot_of, Holder, HolderId};
 use super::Index;
 
 /// Per-thread scratch buffers, so that a match allocates only its result.
@@ -20,6 +20,11 @@ struct Scratch {
     /// `place[rank * media + medium rank]`: where a hit sits in `done`, `u32::MAX`
     /// between calls (see `Index::hits_in_order`).
     place: Vec<u32>,
+    /// `match_compact`: the media every live source still holds, holders per
+    /// medium, and the media that stop being held by every source at a block.
+    full: Vec<u8>,
+    counts: Vec<u32>,
+    ending: Vec<u8>,
 }
 
 thread_local! {
@@ -44,6 +49,31 @@ pub struct MatchHit {
     /// Interned medium index; [`Index::medium_name`] gives its name.
     pub medium: u8,
     pub blocks: u32,
+}
+
+/// A match with the leading blocks that every live source holds reported once per
+/// medium instead of once per source (docs/index.md, "match_compact"): at 1,024
+/// engines sharing a system prompt, 1,024 hits become one floor and the few sources
+/// that hold more. [`Index::expand_match`] gives back exactly [`Index::match_keys`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CompactMatch {
+    /// `(medium, blocks)`, in medium name order, `blocks >= 1`: every live source
+    /// holds the first `blocks` keys in that medium, and at least one holds no
+    /// more. A medium not listed has a floor of 0.
+    pub floors: Vec<(u8, u32)>,
+    /// Every (source, medium) that holds more leading blocks than its medium's
+    /// floor, sorted by (worker, dp rank, medium name) as `match_keys`.
+    pub hits: Vec<MatchHit>,
+}
+
+impl CompactMatch {
+    /// The floor of a medium (0 if it has none).
+    pub fn floor(&self, medium: u8) -> u32 {
+        self.floors
+            .iter()
+            .find(|&&(m, _)| m == medium)
+            .map_or(0, |&(_, b)| b)
+    }
 }
 
 impl Index {
@@ -72,6 +102,71 @@ impl Index {
             ids.extend(keys.iter().map_while(|&k| idx.tree.find(k)));
         };
         self.match_with(keys, &mut Scratch::default(), table_only)
+    }
+
+    /// The same match as [`Index::match_keys`], with the blocks every live source
+    /// holds reported once per medium ([`CompactMatch`]).
+    pub fn match_compact(&self, keys: &[u64]) -> CompactMatch {
+        SCRATCH.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut scratch) => self.compact_with(keys, &mut scratch),
+            Err(_) => self.compact_with(keys, &mut Scratch::default()),
+        })
+    }
+
+    /// The full, sorted hits of a compact match of this index as it stands (the
+    /// floors stand for every live source): `expand_match(&match_compact(k)) ==
+    /// match_keys(k)`.
+    pub fn expand_match(&self, m: &CompactMatch) -> Vec<MatchHit> {
+        if m.floors.is_empty() {
+            return m.hits.clone();
+        }
+        let mut out = Vec::with_capacity(self.sources.len() * m.floors.len() + m.hits.len());
+        let mut hits = m.hits.iter().peekable();
+        for &(key, _) in self.sources.ordered() {
+            let mut floors = m.floors.iter().peekable();
+            loop {
+                let own = hits
+                    .peek()
+                    .filter(|h| h.worker == key.worker && h.dp_rank == key.dp_rank);
+                let (medium, blocks) = match (own, floors.peek()) {
+                    (None, None) => break,
+                    (Some(h), None) => (h.medium, h.blocks),
+                    (None, Some(&&f)) => f,
+                    (Some(h), Some(&&(fm, fb))) => {
+                        let (hr, fr) = (self.media.rank(h.medium), self.media.rank(fm));
+                        if hr < fr {
+                            (h.medium, h.blocks)
+                        } else if fr < hr {
+                            (fm, fb)
+                        } else {
+                            // Listed because it holds more than the floor.
+                            floors.next();
+                            (h.medium, h.blocks)
+                        }
+                    }
+                };
+                if own.is_some_and(|h| h.medium == medium) {
+                    hits.next();
+                } else {
+                    floors.next();
+                }
+                out.push(MatchHit {
+                    worker: key.worker,
+                    dp_rank: key.dp_rank,
+                    medium,
+                    blocks,
+                });
+            }
+        }
+        debug_assert!(hits.next().is_none(), "a hit of a source that is not live");
+        out
+    }
+
+    fn compact_with(&self, keys: &[u64], scratch: &mut Scratch) -> CompactMatch {
+        scratch.done.clear();
+        let floors = self.compact_into(keys, scratch);
+        let hits = self.hits_in_order(&scratch.done, &mut scratch.place);
+        CompactMatch { floors, hits }
     }
 
     fn match_with(
@@ -224,47 +319,194 @@ impl Index {
                 continue;
             }
             previous = holders;
-            let held = holders.as_slice(spills);
-            // Fast path: same holder set as the previous block (a shared prefix).
-            if held.len() == alive.len() && same_ids(held, alive) {
-                continue;
-            }
-            next.clear();
-            if held.len() * 16 < alive.len() {
-                // Few holders against many alive (a conversation's first block
-                // after a system prompt every engine holds): find each holder in
-                // `alive`, everyone in between drops out here.
-                let mut from = 0;
-                for &h in held {
-                    let id = id_of(h);
-                    if let Ok(p) = alive[from..].binary_search(&id) {
-                        let p = from + p;
-                        done.extend(alive[from..p].iter().map(|&a| (a, i as u32 + 1)));
-                        next.push(id);
-                        from = p + 1;
-                    }
-                }
-                done.extend(alive[from..].iter().map(|&a| (a, i as u32 + 1)));
-                std::mem::swap(alive, next);
-                continue;
-            }
-            let mut j = 0;
-            for &a in alive.iter() {
-                while j < held.len() && id_of(held[j]) < a {
-                    j += 1;
-                }
-                if j < held.len() && id_of(held[j]) == a {
-                    next.push(a);
-                } else {
-                    done.push((a, i as u32 + 1));
-                }
-            }
-            std::mem::swap(alive, next);
+            intersect(alive, next, holders.as_slice(spills), done, i as u32 + 1);
         }
         // Whoever is still alive holds every resolved block.
         let n = ids.len() as u32;
         done.extend(alive.iter().map(|&a| (a, n)));
     }
+
+    /// `match_into` with the media that every live source holds kept implicit: while
+    /// every live source holds the path so far in medium `m`, none of them is in
+    /// `alive`; at the first block that one of them lacks, `m`'s floor is that
+    /// depth and the sources that hold that block in `m` become explicit. Returns
+    /// the floors, in medium name order; `done` gets the explicit hits.
+    fn compact_into(&self, keys: &[u64], scratch: &mut Scratch) -> Vec<(u8, u32)> {
+        let Scratch {
+            ids,
+            alive,
+            next,
+            done,
+            full,
+            counts,
+            ending,
+            ..
+        } = scratch;
+        ids.clear();
+        self.resolve_path(keys, ids);
+        let mut floors = Vec::new();
+        let spills = &self.tree.spills;
+        let Some((&id0, rest)) = ids.split_first() else {
+            return floors;
+        };
+        let live = self.sources.len();
+        // The nodes are loaded (resolved); their spilled lists are not, except for
+        // the runs `resolve_path` walked: start them all now, so that the walk
+        // below does not wait for each in turn.
+        for &id in rest {
+            self.tree.holders(id).prefetch(spills);
+        }
+        let mut previous = self.tree.holders(id0);
+        let held = previous.as_slice(spills);
+        full.clear();
+        full.extend(0..self.media.len() as u8);
+        self.keep_covered(held, live, full, counts);
+        alive.clear();
+        // Each medium in `full` has exactly `live` holders here: when they are all
+        // of them (a prompt every source holds, in one medium), nothing is explicit
+        // and the ~1,024 holders are not read.
+        if held.len() != live * full.len() {
+            alive.extend(
+                held.iter()
+                    .map(|&h| id_of(h))
+                    .filter(|&id| !full.contains(&medium_of(id))),
+            );
+        }
+        for (i, &id) in rest.iter().enumerate() {
+            if alive.is_empty() && full.is_empty() {
+                break;
+            }
+            let holders = self.tree.holders(id);
+            if holders == previous {
+                continue;
+            }
+            previous = holders;
+            let held = holders.as_slice(spills);
+            let depth = i as u32 + 1;
+            if !alive.is_empty() {
+                intersect(alive, next, held, done, depth);
+            }
+            if full.is_empty() {
+                continue;
+            }
+            ending.clear();
+            ending.extend_from_slice(full);
+            self.keep_covered(held, live, full, counts);
+            if full.len() == ending.len() {
+                continue;
+            }
+            ending.retain(|m| !full.contains(m));
+            floors.extend(ending.iter().map(|&m| (m, depth)));
+            // The holders of this block in the media that end here held every
+            // block before it: they go on explicitly (other media than `alive`'s,
+            // so the merge has no duplicates).
+            next.clear();
+            let mut a = alive.iter().copied().peekable();
+            for h in held.iter().map(|&h| id_of(h)) {
+                if !ending.contains(&medium_of(h)) {
+                    continue;
+                }
+                while let Some(x) = a.next_if(|&x| x < h) {
+                    next.push(x);
+                }
+                next.push(h);
+            }
+            next.extend(a);
+            std::mem::swap(alive, next);
+        }
+        let n = ids.len() as u32;
+        floors.extend(full.iter().map(|&m| (m, n)));
+        done.extend(alive.iter().map(|&a| (a, n)));
+        floors.sort_unstable_by_key(|&(m, _)| self.media.rank(m));
+        floors
+    }
+
+    /// Keeps in `full` the media in which `held` has every one of the `live`
+    /// sources. Each (source, medium) is there at most once and every holder is a
+    /// live source, so a medium with `live` holders has all of them; one medium
+    /// interned in all (the usual fleet: GPU only), or every medium held by every
+    /// source, is known from the length alone.
+    fn keep_covered(
+        &self,
+        held: &[Holder],
+        live: usize,
+        full: &mut Vec<u8>,
+        counts: &mut Vec<u32>,
+    ) {
+        let media = self.media.len();
+        if held.len() < live || live == 0 {
+            full.clear();
+        } else if media == 1 || held.len() == live * media {
+            // Held by every source in every medium: nothing ends.
+        } else {
+            counts.clear();
+            counts.resize(media, 0);
+            for &h in held {
+                counts[medium_of(id_of(h)) as usize] += 1;
+            }
+            full.retain(|&m| counts[m as usize] as usize == live);
+        }
+    }
+}
+
+/// Keeps in `alive` the holders that `held` (a block's sorted holders) has; the
+/// others matched `depth` blocks and go to `done`.
+#[inline]
+fn intersect(
+    alive: &mut Vec<HolderId>,
+    next: &mut Vec<HolderId>,
+    held: &[Holder],
+    done: &mut Vec<(HolderId, u32)>,
+    depth: u32,
+) {
+    // The same holders as alive (a shared prefix): nobody drops out.
+    if held.len() == alive.len() && same_ids(held, alive) {
+        return;
+    }
+    next.clear();
+    if held.len() * 16 < alive.len() {
+        // Few holders against many alive (a conversation's first block after a
+        // system prompt every engine holds): find each holder in `alive`, everyone
+        // in between drops out here.
+        let mut from = 0;
+        for &h in held {
+            let id = id_of(h);
+            if let Ok(p) = alive[from..].binary_search(&id) {
+                let p = from + p;
+                done.extend(alive[from..p].iter().map(|&a| (a, depth)));
+                next.push(id);
+                from = p + 1;
+            }
+        }
+        done.extend(alive[from..].iter().map(|&a| (a, depth)));
+    } else if alive.len() * 16 < held.len() {
+        // Few alive against many holders (a session's engine meeting a block that
+        // every engine holds): find each alive holder in `held`.
+        let mut from = 0;
+        for &a in alive.iter() {
+            let p = from + held[from..].partition_point(|&h| id_of(h) < a);
+            if held.get(p).is_some_and(|&h| id_of(h) == a) {
+                next.push(a);
+                from = p + 1;
+            } else {
+                done.push((a, depth));
+                from = p;
+            }
+        }
+    } else {
+        let mut j = 0;
+        for &a in alive.iter() {
+            while j < held.len() && id_of(held[j]) < a {
+                j += 1;
+            }
+            if j < held.len() && id_of(held[j]) == a {
+                next.push(a);
+            } else {
+                done.push((a, depth));
+            }
+        }
+    }
+    std::mem::swap(alive, next);
 }
 
 /// Whether `held`'s ids are `alive`, in chunks without an early exit, so that the

@@ -772,3 +772,120 @@ fn unknown_medium_names_beyond_the_limit_go_to_other_but_known_ones_never_do() {
     assert!(hits.iter().all(|h| idx.medium_name(h.medium) != "tier3"));
     idx.check_invariants().unwrap();
 }
+
+/// `match_compact` against `match_keys`: it expands to exactly the full match, and
+/// is the canonical form, each floor being the least match of its medium over the
+/// live sources and the hits exactly the pairs above their medium's floor.
+fn check_compact(idx: &Index, keys: &[u64]) -> Result<(), TestCaseError> {
+    let full = idx.match_keys(keys);
+    let compact = idx.match_compact(keys);
+    prop_assert_eq!(&idx.expand_match(&compact), &full);
+    let live = idx.sources.ordered();
+    let mut floors = vec![];
+    for m in 0..idx.media.len() as u8 {
+        let least = live
+            .iter()
+            .map(|(k, _)| {
+                full.iter()
+                    .find(|h| h.worker == k.worker && h.dp_rank == k.dp_rank && h.medium == m)
+                    .map_or(0, |h| h.blocks)
+            })
+            .min()
+            .unwrap_or(0);
+        if least > 0 {
+            floors.push((m, least));
+        }
+    }
+    floors.sort_by_key(|&(m, _)| idx.media.rank(m));
+    prop_assert_eq!(&compact.floors, &floors);
+    let hits: Vec<MatchHit> = full
+        .iter()
+        .filter(|h| h.blocks > compact.floor(h.medium))
+        .copied()
+        .collect();
+    prop_assert_eq!(&compact.hits, &hits);
+    Ok(())
+}
+
+/// Streams where the few sources mostly store the same prompts from block 0 (so
+/// that floors exist, end at different depths per medium, and vanish when a source
+/// clears or evicts).
+fn shared_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        8 => (0..3u64, 1..6u32, proptest::option::of(0..12u64), 0..2u32, any::<bool>())
+            .prop_map(|(w, blocks, start, alpha, cpu)| Op::Store {
+                w,
+                dp: 0,
+                blocks,
+                start: start.filter(|s| s % 3 == 0),
+                hash0: 0,
+                alpha,
+                cpu,
+                tokenless: false,
+            }),
+        3 => (0..3u64, 0..6u64, any::<bool>()).prop_map(|(w, hash, cpu)| Op::Remove { w, dp: 0, hash, cpu }),
+        1 => (0..3u64).prop_map(|w| Op::Clear { w, dp: 0 }),
+        1 => (0..3u64).prop_map(|w| Op::RemoveWorker { w }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    #[test]
+    fn compact_match_expands_to_the_full_match(
+        ops in proptest::collection::vec(op(), 1..80),
+        shared in proptest::collection::vec(shared_op(), 1..60),
+    ) {
+        for ops in [&ops, &shared] {
+            let mut idx = Index::new();
+            run(&mut idx, ops);
+            for alpha in 0..3 {
+                for n in 1..7 {
+                    let mut keys = keys_of(&toks(n, alpha));
+                    check_compact(&idx, &keys)?;
+                    keys.push(0xdead_beef);
+                    check_compact(&idx, &keys)?;
+                }
+            }
+            check_compact(&idx, &[])?;
+        }
+    }
+}
+
+/// A fleet's shape: every source holds a prompt in GPU, some also in CPU, two go
+/// deeper. The floor stands for all of them; only the deeper ones are listed. One
+/// source that lacks the prompt takes the floor away.
+#[test]
+fn a_prompt_every_source_holds_is_one_floor() {
+    let mut idx = Index::new();
+    let t = toks(6, 0);
+    let keys = keys_of(&t);
+    let bs = BS as usize;
+    for w in 0..40 {
+        let ev = stored(&[1, 2, 3], None, t[..3 * bs].to_vec(), Medium::Gpu);
+        idx.apply_batch(src(w), &batch(vec![ev]));
+    }
+    for w in [3, 7] {
+        let ev = stored(&[4, 5], Some(3), t[3 * bs..5 * bs].to_vec(), Medium::Gpu);
+        idx.apply_batch(src(w), &batch(vec![ev]));
+    }
+    for w in 0..40 {
+        let ev = stored(&[1], None, t[..bs].to_vec(), Medium::Cpu);
+        idx.apply_batch(src(w), &batch(vec![ev]));
+    }
+    let c = idx.match_compact(&keys);
+    let (gpu, cpu) = (
+        idx.media.find(&Medium::Gpu).unwrap(),
+        idx.media.find(&Medium::Cpu).unwrap(),
+    );
+    assert_eq!(c.floors, vec![(cpu, 1), (gpu, 3)]);
+    let deeper: Vec<(u64, u32)> = c.hits.iter().map(|h| (h.worker, h.blocks)).collect();
+    assert_eq!(deeper, vec![(3, 5), (7, 5)]);
+    assert_eq!(idx.expand_match(&c), idx.match_keys(&keys));
+    assert_eq!(idx.expand_match(&c).len(), 80);
+    idx.register_source(src(99), "", "");
+    let c = idx.match_compact(&keys);
+    assert!(c.floors.is_empty());
+    assert_eq!(c.hits, idx.match_keys(&keys));
+}
