@@ -224,6 +224,7 @@ class RedisFleetState:
         self._closed = False
         self._log = _RateLimitedLog(log_every_s)
         self.epoch = ""
+        self._last_why = "redis too slow or failed"
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -232,11 +233,12 @@ class RedisFleetState:
         """Redis is in use (False: every operation falls back to the local book)."""
         return self._up
 
-    async def start(self, secret: GatewaySecret | None = None) -> None:
+    async def start(self, secret: GatewaySecret | None = None, *, background: bool = True) -> None:
         """Connect, check the fleet's secret fingerprint, put this replica's lease in
         Redis and start the heartbeat. Raises `SecretMismatchError` when Redis holds
         another secret's fingerprint; with Redis unreachable it starts in fallback and
-        does all of this when Redis comes (refusing then if the secret differs)."""
+        does all of this when Redis comes (refusing then if the secret differs).
+        `background=False`: no heartbeat task; the caller calls `beat()` (tests)."""
         self._secret = secret
         try:
             await self._connect()
@@ -245,7 +247,8 @@ class RedisFleetState:
             raise
         except (RedisError, OSError, TimeoutError) as exc:
             self._down("start", exc)
-        self._task = asyncio.create_task(self._maintain(), name=f"state-{self.replica}")
+        if background:
+            self._task = asyncio.create_task(self._maintain(), name=f"state-{self.replica}")
 
     async def close(self, *, leave: bool = True) -> None:
         """Stop the heartbeat; with `leave`, take this replica's share out of Redis now
@@ -545,13 +548,15 @@ class RedisFleetState:
                 self._down(
                     op, TimeoutError(f"{self._slow} calls in a row over {timeout_s * 1000:.1f} ms")
                 )
-            self._fallback(op, f"redis slower than the {timeout_s * 1000:.1f} ms budget")
+            self._last_why = f"redis slower than the {timeout_s * 1000:.1f} ms budget"
+            self._fallback(op, self._last_why)
             return failed
         except (RedisError, OSError) as exc:
             if _is_connection_error(exc):
                 self._down(op, exc)
             else:
                 self._dirty = True
+                self._last_why = f"redis error: {exc}"
                 self._log("error", logging.WARNING, "shared state: %s failed in redis: %s", op, exc)
             self._fallback(op)
             return failed
@@ -573,7 +578,7 @@ class RedisFleetState:
             return f"refused: {self._refusal}"
         if not self._up:
             return "redis unreachable"
-        return "redis too slow or failed"
+        return self._last_why
 
     def _lost(self, op: str) -> str:
         """Redis did not hold this replica's lease (it restarted, was flushed, or this
@@ -694,9 +699,21 @@ class RedisFleetState:
                     value,
                 )
 
+    async def beat(self) -> None:
+        """One step of the heartbeat: reconnect while Redis is down, resync when this
+        replica's share may be wrong, else renew the lease (and reap dead replicas)."""
+        if not self._up:
+            await self._reconnect()
+        elif self._dirty:
+            await self.resync()
+        else:
+            reply = await self._run("renew", _RENEW, self._head(), self.admin_timeout_s)
+            if reply is not None and reply[0] == "lost":
+                self._lost("renew")
+
     async def _maintain(self) -> None:
-        """Heartbeat while Redis is up (renew the lease; resync when dirty); reconnect
-        every `reconnect_s` while it is not."""
+        """`beat()` every `heartbeat_s` while Redis is up, every `reconnect_s` while it
+        is not, and at once when an operation found the lease lost."""
         while not self._closed:
             interval = self.heartbeat_s if self._up else self.reconnect_s
             with contextlib.suppress(TimeoutError):
@@ -704,14 +721,7 @@ class RedisFleetState:
                     await self._wake.wait()
             self._wake.clear()
             try:
-                if not self._up:
-                    await self._reconnect()
-                elif self._dirty:
-                    await self.resync()
-                else:
-                    reply = await self._run("renew", _RENEW, self._head(), self.admin_timeout_s)
-                    if reply is not None and reply[0] == "lost":
-                        self._lost("renew")
+                await self.beat()
             except asyncio.CancelledError:
                 raise
             except Exception:  # the heartbeat must outlive anything a call can raise

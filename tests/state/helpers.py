@@ -1,0 +1,35 @@
+"""Helpers of the shared-state tests."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from quillcache.state import Candidate, EngineKey, EngineLoad, LocalFallback, RedisFleetState
+
+T = TypeVar("T")
+
+
+def run(coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def fleet() -> str:
+    """A prefix of its own for each test (or hypothesis example)."""
+    return f"test-{uuid.uuid4().hex[:10]}"
+
+
+def shortlist(*ceilings: float) -> list[Candidate]:
+    return [Candidate(EngineKey(i), c) for i, c in enumerate(ceilings)]
+
+
+async def loads_of(state: RedisFleetState) -> dict[EngineKey, EngineLoad]:
+    out = await state.loads()
+    assert not isinstance(out, LocalFallback), out
+    return out
+
+
+def in_flight(loads: dict[EngineKey, EngineLoad]) -> dict[int, int]:
+    return {k.engine: v.in_flight for k, v in sorted(loads.items()) if v.in_flight}

@@ -1,0 +1,321 @@
+"""The shared state's operations, one round trip each, against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from quillcache.errors import ConfigError
+from quillcache.gateway.secret import GatewaySecret
+from quillcache.state import (
+    Booked,
+    Candidate,
+    EngineKey,
+    EngineLoad,
+    LoadWeights,
+    LocalFallback,
+    RedisFleetState,
+    SecretMismatchError,
+    Shared,
+    StateError,
+    choose,
+)
+from tests.state.helpers import fleet, in_flight, loads_of, run, shortlist
+from tests.state.server import RedisServer
+
+
+def test_book_prefill_release_round_trips(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        s = RedisFleetState(redis_server.url, prefix=fleet(), budget_s=1.0)
+        await s.start(background=False)
+        try:
+            rid = s.new_request_id()
+            out = await s.book(rid, shortlist(2, 2), prefill_tokens=300, context_tokens=500)
+            assert isinstance(out, Booked) and out.engine == EngineKey(0) and out.reason == "under"
+            assert out.loads == (EngineLoad(), EngineLoad())
+            assert await loads_of(s) == {EngineKey(0): EngineLoad(1, 300, 0, 0)}
+            assert await s.prefill_done(rid) == Shared("ok")
+            assert await loads_of(s) == {EngineKey(0): EngineLoad(1, 0, 1, 500)}
+            assert await s.prefill_done(rid) == Shared("already prefilled")
+            # a second booking sees the first one's load
+            rid2 = s.new_request_id()
+            out2 = await s.book(rid2, shortlist(1, 5), prefill_tokens=10)
+            assert isinstance(out2, Booked) and out2.engine == EngineKey(1)
+            assert out2.loads[0] == EngineLoad(1, 0, 1, 500)
+            # booking the same id again books nothing more
+            again = await s.book(rid2, shortlist(1, 5), prefill_tokens=10)
+            assert isinstance(again, Booked) and again.reason == "retry"
+            assert again.engine == EngineKey(1)
+            assert await s.release(rid) == Shared("ok")
+            assert await s.release(rid) == Shared("unknown request")
+            assert await loads_of(s) == {EngineKey(1): EngineLoad(1, 10, 0, 0)}
+            assert await s.release(rid2) == Shared("ok")
+            assert await loads_of(s) == {}
+            assert s.stats.booked == 2 and not s.stats.fallbacks
+        finally:
+            await s.close()
+
+    run(main())
+
+
+def test_dp_ranks_are_separate_rows(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        s = RedisFleetState(redis_server.url, prefix=fleet(), budget_s=1.0)
+        await s.start(background=False)
+        try:
+            ranks = [Candidate(EngineKey(7, r), 1) for r in range(3)]
+            got = [await s.book(s.new_request_id(), ranks, prefill_tokens=1) for _ in range(3)]
+            assert [g.engine for g in got] == [EngineKey(7, 0), EngineKey(7, 1), EngineKey(7, 2)]
+            assert set(await loads_of(s)) == {EngineKey(7, r) for r in range(3)}
+        finally:
+            await s.close()
+
+    run(main())
+
+
+def test_every_replica_sees_the_others_bookings(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        prefix = fleet()
+        a = RedisFleetState(redis_server.url, prefix=prefix, budget_s=1.0)
+        b = RedisFleetState(redis_server.url, prefix=prefix, budget_s=1.0)
+        await a.start(background=False)
+        await b.start(background=False)
+        try:
+            ra, rb = a.new_request_id(), b.new_request_id()
+            assert ra != rb and ra.startswith(a.replica) and rb.startswith(b.replica)
+            assert isinstance(await a.book(ra, shortlist(1, 1), prefill_tokens=5), Booked)
+            out = await b.book(rb, shortlist(1, 1), prefill_tokens=5)
+            assert isinstance(out, Booked) and out.engine == EngineKey(1)  # 0 is full
+            assert in_flight(await loads_of(b)) == {0: 1, 1: 1}
+            # releasing through the other replica does nothing: bookings are per lease
+            assert await b.release(ra) == Shared("unknown request")
+            await a.close()  # leave: its share goes now
+            assert in_flight(await loads_of(b)) == {1: 1}
+        finally:
+            await b.close()
+
+    run(main())
+
+
+def test_choice_rule_matches_python(redis_server: RedisServer) -> None:
+    """The script's choice equals `choose` over the same loads: every candidate over
+    its ceiling -> least overshoot; weights count queued tokens and decodes."""
+
+    async def main() -> None:
+        s = RedisFleetState(redis_server.url, prefix=fleet(), budget_s=1.0)
+        await s.start(background=False)
+        w = LoadWeights(in_flight=1.0, queued_tokens=0.01, decodes=0.5)
+        try:
+            cands = [Candidate(EngineKey(i), c) for i, c in enumerate([3.0, 0.0, 6.5, 2.0])]
+            for k in range(40):
+                rid = s.new_request_id()
+                before = await loads_of(s)
+                want, reason = choose(cands, before, w)
+                got = await s.book(rid, cands, prefill_tokens=37 * (k % 5), weights=w)
+                assert isinstance(got, Booked)
+                assert (got.index, got.reason) == (want, reason), k
+                if k % 3 == 0:
+                    await s.prefill_done(rid)
+                if k % 7 == 0:
+                    await s.release(rid)
+        finally:
+            await s.close()
+
+    run(main())
+
+
+def test_session_binding_and_pending_placement(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        prefix = fleet()
+        a = RedisFleetState(redis_server.url, prefix=prefix, budget_s=1.0)
+        b = RedisFleetState(redis_server.url, prefix=prefix, budget_s=1.0)
+        await a.start(background=False)
+        await b.start(background=False)
+        try:
+            # a routes a new prefix (anchors at 4 and 8 blocks) to engine 2
+            first = await a.book(
+                a.new_request_id(),
+                [Candidate(EngineKey(2), 10), Candidate(EngineKey(0), 10)],
+                prefill_tokens=128,
+                anchors=[(0xAB, 4), (0xCD, 8)],
+                session="conversation-1",
+            )
+            assert isinstance(first, Booked) and first.engine == EngineKey(2)
+            assert await b.pending([(0xAB, 4), (0xCD, 8), (0xEF, 16)]) == {EngineKey(2): 8}
+            assert await b.session("conversation-1") == EngineKey(2)
+            # b's router prefers engine 0, but engine 2 is computing this prefix
+            same = await b.book(
+                b.new_request_id(),
+                shortlist(10, 10, 10),
+                prefill_tokens=128,
+                anchors=[(0xAB, 4), (0xCD, 8)],
+            )
+            assert isinstance(same, Booked) and (same.engine, same.reason) == (
+                EngineKey(2),
+                "pending",
+            )
+            # ... not when it is at its ceiling there
+            full = await b.book(
+                b.new_request_id(),
+                [Candidate(EngineKey(0), 10), Candidate(EngineKey(2), 2)],
+                prefill_tokens=128,
+                anchors=[(0xAB, 4)],
+            )
+            assert isinstance(full, Booked) and (full.engine, full.reason) == (
+                EngineKey(0),
+                "under",
+            )
+            # the session goes back to its engine, ahead of the router's order
+            back = await b.book(
+                b.new_request_id(),
+                [Candidate(EngineKey(1), 10), Candidate(EngineKey(2), 10)],
+                prefill_tokens=16,
+                session="conversation-1",
+            )
+            assert isinstance(back, Booked) and (back.engine, back.reason) == (
+                EngineKey(2),
+                "session",
+            )
+            assert await b.session("no such session") is None
+            # speculative placements lapse with their TTL
+            await a.book(
+                a.new_request_id(),
+                shortlist(10),
+                prefill_tokens=1,
+                anchors=[(0x11, 2)],
+                spec_ttl_s=0.05,
+            )
+            assert await a.pending([(0x11, 2)]) == {EngineKey(0): 2}
+            await asyncio.sleep(0.12)
+            assert await a.pending([(0x11, 2)]) == {}
+        finally:
+            await a.close()
+            await b.close()
+
+    run(main())
+
+
+def test_pins_draining_engines_config(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        prefix = fleet()
+        a = RedisFleetState(redis_server.url, prefix=prefix, budget_s=1.0)
+        b = RedisFleetState(redis_server.url, prefix=prefix, budget_s=1.0)
+        await a.start(background=False)
+        await b.start(background=False)
+        try:
+            c0 = await b.config()
+            assert not isinstance(c0, LocalFallback) and c0.version == 0
+            p = await a.pin(0xFEED, "tenant-a", ttl_s=0.3)
+            assert not isinstance(p, LocalFallback) and p.pinned
+            taken = await b.pin(0xFEED, "tenant-b", ttl_s=5)
+            assert not isinstance(taken, LocalFallback) and not taken.pinned
+            assert taken.owner == "tenant-a"
+            assert await a.set_draining(EngineKey(3, 1)) == Shared("changed")
+            assert await a.set_draining(EngineKey(3, 1)) == Shared("unchanged")
+            assert await a.add_engine(12, {"url": "http://127.0.0.1:9"}) == Shared("changed")
+            c1 = await b.config()
+            assert not isinstance(c1, LocalFallback)
+            assert c1.engines == {12: {"url": "http://127.0.0.1:9"}}
+            assert c1.draining == frozenset({EngineKey(3, 1)})
+            assert c1.pins == {0xFEED: "tenant-a"}
+            assert c1.version > c0.version
+            await asyncio.sleep(0.4)  # the pin lapses
+            c2 = await b.config()
+            assert not isinstance(c2, LocalFallback) and c2.pins == {} and c2.version > c1.version
+            await a.set_draining(EngineKey(3, 1), False)
+            await a.remove_engine(12)
+            c3 = await b.config()
+            assert not isinstance(c3, LocalFallback)
+            assert (c3.engines, c3.draining) == ({}, frozenset())
+            unpinned = await b.unpin(0xFEED, "tenant-b")
+            assert not isinstance(unpinned, LocalFallback) and not unpinned.pinned
+        finally:
+            await a.close()
+            await b.close()
+
+    run(main())
+
+
+def test_noscript_falls_back_to_eval(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        s = RedisFleetState(redis_server.url, prefix=fleet(), budget_s=1.0)
+        await s.start(background=False)
+        try:
+            await s._client.execute_command("SCRIPT", "FLUSH")
+            out = await s.book(s.new_request_id(), shortlist(5), prefill_tokens=1)
+            assert isinstance(out, Booked)
+            info = await s._client.execute_command("INFO", "commandstats")
+            assert info["cmdstat_evalsha"]["failed_calls"] >= 1  # NOSCRIPT
+            assert info["cmdstat_eval"]["calls"] >= 1
+        finally:
+            await s.close()
+
+    run(main())
+
+
+def _secret(key: bytes, previous: bytes | None = None, window_s: float = 3600.0) -> GatewaySecret:
+    return GatewaySecret(key * 32, previous * 32 if previous else None, time.time() + window_s)
+
+
+def test_secret_fingerprint_refusal(redis_server: RedisServer) -> None:
+    async def start(prefix: str, secret: GatewaySecret) -> RedisFleetState:
+        s = RedisFleetState(redis_server.url, prefix=prefix, budget_s=1.0)
+        await s.start(secret, background=False)
+        return s
+
+    async def main() -> None:
+        prefix = fleet()
+        a = await start(prefix, _secret(b"a"))
+        with pytest.raises(SecretMismatchError) as err:
+            await start(prefix, _secret(b"b"))
+        msg = str(err.value)
+        assert "same secret file" in msg and _secret(b"a").fingerprint in msg
+        assert _secret(b"a").current.hex() not in msg
+        assert isinstance(err.value, ConfigError)
+        # Redis holds the fingerprint, never the secret
+        meta = await a._client.hgetall("{" + prefix + "}:meta")
+        assert _secret(b"a").current.hex() not in str(meta)
+        assert meta["secret_fp"] == _secret(b"a").fingerprint
+        # the same secret joins; another fleet (prefix) may use another secret
+        await (await start(prefix, _secret(b"a"))).close()
+        await (await start(fleet(), _secret(b"b"))).close()
+        # a rotation: the new secret whose previous one is the fleet's is accepted and
+        # becomes the fleet's; a replica not yet restarted is accepted in the window
+        rotated = await start(prefix, _secret(b"c", previous=b"a"))
+        await (await start(prefix, _secret(b"a"))).close()
+        with pytest.raises(SecretMismatchError):
+            await start(prefix, _secret(b"d"))
+        await rotated.close()
+        await a.close()
+
+    async def expired_window() -> None:
+        # a previous secret past its window is not accepted
+        prefix = fleet()
+        await (await start(prefix, _secret(b"f"))).close()
+        with pytest.raises(SecretMismatchError):
+            await start(prefix, _secret(b"e", previous=b"f", window_s=-1))
+        await (await start(prefix, _secret(b"e", previous=b"f"))).close()  # within it: yes
+
+    run(main())
+    run(expired_window())
+
+
+def test_bad_configuration_is_refused() -> None:
+    with pytest.raises(ConfigError):
+        RedisFleetState(prefix="a{b}")
+    with pytest.raises(ConfigError):
+        RedisFleetState(lease_ttl_s=1.0, heartbeat_s=2.0)
+    with pytest.raises(ConfigError):
+        RedisFleetState(replica="has|pipe")
+    with pytest.raises(ConfigError):
+        LoadWeights(in_flight=-1)
+
+    async def empty() -> None:
+        s = RedisFleetState("redis://127.0.0.1:1/0", budget_s=0.05)
+        with pytest.raises(StateError):
+            await s.book("r", [], prefill_tokens=1)
+        await s._client.aclose()
+
+    run(empty())
