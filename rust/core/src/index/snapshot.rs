@@ -2,23 +2,37 @@
 //!
 //! Layout (little-endian): magic `QCIDXSNP`, u32 version, the media names, the
 //! sources (slot, worker, dp rank, model, tokenizer, engine-hash map keyed by
-//! `engine_map_key(group, hash)`), then the nodes, then a CRC-32 of every byte
-//! before it. Any corruption is an error, never a silently different index.
+//! `engine_map_key(group, hash)`), the capacities of the two hash tables, then the
+//! nodes, then a CRC-32 of every byte before it. Any corruption is an error, never a
+//! silently different index.
 //!
-//! Version 4 (written) is laid out for loading speed: it records the capacities of
-//! the two hash tables, and the nodes in slab order (live ids ascending) with their
-//! parent as an *ordinal* in that order. The loader puts record k in slot k (a
-//! request's path, stored block after block, stays a run of consecutive slots that
-//! `match` walks without the table), then fills the key table in one pass with the
-//! slots prefetched ahead, sized as the writer's was (no growth, no rehash, no probe
-//! clusters from inserting into a smaller table, which made the v3 loader seconds
-//! slow at 1 M nodes), and links parents by ordinal (no lookups). Images from older
-//! writers have the nodes in key-table slot order; they load the same way (any order
-//! does), but a restored index then has a path's nodes scattered over the slab
-//! (`match` several times slower until it turns over). Node record:
-//! key u64, parent ordinal u32 (`u32::MAX` for a root, then its parent key u64),
-//! depth u32, pins u32, u8 flags (1 = primary engine hash, then it as u64), u32
-//! holder count, packed holders (u64, with claim bits).
+//! The nodes are in slab order (live ids ascending) with their parent as an
+//! *ordinal* in that order. The loader puts record k in slot k (a request's path,
+//! stored block after block, stays a run of consecutive slots that `match` walks
+//! without the table), fills the key table in one pass with the slots prefetched
+//! ahead, sized as the writer's was (no growth, no rehash, no probe clusters from
+//! inserting into a smaller table, which made the v3 loader seconds slow at 1 M
+//! nodes), and links parents by ordinal (no lookups).
+//!
+//! Version 5 (written) stores what cannot be derived, in few bytes: the image is
+//! written as it is built, in chunks, and its size is most of the cost of writing
+//! and reading a snapshot. Node record: u8 flags, key u64, then only what the flags
+//! call for: `ROOT` its parent key u64 (no parent ordinal); `FAR_PARENT` the parent
+//! ordinal as a zigzag varint of `ordinal - 1 - parent` (without it the parent is
+//! the previous record: a stored run); `DEPTH` the depth as a varint (without it a
+//! root's depth is 0 and another node's is its parent's + 1, the parent being the
+//! previous record: no random read of a parent to write or to load a record); `PINS` the pin count as a varint; `EHASH` the primary engine
+//! hash u64; the holder count in the top three bits (7: a varint follows). Each
+//! holder: its id as a varint of the difference to the previous holder's (the
+//! first: to 0; ids ascend), then `refcount << 1 | claim` as a varint.
+//!
+//! Version 4 (read only): the same sections, node records of fixed fields: key u64,
+//! parent ordinal u32 (`u32::MAX` for a root, then its parent key u64), depth u32,
+//! pins u32, u8 flags (1 = primary engine hash, then it as u64), u32 holder count,
+//! packed holders (u64, with claim bits). Images from writers before it have the
+//! nodes in key-table slot order; they load the same way (any order does), but a
+//! restored index then has a path's nodes scattered over the slab (`match` several
+//! times slower until it turns over).
 //!
 //! Version 3 (read only): nodes in any order with their parent key and a linked flag;
 //! loaded by lookups and checked with `check_invariants`.
@@ -27,7 +41,9 @@ use std::io::{Read, Write};
 
 use crate::events::Medium;
 
-use super::holders::{self, claimed, id_of, medium_of, refcount_of, slot_of};
+use super::holders::{
+    self, claimed, id_of, medium_of, pack, refcount_of, slot_of, Holder, MAX_REFCOUNT,
+};
 use super::hugepages;
 use super::keytable::prefetch;
 use super::sources::{Source, SourceKey};
@@ -35,9 +51,23 @@ use super::tree::{Tree, HAS_EHASH, NIL};
 use super::Index;
 
 const MAGIC: &[u8; 8] = b"QCIDXSNP";
-const VERSION: u32 = 4;
-/// The previous version, still read.
+const VERSION: u32 = 5;
+/// The previous versions, still read.
+const VERSION_V4: u32 = 4;
 const VERSION_V3: u32 = 3;
+
+/// Version 5 node record flags (module docs).
+const ROOT: u8 = 1;
+const FAR_PARENT: u8 = 2;
+const DEPTH: u8 = 4;
+const PINS: u8 = 8;
+const EHASH: u8 = 16;
+const COUNT_SHIFT: u32 = 5;
+/// Holder count field value saying that the count follows as a varint.
+const COUNT_FOLLOWS: u8 = 7;
+
+/// The writer hands its output on in chunks of about this size.
+const CHUNK: usize = 1 << 20;
 /// Below this many nodes the cycle check runs inline (a thread costs more).
 pub(super) const PARALLEL_CHECK_MIN_NODES: usize = 1 << 16;
 
@@ -48,7 +78,7 @@ pub enum SnapshotError {
     #[error("not an index snapshot (bad magic)")]
     BadMagic,
     #[error(
-        "index snapshot version {0} is not supported (this build reads versions {VERSION_V3} and {VERSION})"
+        "index snapshot version {0} is not supported (this build reads versions {VERSION_V3} to {VERSION})"
     )]
     UnsupportedVersion(u32),
     #[error("index snapshot checksum mismatch: the file is corrupt or truncated")]
@@ -57,22 +87,75 @@ pub enum SnapshotError {
     Corrupt(String),
 }
 
-struct Out(Vec<u8>);
+/// The image writer: bytes go to `w` in chunks of about [`CHUNK`] as the image is
+/// built (no buffer of the image's size: that was two copies of it, and their page
+/// faults, per snapshot), and the CRC is computed as they go.
+struct Out<'w, W: Write> {
+    buf: Vec<u8>,
+    w: &'w mut W,
+    crc: crc32fast::Hasher,
+}
 
-impl Out {
+impl<'w, W: Write> Out<'w, W> {
+    fn new(w: &'w mut W) -> Self {
+        Self {
+            buf: Vec::with_capacity(CHUNK + (1 << 16)),
+            w,
+            crc: crc32fast::Hasher::new(),
+        }
+    }
     fn u8(&mut self, x: u8) {
-        self.0.push(x);
+        self.buf.push(x);
     }
     fn u32(&mut self, x: u32) {
-        self.0.extend_from_slice(&x.to_le_bytes());
+        self.buf.extend_from_slice(&x.to_le_bytes());
     }
     fn u64(&mut self, x: u64) {
-        self.0.extend_from_slice(&x.to_le_bytes());
+        self.buf.extend_from_slice(&x.to_le_bytes());
     }
     fn str(&mut self, s: &str) {
         self.u32(s.len() as u32);
-        self.0.extend_from_slice(s.as_bytes());
+        self.buf.extend_from_slice(s.as_bytes());
     }
+    /// LEB128: 7 bits a byte, low bits first.
+    #[inline]
+    fn varint(&mut self, mut x: u64) {
+        while x >= 0x80 {
+            self.buf.push(x as u8 | 0x80);
+            x >>= 7;
+        }
+        self.buf.push(x as u8);
+    }
+    /// Hands on what is buffered once it is a chunk.
+    #[inline]
+    fn spill(&mut self) -> std::io::Result<()> {
+        if self.buf.len() >= CHUNK {
+            self.flush()?;
+        }
+        Ok(())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.crc.update(&self.buf);
+        self.w.write_all(&self.buf)?;
+        self.buf.clear();
+        Ok(())
+    }
+    /// Writes the rest and the CRC of every byte before it.
+    fn finish(mut self) -> std::io::Result<()> {
+        self.flush()?;
+        let crc = self.crc.clone().finalize();
+        self.w.write_all(&crc.to_le_bytes())
+    }
+}
+
+#[inline]
+fn zigzag(x: i64) -> u64 {
+    ((x << 1) ^ (x >> 63)) as u64
+}
+
+#[inline]
+fn unzigzag(x: u64) -> i64 {
+    (x >> 1) as i64 ^ -((x & 1) as i64)
 }
 
 struct In<'a> {
@@ -99,6 +182,37 @@ impl<'a> In<'a> {
     }
     fn u64(&mut self) -> Result<u64, SnapshotError> {
         Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
+    }
+    /// A LEB128 varint (at most 10 bytes, no bits beyond 64).
+    #[inline]
+    fn varint(&mut self) -> Result<u64, SnapshotError> {
+        match self.buf.get(self.pos) {
+            Some(&b) if b < 0x80 => {
+                self.pos += 1;
+                Ok(b as u64)
+            }
+            _ => self.varint_long(),
+        }
+    }
+    fn varint_long(&mut self) -> Result<u64, SnapshotError> {
+        let at = self.pos;
+        let mut x = 0u64;
+        for shift in (0..64).step_by(7) {
+            let b = self.u8()?;
+            if shift == 63 && b > 1 {
+                break;
+            }
+            x |= ((b & 0x7f) as u64) << shift;
+            if b < 0x80 {
+                return Ok(x);
+            }
+        }
+        Err(corrupt(format!("a number at byte {at} is too long")))
+    }
+    fn varint_u32(&mut self) -> Result<u32, SnapshotError> {
+        let at = self.pos;
+        u32::try_from(self.varint()?)
+            .map_err(|_| corrupt(format!("a number at byte {at} is out of range")))
     }
     fn str(&mut self) -> Result<String, SnapshotError> {
         let n = self.u32()? as usize;
@@ -197,24 +311,73 @@ fn check_acyclic(parents: &[u32]) -> Result<(), SnapshotError> {
 }
 
 impl Index {
+    /// Writes the image (the current version) to `w`, in chunks as it is built.
     pub fn write_snapshot<W: Write>(&self, w: &mut W) -> std::io::Result<()> {
-        // The live nodes in slab order (freed slots left out).
-        let mut live = vec![false; self.tree.nodes.len()];
-        for id in self.tree.ids() {
-            live[id as usize] = true;
+        let mut o = Out::new(w);
+        self.write_head(&mut o, VERSION);
+        let hot = &self.tree.hot;
+        // The ordinal of a node is its id when no slot is free (a grown index that
+        // lost nothing), else its place among the live ids.
+        let ordinals: Option<Vec<u32>> = (self.tree.len() != hot.len()).then(|| {
+            let mut next = 0;
+            hot.iter()
+                .map(|h| {
+                    if h.holders.is_freed() {
+                        NIL
+                    } else {
+                        next += 1;
+                        next - 1
+                    }
+                })
+                .collect()
+        });
+        let ordinal = |id: u32| ordinals.as_ref().map_or(id, |o| o[id as usize]);
+        let mut ord = 0u32;
+        let mut previous_depth = 0u32;
+        for (id, h) in hot.iter().enumerate() {
+            if h.holders.is_freed() {
+                continue;
+            }
+            let id = id as u32;
+            let n = self.tree.node(id);
+            let mut parent = NIL;
+            let implicit_depth = if n.parent_id == NIL {
+                n.depth() == 0
+            } else {
+                parent = ordinal(n.parent_id);
+                parent.wrapping_add(1) == ord && previous_depth.checked_add(1) == Some(n.depth())
+            };
+            previous_depth = n.depth();
+            let record = NodeRecord {
+                key: h.key,
+                parent,
+                root_parent: if parent == NIL {
+                    self.tree.parent_key(id)
+                } else {
+                    0
+                },
+                depth: n.depth(),
+                pins: n.pins,
+                ehash: n.ehash(),
+            };
+            put_node_v5(
+                &mut o,
+                ord,
+                &record,
+                implicit_depth,
+                h.holders.as_slice(&self.tree.spills),
+            );
+            ord += 1;
+            o.spill()?;
         }
-        let order: Vec<u32> = (0..live.len() as u32)
-            .filter(|&id| live[id as usize])
-            .collect();
-        w.write_all(&self.image_in_order(&order))
+        o.finish()
     }
 
-    /// The image with the node records in `order` (every live id once): slab order,
-    /// or key-table order as older writers wrote them (tests of their load).
-    fn image_in_order(&self, order: &[u32]) -> Vec<u8> {
-        let mut o = Out(Vec::with_capacity(64 + self.tree.len() * 48));
-        o.0.extend_from_slice(MAGIC);
-        o.u32(VERSION);
+    /// Everything before the nodes, the same in versions 4 and 5: magic, version,
+    /// media, sources, table capacities, node count.
+    fn write_head<W: Write>(&self, o: &mut Out<'_, W>, version: u32) {
+        o.buf.extend_from_slice(MAGIC);
+        o.u32(version);
         o.u64(self.media.all().len() as u64);
         for m in self.media.all() {
             o.str(m.as_str());
@@ -235,6 +398,16 @@ impl Index {
         o.u8(log2_of(self.tree.table.slots.len()));
         o.u8(log2_of(self.tree.by_ehash.slots.len()));
         o.u64(self.tree.len() as u64);
+    }
+
+    /// A version 4 image with the node records in `order` (every live id once): slab
+    /// order as the version 4 writer wrote them, or key-table order as older writers
+    /// did (tests of their load).
+    #[cfg(test)]
+    fn v4_image_in_order(&self, order: &[u32]) -> Vec<u8> {
+        let mut image = Vec::new();
+        let mut o = Out::new(&mut image);
+        self.write_head(&mut o, VERSION_V4);
         // Ordinal of each live node in `order`, by node id.
         let mut ordinal = vec![NIL; self.tree.nodes.len()];
         for (ord, &id) in order.iter().enumerate() {
@@ -265,9 +438,8 @@ impl Index {
                 o.u64(h);
             }
         }
-        let crc = crc32fast::hash(&o.0);
-        o.u32(crc);
-        o.0
+        o.finish().expect("writing to a Vec");
+        image
     }
 
     pub fn read_snapshot<R: Read>(r: &mut R) -> Result<Self, SnapshotError> {
@@ -290,7 +462,7 @@ impl Index {
             pos: MAGIC.len(),
         };
         let version = i.u32()?;
-        if version != VERSION && version != VERSION_V3 {
+        if ![VERSION_V3, VERSION_V4, VERSION].contains(&version) {
             return Err(SnapshotError::UnsupportedVersion(version));
         }
         let mut index = Index::new();
@@ -298,7 +470,7 @@ impl Index {
         if version == VERSION_V3 {
             index.read_nodes_v3(&mut i, n_media)?;
         } else {
-            index.read_nodes(&mut i, n_media)?;
+            index.read_nodes(&mut i, n_media, version)?;
         }
         if i.pos != body.len() {
             return Err(corrupt("trailing bytes after the nodes"));
@@ -356,20 +528,59 @@ impl Index {
             .is_some_and(|s| s.is_some())
     }
 
-    /// Reads a node's holders into it, with their claim bits, and counts them.
-    fn read_holders(
-        &mut self,
+    /// Reads a version 3 or 4 node's holders (a count, packed u64s) into `out`.
+    fn read_packed_holders(i: &mut In<'_>, out: &mut Vec<Holder>) -> Result<(), SnapshotError> {
+        let n = i.u32()?;
+        out.clear();
+        for _ in 0..n {
+            out.push(i.u64()?);
+        }
+        Ok(())
+    }
+
+    /// Reads a version 5 node's holders (module docs) into `out`, packed.
+    fn read_varint_holders(
         i: &mut In<'_>,
+        flags: u8,
+        out: &mut Vec<Holder>,
+    ) -> Result<(), SnapshotError> {
+        let mut n = (flags >> COUNT_SHIFT) as u64;
+        if n == COUNT_FOLLOWS as u64 {
+            n = i.varint()?;
+        }
+        out.clear();
+        let mut id = 0u32;
+        for _ in 0..n {
+            let at = i.pos;
+            id = u32::try_from(i.varint()?)
+                .ok()
+                .and_then(|d| id.checked_add(d))
+                .ok_or_else(|| corrupt(format!("a holder at byte {at} is out of range")))?;
+            let rc_claim = i.varint()?;
+            let refcount = rc_claim >> 1;
+            if refcount == 0 || refcount > MAX_REFCOUNT as u64 {
+                return Err(corrupt(format!(
+                    "a holder at byte {at} has refcount {refcount}"
+                )));
+            }
+            let claim = if rc_claim & 1 != 0 { 1 << 31 } else { 0 };
+            out.push(pack(id, refcount as u32) | claim);
+        }
+        Ok(())
+    }
+
+    /// Gives node `id` its holders (packed, with their claim bits) and counts them.
+    fn add_holders(
+        &mut self,
         id: u32,
+        holders: &[Holder],
         n_media: usize,
     ) -> Result<(), SnapshotError> {
         let key = self.tree.key(id);
         let has_ehash = self.tree.node(id).ehash().is_some();
-        let n_holders = i.u32()?;
         let mut set = self.tree.holders(id);
         let mut previous_slot = None;
-        for _ in 0..n_holders {
-            let h = i.u64()?;
+        for &h in holders {
             let hid = id_of(h);
             let slot = slot_of(hid);
             if refcount_of(h) == 0
@@ -399,11 +610,19 @@ impl Index {
         Ok(())
     }
 
-    /// Version 4 nodes: in the writer's table order, into tables of its capacity.
-    fn read_nodes(&mut self, i: &mut In<'_>, n_media: usize) -> Result<(), SnapshotError> {
+    /// Version 4 and 5 nodes: record k in slot k, into tables of the writer's
+    /// capacity.
+    fn read_nodes(
+        &mut self,
+        i: &mut In<'_>,
+        n_media: usize,
+        version: u32,
+    ) -> Result<(), SnapshotError> {
+        debug_assert!(version == VERSION || version == VERSION_V4);
+        let v5 = version == VERSION;
         let key_log2 = i.u8()?;
         let ehash_log2 = i.u8()?;
-        let n_nodes = i.count(25)?;
+        let n_nodes = i.count(if v5 { 9 } else { 25 })?;
         if n_nodes >= NIL as usize {
             return Err(corrupt(format!("{n_nodes} nodes is too many")));
         }
@@ -414,17 +633,23 @@ impl Index {
         );
         let mut parents = Vec::with_capacity(n_nodes);
         let mut ehashes = Vec::new();
+        let mut holders = Vec::new();
+        let mut previous_depth = 0;
         for ord in 0..n_nodes as u32 {
-            let key = i.u64()?;
-            let parent = i.u32()?;
-            let root_parent = if parent == NIL { i.u64()? } else { 0 };
-            let depth = i.u32()?;
-            let pins = i.u32()?;
-            let ehash = match i.u8()? {
-                0 => None,
-                1 => Some(i.u64()?),
-                f => return Err(corrupt(format!("node {key:#x}: unknown flags {f}"))),
+            let node = if v5 {
+                Self::read_node_v5(i, ord, previous_depth, &mut holders)?
+            } else {
+                read_node_v4(i, &mut holders)?
             };
+            previous_depth = node.depth;
+            let NodeRecord {
+                key,
+                parent,
+                root_parent,
+                depth,
+                pins,
+                ehash,
+            } = node;
             if parent != NIL && (parent as usize >= n_nodes || parent == ord) {
                 return Err(corrupt(format!(
                     "node {key:#x}: parent #{parent} is invalid"
@@ -445,7 +670,7 @@ impl Index {
                 n.depth_flags |= HAS_EHASH;
                 ehashes.push(id);
             }
-            self.read_holders(i, id, n_media)?;
+            self.add_holders(id, &holders, n_media)?;
             if self.visible(id) {
                 self.blocks += 1;
             }
@@ -516,6 +741,7 @@ impl Index {
     fn read_nodes_v3(&mut self, i: &mut In<'_>, n_media: usize) -> Result<(), SnapshotError> {
         let n_nodes = i.count(30)?;
         let mut linked = Vec::with_capacity(n_nodes);
+        let mut holders = Vec::new();
         for _ in 0..n_nodes {
             let key = i.u64()?;
             let parent = i.u64()?;
@@ -539,7 +765,8 @@ impl Index {
             if pins > 0 {
                 self.pinned += 1;
             }
-            self.read_holders(i, id, n_media)?;
+            Self::read_packed_holders(i, &mut holders)?;
+            self.add_holders(id, &holders, n_media)?;
             if self.visible(id) {
                 self.blocks += 1;
             }
@@ -556,6 +783,156 @@ impl Index {
             self.tree.link(id, pid);
         }
         self.check_invariants().map_err(SnapshotError::Corrupt)
+    }
+}
+
+/// Writes a version 5 node record (module docs). `implicit_depth`: the depth is
+/// the parent's + 1 (the parent the previous record), or 0 for a root.
+fn put_node_v5<W: Write>(
+    o: &mut Out<'_, W>,
+    ord: u32,
+    node: &NodeRecord,
+    implicit_depth: bool,
+    holders: &[Holder],
+) {
+    let mut flags = 0;
+    if node.parent == NIL {
+        flags |= ROOT;
+    } else if node.parent.wrapping_add(1) != ord {
+        flags |= FAR_PARENT;
+    }
+    if !implicit_depth {
+        flags |= DEPTH;
+    }
+    if node.pins > 0 {
+        flags |= PINS;
+    }
+    if node.ehash.is_some() {
+        flags |= EHASH;
+    }
+    flags |= (holders.len().min(COUNT_FOLLOWS as usize) as u8) << COUNT_SHIFT;
+    o.u8(flags);
+    o.u64(node.key);
+    if flags & ROOT != 0 {
+        o.u64(node.root_parent);
+    }
+    if flags & FAR_PARENT != 0 {
+        o.varint(zigzag(ord as i64 - 1 - node.parent as i64));
+    }
+    if flags & DEPTH != 0 {
+        o.varint(node.depth as u64);
+    }
+    if flags & PINS != 0 {
+        o.varint(node.pins as u64);
+    }
+    if let Some(e) = node.ehash {
+        o.u64(e);
+    }
+    if holders.len() >= COUNT_FOLLOWS as usize {
+        o.varint(holders.len() as u64);
+    }
+    let mut previous = 0;
+    for &h in holders {
+        let id = id_of(h);
+        o.varint((id - previous) as u64);
+        o.varint((refcount_of(h) as u64) << 1 | claimed(h) as u64);
+        previous = id;
+    }
+}
+
+/// A node record as read, before it is placed (versions 4 and 5).
+struct NodeRecord {
+    key: u64,
+    /// Parent ordinal, NIL for a root.
+    parent: u32,
+    /// A root's parent key.
+    root_parent: u64,
+    depth: u32,
+    pins: u32,
+    ehash: Option<u64>,
+}
+
+fn read_node_v4(i: &mut In<'_>, holders: &mut Vec<Holder>) -> Result<NodeRecord, SnapshotError> {
+    let key = i.u64()?;
+    let parent = i.u32()?;
+    let root_parent = if parent == NIL { i.u64()? } else { 0 };
+    let depth = i.u32()?;
+    let pins = i.u32()?;
+    let ehash = match i.u8()? {
+        0 => None,
+        1 => Some(i.u64()?),
+        f => return Err(corrupt(format!("node {key:#x}: unknown flags {f}"))),
+    };
+    Index::read_packed_holders(i, holders)?;
+    Ok(NodeRecord {
+        key,
+        parent,
+        root_parent,
+        depth,
+        pins,
+        ehash,
+    })
+}
+
+impl Index {
+    /// A version 5 node record (module docs); `ord` is its place in the image,
+    /// `previous_depth` the depth of the record before it.
+    fn read_node_v5(
+        i: &mut In<'_>,
+        ord: u32,
+        previous_depth: u32,
+        holders: &mut Vec<Holder>,
+    ) -> Result<NodeRecord, SnapshotError> {
+        let flags = i.u8()?;
+        let key = i.u64()?;
+        let (parent, root_parent) = if flags & ROOT != 0 {
+            if flags & FAR_PARENT != 0 {
+                return Err(corrupt(format!("node {key:#x}: a root with a parent")));
+            }
+            (NIL, i.u64()?)
+        } else if flags & FAR_PARENT != 0 {
+            let parent = (ord as i64 - 1).checked_sub(unzigzag(i.varint()?));
+            let parent = parent
+                .and_then(|p| u32::try_from(p).ok())
+                .filter(|&p| p != NIL)
+                .ok_or_else(|| corrupt(format!("node {key:#x}: its parent is invalid")))?;
+            (parent, 0)
+        } else {
+            let parent = ord
+                .checked_sub(1)
+                .ok_or_else(|| corrupt(format!("node {key:#x}: parent #-1 is invalid")))?;
+            (parent, 0)
+        };
+        let depth = if flags & DEPTH != 0 {
+            i.varint_u32()?
+        } else if parent == NIL {
+            0
+        } else if flags & FAR_PARENT == 0 {
+            previous_depth.saturating_add(1)
+        } else {
+            return Err(corrupt(format!(
+                "node {key:#x}: no depth, and its parent is not the previous record"
+            )));
+        };
+        let pins = if flags & PINS != 0 {
+            i.varint_u32()?
+        } else {
+            0
+        };
+        let ehash = if flags & EHASH != 0 {
+            Some(i.u64()?)
+        } else {
+            None
+        };
+        Self::read_varint_holders(i, flags, holders)?;
+        Ok(NodeRecord {
+            key,
+            parent,
+            root_parent,
+            depth,
+            pins,
+            ehash,
+        })
     }
 }
 

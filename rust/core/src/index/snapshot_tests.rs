@@ -1,4 +1,4 @@
-//! The snapshot image: round trips against the index state, the previous version,
+//! The snapshot image: round trips against the index state, the previous versions,
 //! and damaged images that pass the checksum (a writer bug) or do not.
 
 use proptest::prelude::*;
@@ -6,7 +6,10 @@ use proptest::prelude::*;
 use crate::index::{Index, SourceKey};
 use crate::persist::durable_tests::{encode, ev_strategy, Ev};
 
-use super::{SnapshotError, MAGIC, PARALLEL_CHECK_MIN_NODES, VERSION_V3};
+use super::{
+    put_node_v5, NodeRecord, Out, SnapshotError, MAGIC, NIL, PARALLEL_CHECK_MIN_NODES, VERSION,
+    VERSION_V3,
+};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -50,6 +53,55 @@ fn run(index: &mut Index, ops: &[Op]) {
 fn image(index: &Index) -> Vec<u8> {
     let mut out = Vec::new();
     index.write_snapshot(&mut out).unwrap();
+    out
+}
+
+/// The live node ids in slab order (the order of the records of versions 4 and 5).
+fn slab_order(index: &Index) -> Vec<u32> {
+    (0..index.tree.nodes.len() as u32)
+        .filter(|&id| index.tree.is_live(id))
+        .collect()
+}
+
+/// A version 4 image, as its writer wrote it (slab order).
+fn v4_image(index: &Index) -> Vec<u8> {
+    index.v4_image_in_order(&slab_order(index))
+}
+
+/// A version 5 image of `index` with the node records (slab order) edited by
+/// `edit`, which sees each record with its ordinal and may change anything; depths
+/// are written explicitly when edited records may no longer imply them.
+fn v5_image_with(index: &Index, edit: impl Fn(u32, &mut NodeRecord)) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut o = Out::new(&mut out);
+    index.write_head(&mut o, VERSION);
+    let order = slab_order(index);
+    let ordinal = |id: u32| order.iter().position(|&x| x == id).unwrap() as u32;
+    for (ord, &id) in order.iter().enumerate() {
+        let n = index.tree.node(id);
+        let mut record = NodeRecord {
+            key: index.tree.key(id),
+            parent: if n.parent_id == NIL {
+                NIL
+            } else {
+                ordinal(n.parent_id)
+            },
+            root_parent: index.tree.parent_key(id),
+            depth: n.depth(),
+            pins: n.pins,
+            ehash: n.ehash(),
+        };
+        edit(ord as u32, &mut record);
+        let holders = index.tree.holders(id);
+        put_node_v5(
+            &mut o,
+            ord as u32,
+            &record,
+            false,
+            holders.as_slice(&index.tree.spills),
+        );
+    }
+    o.finish().unwrap();
     out
 }
 
@@ -113,7 +165,7 @@ proptest! {
         let mut original = Index::new();
         run(&mut original, &before);
         let table_order: Vec<u32> = original.tree.ids().collect();
-        let old = original.image_in_order(&table_order);
+        let old = original.v4_image_in_order(&table_order);
         let mut loaded = Index::from_snapshot_bytes(&old).unwrap();
         prop_assert!(loaded.state_eq(&original));
         prop_assert_eq!(loaded.check_invariants(), Ok(()));
@@ -122,7 +174,36 @@ proptest! {
         prop_assert!(loaded.state_eq(&original));
     }
 
-    /// The previous version (v3) still loads, to the same state.
+    /// The previous version (v4) still loads, to the same state, and keeps behaving
+    /// like it.
+    #[test]
+    fn version_4_images_still_load(
+        before in prop::collection::vec(op_strategy(), 0..40),
+        after in prop::collection::vec(op_strategy(), 0..20),
+    ) {
+        let mut original = Index::new();
+        run(&mut original, &before);
+        let mut loaded = Index::from_snapshot_bytes(&v4_image(&original)).unwrap();
+        prop_assert!(loaded.state_eq(&original));
+        prop_assert_eq!(loaded.check_invariants(), Ok(()));
+        run(&mut original, &after);
+        run(&mut loaded, &after);
+        prop_assert!(loaded.state_eq(&original));
+    }
+
+    /// A version 5 image with every depth written out loads to the same state as
+    /// the writer's (which leaves out the depths it can): the reader derives them
+    /// right.
+    #[test]
+    fn implied_depths_are_the_written_ones(ops in prop::collection::vec(op_strategy(), 0..40)) {
+        let mut original = Index::new();
+        run(&mut original, &ops);
+        let explicit = Index::from_snapshot_bytes(&v5_image_with(&original, |_, _| {})).unwrap();
+        prop_assert!(explicit.state_eq(&original));
+        prop_assert!(Index::from_snapshot_bytes(&image(&original)).unwrap().state_eq(&explicit));
+    }
+
+    /// The oldest version still read (v3) loads, to the same state.
     #[test]
     fn version_3_images_still_load(ops in prop::collection::vec(op_strategy(), 0..40)) {
         let mut original = Index::new();
@@ -145,8 +226,10 @@ proptest! {
     }
 }
 
-/// A chain root → a → b stored by one source; returns the image and the byte offset
-/// of each node record's key, in record order.
+/// A chain root → a → b stored by one source; returns its version 4 image (fixed
+/// fields, easy to edit in place: the checks after the records are read are the
+/// same for versions 4 and 5) and the byte offset of each node record's key, in
+/// record order.
 fn chain_image() -> (Vec<u8>, Vec<(u64, usize)>) {
     let mut index = Index::new();
     let src = SourceKey {
@@ -160,7 +243,7 @@ fn chain_image() -> (Vec<u8>, Vec<(u64, usize)>) {
         medium: "GPU",
     };
     index.apply_payload(src, &encode(&[ev], None)).unwrap();
-    let buf = image(&index);
+    let buf = v4_image(&index);
     let keys: Vec<u64> = index.entries().map(|e| e.key).collect();
     let mut at: Vec<(u64, usize)> = keys
         .iter()
@@ -241,7 +324,7 @@ fn an_unknown_version_names_the_supported_ones() {
     reseal(&mut buf);
     match Index::from_snapshot_bytes(&buf) {
         Err(e @ SnapshotError::UnsupportedVersion(9)) => {
-            assert!(e.to_string().contains("versions 3 and 4"), "{e}")
+            assert!(e.to_string().contains("versions 3 to 5"), "{e}")
         }
         other => panic!("{:?}", other.map(|_| ())),
     }
@@ -319,7 +402,7 @@ fn a_parent_cycle_in_a_large_image_is_refused() {
         dp_rank: 0,
     };
     index.apply_payload(src, &encode(&[ev], None)).unwrap();
-    let mut buf = image(&index);
+    let mut buf = v4_image(&index);
     // Two linked nodes in the middle of the chain, by their record ordinals (the
     // records are in slab order).
     let order: Vec<(u64, u32)> = (0..index.tree.nodes.len() as u32)
@@ -341,4 +424,88 @@ fn a_parent_cycle_in_a_large_image_is_refused() {
     reseal(&mut buf);
     assert!(Index::from_snapshot_bytes(&image(&index)).is_ok());
     assert!(corrupt_reason(&buf).contains("cycle"));
+}
+
+/// The chain root → a → b of `chain_image`, as an index.
+fn chain_index() -> Index {
+    let mut index = Index::new();
+    let ev = Ev::Stored {
+        hashes: vec![11, 12, 13],
+        parent: None,
+        tokens: vec![1, 2, 3, 4, 5, 6],
+        medium: "GPU",
+    };
+    let src = SourceKey {
+        worker: 1,
+        dp_rank: 0,
+    };
+    index.apply_payload(src, &encode(&[ev], None)).unwrap();
+    index
+}
+
+/// Version 5 records that pass the checksum but describe no index the writer
+/// could have written are refused, each with its reason.
+#[test]
+fn damaged_version_5_records_are_refused() {
+    let index = chain_index();
+    assert!(Index::from_snapshot_bytes(&v5_image_with(&index, |_, _| {})).is_ok());
+    // Records 1 and 2 (a, b) point at each other.
+    let cycle = v5_image_with(&index, |ord, r| match ord {
+        1 => r.parent = 2,
+        2 => r.parent = 1,
+        _ => {}
+    });
+    assert!(corrupt_reason(&cycle).contains("cycle"));
+    for parent in [3u32, 1000, 2] {
+        let bad = v5_image_with(&index, |ord, r| {
+            if ord == 2 {
+                r.parent = parent;
+            }
+        });
+        assert!(corrupt_reason(&bad).contains("parent"), "parent {parent}");
+    }
+    let twice = v5_image_with(&index, |ord, r| {
+        if ord == 1 {
+            r.key = index.tree.key(0);
+        }
+    });
+    assert!(corrupt_reason(&twice).contains("twice"));
+    // A depth left to a parent that is not the previous record.
+    let mut far = v5_image_with(&index, |ord, r| {
+        if ord == 2 {
+            r.parent = 0;
+        }
+    });
+    let last = far.len() - 4 - (1 + 8 + 1 + 1 + 8 + 1 + 1);
+    assert_eq!(
+        far[last] & (super::FAR_PARENT | super::DEPTH),
+        super::FAR_PARENT | super::DEPTH
+    );
+    far[last] &= !super::DEPTH;
+    far.remove(last + 1 + 8 + 1);
+    reseal(&mut far);
+    assert!(corrupt_reason(&far).contains("no depth"));
+}
+
+/// The writer leaves out what it can: a stored chain's records are flags, key,
+/// primary hash and one small holder, far less than the fixed fields of version 4.
+#[test]
+fn version_5_records_are_small() {
+    let mut index = Index::new();
+    let n = 1000u64;
+    let ev = Ev::Stored {
+        hashes: (1..=n).collect(),
+        parent: None,
+        tokens: (0..2 * n as u32).collect(),
+        medium: "GPU",
+    };
+    let src = SourceKey {
+        worker: 1,
+        dp_rank: 0,
+    };
+    index.apply_payload(src, &encode(&[ev], None)).unwrap();
+    let (v5, v4) = (image(&index), v4_image(&index));
+    // flags 1 + key 8 + primary hash 8 + holder id 2 + refcount 1.
+    assert!(v5.len() < 21 * n as usize + 200, "{} bytes", v5.len());
+    assert!(v4.len() > 41 * n as usize, "{} bytes", v4.len());
 }

@@ -371,6 +371,42 @@ fn a_damaged_snapshot_is_a_clear_error() {
     }
 }
 
+/// A snapshot file of the previous layout (version 1: the image's length before
+/// it) still opens, to the same index.
+#[test]
+fn a_version_1_snapshot_file_still_opens() {
+    let d = TestDir::new("durable-v1snap");
+    let mut di = DurableIndex::open(&d.0, options(0, 1 << 20, false)).unwrap();
+    let src = SourceKey {
+        worker: 1,
+        dp_rank: 0,
+    };
+    let p = encode(&[stored(1, None, 0)], None);
+    di.apply(src, &[&p], Some(&[7])).unwrap();
+    let want = di.index().clone();
+    di.close().unwrap();
+    let snap = fs::read_dir(&d.0)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "qcsnap"))
+        .unwrap();
+    let v2 = fs::read(&snap).unwrap();
+    // magic, version, lsn, one (worker, dp, seq), then the image up to the CRC.
+    let head = 8 + 4 + 8 + 8 + 20;
+    assert_eq!(&v2[8..12], &2u32.to_le_bytes());
+    let image = &v2[head..v2.len() - 4];
+    let mut v1 = v2[..head].to_vec();
+    v1[8..12].copy_from_slice(&1u32.to_le_bytes());
+    v1.extend_from_slice(&(image.len() as u64).to_le_bytes());
+    v1.extend_from_slice(image);
+    let crc = crc32fast::hash(&v1);
+    v1.extend_from_slice(&crc.to_le_bytes());
+    fs::write(&snap, v1).unwrap();
+    let di = DurableIndex::open(&d.0, options(0, 1 << 20, false)).unwrap();
+    assert!(di.index().state_eq(&want));
+    assert_eq!(di.last_seqs().get(&src), Some(&7));
+}
+
 /// Periodic snapshots, by log bytes and by time, written in the background: after
 /// a crash (drop without close) recovery starts from one and replays only the tail.
 #[test]
