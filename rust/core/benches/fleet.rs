@@ -24,7 +24,8 @@
 //!
 //! Phases, each printed on its own line: ingest (wall and CPU, blocks/s), match
 //! p50/p99 (each match timed on its own; `match_keys` and `match_compact`
-//! alternated on the same requests), memory (IndexStats::memory_bytes and the
+//! alternated on the same requests, or one of them alone with
+//! `QC_FLEET_MATCH=full|compact`), memory (IndexStats::memory_bytes and the
 //! process RSS growth, per resident pair and per block), churn (remove 1,000 engines,
 //! then 1,000 new ones replay the removed engines' stores: each removal's time, p50,
 //! p99 and max; memory_bytes before, after removal, after re-adding), and native-wal (the same stream through `DurableIndex`,
@@ -269,13 +270,21 @@ fn print_match(idx: &Index, requests: &[Vec<u64>]) {
     const N: usize = 200_000;
     // The full match and the compact one on the same requests, alternated (which
     // goes first too), so that both see the same caches and the same host.
+    // `QC_FLEET_MATCH=full` or `compact` times only that one (each then runs with
+    // the caches it leaves itself, as a router calling only it would).
+    let only = std::env::var("QC_FLEET_MATCH").unwrap_or_default();
     let mut full = Vec::with_capacity(N);
     let mut compact = Vec::with_capacity(N);
     for round in 0..N {
         let req = &requests[(round * 7919) % requests.len()];
         for k in 0..2 {
+            let use_full = match only.as_str() {
+                "full" => true,
+                "compact" => false,
+                _ => (round + k) % 2 == 0,
+            };
             let t0 = Instant::now();
-            if (round + k) % 2 == 0 {
+            if use_full {
                 black_box(idx.match_keys(black_box(req)));
                 full.push(t0.elapsed().as_nanos() as u64);
             } else {
@@ -307,6 +316,9 @@ fn print_match(idx: &Index, requests: &[Vec<u64>]) {
             ),
         ),
     ] {
+        if samples.is_empty() {
+            continue;
+        }
         samples.sort_unstable();
         let pct = |p: f64| samples[((samples.len() - 1) as f64 * p) as usize];
         println!(
