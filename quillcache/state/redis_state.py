@@ -38,6 +38,7 @@ from quillcache.errors import ConfigError
 from quillcache.gateway.secret import GatewaySecret, fingerprint
 from quillcache.state import scripts
 from quillcache.state.choose import choose
+from quillcache.state.resp import RespConnection
 from quillcache.state.types import (
     ZERO_LOAD,
     Booked,
@@ -70,11 +71,16 @@ class _Script:
         self.source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
-    async def __call__(self, client: Redis, args: Sequence[str | int | float]) -> Any:
+    async def __call__(self, on: Redis | RespConnection, args: Sequence[str | int | float]) -> Any:
+        if isinstance(on, RespConnection):
+            try:
+                return await on.call("EVALSHA", self.sha, 0, *args)
+            except NoScriptError:
+                return await on.call("EVAL", self.source, 0, *args)
         try:
-            return await client.execute_command("EVALSHA", self.sha, 0, *args)
+            return await on.execute_command("EVALSHA", self.sha, 0, *args)
         except NoScriptError:
-            return await client.execute_command("EVAL", self.source, 0, *args)
+            return await on.execute_command("EVAL", self.source, 0, *args)
 
 
 _BOOK = _Script(scripts.BOOK)
@@ -163,9 +169,11 @@ class RedisFleetState:
         admin_timeout_s: float = 1.0,
         reconnect_s: float = 0.25,
         slow_limit: int = 3,
+        resync_every_s: float = 60.0,
         log_every_s: float = 10.0,
         clock: Callable[[], int] | None = None,
         client: Redis | None = None,
+        fast_path: bool = True,
     ) -> None:
         if not prefix or any(ch in prefix for ch in "{}"):
             raise ConfigError(f"state prefix must be non-empty without braces, got {prefix!r}")
@@ -192,6 +200,8 @@ class RedisFleetState:
         self.admin_timeout_s = admin_timeout_s
         self.reconnect_s = reconnect_s
         self.slow_limit = slow_limit
+        self.resync_every_s = resync_every_s
+        self._resynced_at = -math.inf
         self.stats = StateStats()
         self._ttl_ms = max(int(lease_ttl_s * 1000), 1)
         self._clock = clock
@@ -205,6 +215,9 @@ class RedisFleetState:
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
         )
+        # the share-changing scripts' own pipelined connection (resp.py); None: not yet
+        self.fast_path = fast_path and not url.startswith("rediss://")
+        self._lane: RespConnection | None = None
         self._ids = itertools.count(1)
         self._book: dict[str, _Entry] = {}
         self._inflight = 0  # operations between the gate and their reply
@@ -261,8 +274,11 @@ class RedisFleetState:
         if leave and self._up:
             with contextlib.suppress(RedisError, OSError, TimeoutError):
                 async with asyncio.timeout(self.admin_timeout_s):
-                    await _LEAVE(self._client, self._head())
+                    await _LEAVE(await self._share_conn(), self._head())
         self._up = False
+        if self._lane is not None:
+            self._lane.close()
+            self._lane = None
         await self._client.aclose()
 
     def new_request_id(self) -> str:
@@ -307,7 +323,7 @@ class RedisFleetState:
             ),
             ",".join(f"{_hex(k)}={int(b)}" for k, b in anchors),
         ]
-        reply = await self._run("book", _BOOK, args, self.budget_s)
+        reply = await self._run("book", _BOOK, args, self.budget_s, share=True)
         status = reply[0] if reply is not None else None
         if status == "ok":
             i = int(reply[1]) - 1
@@ -347,7 +363,7 @@ class RedisFleetState:
         e.prefilled = True
         self._adjust(e.engine, queued=-e.prefill_tokens, decodes=1, context=e.context_tokens)
         reply = await self._run(
-            "prefill_done", _PREFILLED, [*self._head(), request_id], self.budget_s
+            "prefill_done", _PREFILLED, [*self._head(), request_id], self.budget_s, share=True
         )
         return self._outcome("prefill_done", reply)
 
@@ -360,7 +376,9 @@ class RedisFleetState:
             self._adjust(e.engine, in_flight=-1, decodes=-1, context=-e.context_tokens)
         else:
             self._adjust(e.engine, in_flight=-1, queued=-e.prefill_tokens)
-        reply = await self._run("release", _RELEASE, [*self._head(), request_id], self.budget_s)
+        reply = await self._run(
+            "release", _RELEASE, [*self._head(), request_id], self.budget_s, share=True
+        )
         return self._outcome("release", reply)
 
     # --- reads ----------------------------------------------------------------------
@@ -500,13 +518,14 @@ class RedisFleetState:
                         e.context_tokens,
                         int(e.prefilled),
                     ]
-                await _RESYNC(self._client, args)
+                await _RESYNC(await self._share_conn(), args)
         except (RedisError, OSError, TimeoutError) as exc:
             self._down("resync", exc)
             return False
         finally:
             self._open.set()
         self._dirty = False
+        self._resynced_at = time.monotonic()
         self.stats.resyncs += 1
         return True
 
@@ -516,11 +535,31 @@ class RedisFleetState:
         now = "" if self._clock is None else str(int(self._clock()))
         return [self.base, self.replica, self._ttl_ms, now]
 
+    async def _share_conn(self) -> Redis | RespConnection:
+        """Where the share-changing scripts go: the fast connection (opened again after
+        it was lost), or the redis client without the fast path."""
+        if not self.fast_path:
+            return self._client
+        lane = self._lane
+        if lane is None or not lane.usable:
+            if lane is not None:
+                lane.close()
+            self._lane = None
+            lane = self._lane = await RespConnection.open(self.url)
+        return lane
+
     async def _run(
-        self, op: str, script: _Script | None, args: Sequence[str | int | float], timeout_s: float
+        self,
+        op: str,
+        script: _Script | None,
+        args: Sequence[str | int | float],
+        timeout_s: float,
+        *,
+        share: bool = False,
     ) -> Any:
         """One round trip within `timeout_s`; None (or `_FAILED` for plain commands)
-        when it could not be had: the caller falls back."""
+        when it could not be had: the caller falls back. `share`: a script that changes
+        this replica's share (the fast connection)."""
         failed = None if script is not None else _FAILED
         if not self._up:
             self._fallback(op)
@@ -534,6 +573,8 @@ class RedisFleetState:
                 try:
                     if script is None:
                         out = await self._client.execute_command(*args)
+                    elif share:
+                        out = await script(await self._share_conn(), args)
                     else:
                         out = await script(self._client, args)
                 finally:
@@ -651,6 +692,7 @@ class RedisFleetState:
         """Ping, check the secret, put the share back; raises on failure."""
         async with asyncio.timeout(self.admin_timeout_s):
             await self._client.execute_command("PING")
+            await self._share_conn()
             if self._secret is not None:
                 await self._check_secret(self._secret)
             await self._warn_eviction()
@@ -701,13 +743,15 @@ class RedisFleetState:
 
     async def beat(self) -> None:
         """One step of the heartbeat: reconnect while Redis is down, resync when this
-        replica's share may be wrong, else renew the lease (and reap dead replicas)."""
+        replica's share may be wrong or every `resync_every_s` (a call that timed out
+        may reach Redis after the resync that followed it), else renew the lease (and
+        reap dead replicas)."""
         if not self._up:
             await self._reconnect()
-        elif self._dirty:
+        elif self._dirty or time.monotonic() - self._resynced_at > self.resync_every_s:
             await self.resync()
         else:
-            reply = await self._run("renew", _RENEW, self._head(), self.admin_timeout_s)
+            reply = await self._run("renew", _RENEW, self._head(), self.admin_timeout_s, share=True)
             if reply is not None and reply[0] == "lost":
                 self._lost("renew")
 

@@ -17,7 +17,7 @@ Layout under the base B:
     B..'share:'..r   HASH  the same fields, replica r's part of the sum
     B..'bk:'..r      HASH  request id -> '<engine>:<rank>|<prefill>|<context>|<0|1>'
     B..'sess:'..s    STRING session -> '<engine>:<rank>', PX
-    B..'spec:'..k    ZSET  '<engine>:<rank>' -> deadline (ms); PX = the latest deadline
+    B..'spec:'..k    ZSET  '<engine>:<rank>' -> deadline (ms); PX = the latest booking's
     B..'pins'        HASH  prefix key (hex) -> owner tenant
     B..'pinx'        ZSET  prefix key (hex) -> deadline (ms)
     B..'draining'    HASH  '<engine>:<rank>' -> '1'
@@ -183,10 +183,11 @@ apply(SHARE, e, q, c, '0', 1)
 redis.call('HSET', BK, rid, e .. '|' .. q .. '|' .. c .. '|0')
 if sess ~= '' then redis.call('SET', B .. 'sess:' .. sess, e, 'PX', sess_ttl) end
 for j = 1, m do
+  -- members are engines (at most the fleet); a lapsed one is skipped by the readers'
+  -- score range and goes with the key, whose TTL is the latest booking's
   local k = B .. 'spec:' .. akeys[j]
-  redis.call('ZREMRANGEBYSCORE', k, '-inf', now)
   redis.call('ZADD', k, 'GT', now + spec_ttl, e)
-  if redis.call('PTTL', k) < spec_ttl then redis.call('PEXPIRE', k, spec_ttl) end
+  redis.call('PEXPIRE', k, spec_ttl)
 end
 local out = {'ok', chosen, reason}
 for i = 1, 4 * n do out[#out + 1] = tonumber(vals[i]) or 0 end

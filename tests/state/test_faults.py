@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from quillcache.state import Booked, EngineKey, LocalFallback, RedisFleetState, Shared
 from tests.state.helpers import fleet, in_flight, loads_of, run, shortlist
 from tests.state.server import RedisServer
@@ -67,13 +69,19 @@ def test_a_killed_replicas_load_lapses_with_its_lease(redis_server: RedisServer)
             p.wait(10)
 
 
+@pytest.mark.parametrize("fast_path", [True, False], ids=["resp", "redis-py"])
 def test_redis_down_fails_open_then_resyncs_after_an_empty_restart(
-    redis_server: RedisServer,
+    redis_server: RedisServer, fast_path: bool
 ) -> None:
     async def main() -> None:
         prefix = fleet()
         s = RedisFleetState(
-            redis_server.url, prefix=prefix, budget_s=0.05, lease_ttl_s=1.0, reconnect_s=0.05
+            redis_server.url,
+            prefix=prefix,
+            budget_s=0.05,
+            lease_ttl_s=1.0,
+            reconnect_s=0.05,
+            fast_path=fast_path,
         )
         await s.start()
         try:
@@ -171,10 +179,13 @@ def test_a_restart_between_calls_is_found_by_the_lease(redis_server: RedisServer
     run(main())
 
 
-def test_redis_slower_than_the_budget(redis_server: RedisServer) -> None:
+@pytest.mark.parametrize("fast_path", [True, False], ids=["resp", "redis-py"])
+def test_redis_slower_than_the_budget(redis_server: RedisServer, fast_path: bool) -> None:
     async def main() -> None:
         prefix = fleet()
-        s = RedisFleetState(redis_server.url, prefix=prefix, budget_s=0.05, slow_limit=100)
+        s = RedisFleetState(
+            redis_server.url, prefix=prefix, budget_s=0.05, slow_limit=100, fast_path=fast_path
+        )
         await s.start(background=False)
         try:
             a = s.new_request_id()

@@ -108,6 +108,7 @@ async def _check(url: str, script: list[tuple[Any, ...]]) -> None:
             replica=f"r{i}",
             budget_s=5.0,
             lease_ttl_s=TTL_MS / 1000,
+            resync_every_s=math.inf,  # a beat renews unless the model says it resyncs
             clock=clock,
         )
         for i in range(REPLICAS)

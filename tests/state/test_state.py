@@ -26,9 +26,10 @@ from tests.state.helpers import fleet, in_flight, loads_of, run, shortlist
 from tests.state.server import RedisServer
 
 
-def test_book_prefill_release_round_trips(redis_server: RedisServer) -> None:
+@pytest.mark.parametrize("fast_path", [True, False], ids=["resp", "redis-py"])
+def test_book_prefill_release_round_trips(redis_server: RedisServer, fast_path: bool) -> None:
     async def main() -> None:
-        s = RedisFleetState(redis_server.url, prefix=fleet(), budget_s=1.0)
+        s = RedisFleetState(redis_server.url, prefix=fleet(), budget_s=1.0, fast_path=fast_path)
         await s.start(background=False)
         try:
             rid = s.new_request_id()
