@@ -12,7 +12,12 @@ from quillcache.state import Candidate, EngineKey, EngineLoad, LocalFallback, Re
 T = TypeVar("T")
 
 
-def run(coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+def run(coro: Coroutine[Any, Any, T], timeout: float = 60.0, loop: str = "asyncio") -> T:
+    """`loop`: "asyncio", or "uvloop" (what the gateway runs on)."""
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(asyncio.wait_for(coro, timeout))
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 

@@ -69,9 +69,13 @@ def test_a_killed_replicas_load_lapses_with_its_lease(redis_server: RedisServer)
             p.wait(10)
 
 
-@pytest.mark.parametrize("fast_path", [True, False], ids=["resp", "redis-py"])
+@pytest.mark.parametrize(
+    ("fast_path", "loop"),
+    [(True, "asyncio"), (True, "uvloop"), (False, "asyncio")],
+    ids=["resp", "resp-uvloop", "redis-py"],
+)
 def test_redis_down_fails_open_then_resyncs_after_an_empty_restart(
-    redis_server: RedisServer, fast_path: bool
+    redis_server: RedisServer, fast_path: bool, loop: str
 ) -> None:
     async def main() -> None:
         prefix = fleet()
@@ -135,7 +139,7 @@ def test_redis_down_fails_open_then_resyncs_after_an_empty_restart(
         finally:
             await s.close()
 
-    run(main())
+    run(main(), loop=loop)
 
 
 def test_a_restart_between_calls_is_found_by_the_lease(redis_server: RedisServer) -> None:

@@ -14,7 +14,8 @@ from tests.state.helpers import run
 from tests.state.server import RedisServer
 
 
-def test_pipelined_replies_errors_and_abandoned_calls(redis_server: RedisServer) -> None:
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_pipelined_replies_errors_and_abandoned_calls(redis_server: RedisServer, loop: str) -> None:
     async def main() -> None:
         c = await RespConnection.open(redis_server.url)
         try:
@@ -49,7 +50,7 @@ def test_pipelined_replies_errors_and_abandoned_calls(redis_server: RedisServer)
         finally:
             c.close()
 
-    run(main())
+    run(main(), loop=loop)
 
 
 def test_db_and_tls_urls(redis_server: RedisServer) -> None:

@@ -26,8 +26,11 @@ from tests.state.helpers import fleet, in_flight, loads_of, run, shortlist
 from tests.state.server import RedisServer
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 @pytest.mark.parametrize("fast_path", [True, False], ids=["resp", "redis-py"])
-def test_book_prefill_release_round_trips(redis_server: RedisServer, fast_path: bool) -> None:
+def test_book_prefill_release_round_trips(
+    redis_server: RedisServer, fast_path: bool, loop: str
+) -> None:
     async def main() -> None:
         s = RedisFleetState(redis_server.url, prefix=fleet(), budget_s=1.0, fast_path=fast_path)
         await s.start(background=False)
@@ -58,7 +61,7 @@ def test_book_prefill_release_round_trips(redis_server: RedisServer, fast_path: 
         finally:
             await s.close()
 
-    run(main())
+    run(main(), loop=loop)
 
 
 def test_dp_ranks_are_separate_rows(redis_server: RedisServer) -> None:
