@@ -327,9 +327,10 @@ class RedisFleetState:
         status = reply[0] if reply is not None else None
         if status == "ok":
             i = int(reply[1]) - 1
+            v = reply[3:]  # integers already (hiredis, or redis-py's RESP parser)
             loads = tuple(
-                EngineLoad(*(int(v) for v in reply[3 + 4 * j : 7 + 4 * j]))
-                for j in range(len(shortlist))
+                EngineLoad(v[j], v[j + 1], v[j + 2], v[j + 3])
+                for j in range(0, 4 * len(shortlist), 4)
             )
             engine = shortlist[i].engine
             for c, ld in zip(shortlist, loads, strict=True):
