@@ -7,6 +7,7 @@ from quillcache.controlplane.plane import (
     ControlPlane,
     OpLatencies,
     RouterContractError,
+    UnknownSourceError,
     UnknownWorkerError,
     WorkerState,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "LocalLoadStore",
     "OpLatencies",
     "RouterContractError",
+    "UnknownSourceError",
     "UnknownWorkerError",
     "WorkerState",
 ]

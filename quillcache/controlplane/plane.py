@@ -12,6 +12,10 @@ gateway scraping `/metrics`) calls `update_load`; one that does not creates the 
 with `track_load=True`, and then `route` / `prefill_done` / `finish` keep in-flight
 requests, queued prefill tokens and running decodes per worker.
 
+Data-parallel engines: a worker with several dp ranks is one routing row per rank
+(each rank has its own KV cache and queue): views list the ranks, decisions name one
+(`Decision.dp_rank`), load is booked on it and events land on it.
+
 Speculative residency: between routing a request and its engine publishing
 BlockStored, its prefix is *being computed* on the chosen worker. `route` records it
 (when `speculative=True`); views report it as `WorkerView.pending_blocks` until
@@ -31,7 +35,7 @@ import threading
 import time
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -61,7 +65,8 @@ from quillcache.index import (
 )
 from quillcache.index.inputs import as_key_array
 from quillcache.routing import Decision, Request, Router, View, create_router
-from quillcache.routing.types import FLEET_FIELDS, WorkerColumns
+from quillcache.routing.base import first_min
+from quillcache.routing.types import FLEET_FIELDS, LOAD_FIELDS, WorkerColumns
 
 
 class RouterContractError(QuillCacheError):
@@ -75,19 +80,24 @@ class UnknownWorkerError(QuillCacheError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class UnknownSourceError(UnknownWorkerError):
+    """An operation named a dp rank the worker was not added with."""
+
+
 class WorkerState:
     """What the control plane knows about one worker besides its cache (in the index).
     Its load lives in the plane's `LoadStore` and its capacity, resident blocks and
-    residency in the plane's fleet columns: these properties read and write them."""
+    residency in the plane's fleet columns, one row per dp rank (`rows[rank]`): these
+    properties read them, summed over the ranks (KV usage and the decodes' context:
+    averaged)."""
 
-    __slots__ = ("_fleet", "_load", "dp_ranks", "draining", "row", "stale_ranks", "worker")
+    __slots__ = ("_fleet", "_load", "draining", "rows", "stale_ranks", "worker")
 
     def __init__(
-        self, worker: int, row: int, load: LoadStore, fleet: _FleetColumns, dp_ranks: int = 1
+        self, worker: int, rows: Sequence[int], load: LoadStore, fleet: _FleetColumns
     ) -> None:
         self.worker = worker
-        self.row = row
-        self.dp_ranks = dp_ranks
+        self.rows = tuple(rows)
         self.draining = False
         # dp ranks whose events were lost beyond replay: until rebuilt, the index holds
         # less than the engine does, so what it says of this worker is a lower bound
@@ -96,37 +106,60 @@ class WorkerState:
         self._fleet = fleet
 
     @property
+    def dp_ranks(self) -> int:
+        return len(self.rows)
+
+    def _sum(self, column: int) -> float:
+        if len(self.rows) == 1:
+            return self._load.value(self.rows[0], column)
+        return sum(self._load.value(r, column) for r in self.rows)
+
+    @property
     def in_flight(self) -> float:
-        return self._load.value(self.row, IN_FLIGHT)
+        return self._sum(IN_FLIGHT)
 
     @property
     def queued_prefill_tokens(self) -> float:
-        return self._load.value(self.row, QUEUED)
+        return self._sum(QUEUED)
 
     @property
     def running_decodes(self) -> float:
-        return self._load.value(self.row, DECODES)
+        return self._sum(DECODES)
 
     @property
     def kv_usage(self) -> float:
-        return self._load.value(self.row, KV_USAGE)
+        return self._sum(KV_USAGE) / len(self.rows)
 
     @property
     def mean_context_tokens(self) -> float:
-        return self._load.value(self.row, MEAN_CONTEXT)
+        if len(self.rows) == 1:
+            return self._load.value(self.rows[0], MEAN_CONTEXT)
+        decodes = self.running_decodes
+        if not decodes:
+            return 0.0
+        load = self._load
+        return (
+            sum(load.value(r, MEAN_CONTEXT) * load.value(r, DECODES) for r in self.rows) / decodes
+        )
+
+    def rank_state(self, dp_rank: int) -> dict[str, float]:
+        """One rank's own figures: its load (`LOAD_FIELDS`), capacity and resident
+        blocks."""
+        row = self.rows[dp_rank]
+        out = {name: self._load.value(row, i) for i, name in enumerate(LOAD_FIELDS)}
+        out["capacity_blocks"] = float(self._fleet.m[row, CAPACITY])
+        out["resident_blocks"] = float(self._fleet.m[row, RESIDENT])
+        return out
 
     @property
     def capacity_blocks(self) -> int:
-        return int(self._fleet.m[self.row, CAPACITY])
+        """Summed over the ranks (`add_worker` takes it per rank)."""
+        return int(sum(self._fleet.m[r, CAPACITY] for r in self.rows))
 
     @property
     def resident_blocks(self) -> int:
-        """Stored - removed, from ingested events (all media)."""
-        return int(self._fleet.m[self.row, RESIDENT])
-
-    @resident_blocks.setter
-    def resident_blocks(self, value: int) -> None:
-        self._fleet.m[self.row, RESIDENT] = value
+        """Stored - removed, from ingested events (all media, all ranks)."""
+        return int(sum(self._fleet.m[r, RESIDENT] for r in self.rows))
 
     def __repr__(self) -> str:
         return (
@@ -158,13 +191,19 @@ class _Candidates:
     """The routable workers (or a subset) in id order: their ids, their rows, and each
     worker id's position among them."""
 
-    ids: npt.NDArray[np.uint64]
+    ids: npt.NDArray[np.uint64]  # per position (a worker's ranks: consecutive positions)
+    ranks: npt.NDArray[np.int64]  # the dp rank of each position
     rows: npt.NDArray[np.intp] | slice
-    # position by worker id (-1: not a candidate), when ids are small enough for a table
+    # position of each worker id's rank 0 (-1: not a candidate), when ids are small
+    # enough for a table
     table: npt.NDArray[np.intp] | None
+    # position by plane row (-1: not a candidate)
+    row_position: npt.NDArray[np.intp]
+    # per position, how many ranks its worker has; None: every worker has one
+    rank_counts: npt.NDArray[np.intp] | None
 
     def positions(self, workers: npt.NDArray[np.uint64]) -> npt.NDArray[np.intp]:
-        """Each worker's position among the candidates, -1 for the others."""
+        """Each worker's (rank 0) position among the candidates, -1 for the others."""
         if self.table is not None:
             inside = workers < len(self.table)  # compared as u64: ids up to 2**64-1
             if inside.all():
@@ -174,20 +213,48 @@ class _Candidates:
             return out
         if not len(self.ids):
             return np.full(len(workers), -1, dtype=np.intp)
-        at = np.minimum(np.searchsorted(self.ids, workers), len(self.ids) - 1)
+        at = np.minimum(np.searchsorted(self.ids, workers, side="left"), len(self.ids) - 1)
         return np.where(self.ids[at] == workers, at, -1)
 
+    def rank_positions(
+        self, workers: npt.NDArray[np.uint64], ranks: npt.NDArray[np.uint32]
+    ) -> npt.NDArray[np.intp]:
+        """Each (worker, rank)'s position, -1 for the others."""
+        at = self.positions(workers)
+        if self.rank_counts is None:
+            return np.where(ranks == 0, at, -1)
+        ok = (at >= 0) & (ranks < self.rank_counts[np.maximum(at, 0)])
+        return np.where(ok, at + ranks.astype(np.intp), -1)
+
     @classmethod
-    def of(cls, ids: list[int], rows: list[int]) -> _Candidates:
+    def of(cls, states: list[WorkerState], row_capacity: int) -> _Candidates:
+        """The candidates made of `states` (in id order): one position per rank."""
+        ids = [s.worker for s in states for _ in s.rows]
+        rows = [r for s in states for r in s.rows]
         ids_a = np.asarray(ids, dtype=np.uint64)
         ids_a.flags.writeable = False  # shared by every view of this candidate set
+        ranks = np.asarray([k for s in states for k in range(len(s.rows))], dtype=np.int64)
+        ranks.flags.writeable = False
         rows_a = np.asarray(rows, dtype=np.intp)
         contiguous = bool(len(rows_a)) and bool((rows_a == np.arange(len(rows_a))).all())
+        row_position = np.full(max(row_capacity, 1), -1, dtype=np.intp)
+        row_position[rows_a] = np.arange(len(rows_a))
+        first = np.flatnonzero(ranks == 0)
         table = None
         if len(ids_a) and ids_a[-1] < _MAX_TABLE:
             table = np.full(int(ids_a[-1]) + 1, -1, dtype=np.intp)
-            table[ids_a] = np.arange(len(ids_a))
-        return cls(ids_a, slice(0, len(rows_a)) if contiguous else rows_a, table)
+            table[ids_a[first]] = first
+        rank_counts = None
+        if len(rows_a) != len(states):
+            rank_counts = np.asarray([len(s.rows) for s in states for _ in s.rows], dtype=np.intp)
+        return cls(
+            ids_a,
+            ranks,
+            slice(0, len(rows_a)) if contiguous else rows_a,
+            table,
+            row_position,
+            rank_counts,
+        )
 
 
 _NO_KEYS: npt.NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
@@ -202,6 +269,7 @@ _MAX_TABLE = 1 << 20
 @dataclass(slots=True)
 class _Tracked:
     worker: int
+    row: int  # the plane row of the chosen (worker, dp rank)
     keys: npt.NDArray[np.uint64]  # empty when not speculating
     prefill_tokens: int
     context_tokens: int
@@ -259,8 +327,9 @@ class ControlPlane:
         self._fleet = _FleetColumns()
         self._workers: dict[int, WorkerState] = {}
         self._free_rows: list[int] = []  # rows of removed workers, reused first
+        self._next_row = 0
         self._tracked: dict[int | str, _Tracked] = {}
-        # worker -> content key -> how many tracked requests are computing it
+        # plane row -> content key -> how many tracked requests are computing it
         self._pending = PendingPrefixes()
         self._next_expiry_s = float("inf")
         # routable workers (not draining) by id; None: recompute on the next view
@@ -284,7 +353,8 @@ class ControlPlane:
         model: str = "",
         tokenizer: str = "",
     ) -> WorkerState:
-        """Add (or re-add) a worker; registers each of its dp ranks with the index."""
+        """Add (or re-add) a worker; registers each of its dp ranks with the index.
+        `capacity_blocks` is per rank (each rank has a KV cache of its own)."""
         if dp_ranks < 1:
             raise ConfigError(f"dp_ranks must be >= 1, got {dp_ranks}")
         cap = (
@@ -293,15 +363,19 @@ class ControlPlane:
             else self.cost.kv_capacity_blocks(self.block_size)
         )
         old = self._workers.get(worker)
-        if old is not None:
-            row = old.row
-        elif self._free_rows:
-            row = self._free_rows.pop()
-        else:
-            row = len(self._workers)
-        state = WorkerState(worker, row, self.load, self._fleet, dp_ranks)
-        self.load.add(row)
-        self._fleet.add(row, cap)
+        rows = list(old.rows[:dp_ranks]) if old is not None else []
+        if old is not None and len(old.rows) > dp_ranks:  # fewer ranks than before
+            self._free(old.rows[dp_ranks:])
+        while len(rows) < dp_ranks:
+            if self._free_rows:
+                rows.append(self._free_rows.pop())
+            else:
+                rows.append(self._next_row)
+                self._next_row += 1
+        state = WorkerState(worker, rows, self.load, self._fleet)
+        for row in rows:
+            self.load.add(row)
+            self._fleet.add(row, cap)
         self._workers[worker] = state
         self._routable = None
         for rank in range(dp_ranks):
@@ -313,14 +387,18 @@ class ControlPlane:
         """Forget a worker (dead or scaled in); returns the resident pairs dropped."""
         state = self._state(worker)
         del self._workers[worker]
-        self._free_rows.append(state.row)
-        self._free_rows.sort(reverse=True)  # lowest row first: rows stay in id order
+        self._free(state.rows)
         self._routable = None
-        self._pending.remove_worker(worker)
         for rid in [r for r, t in self._tracked.items() if t.worker == worker]:
             del self._tracked[rid]
         with self._index_lock:
             return self.index.remove_worker(worker)
+
+    def _free(self, rows: Sequence[int]) -> None:
+        for row in rows:
+            self._pending.remove_worker(row)
+            self._free_rows.append(row)
+        self._free_rows.sort(reverse=True)  # lowest row first: rows stay in id order
 
     def set_draining(self, worker: int, draining: bool = True) -> None:
         """A draining worker keeps its cache and requests but gets no new ones."""
@@ -329,10 +407,41 @@ class ControlPlane:
 
     def update_load(self, worker: int, **load: float) -> None:
         """Set load fields reported by the engine (in_flight, queued_prefill_tokens,
-        running_decodes, kv_usage, mean_context_tokens)."""
-        row = self._state(worker).row
+        running_decodes, kv_usage, mean_context_tokens) for the whole engine. With
+        several dp ranks, a count's change from the ranks' sum is spread evenly over
+        them (what each was booked is kept) and KV usage and mean context apply to
+        every rank; `update_rank_load` sets one rank's."""
+        state = self._state(worker)
+        columns = [(load_column(name), value) for name, value in load.items()]
+        if len(state.rows) == 1:
+            for column, value in columns:
+                self.load.report(state.rows[0], column, value)
+            return
+        for column, value in columns:
+            if column not in (IN_FLIGHT, QUEUED, DECODES):
+                for row in state.rows:
+                    self.load.report(row, column, value)
+                continue
+            now = [self.load.value(row, column) for row in state.rows]
+            step = (value - sum(now)) / len(now)
+            spread = [v + step for v in now]
+            if min(spread) < 0:  # cannot keep the shape: an even split
+                spread = [value / len(now)] * len(now)
+            for row, v in zip(state.rows, spread, strict=True):
+                self.load.report(row, column, v)
+
+    def update_rank_load(self, worker: int, dp_rank: int, **load: float) -> None:
+        """`update_load` for one dp rank of the worker."""
+        row = self._rank_row(self._state(worker), dp_rank)
         for name, value in load.items():
             self.load.report(row, load_column(name), value)
+
+    def _rank_row(self, state: WorkerState, dp_rank: int) -> int:
+        if not 0 <= dp_rank < len(state.rows):
+            raise UnknownSourceError(
+                f"worker {state.worker} has dp ranks 0..{len(state.rows) - 1}, not {dp_rank}"
+            )
+        return state.rows[dp_rank]
 
     def workers(self) -> list[WorkerState]:
         return [self._workers[w] for w in sorted(self._workers)]
@@ -364,14 +473,16 @@ class ControlPlane:
         Raises `EventDecodeError` for a bad batch, after applying the ones before it.
         """
         state = self._state(worker)
+        row = self._rank_row(state, dp_rank)
         t0 = time.perf_counter_ns()
         with self._index_lock:
             stats = self.index.apply(worker, payloads, dp_rank, seqs=seqs)
         if self.latencies is not None:
             self.latencies.apply_ns.append(time.perf_counter_ns() - t0)
-        state.resident_blocks += stats.blocks_stored - stats.blocks_removed
+        fleet = self._fleet.m
+        fleet[row, RESIDENT] += stats.blocks_stored - stats.blocks_removed
         if stats.clears:
-            state.resident_blocks = max(state.resident_blocks, 0)
+            fleet[row, RESIDENT] = max(fleet[row, RESIDENT], 0.0)
         self.apply_stats += stats
         return stats
 
@@ -381,19 +492,22 @@ class ControlPlane:
         state = self._workers.get(worker)
         if state is None:  # removed while its events were being handled
             return
-        ranks = state.stale_ranks
+        if not 0 <= dp_rank < len(state.rows):  # re-added with fewer ranks meanwhile
+            return
+        row = state.rows[dp_rank]
         if stale:
-            ranks.add(dp_rank)
+            state.stale_ranks.add(dp_rank)
         else:
-            ranks.discard(dp_rank)
-        self._fleet.m[state.row, KNOWN] = 0.0 if ranks else 1.0
+            state.stale_ranks.discard(dp_rank)
+        self._fleet.m[row, KNOWN] = 0.0 if stale else 1.0
 
     def clear(self, worker: int, dp_rank: int = 0) -> int:
         """The source dropped its cache without an event (restart seen by seq reset)."""
-        state = self._state(worker)
+        row = self._rank_row(self._state(worker), dp_rank)
         with self._index_lock:
             dropped = self.index.clear_source(worker, dp_rank)
-        state.resident_blocks = max(state.resident_blocks - dropped, 0)
+        fleet = self._fleet.m
+        fleet[row, RESIDENT] = max(fleet[row, RESIDENT] - dropped, 0.0)
         return dropped
 
     # --- routing ------------------------------------------------------------------
@@ -414,19 +528,21 @@ class ControlPlane:
             tiers = np.zeros((3, n), dtype=np.int64)
         else:
             t0 = time.perf_counter_ns()
+            # the index places the hits itself when each worker is one row
+            table = cand.table if cand.rank_counts is None else None
             with self._index_lock:
-                if cand.table is not None:  # the index places the hits itself
-                    tiers, hits = self.index.match_tiers(keys, cand.table, n)
+                if table is not None:
+                    tiers, hits = self.index.match_tiers(keys, table, n)
                 else:
                     hits = self.index.match_columns(keys)
             if self.latencies is not None:
                 self.latencies.match_ns.append(time.perf_counter_ns() - t0)
-            if cand.table is None:
-                tiers = hits.tiers_at(cand.positions(hits.worker), n)
+            if table is None:
+                tiers = hits.tiers_at(cand.rank_positions(hits.worker, hits.dp_rank), n)
         pending = np.zeros(n, dtype=np.int64)
         if len(self._pending) and len(keys):
-            workers, blocks = self._pending.prefixes(as_key_array(keys))
-            at = cand.positions(workers)
+            rows, blocks = self._pending.prefixes(as_key_array(keys))
+            at = cand.row_position[rows.astype(np.intp)]
             ok = at >= 0
             pending[at[ok]] = blocks[ok]
         # The load and fleet rows may be views of the plane's own matrices (and the ids
@@ -443,6 +559,7 @@ class ControlPlane:
             tiers[1],
             tiers[2],
             pending,
+            cand.ranks,
         )
         return View(
             None,
@@ -458,7 +575,9 @@ class ControlPlane:
         routable = self._routable
         if routable is None:
             ids = sorted(w for w, s in self._workers.items() if not s.draining)
-            routable = self._routable = _Candidates.of(ids, [self._workers[w].row for w in ids])
+            routable = self._routable = _Candidates.of(
+                [self._workers[w] for w in ids], self._next_row
+            )
             self._subsets.clear()
         if only is None:
             return routable
@@ -467,8 +586,8 @@ class ControlPlane:
         key = only if isinstance(only, frozenset) else None
         subset = self._subsets.get(key) if key is not None else None
         if subset is None:
-            ids = [int(w) for w in routable.ids.tolist() if w in only]
-            subset = _Candidates.of(ids, [self._workers[w].row for w in ids])
+            ids = sorted(w for w in only if w in self._workers and not self._workers[w].draining)
+            subset = _Candidates.of([self._workers[w] for w in ids], self._next_row)
             if key is not None:
                 if len(self._subsets) >= _MAX_SUBSETS:
                     self._subsets.clear()
@@ -486,14 +605,26 @@ class ControlPlane:
             return Decision.reject("no routable worker among the candidates")
         decision = self.router.route(request, view)
         if decision.worker is not None:
-            if decision.worker not in self._workers or (
-                only is not None and decision.worker not in only
+            state = self._workers.get(decision.worker)
+            if (
+                state is None
+                or state.draining
+                or (only is not None and decision.worker not in only)
             ):
                 raise RouterContractError(
                     f"router {self.router.name or type(self.router).__name__!r} chose worker "
                     f"{decision.worker}, which is not among the candidates it was shown"
                 )
-            self._track(request, decision, now_s)
+            rank = decision.dp_rank
+            if rank is None:
+                rank = _best_rank(view, state)
+                decision = replace(decision, dp_rank=rank)
+            elif not 0 <= rank < len(state.rows):
+                raise RouterContractError(
+                    f"router {self.router.name or type(self.router).__name__!r} chose dp rank "
+                    f"{rank} of worker {decision.worker}, which has {len(state.rows)}"
+                )
+            self._track(request, decision, state.rows[rank], now_s)
         return decision
 
     def prefill_done(self, request_id: int | str) -> None:
@@ -505,8 +636,7 @@ class ControlPlane:
         t.prefilled = True
         self._unpend(t)
         if self.track_load and t.worker in self._workers:
-            row = self._workers[t.worker].row
-            self.load.prefilled(row, t.prefill_tokens, t.context_tokens)
+            self.load.prefilled(t.row, t.prefill_tokens, t.context_tokens)
 
     def finish(self, request_id: int | str) -> None:
         """The request is done (or failed): release everything tracked for it."""
@@ -516,9 +646,9 @@ class ControlPlane:
         if not t.prefilled:
             self._unpend(t)
         if self.track_load and t.worker in self._workers:
-            self.load.release(self._workers[t.worker].row, t.prefill_tokens, t.prefilled)
+            self.load.release(t.row, t.prefill_tokens, t.prefilled)
 
-    def _track(self, request: Request, decision: Decision, now_s: float) -> None:
+    def _track(self, request: Request, decision: Decision, row: int, now_s: float) -> None:
         if not (self.track_load or self.speculative):
             return
         keys = as_key_array(request.content_keys) if self.speculative else _NO_KEYS
@@ -529,6 +659,7 @@ class ControlPlane:
         prefill_tokens = max(request.prompt_tokens - cached * self.block_size, 1)
         t = _Tracked(
             worker=decision.worker if decision.worker is not None else -1,
+            row=row,
             keys=keys,
             prefill_tokens=prefill_tokens,
             context_tokens=request.prompt_tokens,
@@ -540,13 +671,13 @@ class ControlPlane:
         self._tracked[request.request_id] = t
         self._next_expiry_s = min(self._next_expiry_s, t.expires_s)
         if self.speculative:
-            self._pending.add(t.worker, keys)
+            self._pending.add(row, keys)
         if self.track_load:
-            self.load.book(self._workers[t.worker].row, prefill_tokens)
+            self.load.book(row, prefill_tokens)
 
     def _unpend(self, t: _Tracked) -> None:
         if len(t.keys):
-            self._pending.remove(t.worker, t.keys)
+            self._pending.remove(t.row, t.keys)
 
     def _expire(self, now_s: float) -> None:
         # Speculative entries outlive a lost prefill_done call by at most the TTL.
@@ -583,33 +714,44 @@ class ControlPlane:
         self.index.close()
 
 
+def _best_rank(view: View, state: WorkerState) -> int:
+    """The rank of `state` a decision without one goes to: the longest local prefix,
+    then the fewest requests in flight, then the lowest rank."""
+    if len(state.rows) == 1:
+        return 0
+    c = view.columns
+    at = np.flatnonzero(c.worker == state.worker)
+    best = first_min(-c.local_blocks[at], c.in_flight[at], c.dp_rank[at])
+    return int(c.dp_rank[at[best]])
+
+
 class _MediaOf:
-    """A worker's raw medium name -> blocks (max over its dp ranks), from the match's
-    columns, for a `WorkerView` made on demand."""
+    """A (worker, rank)'s raw medium name -> blocks, from the match's columns, for a
+    `WorkerView` made on demand."""
 
     __slots__ = ("_hits",)
 
     def __init__(self, hits: MatchColumns) -> None:
         self._hits = hits
 
-    def one(self, worker: int) -> dict[str, int]:
+    def one(self, worker: int, dp_rank: int) -> dict[str, int]:
         h = self._hits
         media: dict[str, int] = {}
-        for i in np.flatnonzero(h.worker == worker).tolist():
+        for i in np.flatnonzero((h.worker == worker) & (h.dp_rank == dp_rank)).tolist():
             name = h.medium_name(int(h.medium[i]))
             blocks = int(h.blocks[i])
             if blocks > media.get(name, 0):
                 media[name] = blocks
         return media
 
-    def every(self) -> dict[int, dict[str, int]]:
+    def every(self) -> dict[tuple[int, int], dict[str, int]]:
         h = self._hits
         names = {c: h.medium_name(c) for c in set(h.medium.tolist())}
-        out: dict[int, dict[str, int]] = {}
-        for worker, code, blocks in zip(
-            h.worker.tolist(), h.medium.tolist(), h.blocks.tolist(), strict=True
+        out: dict[tuple[int, int], dict[str, int]] = {}
+        for worker, rank, code, blocks in zip(
+            h.worker.tolist(), h.dp_rank.tolist(), h.medium.tolist(), h.blocks.tolist(), strict=True
         ):
-            media = out.setdefault(worker, {})
+            media = out.setdefault((worker, rank), {})
             name = names[code]
             if blocks > media.get(name, 0):
                 media[name] = blocks

@@ -241,7 +241,7 @@ class OpenAIEndpoints:
         route_request, outcomes = prepared.route_request, self.outcomes
         rid = route_request.request_id
         for attempt in range(2):
-            worker, first_byte_s = self.route(prepared)
+            worker, dp_rank, first_byte_s = self.route(prepared)
             outcomes.forwarding(time.perf_counter() - started)
             # The first byte: a whole answer's head, or a stream's first chunk (its head
             # comes before the prefill). Until then the client has nothing: a retry is safe.
@@ -252,7 +252,7 @@ class OpenAIEndpoints:
                     resp = await self.upstream.post(
                         worker.url + path,
                         data=prepared.raw,
-                        headers=self.upstream_headers(request.headers, worker, route_request),
+                        headers=self.upstream_headers(request.headers, worker, dp_rank),
                     )
                     if resp.status == 200 and proxy.is_stream(resp):
                         try:
@@ -290,10 +290,11 @@ class OpenAIEndpoints:
             )
         raise AssertionError("unreachable")
 
-    def route(self, prepared: Prepared) -> tuple[Worker, float]:
+    def route(self, prepared: Prepared) -> tuple[Worker, int, float]:
         """Route one request among its candidates (None: any worker; raises the 503/429
-        of a rejection) and count the decision. Returns the worker and how long it may
-        take to send the first byte (`first_byte_limit`)."""
+        of a rejection) and count the decision. Returns the worker, its dp rank that
+        serves the request and how long it may take to send the first byte
+        (`first_byte_limit`)."""
         route_request = prepared.route_request
         candidates, prompt_tokens = prepared.candidates, prepared.prompt_tokens
         rid = route_request.request_id
@@ -317,7 +318,8 @@ class OpenAIEndpoints:
         self.outcomes.routed(
             worker.id, decision.reason or "chosen", routed_s, cached_tokens, prompt_tokens
         )
-        return worker, self.first_byte_limit(route_request, cached_tokens)
+        dp_rank = decision.dp_rank if decision.dp_rank is not None else 0
+        return worker, dp_rank, self.first_byte_limit(route_request, cached_tokens)
 
     def first_byte_limit(self, route_request: RouteRequest, cached_tokens: int) -> float:
         """How long an engine may take before its first byte without counting as hung:
@@ -400,19 +402,12 @@ class OpenAIEndpoints:
         return proxy.passthrough_response(resp, content, extra)
 
     def upstream_headers(
-        self, headers: Mapping[str, str], worker: Worker, route_request: RouteRequest
+        self, headers: Mapping[str, str], worker: Worker, dp_rank: int
     ) -> dict[str, str]:
         """Forwarded headers; for a data-parallel engine, also vLLM's `X-data-parallel-rank`
-        naming the rank that holds the longest prefix (its internal balancer would not
-        know which one does)."""
+        naming the rank the decision chose (each rank is a routing row of its own: the
+        engine's internal balancer knows neither the ranks' caches nor the fleet)."""
         forwarded = {k: v for k in proxy.FORWARDED_HEADERS if (v := headers.get(k))}
-        if len(worker.sources) > 1 and len(route_request.content_keys):
-            matches = self.plane.match(route_request.content_keys)
-            best = max(
-                (m for m in matches if m.worker == worker.id and m.blocks > 0),
-                key=lambda m: m.blocks,
-                default=None,
-            )
-            if best is not None:
-                forwarded["x-data-parallel-rank"] = str(best.dp_rank)
+        if self.plane.worker(worker.id).dp_ranks > 1:
+            forwarded["x-data-parallel-rank"] = str(dp_rank)
         return forwarded

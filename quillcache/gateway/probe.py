@@ -29,7 +29,12 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from quillcache.connectors.engine_metrics import EngineLoad
+from quillcache.connectors.engine_metrics import (
+    RANK_FIELDS,
+    RANK_LABEL,
+    EngineLoad,
+    set_rank_values,
+)
 
 MAX_BODY = 64 << 20  # a /metrics page far larger than any engine's
 Result = tuple[int, bytes] | BaseException  # (status, body), or why there is none
@@ -296,6 +301,7 @@ _SAMPLE = re.compile(
     + rb")(\{[^\n]*\})?[ \t]+([^ \t\n]+)",
     re.M,
 )
+_RANK = re.compile(rb"[{,][ \t]*" + RANK_LABEL.encode() + rb'="(\d+)"')
 _BLOCK_SIZE = re.compile(rb'^vllm:cache_config_info\{[^\n]*?\bblock_size="(\d+)"', re.M)
 
 
@@ -307,13 +313,22 @@ def parse_metrics_fast(text: bytes) -> EngineLoad:
     load = EngineLoad()
     totals: dict[str, float] = {}  # per family, in the page's order (the last one wins)
     counts: dict[str, int] = {}
+    by_rank: dict[str, dict[int, list[float]]] = {}
     for m in _SAMPLE.finditer(text):
         family = m.group(1).decode().removesuffix("_total")
-        totals[family] = totals.get(family, 0.0) + float(m.group(3))
+        value = float(m.group(3))
+        totals[family] = totals.get(family, 0.0) + value
         counts[family] = counts.get(family, 0) + 1
+        labels = m.group(2)
+        if labels and _FIELDS[family] in RANK_FIELDS:
+            rank = _RANK.search(labels)
+            if rank is not None:
+                by_rank.setdefault(family, {}).setdefault(int(rank.group(1)), []).append(value)
     for family, total in totals.items():
         field = _FIELDS[family]
         setattr(load, field, total / counts[family] if field == "kv_usage" else total)
+        if family in by_rank:
+            set_rank_values(load, field, by_rank[family])
     bs = _BLOCK_SIZE.search(text)
     if bs is not None:
         load.block_size = int(bs.group(1))

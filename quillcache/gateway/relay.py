@@ -158,7 +158,7 @@ class RelayHost:
 
     def _route_and_forward(self, rid: int, flight: Flight, started: float | None) -> None:
         outcomes = self.outcomes
-        worker, first_byte_s = self.endpoints.route(flight.prepared)
+        worker, dp_rank, first_byte_s = self.endpoints.route(flight.prepared)
         flight.worker = worker
         flight.first_byte_s = first_byte_s
         route_id = flight.prepared.route_request.request_id
@@ -170,9 +170,7 @@ class RelayHost:
             return
         if started is not None:
             outcomes.forwarding(time.perf_counter() - started)
-        upstream = self.endpoints.upstream_headers(
-            flight.headers, worker, flight.prepared.route_request
-        )
+        upstream = self.endpoints.upstream_headers(flight.headers, worker, dp_rank)
         self.flights[rid] = flight
         if not self.relay.forward(
             rid,

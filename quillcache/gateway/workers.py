@@ -14,7 +14,7 @@ import json
 import logging
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -45,14 +45,13 @@ class Worker:
     last_health_s: float = 0.0
     failures: int = 0
     parity: str = "unchecked"  # "ok", "mismatch: ...", "unchecked", "skipped: ..."
-    # what the last scrape added on top of the gateway's own counts (`_merge_engine_load`)
-    scraped_in_flight: int = 0
-    scraped_decodes: int = 0
+    # per rank (None: the whole engine), what the last scrape added on top of the
+    # gateway's own counts (in flight, decodes) and the KV usage it gave the plane
+    # (`_merge_engine_load`)
+    scraped: dict[int | None, tuple[int, int, float | None]] = field(default_factory=dict)
     sources: list[ZmqSourceConfig] = field(default_factory=list)
-    # the last /metrics page read, and the KV usage last given to the plane: a scrape
-    # that changes nothing costs neither a parse nor a load update
+    # the last /metrics page read: a scrape that changes nothing costs no parse
     last_metrics_page: bytes = b""
-    reported_kv_usage: float | None = None
 
     @property
     def url(self) -> str:
@@ -73,7 +72,7 @@ class Worker:
             "healthy": self.healthy,
             "draining": self.draining,
             "parity": self.parity,
-            "load": vars(self.load),
+            "load": asdict(self.load),
             "kv_sources": [
                 {"endpoint": s.endpoint, "replay_endpoint": s.replay_endpoint, "bind": s.bind}
                 for s in self.sources
@@ -493,30 +492,70 @@ class WorkerPool:
 
     def _merge_engine_load(self, w: Worker) -> None:
         """The engine may serve clients that bypass this gateway: its own counts raise
-        (never lower) the load the gateway tracks from its in-flight requests.
+        (never lower) the load the gateway tracks from its in-flight requests; per
+        rank when the engine reports each data-parallel rank (vLLM's `engine` label)
+        and the gateway routes to ranks, else for the engine as a whole.
 
         What a scrape added is remembered and taken off at the next one: otherwise a
         scrape that saw a request the gateway had just finished would keep it counted
         for good (the max would compare against itself from then on)."""
         state = self.cp.worker(w.id)
-        own_in_flight = max(int(state.in_flight) - w.scraped_in_flight, 0)
-        own_decodes = max(int(state.running_decodes) - w.scraped_decodes, 0)
-        in_flight = max(own_in_flight, int(w.load.running + w.load.waiting))
-        decodes = max(own_decodes, int(w.load.running))
-        unchanged = (
-            w.scraped_in_flight == w.scraped_decodes == 0
-            and in_flight == own_in_flight == state.in_flight
-            and decodes == own_decodes == state.running_decodes
-            and w.load.kv_usage == w.reported_kv_usage
-        )
-        w.scraped_in_flight = in_flight - own_in_flight
-        w.scraped_decodes = decodes - own_decodes
-        if unchanged:  # the plane holds these values already (an idle engine, mostly)
+        load = w.load
+        if state.dp_ranks > 1 and all(r in load.ranks for r in range(state.dp_ranks)):
+            for rank in range(state.dp_ranks):
+                mine = state.rank_state(rank)
+                theirs = load.ranks[rank]
+                figures = self._merged(
+                    w,
+                    rank,
+                    mine["in_flight"],
+                    mine["running_decodes"],
+                    theirs.running,
+                    theirs.waiting,
+                    theirs.kv_usage,
+                )
+                if figures is not None:
+                    self.cp.update_rank_load(w.id, rank, **figures)
             return
-        self.cp.update_load(
-            w.id, kv_usage=w.load.kv_usage, in_flight=in_flight, running_decodes=decodes
+        figures = self._merged(
+            w,
+            None,
+            state.in_flight,
+            state.running_decodes,
+            load.running,
+            load.waiting,
+            load.kv_usage,
         )
-        w.reported_kv_usage = w.load.kv_usage
+        if figures is not None:
+            self.cp.update_load(w.id, **figures)
+
+    @staticmethod
+    def _merged(
+        w: Worker,
+        rank: int | None,
+        in_flight: float,
+        decodes: float,
+        running: float,
+        waiting: float,
+        kv_usage: float,
+    ) -> dict[str, float] | None:
+        """The load to give the plane for `rank` (None: the whole engine), or None when
+        it holds these values already (an idle engine, mostly)."""
+        scraped_in_flight, scraped_decodes, reported_kv = w.scraped.get(rank, (0, 0, None))
+        own_in_flight = max(int(in_flight) - scraped_in_flight, 0)
+        own_decodes = max(int(decodes) - scraped_decodes, 0)
+        new_in_flight = max(own_in_flight, int(running + waiting))
+        new_decodes = max(own_decodes, int(running))
+        unchanged = (
+            scraped_in_flight == scraped_decodes == 0
+            and new_in_flight == own_in_flight == in_flight
+            and new_decodes == own_decodes == decodes
+            and kv_usage == reported_kv
+        )
+        w.scraped[rank] = (new_in_flight - own_in_flight, new_decodes - own_decodes, kv_usage)
+        if unchanged:
+            return None
+        return {"kv_usage": kv_usage, "in_flight": new_in_flight, "running_decodes": new_decodes}
 
     async def scrape(self) -> None:
         workers = [w for w in self.workers.values() if w.healthy]

@@ -74,12 +74,10 @@ class MatchColumns:
     def tiers_at(self, at: npt.NDArray[np.intp], candidates: int) -> npt.NDArray[np.int64]:
         """`tiers` given each hit's candidate position (-1: not a candidate)."""
         out = np.zeros((3, candidates), dtype=np.int64)
-        for i, code, blocks in zip(
-            at.tolist(), self.medium.tolist(), self.blocks.tolist(), strict=True
-        ):
-            if 0 <= i < candidates:
-                tier = min(code, 2)
-                out[tier, i] = max(int(out[tier, i]), blocks)
+        ok = (at >= 0) & (at < candidates)
+        if ok.any():
+            tier = np.minimum(self.medium[ok], 2).astype(np.intp)
+            np.maximum.at(out, (tier, at[ok]), self.blocks[ok].astype(np.int64))
         return out
 
     def medium_name(self, code: int) -> str:

@@ -59,7 +59,13 @@ class Router:
     ) -> Decision:
         """A decision for `worker` with its per-block plan and cost estimate."""
         plan, estimate = plan_and_estimate(request, view, worker)
-        return Decision(worker=worker.worker, plan=plan, estimate=estimate, reason=reason)
+        return Decision(
+            worker=worker.worker,
+            plan=plan,
+            estimate=estimate,
+            reason=reason,
+            dp_rank=worker.dp_rank,
+        )
 
 
 def estimate_ttft_s(request: Request, view: View, worker: WorkerView) -> float:
@@ -91,17 +97,18 @@ def estimate_ttft_s(request: Request, view: View, worker: WorkerView) -> float:
 
 
 def peer_blocks_array(view: View) -> npt.NDArray[np.int64]:
-    """Per worker, `view.best_peer_blocks(exclude=worker)[1]`: the longest GPU prefix
+    """Per row, `view.best_peer_blocks(exclude=worker)[1]`: the longest GPU prefix
     another worker holds."""
-    gpu = view.columns.gpu_blocks
+    c = view.columns
+    gpu = c.gpu_blocks
     if len(gpu) < 2:
         return np.zeros(len(gpu), dtype=np.int64)
     first = int(np.argmax(gpu))
-    rest = gpu.copy()
-    rest[first] = 0
+    # the rows of the leader's own engine (its other ranks) see the best elsewhere
+    own = c.worker == c.worker[first]
     out = np.full(len(gpu), gpu[first], dtype=np.int64)
-    out[first] = rest.max()
-    return np.maximum(out, 0)
+    out[own] = np.where(own, 0, gpu).max()
+    return out
 
 
 def covered_array(

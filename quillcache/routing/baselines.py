@@ -100,39 +100,42 @@ class SessionAffinity(Router):
         super().__init__(**kw)
         self.vnodes = vnodes
         self.prefix_blocks = max(prefix_blocks, 1)
-        self._ring_for: tuple[int, ...] = ()
+        self._ring_for: tuple[tuple[int, int], ...] = ()
         # the id column the ring was last built for: the control plane hands out the
         # same read-only array while the fleet does not change, so most requests skip
         # building a 1,000-id tuple to find that out
         self._ring_ids: npt.NDArray[np.uint64] | None = None
         self._points: list[int] = []
-        self._owners: list[int] = []
+        self._owners: list[tuple[int, int]] = []
         # rings of recent worker sets: a gateway shows each model's workers in turn
-        self._rings: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}
+        self._rings: dict[tuple[tuple[int, int], ...], tuple[list[int], list[tuple[int, int]]]] = {}
 
-    def _ring(self, workers: tuple[int, ...]) -> None:
-        if workers == self._ring_for:
+    def _ring(self, rows: tuple[tuple[int, int], ...]) -> None:
+        """The ring of `rows` ((worker, dp rank) pairs): each rank of a data-parallel
+        engine is a node of its own."""
+        if rows == self._ring_for:
             return
-        cached = self._rings.get(workers)
+        cached = self._rings.get(rows)
         if cached is None:
             ring = sorted(
-                (xxhash.xxh3_64_intdigest(f"{w}#{v}".encode()), w)
-                for w in workers
+                (xxhash.xxh3_64_intdigest(_node_name(w, r, v).encode()), (w, r))
+                for w, r in rows
                 for v in range(self.vnodes)
             )
-            cached = ([p for p, _ in ring], [w for _, w in ring])
+            cached = ([p for p, _ in ring], [o for _, o in ring])
             if len(self._rings) >= 32:
                 self._rings.clear()
-            self._rings[workers] = cached
+            self._rings[rows] = cached
         self._points, self._owners = cached
-        self._ring_for = workers
+        self._ring_for = rows
 
     def route(self, request: Request, view: View) -> Decision:
         if not len(view):
             return self.no_workers()
-        ids = view.columns.worker
+        c = view.columns
+        ids = c.worker
         if ids is not self._ring_ids:
-            self._ring(tuple(ids.tolist()))
+            self._ring(tuple(zip(ids.tolist(), c.dp_rank.tolist(), strict=True)))
             self._ring_ids = ids if not ids.flags.writeable else None
         if request.session_id is not None:
             h = xxhash.xxh3_64_intdigest(str(request.session_id).encode())
@@ -142,4 +145,10 @@ class SessionAffinity(Router):
         else:
             h = xxhash.xxh3_64_intdigest(str(request.request_id).encode())
         i = bisect.bisect_left(self._points, h) % len(self._points)
-        return self.decide(request, view, view.by_id(self._owners[i]))
+        return self.decide(request, view, view.by_id(*self._owners[i]))
+
+
+def _node_name(worker: int, dp_rank: int, vnode: int) -> str:
+    """A virtual node's name on the ring; rank 0 keeps the name a worker without data
+    parallelism has, so adding ranks to one engine moves no other engine's keys."""
+    return f"{worker}#{vnode}" if dp_rank == 0 else f"{worker}.{dp_rank}#{vnode}"

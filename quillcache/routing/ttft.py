@@ -53,7 +53,7 @@ class MooncakeConductor(Router):
             return Decision.reject(
                 f"estimated TBT {est.tbt_s:.3f}s exceeds the SLO {tbt_slo:.3f}s", est
             )
-        return Decision(worker=w.worker, plan=plan, estimate=est)
+        return Decision(worker=w.worker, plan=plan, estimate=est, dp_rank=w.dp_rank)
 
 
 class QuillGreedy(Router):

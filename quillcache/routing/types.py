@@ -79,6 +79,9 @@ class WorkerView:
     # match fields are then a lower bound (the built-in routers treat the missing part
     # as not cached, i.e. cold, until the source is rebuilt)
     residency_known: bool = True
+    # the engine's data-parallel rank this row stands for: a data-parallel engine is one
+    # row per rank (each rank has its own KV cache and queue); 0 for the others
+    dp_rank: int = 0
 
     @property
     def local_blocks(self) -> int:
@@ -100,16 +103,18 @@ FLEET_FIELDS: tuple[str, ...] = ("capacity_blocks", "resident_blocks", "residenc
 
 @dataclass(frozen=True, slots=True)
 class WorkerColumns:
-    """The routable workers as arrays, one row per worker in `View` order (by id):
-    what a router reads to score a fleet without one object per worker."""
+    """The routable workers as arrays, one row per (worker, data-parallel rank) in `View`
+    order (by id, then rank): what a router reads to score a fleet without one object
+    per worker. A worker without data parallelism is one row (rank 0)."""
 
-    worker: npt.NDArray[np.uint64]  # ids: 0 .. 2**64-1
+    worker: npt.NDArray[np.uint64]  # ids: 0 .. 2**64-1 (repeated for each rank of a worker)
     load: npt.NDArray[np.float64]  # (n, len(LOAD_FIELDS))
     fleet: npt.NDArray[np.float64]  # (n, len(FLEET_FIELDS))
     gpu_blocks: npt.NDArray[np.int64]
     cpu_blocks: npt.NDArray[np.int64]
     disk_blocks: npt.NDArray[np.int64]
     pending_blocks: npt.NDArray[np.int64]
+    dp_rank: npt.NDArray[np.int64]
 
     @property
     def in_flight(self) -> npt.NDArray[np.float64]:
@@ -171,24 +176,26 @@ class WorkerColumns:
             ints("cpu_blocks"),
             ints("disk_blocks"),
             ints("pending_blocks"),
+            ints("dp_rank"),
         )
 
 
 class MediaOf(Protocol):
-    """Each worker's raw medium name -> blocks (`WorkerView.matches`), made on demand."""
+    """Each (worker, rank)'s raw medium name -> blocks (`WorkerView.matches`), made on
+    demand."""
 
-    def one(self, worker: int) -> dict[str, int]: ...
+    def one(self, worker: int, dp_rank: int) -> dict[str, int]: ...
 
-    def every(self) -> dict[int, dict[str, int]]:
-        """Every worker with a hit (the others have none)."""
+    def every(self) -> dict[tuple[int, int], dict[str, int]]:
+        """Every (worker, rank) with a hit (the others have none)."""
         ...
 
 
 class _NoMedia:
-    def one(self, worker: int) -> dict[str, int]:
+    def one(self, worker: int, dp_rank: int) -> dict[str, int]:
         return {}
 
-    def every(self) -> dict[int, dict[str, int]]:
+    def every(self) -> dict[tuple[int, int], dict[str, int]]:
         return {}
 
 
@@ -264,14 +271,15 @@ class View:
                     cpu,
                     disk,
                     pending,
-                    media.get(wid, {}),
+                    media.get((wid, rank), {}),
                     known != 0.0,
+                    rank,
                 )
                 for wid, (in_flight, queued, decodes, kv_usage, mean_context), (
                     capacity,
                     resident,
                     known,
-                ), gpu, cpu, disk, pending in zip(
+                ), gpu, cpu, disk, pending, rank in zip(
                     c.worker.tolist(),
                     c.load.tolist(),
                     c.fleet.tolist(),
@@ -279,6 +287,7 @@ class View:
                     c.cpu_blocks.tolist(),
                     c.disk_blocks.tolist(),
                     c.pending_blocks.tolist(),
+                    c.dp_rank.tolist(),
                     strict=True,
                 )
             ]
@@ -300,6 +309,7 @@ class View:
         in_flight, queued, decodes, kv_usage, mean_context = c.load[i].tolist()
         capacity, resident, known = c.fleet[i].tolist()
         wid = int(c.worker[i])
+        rank = int(c.dp_rank[i])
         return WorkerView(
             wid,
             _count(in_flight),
@@ -313,36 +323,40 @@ class View:
             int(c.cpu_blocks[i]),
             int(c.disk_blocks[i]),
             int(c.pending_blocks[i]),
-            self._media_of.one(wid),
+            self._media_of.one(wid, rank),
             known != 0.0,
+            rank,
         )
 
-    def position(self, worker: int) -> int:
-        """Where `worker` is in the view; KeyError when it is not a candidate."""
+    def position(self, worker: int, dp_rank: int = 0) -> int:
+        """Where `worker`'s rank `dp_rank` is in the view; KeyError when it is not a
+        candidate."""
         if self._workers is not None:
             for i, w in enumerate(self._workers):
-                if w.worker == worker:
+                if w.worker == worker and w.dp_rank == dp_rank:
                     return i
-            raise KeyError(worker)
-        hits = np.flatnonzero(self.columns.worker == worker)
+            raise KeyError((worker, dp_rank))
+        c = self.columns
+        hits = np.flatnonzero((c.worker == worker) & (c.dp_rank == dp_rank))
         if not len(hits):
-            raise KeyError(worker)
+            raise KeyError((worker, dp_rank))
         return int(hits[0])
 
-    def by_id(self, worker: int) -> WorkerView:
-        return self.worker_at(self.position(worker))
+    def by_id(self, worker: int, dp_rank: int = 0) -> WorkerView:
+        return self.worker_at(self.position(worker, dp_rank))
 
     def best_peer_blocks(self, exclude: int) -> tuple[int | None, int]:
         """The worker (other than `exclude`) with the longest GPU prefix, and its length;
-        the first in view order among equals."""
+        the first in view order among equals. The ranks of one data-parallel engine are
+        not each other's peers (nothing moves KV between them)."""
         if self._best_peer is None:
-            gpu = self.columns.gpu_blocks
+            c = self.columns
+            gpu = c.gpu_blocks
             first = second = -1
             if len(gpu):
                 first = int(np.argmax(gpu))
-                if len(gpu) > 1:
-                    rest = gpu.copy()
-                    rest[first] = -1
+                rest = np.where(c.worker == c.worker[first], -1, gpu)
+                if rest.max() >= 0:
                     second = int(np.argmax(rest))
             self._best_peer = (first, second)
         for i in self._best_peer:
@@ -394,12 +408,17 @@ class Estimate:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """A router's answer: `worker` is None when the request is rejected (see `reason`)."""
+    """A router's answer: `worker` is None when the request is rejected (see `reason`).
+
+    `dp_rank` names the data-parallel rank of `worker` that serves the request; None
+    lets the control plane choose (the rank holding the longest prefix, then the least
+    loaded): a router that thinks in engines need not know about ranks."""
 
     worker: int | None
     plan: tuple[PlanStep, ...] = ()
     estimate: Estimate | None = None
     reason: str = ""
+    dp_rank: int | None = None
 
     @property
     def rejected(self) -> bool:

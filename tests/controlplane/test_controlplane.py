@@ -141,23 +141,27 @@ def test_a_stale_source_makes_its_workers_residency_unknown_until_rebuilt(
     from quillcache.connectors.sink import ControlPlaneSink
 
     sink = ControlPlaneSink(cp)
+    cp.add_worker(1, capacity_blocks=1000, dp_ranks=2, model=MODEL)
     cp.ingest(1, [_stored([11, 12], None, TOKENS[:8])])
 
-    def known() -> dict[int, bool]:
-        return {w.worker: w.residency_known for w in cp.view(_request()).workers}
+    def known() -> dict[tuple[int, int], bool]:
+        return {(w.worker, w.dp_rank): w.residency_known for w in cp.view(_request()).workers}
 
-    assert known() == {0: True, 1: True, 2: True}
+    assert known() == {(0, 0): True, (1, 0): True, (1, 1): True, (2, 0): True}
     sink.set_stale(1, 0, True)
     sink.set_stale(1, 1, True)
-    assert known() == {0: True, 1: False, 2: True}
-    assert {w.worker: w.gpu_blocks for w in cp.view(_request()).workers}[1] == 2
+    assert known() == {(0, 0): True, (1, 0): False, (1, 1): False, (2, 0): True}
+    assert cp.worker(1).stale_ranks == {0, 1}
+    assert {(w.worker, w.dp_rank): w.gpu_blocks for w in cp.view(_request()).workers}[1, 0] == 2
     sink.set_stale(1, 0, False)
-    assert known()[1] is False  # rank 1 is still being rebuilt
+    assert known()[1, 0] is True
+    assert known()[1, 1] is False  # rank 1 is still being rebuilt
+    assert cp.worker(1).stale_ranks == {1}
     sink.set_stale(1, 1, False)
-    assert known() == {0: True, 1: True, 2: True}
+    assert set(known().values()) == {True}
     cp.remove_worker(2)
     sink.set_stale(2, 0, True)  # a worker removed meanwhile: nothing to mark, no error
-    assert known() == {0: True, 1: True}
+    assert known() == {(0, 0): True, (1, 0): True, (1, 1): True}
 
 
 def _routing_growth(plane: ControlPlane, requests: int) -> int:

@@ -29,42 +29,46 @@ def expected_view(
     cp: ControlPlane,
     keys: np.ndarray,
     candidates: list[int],
-    pending_keys: dict[int, set[int]],
+    pending_keys: dict[tuple[int, int], set[int]],
 ) -> list[WorkerView]:
-    media: dict[int, dict[str, int]] = {}
+    """One row per (candidate, dp rank), each from the index's hits on that rank."""
+    media: dict[tuple[int, int], dict[str, int]] = {}
     for m in cp.match(keys):
-        own = media.setdefault(m.worker, {})
+        own = media.setdefault((m.worker, m.dp_rank), {})
         own[m.medium] = max(own.get(m.medium, 0), m.blocks)
     out = []
     for w in candidates:
         s = cp.worker(w)
-        tiers = {"gpu": 0, "cpu": 0, "disk": 0}
-        for medium, blocks in media.get(w, {}).items():
-            tier = tier_of(medium)
-            tiers[tier] = max(tiers[tier], blocks)
-        pending = 0
-        for k in keys.tolist():
-            if k not in pending_keys.get(w, set()):
-                break
-            pending += 1
-        out.append(
-            WorkerView(
-                w,
-                s.in_flight,
-                s.queued_prefill_tokens,
-                s.running_decodes,
-                s.kv_usage,
-                s.capacity_blocks,
-                s.resident_blocks,
-                s.mean_context_tokens,
-                tiers["gpu"],
-                tiers["cpu"],
-                tiers["disk"],
-                pending,
-                media.get(w, {}),
-                not s.stale_ranks,
+        for rank in range(s.dp_ranks):
+            tiers = {"gpu": 0, "cpu": 0, "disk": 0}
+            for medium, blocks in media.get((w, rank), {}).items():
+                tier = tier_of(medium)
+                tiers[tier] = max(tiers[tier], blocks)
+            pending = 0
+            for k in keys.tolist():
+                if k not in pending_keys.get((w, rank), set()):
+                    break
+                pending += 1
+            r = s.rank_state(rank)
+            out.append(
+                WorkerView(
+                    w,
+                    r["in_flight"],
+                    r["queued_prefill_tokens"],
+                    r["running_decodes"],
+                    r["kv_usage"],
+                    r["capacity_blocks"],
+                    r["resident_blocks"],
+                    r["mean_context_tokens"],
+                    tiers["gpu"],
+                    tiers["cpu"],
+                    tiers["disk"],
+                    pending,
+                    media.get((w, rank), {}),
+                    rank not in s.stale_ranks,
+                    rank,
+                )
             )
-        )
     return out
 
 
@@ -106,13 +110,15 @@ def test_the_columnar_view_is_the_plain_view(data: st.DataObject) -> None:
                 cp.set_draining(w)
             if data.draw(st.integers(0, 4)) == 0:
                 cp.set_source_stale(w, 1, True)
-        pending_keys: dict[int, set[int]] = {}
+        pending_keys: dict[tuple[int, int], set[int]] = {}
         for rid in range(data.draw(st.integers(0, 4))):  # speculative placements
             family = data.draw(st.integers(0, 2))
             keys = np.array(content_keys(tokens(family, 5), BS, NS), np.uint64)
             decision = cp.route(Request(rid, keys, 5 * BS + 1))
             if decision.worker is not None and data.draw(st.booleans()):
-                pending_keys.setdefault(decision.worker, set()).update(keys.tolist())
+                assert decision.dp_rank is not None
+                on = (decision.worker, decision.dp_rank)
+                pending_keys.setdefault(on, set()).update(keys.tolist())
             elif decision.worker is not None:
                 cp.prefill_done(rid)
         query = np.array(content_keys(tokens(data.draw(st.integers(0, 2)), 6), BS, NS), np.uint64)

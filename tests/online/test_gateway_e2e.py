@@ -6,6 +6,7 @@ import json
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import msgpack
@@ -350,8 +351,15 @@ def test_data_parallel_engine_ranks_are_subscribed_and_targeted(stack: Stack) ->
     gw = stack.start_gateway({"router": "quillcache"})
     admin = stack.admin()
     prompts = [long_prompt(f"dp-{i}-{uuid.uuid4().hex[:6]}", blocks=6) for i in range(6)]
-    for p in prompts:  # the engine's own balancer spreads these over both ranks
-        assert http_post(gw.url + "/v1/completions", json={"prompt": p, "max_tokens": 1}).is_success
+
+    def send(p: str) -> bool:
+        body = {"prompt": p, "max_tokens": 64}
+        return http_post(gw.url + "/v1/completions", json=body).is_success
+
+    # At once: each rank is a routing row with its own load, so the gateway spreads
+    # them over both ranks and names the rank in `X-data-parallel-rank`.
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        assert all(pool.map(send, prompts))
 
     def ranks_of(p: str) -> set[int]:
         matches = admin.post("/admin/lookup", json={"prompt": p}).json()["matches"]
@@ -588,3 +596,44 @@ def test_an_engine_whose_event_sources_fail_at_first_is_subscribed_all_the_same(
         lambda: stack.admin().get("/admin/index").json()["blocks"] > 0,
         what="the engine's events in the index",
     )
+
+
+def test_a_data_parallel_engines_own_load_is_read_per_rank(stack: Stack) -> None:
+    """Clients that bypass the gateway keep rank 0 busy: the engine's per-rank gauges
+    (vLLM's `engine` label) raise rank 0's load in the plane, not half of it on each
+    rank, so the gateway's requests go to rank 1."""
+    engine = stack.engine(extra=["--data-parallel-size", "2"])
+    gw = stack.start_gateway({"router": "least-loaded"})
+    admin = stack.admin()
+
+    def bypass(i: int) -> int:
+        body = {"prompt": f"bypass {i}", "max_tokens": 1000}  # seconds of decode
+        headers = {"x-data-parallel-rank": "0"}
+        return http_post(engine.url + "/v1/completions", json=body, headers=headers).status_code
+
+    def seen_on_rank_0() -> float:
+        (w,) = admin.get("/admin/workers").json()["workers"]
+        rank = w["load"]["ranks"].get("0", {})
+        return float(rank.get("running", 0) + rank.get("waiting", 0))
+
+    with ThreadPoolExecutor(3) as pool:
+        busy = [pool.submit(bypass, i) for i in range(3)]
+        wait_for(lambda: seen_on_rank_0() >= 3, what="the scrape of rank 0's own requests")
+        before = _finished_by_rank(http_get(engine.url + "/metrics").text)
+        for i in range(4):
+            body = {"prompt": f"through the gateway {i}", "max_tokens": 1}
+            assert http_post(gw.url + "/v1/completions", json=body).status_code == 200
+        after = _finished_by_rank(http_get(engine.url + "/metrics").text)
+        assert {r: after[r] - before[r] for r in after} == {"0": 0, "1": 4}
+        assert [f.result() for f in busy] == [200] * 3
+
+
+def _finished_by_rank(text: str) -> dict[str, float]:
+    """vLLM's requests finished by length per `engine` (dp rank) label, ranks 0 and 1."""
+    done = {"0": 0.0, "1": 0.0}
+    for line in text.splitlines():
+        if line.startswith("vllm:request_success_total{") and 'reason="length"' in line:
+            for rank in done:
+                if f'engine="{rank}"' in line:
+                    done[rank] += float(line.rsplit(" ", 1)[1])
+    return done
