@@ -389,12 +389,15 @@ class ControlPlane:
         del self._workers[worker]
         self._free(state.rows)
         self._routable = None
-        for rid in [r for r, t in self._tracked.items() if t.worker == worker]:
-            del self._tracked[rid]
         with self._index_lock:
             return self.index.remove_worker(worker)
 
     def _free(self, rows: Sequence[int]) -> None:
+        """Give rows back; what was tracked on them is forgotten (their load with them),
+        or a later release would land on the row's next owner."""
+        freed = set(rows)
+        for rid in [r for r, t in self._tracked.items() if t.row in freed]:
+            del self._tracked[rid]
         for row in rows:
             self._pending.remove_worker(row)
             self._free_rows.append(row)

@@ -178,3 +178,18 @@ def test_a_removed_engine_frees_every_rank_row(plane: ControlPlane) -> None:
     assert [rows[9, r].in_flight for r in range(3)] == [0, 0, 0]
     assert [rows[9, r].gpu_blocks for r in range(3)] == [0, 0, 4]
     assert [rows[9, r].pending_blocks for r in range(3)] == [0, 0, 0]
+
+
+def test_an_engine_re_added_with_fewer_ranks_forgets_what_ran_on_the_others(
+    plane: ControlPlane,
+) -> None:
+    """A request routed to rank 1 of an engine that comes back with one rank must not,
+    when it ends, take load off the row's next owner."""
+    plane.ingest(7, [_stored(1, 1)], dp_rank=1)
+    decision = plane.route(_request(1, 1))
+    assert (decision.worker, decision.dp_rank) == (7, 1)
+    plane.add_worker(7, capacity_blocks=100, dp_ranks=1, model=MODEL)
+    plane.add_worker(8, capacity_blocks=100, model=MODEL)  # takes the freed row
+    plane.update_load(8, in_flight=5)
+    plane.finish(1)
+    assert plane.worker(8).in_flight == 5
