@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from quillcache.state.types import ZERO_LOAD, Candidate, EngineKey, EngineLoad, LoadWeights
+from quillcache.state.types import ZERO_LOAD, Candidate, EngineKey, LoadWeights, SharedLoad
 
 
 def choose(
     shortlist: Sequence[Candidate],
-    loads: Mapping[EngineKey, EngineLoad],
+    loads: Mapping[EngineKey, SharedLoad],
     weights: LoadWeights,
     *,
     session_engine: EngineKey | None = None,

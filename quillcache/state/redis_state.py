@@ -44,12 +44,12 @@ from quillcache.state.types import (
     Booked,
     Candidate,
     EngineKey,
-    EngineLoad,
     FleetConfig,
     LoadWeights,
     LocalFallback,
     SecretMismatchError,
     Shared,
+    SharedLoad,
     StateError,
     StateStats,
 )
@@ -230,7 +230,7 @@ class RedisFleetState:
         self._slow = 0  # consecutive timeouts
         self._secret: GatewaySecret | None = None
         self._refusal: SecretMismatchError | None = None
-        self._known: dict[EngineKey, EngineLoad] = {}  # last loads seen (fallback choice)
+        self._known: dict[EngineKey, SharedLoad] = {}  # last loads seen (fallback choice)
         self._sessions: dict[str, EngineKey] = {}  # local bindings (fallback choice)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -329,7 +329,7 @@ class RedisFleetState:
             i = int(reply[1]) - 1
             v = reply[3:]  # integers already (hiredis, or redis-py's RESP parser)
             loads = tuple(
-                EngineLoad(v[j], v[j + 1], v[j + 2], v[j + 3])
+                SharedLoad(v[j], v[j + 1], v[j + 2], v[j + 3])
                 for j in range(0, 4 * len(shortlist), 4)
             )
             engine = shortlist[i].engine
@@ -384,7 +384,7 @@ class RedisFleetState:
 
     # --- reads ----------------------------------------------------------------------
 
-    async def loads(self) -> dict[EngineKey, EngineLoad] | LocalFallback:
+    async def loads(self) -> dict[EngineKey, SharedLoad] | LocalFallback:
         """Every engine key's booked load over the fleet's live replicas (keys with no
         load are absent). One round trip; also reaps dead replicas."""
         reply = await self._run("loads", _SNAPSHOT, self._head(), self.admin_timeout_s)
@@ -396,7 +396,7 @@ class RedisFleetState:
             name, _, f = str(reply[i]).partition("|")
             row = rows.setdefault(EngineKey.decode(name), [0, 0, 0, 0])
             row[_FIELDS[f]] = int(reply[i + 1])
-        out = {k: EngineLoad(*v) for k, v in rows.items()}
+        out = {k: SharedLoad(*v) for k, v in rows.items()}
         self._known = dict(out)
         return out
 
@@ -664,7 +664,7 @@ class RedisFleetState:
         """Keep the last known loads (the fallback's view) moving with this replica's
         own bookings."""
         ld = self._known.get(engine, ZERO_LOAD)
-        self._known[engine] = EngineLoad(
+        self._known[engine] = SharedLoad(
             max(ld.in_flight + in_flight, 0),
             max(ld.queued_prefill_tokens + queued, 0),
             max(ld.running_decodes + decodes, 0),

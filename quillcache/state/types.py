@@ -63,7 +63,7 @@ class LoadWeights:
             if not math.isfinite(v) or v < 0:
                 raise ConfigError(f"LoadWeights.{name} must be finite and >= 0, got {v}")
 
-    def score(self, load: EngineLoad) -> float:
+    def score(self, load: SharedLoad) -> float:
         return (
             self.in_flight * load.in_flight
             + self.queued_tokens * load.queued_prefill_tokens
@@ -72,7 +72,7 @@ class LoadWeights:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineLoad:
+class SharedLoad:
     """The booked load of one engine key, summed over the fleet's live replicas."""
 
     in_flight: int = 0
@@ -85,7 +85,7 @@ class EngineLoad:
         return self.context_tokens / self.running_decodes if self.running_decodes else 0.0
 
 
-ZERO_LOAD = EngineLoad()
+ZERO_LOAD = SharedLoad()
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +95,7 @@ class Booked:
     engine: EngineKey
     index: int  # position of `engine` in the shortlist
     reason: str  # "session", "pending", "under" (first under its ceiling), "over", "retry"
-    loads: tuple[EngineLoad, ...]  # the shortlist's shared load before this booking
+    loads: tuple[SharedLoad, ...]  # the shortlist's shared load before this booking
     shared: bool = True
 
 

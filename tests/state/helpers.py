@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from quillcache.state import Candidate, EngineKey, EngineLoad, LocalFallback, RedisFleetState
+from quillcache.state import Candidate, EngineKey, LocalFallback, RedisFleetState, SharedLoad
 
 T = TypeVar("T")
 
@@ -30,11 +30,11 @@ def shortlist(*ceilings: float) -> list[Candidate]:
     return [Candidate(EngineKey(i), c) for i, c in enumerate(ceilings)]
 
 
-async def loads_of(state: RedisFleetState) -> dict[EngineKey, EngineLoad]:
+async def loads_of(state: RedisFleetState) -> dict[EngineKey, SharedLoad]:
     out = await state.loads()
     assert not isinstance(out, LocalFallback), out
     return out
 
 
-def in_flight(loads: dict[EngineKey, EngineLoad]) -> dict[int, int]:
+def in_flight(loads: dict[EngineKey, SharedLoad]) -> dict[int, int]:
     return {k.engine: v.in_flight for k, v in sorted(loads.items()) if v.in_flight}

@@ -80,9 +80,9 @@ async def _naive(url: str) -> Counter[EngineKey]:
     async def one(c: Redis) -> EngineKey:
         fields = [f"{x.engine.encode()}|n" for x in SHORTLIST]
         vals = await c.hmget(base + "load", fields)
-        from quillcache.state import EngineLoad
+        from quillcache.state import SharedLoad
 
-        loads = {x.engine: EngineLoad(int(v or 0)) for x, v in zip(SHORTLIST, vals, strict=True)}
+        loads = {x.engine: SharedLoad(int(v or 0)) for x, v in zip(SHORTLIST, vals, strict=True)}
         i, _ = choose(SHORTLIST, loads, LoadWeights())
         await c.hincrby(base + "load", fields[i], 1)
         return SHORTLIST[i].engine

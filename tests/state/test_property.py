@@ -18,10 +18,10 @@ from quillcache.state import (
     Booked,
     Candidate,
     EngineKey,
-    EngineLoad,
     LoadWeights,
     LocalFallback,
     RedisFleetState,
+    SharedLoad,
     choose,
 )
 from tests.state.helpers import fleet, loads_of, run
@@ -58,7 +58,7 @@ class Model:
         d = self.replicas[i].deadline
         return d is not None and d > self.now
 
-    def loads(self) -> dict[EngineKey, EngineLoad]:
+    def loads(self) -> dict[EngineKey, SharedLoad]:
         rows: dict[EngineKey, list[int]] = {}
         for r in self.replicas:
             for e, q, c, p in r.share.values():
@@ -69,7 +69,7 @@ class Model:
                     row[3] += c
                 else:
                     row[1] += q
-        return {e: EngineLoad(*v) for e, v in rows.items() if any(v)}
+        return {e: SharedLoad(*v) for e, v in rows.items() if any(v)}
 
 
 ceilings = st.sampled_from([0.0, 1.0, 2.0, 3.0, 250.0, math.inf])

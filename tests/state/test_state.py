@@ -13,12 +13,12 @@ from quillcache.state import (
     Booked,
     Candidate,
     EngineKey,
-    EngineLoad,
     LoadWeights,
     LocalFallback,
     RedisFleetState,
     SecretMismatchError,
     Shared,
+    SharedLoad,
     StateError,
     choose,
 )
@@ -38,23 +38,23 @@ def test_book_prefill_release_round_trips(
             rid = s.new_request_id()
             out = await s.book(rid, shortlist(2, 2), prefill_tokens=300, context_tokens=500)
             assert isinstance(out, Booked) and out.engine == EngineKey(0) and out.reason == "under"
-            assert out.loads == (EngineLoad(), EngineLoad())
-            assert await loads_of(s) == {EngineKey(0): EngineLoad(1, 300, 0, 0)}
+            assert out.loads == (SharedLoad(), SharedLoad())
+            assert await loads_of(s) == {EngineKey(0): SharedLoad(1, 300, 0, 0)}
             assert await s.prefill_done(rid) == Shared("ok")
-            assert await loads_of(s) == {EngineKey(0): EngineLoad(1, 0, 1, 500)}
+            assert await loads_of(s) == {EngineKey(0): SharedLoad(1, 0, 1, 500)}
             assert await s.prefill_done(rid) == Shared("already prefilled")
             # a second booking sees the first one's load
             rid2 = s.new_request_id()
             out2 = await s.book(rid2, shortlist(1, 5), prefill_tokens=10)
             assert isinstance(out2, Booked) and out2.engine == EngineKey(1)
-            assert out2.loads[0] == EngineLoad(1, 0, 1, 500)
+            assert out2.loads[0] == SharedLoad(1, 0, 1, 500)
             # booking the same id again books nothing more
             again = await s.book(rid2, shortlist(1, 5), prefill_tokens=10)
             assert isinstance(again, Booked) and again.reason == "retry"
             assert again.engine == EngineKey(1)
             assert await s.release(rid) == Shared("ok")
             assert await s.release(rid) == Shared("unknown request")
-            assert await loads_of(s) == {EngineKey(1): EngineLoad(1, 10, 0, 0)}
+            assert await loads_of(s) == {EngineKey(1): SharedLoad(1, 10, 0, 0)}
             assert await s.release(rid2) == Shared("ok")
             assert await loads_of(s) == {}
             assert s.stats.booked == 2 and not s.stats.fallbacks
