@@ -89,6 +89,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     cl.add_argument("--no-speculative", action="store_true", help="no speculative residency")
 
+    rp = p.add_argument_group("gateway replicas (docs/simulator.md, 'Several replicas')")
+    rp.add_argument(
+        "--replicas",
+        default=None,
+        help="gateway replicas behind a load balancer, or a sweep: 1,2,4,8 (default: one "
+        "gateway, no replica columns)",
+    )
+    rp.add_argument(
+        "--replica-state",
+        default=None,
+        help="what replicas share: shared, private, approximate, or a list (default shared)",
+    )
+    rp.add_argument(
+        "--lb", default=None, help="load balancer in front of the replicas: round-robin, random"
+    )
+    rp.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=None,
+        help="private/approximate: seconds between the replicas' engine-metrics scrapes (1)",
+    )
+
     cm = p.add_argument_group("cost model and timing")
     cm.add_argument("--cost-config", metavar="FILE", help="cost-model JSON/YAML")
     cm.add_argument(
@@ -193,10 +215,14 @@ def _workload(args: argparse.Namespace) -> Any:
 _SHARED: dict[str, Any] = {}
 
 
-def _run_point(point: tuple[str, str, int, int]) -> dict[str, Any]:
+Point = tuple[str, str, int, int, int, str]  # router, backend, workers, capacity, replicas, state
+
+
+def _run_point(point: Point) -> dict[str, Any]:
+    from quillcache.sim.replicas import ReplicaConfig
     from quillcache.sim.runner import SimConfig, run
 
-    router, backend, workers, capacity = point
+    router, backend, workers, capacity, replicas, state = point
     s = _SHARED
     config = SimConfig(
         workers=workers,
@@ -213,6 +239,9 @@ def _run_point(point: tuple[str, str, int, int]) -> dict[str, Any]:
         config,
         s["cost"],
         router_options=s["router_opts"].get(router),
+        replicas=ReplicaConfig(replicas, state, s["lb"], s["scrape_interval_s"])
+        if replicas
+        else None,
     )
     if s["capacity_sweep"]:
         res.sweep["capacity_point"] = "unbounded" if capacity == UNBOUNDED else capacity
@@ -302,7 +331,10 @@ def _run(args: argparse.Namespace, err: Any) -> int:
         ]
     else:
         capacities = [0]  # from the cost model
+    replicas_list, states, lb, scrape_s = _replica_options(args)
     _SHARED.update(
+        lb=lb,
+        scrape_interval_s=scrape_s,
         workload=workload,
         cost=cost,
         cpu_blocks=args.cpu_blocks,
@@ -312,9 +344,11 @@ def _run(args: argparse.Namespace, err: Any) -> int:
         router_opts=router_opts,
         capacity_sweep=len(capacities) > 1,
     )
-    points = [
-        (r, b, w, c)
-        for c, w, b, r in itertools.product(capacities, workers_list, backends, routers)
+    points: list[Point] = [
+        (r, b, w, c, n, st)
+        for c, w, st, n, b, r in itertools.product(
+            capacities, workers_list, states, replicas_list, backends, routers
+        )
     ]
     results = _execute(points, args, err, len(workload.requests))
 
@@ -327,6 +361,8 @@ def _run(args: argparse.Namespace, err: Any) -> int:
         "seed": args.seed,
         "cost_model": config.model_dump(),
     }
+    if replicas_list != [0]:
+        meta["replicas"] = {"lb": lb, "scrape_interval_s": scrape_s}
     if args.json:
         shown = results if args.perf else [_deterministic(r) for r in results]
         text = json.dumps({"meta": meta, "results": shown}, indent=2, sort_keys=True)
@@ -354,8 +390,38 @@ def _deterministic(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in summary.items() if k not in _PERF_KEYS}
 
 
+def _replica_options(args: argparse.Namespace) -> tuple[list[int], list[str], str, float]:
+    """(replica counts, states, load balancer, scrape interval); counts [0]: one
+    gateway, the plain simulator."""
+    from quillcache.errors import ConfigError
+    from quillcache.sim.replicas import ReplicaConfig
+
+    if args.replicas is None:
+        for flag, value in (
+            ("--replica-state", args.replica_state),
+            ("--lb", args.lb),
+            ("--scrape-interval", args.scrape_interval),
+        ):
+            if value is not None:
+                raise ConfigError(f"{flag} needs --replicas N")
+        return [0], [""], "round-robin", 1.0
+    counts = []
+    for part in str(args.replicas).split(","):
+        try:
+            counts.append(int(part))
+        except ValueError:
+            raise ConfigError(f"--replicas: {part.strip()!r} is not a whole number") from None
+    states = (args.replica_state or "shared").split(",")
+    lb = args.lb or "round-robin"
+    scrape = 1.0 if args.scrape_interval is None else args.scrape_interval
+    for n in counts:
+        for st in states:
+            ReplicaConfig(n, st.strip(), lb, scrape).check()  # fail before any work
+    return counts, [st.strip() for st in states], lb, scrape
+
+
 def _execute(
-    points: list[tuple[str, str, int, int]], args: argparse.Namespace, err: Any, n_req: int
+    points: list[Point], args: argparse.Namespace, err: Any, n_req: int
 ) -> list[dict[str, Any]]:
     from rich.progress import Progress
 

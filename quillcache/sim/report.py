@@ -16,6 +16,7 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
 
     full = meta["timing"] == "full"
     sweep_cap = any("capacity_point" in r for r in results)
+    replicas = any("replicas" in r for r in results)
     t = Table(
         title=f"{meta['workload']}: {meta['requests']} requests, "
         f"block size {meta['block_size']}, timing {meta['timing']}",
@@ -26,6 +27,8 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
         cols.append("workers")
     if sweep_cap:
         cols.append("capacity")
+    if replicas:
+        cols += ["replicas", "state", "precision"]
     cols += ["block hit", "token hit", "prefill tok"]
     if full:
         cols += ["TTFT mean", "p50", "p99", "E2E mean", "req/s"]
@@ -38,6 +41,12 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
             row.append(str(r["workers"]))
         if sweep_cap:
             row.append(str(r.get("capacity_point", r["capacity_blocks"])))
+        if replicas:
+            row += [
+                str(r.get("replicas", "")),
+                r.get("replica_state", ""),
+                _f(r.get("routing_precision"), ".3f"),
+            ]
         row += [
             _f(r["block_hit_rate"] * 100, ".1f") + "%",
             _f(r["token_hit_rate"] * 100, ".1f") + "%",
@@ -68,6 +77,10 @@ def _label(r: dict[str, Any], results: list[dict[str, Any]]) -> str:
         parts.append(r["backend"])
     if len({x["workers"] for x in results}) > 1:
         parts.append(f"{r['workers']} workers")
+    if len({x.get("replicas") for x in results}) > 1:
+        parts.append(f"{r['replicas']} replicas")
+    if len({x.get("replica_state") for x in results}) > 1:
+        parts.append(str(r["replica_state"]))
     return " / ".join(parts)
 
 

@@ -19,20 +19,46 @@ import heapq
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from quillcache.controlplane import ControlPlane, OpLatencies
 from quillcache.costmodel import CostModel
 from quillcache.errors import ConfigError
+from quillcache.index import ApplyStats, IndexBackend
 from quillcache.routing import Action, Decision, Request, Router, create_router
 from quillcache.sim.engine import EngineModel, Running
 from quillcache.sim.metrics import Record, RunResult
 from quillcache.sim.workload import Workload
 
+if TYPE_CHECKING:
+    from quillcache.sim.replicas import ReplicaConfig
+
 Timing = Literal["full", "none"]
 Progress = Callable[[int], None]
+
+
+class Plane(Protocol):
+    """What the replay loops call: one `ControlPlane`, or a `ReplicaFleet` of them."""
+
+    @property
+    def index(self) -> IndexBackend: ...
+
+    @property
+    def apply_stats(self) -> ApplyStats: ...
+
+    def route(self, request: Request, now_s: float = 0.0) -> Decision: ...
+
+    def ingest(self, worker: int, payloads: Sequence[bytes]) -> Any: ...
+
+    def update_load(self, worker: int, **load: float) -> None: ...
+
+    def prefill_done(self, request_id: int | str) -> None: ...
+
+    def finish(self, request_id: int | str) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -71,34 +97,63 @@ def run(
     *,
     router_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
+    replicas: ReplicaConfig | None = None,
 ) -> RunResult:
+    """One run; with `replicas`, through N gateway replicas (`quillcache.sim.replicas`),
+    and the result says how many, their state and their routing precision."""
     if config.workers <= 0:
         raise ConfigError(f"workers must be positive, got {config.workers}")
     bs = workload.block_size
     capacity = config.capacity_for(cost, bs)
-    router_obj = (
-        create_router(router, seed=config.seed, **(router_options or {}))
-        if isinstance(router, str)
-        else router
-    )
     latencies = OpLatencies()
-    cp = ControlPlane(
-        index=backend,
-        router=router_obj,
-        cost=cost,
-        block_size=bs,
-        speculative=config.speculative and config.timing == "full",
-        order_only=config.timing == "none",
-        latencies=latencies,
-    )
+    speculative = config.speculative and config.timing == "full"
     engines = [
         EngineModel(
             w, capacity_blocks=capacity, block_size=bs, cost=cost, cpu_blocks=config.cpu_blocks
         )
         for w in range(config.workers)
     ]
+    cp: Plane
+    add_worker: Callable[..., Any]
+    fleet = None
+    if replicas is None:
+        router_obj = (
+            create_router(router, seed=config.seed, **(router_options or {}))
+            if isinstance(router, str)
+            else router
+        )
+        router_name = router_obj.name or type(router_obj).__name__
+        cp = plane = ControlPlane(
+            index=backend,
+            router=router_obj,
+            cost=cost,
+            block_size=bs,
+            speculative=speculative,
+            order_only=config.timing == "none",
+            latencies=latencies,
+        )
+        add_worker = plane.add_worker
+    else:
+        from quillcache.sim.replicas import ReplicaFleet
+
+        cp = fleet = ReplicaFleet(
+            replicas,
+            router=router,
+            router_options=router_options,
+            backend=backend,
+            cost=cost,
+            block_size=bs,
+            speculative=speculative,
+            order_only=config.timing == "none",
+            seed=config.seed,
+            latencies=latencies,
+        )
+        fleet.attach(engines)
+        fleet.know(workload.requests)
+        router_name = fleet.router_name
+        add_worker = fleet.add_worker
     for w, eng in enumerate(engines):
-        cp.add_worker(w, capacity_blocks=capacity, model=workload.model)
+        add_worker(w, capacity_blocks=capacity, model=workload.model)
         for pre in workload.pinned:
             eng.pin(pre)
         payload = eng.drain_events(0.0)
@@ -116,8 +171,16 @@ def run(
         stats = cp.index.stats()
     finally:
         cp.close()
+    sweep: dict[str, Any] = {}
+    if fleet is not None and replicas is not None:
+        sweep = {
+            "replicas": replicas.replicas,
+            "replica_state": replicas.state,
+            "lb": replicas.lb,
+            "routing_precision": round(fleet.precision, 6),
+        }
     return RunResult(
-        router=router_obj.name or type(router_obj).__name__,
+        router=router_name,
         backend=backend,
         timing=config.timing,
         workers=config.workers,
@@ -129,6 +192,7 @@ def run(
         match_ns=latencies.match_ns,
         apply_ns=latencies.apply_ns,
         wall_s=wall,
+        sweep=sweep,
     )
 
 
@@ -145,7 +209,7 @@ def _request(r: Any) -> Request:
 
 def _order_only(
     workload: Workload,
-    cp: ControlPlane,
+    cp: Plane,
     engines: list[EngineModel],
     config: SimConfig,
     progress: Progress | None,
@@ -198,7 +262,7 @@ class _Step:
 
 def _timed(
     workload: Workload,
-    cp: ControlPlane,
+    cp: Plane,
     engines: list[EngineModel],
     progress: Progress | None,
 ) -> list[Record]:
