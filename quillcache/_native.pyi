@@ -202,6 +202,9 @@ _MatchColumns: TypeAlias = tuple[
     npt.NDArray[np.uint32],
     list[str],
 ]
+#: `match_tiers`: the flat tiers, the columns of the hits above the floors, and the
+#: floors as (medium code, blocks).
+_MatchTiers: TypeAlias = tuple[npt.NDArray[np.int64], _MatchColumns, list[tuple[int, int]]]
 
 @final
 class NativeIndex:
@@ -238,9 +241,11 @@ class NativeIndex:
         media); a medium is 0 GPU, 1 CPU, 2 DISK or 3 + i for other_media[i]."""
     def match_tiers(
         self, keys: _Keys, position: npt.NDArray[np.intp], candidates: int
-    ) -> tuple[npt.NDArray[np.int64], _MatchColumns]:
-        """`match_columns` and, per candidate (`position[worker]`, negative or past the
-        end: none), its longest prefix per tier, flat: gpu, cpu, disk x candidates."""
+    ) -> _MatchTiers:
+        """Per candidate (`position[worker]`, negative or past the end: none), its
+        longest prefix per tier, flat: gpu, cpu, disk x candidates; and the match
+        compacted: the columns of the hits above their medium's floor, and the floors
+        ((medium code, blocks): every live source holds that many leading blocks)."""
     def match_many(self, requests: list[_Keys]) -> list[list[Match]]:
         """`match` for each request; one GIL release for the whole list."""
     def remove_worker(self, worker: int) -> int:
@@ -332,7 +337,7 @@ class DurableIndex:
     def match_columns(self, keys: npt.NDArray[np.uint64]) -> _MatchColumns: ...
     def match_tiers(
         self, keys: npt.NDArray[np.uint64], position: npt.NDArray[np.intp], candidates: int
-    ) -> tuple[npt.NDArray[np.int64], _MatchColumns]: ...
+    ) -> _MatchTiers: ...
     def match_many(self, requests: list[npt.NDArray[np.uint64]]) -> list[list[Match]]: ...
     def remove_worker(self, worker: int) -> int: ...
     def clear_source(self, worker: int, dp_rank: int = 0) -> int: ...
@@ -376,7 +381,7 @@ class KvIndex:
     def match_columns(self, keys: npt.NDArray[np.uint64]) -> _MatchColumns: ...
     def match_tiers(
         self, keys: npt.NDArray[np.uint64], position: npt.NDArray[np.intp], candidates: int
-    ) -> tuple[npt.NDArray[np.int64], _MatchColumns]: ...
+    ) -> _MatchTiers: ...
     def match_many(self, requests: list[npt.NDArray[np.uint64]]) -> list[list[Match]]: ...
     def remove_worker(self, worker: int) -> int: ...
     def clear_source(self, worker: int, dp_rank: int = 0) -> int: ...

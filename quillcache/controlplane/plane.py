@@ -571,7 +571,9 @@ class ControlPlane:
             now_s,
             self.order_only,
             columns=columns,
-            media_of=_MediaOf(hits) if hits is not None and len(hits.worker) else None,
+            media_of=_MediaOf(hits)
+            if hits is not None and (len(hits.worker) or hits.floors)
+            else None,
         )
 
     def _candidates(self, only: AbstractSet[int] | None) -> _Candidates:
@@ -729,17 +731,22 @@ def _best_rank(view: View, state: WorkerState) -> int:
 
 
 class _MediaOf:
-    """A (worker, rank)'s raw medium name -> blocks, from the match's columns, for a
-    `WorkerView` made on demand."""
+    """A (worker, rank)'s raw medium name -> blocks, from the match's columns (compact:
+    the floors every candidate holds, and the hits above them), for a `WorkerView`
+    made on demand."""
 
-    __slots__ = ("_hits",)
+    __slots__ = ("_floor", "_hits")
 
     def __init__(self, hits: MatchColumns) -> None:
         self._hits = hits
+        self._floor = {hits.medium_name(code): blocks for code, blocks in hits.floors}
+
+    def floor(self) -> dict[str, int]:
+        return dict(self._floor)
 
     def one(self, worker: int, dp_rank: int) -> dict[str, int]:
         h = self._hits
-        media: dict[str, int] = {}
+        media = dict(self._floor)
         for i in np.flatnonzero((h.worker == worker) & (h.dp_rank == dp_rank)).tolist():
             name = h.medium_name(int(h.medium[i]))
             blocks = int(h.blocks[i])
@@ -754,7 +761,9 @@ class _MediaOf:
         for worker, rank, code, blocks in zip(
             h.worker.tolist(), h.dp_rank.tolist(), h.medium.tolist(), h.blocks.tolist(), strict=True
         ):
-            media = out.setdefault((worker, rank), {})
+            media = out.get((worker, rank))
+            if media is None:
+                media = out[(worker, rank)] = dict(self._floor)
             name = names[code]
             if blocks > media.get(name, 0):
                 media[name] = blocks

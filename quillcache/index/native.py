@@ -164,12 +164,14 @@ class NativeIndex:
         self, keys: KeyArray, position: npt.NDArray[np.intp], candidates: int
     ) -> tuple[npt.NDArray[np.int64], MatchColumns]:
         try:
-            tiers, cols = self._inner.match_tiers(keys, position, candidates)
+            tiers, cols, floors = self._inner.match_tiers(keys, position, candidates)
         except (TypeError, QuillCacheError):
-            tiers, cols = self._inner.match_tiers(as_key_array(keys), position, candidates)
+            tiers, cols, floors = self._inner.match_tiers(
+                as_key_array(keys), position, candidates
+            )
         worker, rank, medium, blocks, others = cols
         return tiers.reshape(3, candidates), MatchColumns(
-            worker, rank, medium, blocks, tuple(others)
+            worker, rank, medium, blocks, tuple(others), tuple(floors)
         )
 
     def match_many(self, requests: Sequence[KeyArray]) -> list[list[Match]]:

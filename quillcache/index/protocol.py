@@ -72,9 +72,11 @@ class IndexBackend(Protocol):
     def match_tiers(
         self, keys: KeyArray, position: npt.NDArray[np.intp], candidates: int
     ) -> tuple[npt.NDArray[np.int64], MatchColumns]:
-        """`match_columns`, and a (3, candidates) array: per candidate (its place is
-        `position[worker]`; negative or past the end: not a candidate) its longest
-        prefix in the gpu, cpu and disk tiers (a medium beyond GPU and CPU is disk)."""
+        """A (3, candidates) array: per candidate (its place is `position[worker]`;
+        negative or past the end: not a candidate) its longest prefix in the gpu, cpu
+        and disk tiers (a medium beyond GPU and CPU is disk); and the match's columns,
+        which may be compact (`MatchColumns.floors`: what every live source holds, the
+        arrays only the hits above it). Every candidate must be a registered source."""
         ...
 
     def remove_worker(self, worker: int) -> int:

@@ -36,13 +36,20 @@ _NAMED_MEDIA = ("GPU", "CPU", "DISK")
 class MatchColumns:
     """`match` as arrays, one entry per (source, medium) hit in `match`'s order: what a
     router reads at fleet size without one Python object per hit. `medium` is a code:
-    0 GPU, 1 CPU, 2 DISK, ``3 + i`` for ``other_media[i]``."""
+    0 GPU, 1 CPU, 2 DISK, ``3 + i`` for ``other_media[i]``.
+
+    Compact (what `match_tiers` returns): `floors` lists `(medium code, blocks)` that
+    every live source of the index holds (a system prompt every engine has), and the
+    arrays only the hits above their medium's floor, so that a fleet's shared first
+    block is one entry, not one per engine. Empty `floors`: the arrays are the whole
+    match."""
 
     worker: npt.NDArray[np.uint64]
     dp_rank: npt.NDArray[np.uint32]
     medium: npt.NDArray[np.uint16]
     blocks: npt.NDArray[np.uint32]
     other_media: tuple[str, ...] = ()
+    floors: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, matches: Sequence[Match]) -> MatchColumns:
@@ -74,17 +81,21 @@ class MatchColumns:
     def tiers_at(self, at: npt.NDArray[np.intp], candidates: int) -> npt.NDArray[np.int64]:
         """`tiers` given each hit's candidate position (-1: not a candidate)."""
         out = np.zeros((3, candidates), dtype=np.int64)
+        for code, blocks in self.floors:  # every candidate is a live source
+            row = out[min(code, 2)]
+            np.maximum(row, blocks, out=row)
         ok = (at >= 0) & (at < candidates)
         if ok.any():
-            tier = np.minimum(self.medium[ok], 2).astype(np.intp)
-            np.maximum.at(out, (tier, at[ok]), self.blocks[ok].astype(np.int64))
+            tiers = np.minimum(self.medium[ok], 2).astype(np.intp)
+            np.maximum.at(out, (tiers, at[ok]), self.blocks[ok].astype(np.int64))
         return out
 
     def medium_name(self, code: int) -> str:
         return _NAMED_MEDIA[code] if code < 3 else self.other_media[code - 3]
 
     def matches(self) -> list[Match]:
-        """The hits as `Match` objects, as `match` returns them."""
+        """The hits as `Match` objects, as `match` returns them (of a compact match:
+        the hits above the floors only)."""
         return [
             Match(int(w), int(r), self.medium_name(int(c)), int(b))
             for w, r, c, b in zip(self.worker, self.dp_rank, self.medium, self.blocks, strict=True)

@@ -187,7 +187,11 @@ class MediaOf(Protocol):
     def one(self, worker: int, dp_rank: int) -> dict[str, int]: ...
 
     def every(self) -> dict[tuple[int, int], dict[str, int]]:
-        """Every (worker, rank) with a hit (the others have none)."""
+        """Every (worker, rank) holding more than `floor()` (the others hold that)."""
+        ...
+
+    def floor(self) -> dict[str, int]:
+        """What every candidate holds (a prompt every engine has), per medium."""
         ...
 
 
@@ -196,6 +200,9 @@ class _NoMedia:
         return {}
 
     def every(self) -> dict[tuple[int, int], dict[str, int]]:
+        return {}
+
+    def floor(self) -> dict[str, int]:
         return {}
 
 
@@ -257,6 +264,7 @@ class View:
         if self._workers is None:
             c = self.columns
             media = self._media_of.every()
+            floor = self._media_of.floor()
             self._workers = [
                 WorkerView(
                     wid,
@@ -271,7 +279,7 @@ class View:
                     cpu,
                     disk,
                     pending,
-                    media.get((wid, rank), {}),
+                    media.get((wid, rank)) or dict(floor),
                     known != 0.0,
                     rank,
                 )

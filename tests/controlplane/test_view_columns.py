@@ -81,13 +81,28 @@ def test_the_columnar_view_is_the_plain_view(data: st.DataObject) -> None:
         top = data.draw(st.sampled_from([5_000, 2**40, 2**64 - 1]))
         drawn = data.draw(st.lists(st.integers(0, top), min_size=1, max_size=8, unique=True))
         ids = sorted(drawn)
+        # one rank each: the index places the hits itself, from a compact match
+        ranks = data.draw(st.sampled_from([1, 2]))
         for w in ids:
             capacity = data.draw(st.integers(1, 999))
-            cp.add_worker(w, capacity_blocks=capacity, dp_ranks=2, model=MODEL)
+            cp.add_worker(w, capacity_blocks=capacity, dp_ranks=ranks, model=MODEL)
         next_hash = 1
+        if data.draw(st.booleans()):  # a prompt every source holds: the match's floors
+            shared = data.draw(st.integers(1, 3))
+            for w in ids:
+                for rank in range(ranks):
+                    ev = BlockStored(
+                        block_hashes=list(range(next_hash, next_hash + shared)),
+                        parent_block_hash=None,
+                        token_ids=tokens(0, shared),
+                        block_size=BS,
+                        medium=data.draw(st.sampled_from(MEDIA[:2])),
+                    )
+                    next_hash += shared
+                    cp.ingest(w, [encode_batch([ev], 1.0, rank)], rank)
         for _ in range(data.draw(st.integers(0, 12))):
             w = data.draw(st.sampled_from(ids))
-            rank = data.draw(st.integers(0, 1))
+            rank = data.draw(st.integers(0, ranks - 1))
             family = data.draw(st.integers(0, 2))
             n = data.draw(st.integers(1, 6))
             ev = BlockStored(
@@ -109,7 +124,7 @@ def test_the_columnar_view_is_the_plain_view(data: st.DataObject) -> None:
             if data.draw(st.integers(0, 4)) == 0:
                 cp.set_draining(w)
             if data.draw(st.integers(0, 4)) == 0:
-                cp.set_source_stale(w, 1, True)
+                cp.set_source_stale(w, ranks - 1, True)
         pending_keys: dict[tuple[int, int], set[int]] = {}
         for rid in range(data.draw(st.integers(0, 4))):  # speculative placements
             family = data.draw(st.integers(0, 2))

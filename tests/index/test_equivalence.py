@@ -113,6 +113,25 @@ def store_event(data: st.DataObject, stream: Stream) -> enc.BlockStored:
     )
 
 
+#: Candidates by worker id: the three workers the streams use and one never seen
+#: (not a source: it holds nothing, whatever a compact match's floors say).
+POSITION = np.array([2, 0, 3, 1], dtype=np.intp)
+
+
+def assert_same_tiers(ref: IndexBackend, other: IndexBackend, k: np.ndarray) -> None:
+    """`match_tiers` (compact where the backend can: the floors stand for every live
+    source) against the tiers of the reference's full match, and the compact
+    columns plus floors expand to the full match."""
+    tiers, cols = other.match_tiers(k, POSITION, 4)
+    full = ref.match_columns(k)
+    assert tiers.tolist() == full.tiers(POSITION, 4).tolist()
+    floors = {cols.medium_name(code): blocks for code, blocks in cols.floors}
+    above = {(m.worker, m.dp_rank, m.medium): m.blocks for m in cols.matches()}
+    for m in ref.match(k):
+        assert above.get((m.worker, m.dp_rank, m.medium), floors.get(m.medium)) == m.blocks
+    assert all(b > floors.get(medium, 0) for (_, _, medium), b in above.items())
+
+
 def assert_same_state(ref: IndexBackend, other: IndexBackend) -> None:
     for model in MODELS:
         for family in FAMILIES:
@@ -122,6 +141,7 @@ def assert_same_state(ref: IndexBackend, other: IndexBackend) -> None:
                         k = request_keys(model, family, Variant(lora, salt, False, mm))
                         assert other.match(k) == ref.match(k), (model, family, lora, salt, mm)
                         assert other.match_columns(k).matches() == ref.match(k)
+                        assert_same_tiers(ref, other, k)
                         assert other.scan(k[:1]) == ref.scan(k[:1])
     assert other.scan(EMPTY) == ref.scan(EMPTY)
     assert sorted(other.entries(), key=lambda e: e.key) == ref.scan(EMPTY)

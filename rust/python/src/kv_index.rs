@@ -138,7 +138,7 @@ impl KvIndex {
         reads::match_keys(py, &self.inner, keys_slice(&keys)?)
     }
 
-    /// `match_columns` plus each candidate's prefix per tier (`reads::match_tiers`).
+    /// Each candidate's prefix per tier and the match compacted (`reads::match_tiers`).
     fn match_tiers<'py>(
         &self,
         py: Python<'py>,

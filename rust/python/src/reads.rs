@@ -88,10 +88,12 @@ pub(crate) fn match_columns<'py, L: Locked>(
     Ok(HitColumns::of(&hits).into_py(py))
 }
 
-/// `match_tiers`: `match_columns` plus, for `candidates` positions, each one's longest
-/// prefix per tier as a flat `[gpu.., cpu.., disk..]` array of `3 * candidates`.
-/// `position[worker]` is a worker's place among the candidates (negative, or past the
-/// table's end: not a candidate); a medium beyond GPU and CPU counts as disk.
+/// `match_tiers`: per candidate, its longest prefix per tier as a flat `[gpu.., cpu..,
+/// disk..]` array of `3 * candidates`, and the match compacted: the floors (`(medium
+/// code, blocks)`: every live source holds that many leading blocks in that medium)
+/// and the columns of the hits above them. `position[worker]` is a worker's place
+/// among the candidates (negative, or past the table's end: not a candidate); a
+/// medium beyond GPU and CPU counts as disk.
 pub(crate) fn match_tiers<'py, L: Locked>(
     py: Python<'py>,
     lock: &L,
@@ -99,26 +101,68 @@ pub(crate) fn match_tiers<'py, L: Locked>(
     position: &[isize],
     candidates: usize,
 ) -> PyResult<MatchTiers<'py>> {
-    let hits = read(py, lock, |ix| ix.matches(keys))?.or_raise()?;
-    let columns = HitColumns::of(&hits);
-    let mut tiers = vec![0i64; 3 * candidates];
-    for (i, &worker) in columns.workers.iter().enumerate() {
-        let at = usize::try_from(worker)
+    let place = |worker: u64| {
+        usize::try_from(worker)
             .ok()
             .and_then(|w| position.get(w))
             .and_then(|&p| usize::try_from(p).ok())
-            .filter(|&p| p < candidates);
-        if let Some(at) = at {
+            .filter(|&p| p < candidates)
+    };
+    let mut tiers = vec![0i64; 3 * candidates];
+    let compact = read(py, lock, |ix| {
+        let compact = ix.matches_compact(keys)?;
+        if !compact.floors.is_empty() {
+            // the floors stand for every live source: those among the candidates get them
+            let floor = tier_floor(&compact.floors);
+            ix.floor_holders(&mut |worker, _| {
+                if let Some(at) = place(worker) {
+                    for (tier, &blocks) in floor.iter().enumerate() {
+                        let slot = &mut tiers[tier * candidates + at];
+                        *slot = (*slot).max(blocks);
+                    }
+                }
+            });
+        }
+        Ok::<_, <L::Index as IndexRead>::Error>(compact)
+    })?
+    .or_raise()?;
+    let mut columns = HitColumns::of(&compact.hits);
+    let floors: Vec<(u16, u32)> = compact
+        .floors
+        .iter()
+        .map(|(medium, blocks)| (columns.code(medium), *blocks))
+        .collect();
+    for (i, &worker) in columns.workers.iter().enumerate() {
+        if let Some(at) = place(worker) {
             let tier = usize::from(columns.media[i].min(2));
             let slot = &mut tiers[tier * candidates + at];
             *slot = (*slot).max(i64::from(columns.blocks[i]));
         }
     }
-    Ok((PyArray1::from_vec(py, tiers), columns.into_py(py)))
+    Ok((PyArray1::from_vec(py, tiers), columns.into_py(py), floors))
 }
 
-/// `match_tiers`' flat tier array and the match's columns.
-pub(crate) type MatchTiers<'py> = (Bound<'py, PyArray1<i64>>, MatchColumns<'py>);
+/// The floors per tier (gpu, cpu, disk; a medium beyond GPU and CPU counts as disk).
+fn tier_floor(floors: &[(Medium, u32)]) -> [i64; 3] {
+    let mut out = [0i64; 3];
+    for (medium, blocks) in floors {
+        let tier = match medium {
+            Medium::Gpu => 0,
+            Medium::Cpu => 1,
+            _ => 2,
+        };
+        out[tier] = out[tier].max(i64::from(*blocks));
+    }
+    out
+}
+
+/// `match_tiers`' flat tier array, the columns of the hits above the floors, and the
+/// floors as `(medium code, blocks)`.
+pub(crate) type MatchTiers<'py> = (
+    Bound<'py, PyArray1<i64>>,
+    MatchColumns<'py>,
+    Vec<(u16, u32)>,
+);
 
 /// A match's hits as columns, before they become numpy arrays.
 struct HitColumns {
@@ -142,23 +186,28 @@ impl HitColumns {
             c.workers.push(hit.worker);
             c.ranks.push(hit.dp_rank);
             c.blocks.push(hit.blocks);
-            let code = match &hit.medium {
-                Medium::Gpu => 0,
-                Medium::Cpu => 1,
-                Medium::Disk => 2,
-                Medium::Other(name) => {
-                    let others = &mut c.others;
-                    let at = others.iter().position(|o| o == name).unwrap_or_else(|| {
-                        others.push(name.clone());
-                        others.len() - 1
-                    });
-                    // The index keeps at most MAX_CUSTOM_MEDIA + 1 other names.
-                    3 + u16::try_from(at).unwrap_or(u16::MAX - 3)
-                }
-            };
+            let code = c.code(&hit.medium);
             c.media.push(code);
         }
         c
+    }
+
+    /// A medium's code: 0 GPU, 1 CPU, 2 DISK, `3 + i` for `others[i]` (added on first use).
+    fn code(&mut self, medium: &Medium) -> u16 {
+        match medium {
+            Medium::Gpu => 0,
+            Medium::Cpu => 1,
+            Medium::Disk => 2,
+            Medium::Other(name) => {
+                let others = &mut self.others;
+                let at = others.iter().position(|o| o == name).unwrap_or_else(|| {
+                    others.push(name.clone());
+                    others.len() - 1
+                });
+                // The index keeps at most MAX_CUSTOM_MEDIA + 1 other names.
+                3 + u16::try_from(at).unwrap_or(u16::MAX - 3)
+            }
+        }
     }
 
     fn into_py(self, py: Python<'_>) -> MatchColumns<'_> {

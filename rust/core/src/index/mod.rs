@@ -40,7 +40,7 @@ mod tests;
 pub use batch::PayloadsError;
 pub use many::ManyError;
 pub use matching::{CompactMatch, MatchHit, PathLookup};
-pub use read::{IndexRead, NamedHit};
+pub use read::{CompactHits, IndexRead, NamedHit};
 pub use scan::{EntryOut, HolderOut, LogicalState};
 pub use snapshot::SnapshotError;
 pub use sources::SourceKey;

@@ -18,7 +18,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::events::{decode_batch, EventBatch};
-use crate::index::{ApplyStats, EntryOut, Index, IndexRead, IndexStats, NamedHit, SourceKey};
+use crate::index::{
+    ApplyStats, CompactHits, EntryOut, Index, IndexRead, IndexStats, NamedHit, SourceKey,
+};
 
 use super::error::{io_err, PersistError};
 use super::frame::{LoggedRecord, Record};
@@ -622,6 +624,14 @@ impl IndexRead for DurableIndex {
 
     fn matches(&self, keys: &[u64]) -> Result<Vec<NamedHit>, Infallible> {
         self.index.matches(keys)
+    }
+
+    fn matches_compact(&self, keys: &[u64]) -> Result<CompactHits, Infallible> {
+        self.index.matches_compact(keys)
+    }
+
+    fn floor_holders(&self, f: &mut dyn FnMut(u64, u32)) {
+        self.index.floor_holders(f);
     }
 
     fn scan(&self, prefix: &[u64]) -> Result<Vec<EntryOut>, Infallible> {
