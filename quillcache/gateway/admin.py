@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from quillcache.connectors import EventIngestor
 from quillcache.controlplane import ControlPlane, UnknownWorkerError
 from quillcache.gateway.config import GatewayConfig, WorkerConfig
+from quillcache.gateway.fleet import FleetLink
 from quillcache.gateway.httpio import ApiError, json_object, validate_completion
 from quillcache.gateway.identify import RequestIdentifier
 from quillcache.gateway.outcomes import LatencySamples
@@ -39,6 +40,7 @@ class AdminApi:
         identifier: RequestIdentifier,
         samples: LatencySamples,
         on_worker_added: Callable[[Worker], None],
+        fleet: FleetLink | None = None,
     ) -> None:
         self.config = config
         self.plane = plane
@@ -48,6 +50,7 @@ class AdminApi:
         self.identifier = identifier
         self.samples = samples
         self.on_worker_added = on_worker_added
+        self.fleet = fleet  # shared state: the changes below go to the whole fleet
 
     async def workers(self, request: Request) -> Response:
         if request.method == "GET":
@@ -57,16 +60,31 @@ class AdminApi:
             cfg = WorkerConfig.model_validate(body)
         except ValueError as exc:
             raise ApiError(400, f"invalid worker: {exc}") from None
+        if self.fleet is not None and cfg.kv_bind:
+            raise ApiError(
+                400,
+                "kv_bind: true cannot work with a shared state (an engine publisher that "
+                "connects to one gateway cannot serve several replicas): let the engine "
+                "bind its KV-event socket and give its kv_endpoint, or leave it out",
+            )
+        if self.fleet is not None and any(w.url == cfg.url for w in self.pool.workers.values()):
+            raise ApiError(409, f"engine {cfg.url} is already a worker", "ConflictError")
         try:
             w = await self.pool.add(cfg)
         except DiscoveryError as exc:
             raise ApiError(400, str(exc)) from None
         self.on_worker_added(w)
-        return JSONResponse(w.as_dict(), status_code=201)
+        body = w.as_dict()
+        if self.fleet is not None:
+            body["shared"] = await self.fleet.engine_added(w)
+        return JSONResponse(body, status_code=201)
 
     async def worker(self, request: Request) -> Response:
         if request.method == "DELETE":
             removed = self._worker_call(request, self.pool.remove)
+            if self.fleet is not None:
+                shared = await self.fleet.engine_removed(removed)
+                return JSONResponse({"removed": removed.id, "shared": shared})
             return JSONResponse({"removed": removed.id})
         return JSONResponse(self._worker_call(request, self.pool.get).as_dict())
 
@@ -77,7 +95,10 @@ class AdminApi:
             raise ApiError(400, "'draining' must be true or false")
         worker = self._worker_call(request, self.pool.get)
         self.pool.set_draining(worker.id, draining)
-        return JSONResponse(worker.as_dict())
+        body = worker.as_dict()
+        if self.fleet is not None:
+            body["shared"] = await self.fleet.drained(worker, draining)
+        return JSONResponse(body)
 
     async def lookup(self, request: Request) -> Response:
         """Which worker holds how much of this prompt (body: a completion or chat body)."""
@@ -128,6 +149,19 @@ class AdminApi:
     async def pins(self, request: Request) -> Response:
         keys = await self._keys_of(request)
         pin = request.method == "POST"
+        if self.fleet is not None:
+            tenant = request.headers.get(self.tenancy.tenant_header, "")
+            if pin:
+                out = await self.fleet.pin(keys, tenant, self.config.state_pin_ttl_s)
+            else:
+                out = await self.fleet.unpin(keys, tenant)
+            if "owner" in out:
+                raise ApiError(
+                    409,
+                    f"the prefix is pinned by another tenant ({out['owner']!r})",
+                    "ConflictError",
+                )
+            return JSONResponse(out)
         if pin:
             self.plane.pin(keys)
         else:

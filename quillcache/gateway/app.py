@@ -34,6 +34,7 @@ from quillcache.errors import ConfigError, QuillCacheError, UnknownRouterError
 from quillcache.gateway import asgi
 from quillcache.gateway.admin import AdminApi
 from quillcache.gateway.config import GatewayConfig, WorkerConfig
+from quillcache.gateway.fleet import FleetLink
 from quillcache.gateway.identify import RequestIdentifier
 from quillcache.gateway.ingest_http import IngestEndpoint
 from quillcache.gateway.metrics import GatewayMetrics, readiness_metrics, state_metrics
@@ -97,6 +98,8 @@ class Gateway:
         self.ingest: IngestEndpoint
         self.parity: ParityChecker
         self._tasks: list[asyncio.Task[Any]] = []
+        # `state: redis://...`: this replica's link to the fleet's shared state
+        self.fleet: FleetLink | None = None
         self.started = False
         self.startup_error: QuillCacheError | None = None
 
@@ -115,6 +118,10 @@ class Gateway:
         if notice:
             log.warning("gateway: %s", notice)
         log.info("gateway secret fingerprint %s", secret.fingerprint)
+        if cfg.state != "local":
+            # first: a replica of the wrong fleet (another secret) refuses before anything
+            self.fleet = FleetLink(cfg, self.metrics)
+            await self.fleet.start(secret)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
             limits=httpx.Limits(
@@ -147,6 +154,7 @@ class Gateway:
             speculative_ttl_s=cfg.speculative_ttl_s,
             router_options=cfg.router_options if isinstance(router, str) else None,
             index_options=cfg.index_options,
+            load_store=self.fleet.store if self.fleet is not None else None,
         )
         # ingest runs on the ingestor's thread: the plane serialises index access itself
         self.sink = ControlPlaneSink(self.cp)
@@ -164,11 +172,23 @@ class Gateway:
         self.pool.resume_seqs = self.sink.last_seqs()
         if self.pool.resume_seqs:
             log.info("persistent index: resuming sources at %s", self.pool.resume_seqs)
+        fleet = self.fleet
+        routing = None
+        if fleet is not None:
+            routing = fleet.bind(self.cp, self.pool, self.start_parity_check)
         for w in described:
             self.pool.attach(w)
+            if fleet is not None:
+                fleet.attached(w)
         self.tokenizer = RequestTokenizer(cfg.tokenizer, self.upstream)
         self._build_parts()
         self.metrics.add_collector(self._collect)
+        if fleet is not None:
+            self.openai.shared = self.outcomes.shared = routing
+            self.metrics.add_collector(fleet.collect)
+            # what the fleet changed through the admin API before this replica started
+            await fleet.poll_once()
+            fleet.begin()
         self._tasks = [
             asyncio.create_task(self._every(cfg.health_interval_s, self.pool.check_health)),
             asyncio.create_task(self._every(cfg.scrape_interval_s, self.pool.scrape)),
@@ -210,6 +230,9 @@ class Gateway:
             await self.client.aclose()
         if hasattr(self, "upstream"):
             await self.upstream.close()
+        if self.fleet is not None:
+            await self.fleet.close()  # leave: this replica's share goes now
+            self.fleet = None
         if hasattr(self, "cp"):
             self.cp.close()
 
@@ -277,6 +300,7 @@ class Gateway:
             identifier=self.identifier,
             samples=self.outcomes.samples,
             on_worker_added=self.start_parity_check,
+            fleet=self.fleet,
         )
         self.ingest = IngestEndpoint(
             ingestor=self.ingestor,

@@ -48,6 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error"],
         help="default warning",
     )
+    a(
+        "--state",
+        default=None,
+        help="'local' (default) or 'redis://host:port/db': replicas of one fleet share their "
+        "booked load and admin changes through Redis",
+    )
+    a("--state-prefix", default=None, help="the fleet's key prefix in Redis (default quillcache)")
+    a("--secret-file", default=None, help="the gateway secret (identical on every replica)")
     a("--ready-file", default=None, help="write the resolved URL here as JSON when up")
 
 
@@ -71,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
             api_keys=args.api_keys,
             parity_check=False if args.no_parity_check else None,
             log_level=args.log_level,
+            state=args.state,
+            state_prefix=args.state_prefix,
+            secret_file=args.secret_file,
         )
     except ConfigError as exc:
         print(f"gateway: {exc}", file=sys.stderr)

@@ -174,6 +174,47 @@ class GatewayConfig(BaseModel):
         "or 'python' (everything in the Starlette app)",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "warning"
+    state: str = Field(
+        default="local",
+        description="'local' (this process's own load and admin changes) or "
+        "'redis://host:port/db' (several replicas share them, docs/state.md)",
+    )
+    state_prefix: str = Field(
+        default="quillcache", description="the fleet's key prefix in Redis (one per fleet)"
+    )
+    state_lease_ttl_s: float = Field(
+        default=3.0, gt=0, description="a dead replica's booked load lapses within this"
+    )
+    state_budget_s: float = Field(
+        default=0.010, gt=0, description="a booking slower than this falls back to local state"
+    )
+    state_poll_s: float = Field(
+        default=0.25, gt=0, description="how often the fleet's load and admin changes are read"
+    )
+    state_pin_ttl_s: float = Field(
+        default=30 * 86400.0, gt=0, description="how long a pin made through the admin API lasts"
+    )
+
+    @field_validator("state")
+    @classmethod
+    def _state(cls, v: str) -> str:
+        if v != "local" and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"state must be 'local' or a redis:// URL, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _replicas_need_bound_engines(self) -> GatewayConfig:
+        if self.state != "local":
+            bound = [w.url for w in self.workers if w.kv_bind]
+            if bound:
+                raise ValueError(
+                    f"kv_bind: true (workers {', '.join(bound)}) cannot work with a shared "
+                    "state: an engine publisher that connects to one gateway cannot serve "
+                    "several replicas; configure those engines to bind their KV-event socket "
+                    "(e.g. tcp://*:5557), set kv_bind: false (or give their kv_endpoint), "
+                    "or run this gateway with state: local"
+                )
+        return self
 
     @field_validator("trusted_proxies")
     @classmethod

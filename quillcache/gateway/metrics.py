@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_STATE_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 _ROUTE_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 
 
@@ -75,6 +76,27 @@ class GatewayMetrics:
             buckets=_ROUTE_BUCKETS,
             registry=r,
         )
+
+    def enable_shared_state(self) -> None:
+        """The booking metrics of `--state redis` (absent with local state)."""
+        r = self.registry
+        self.state_bookings = Counter(
+            "quillcache_state_bookings",
+            "Bookings through the shared state by outcome: shared (booked in Redis) or "
+            "fallback (Redis down or over budget: booked on this replica's local view).",
+            ["outcome"],
+            registry=r,
+        )
+        self.state_booking_time = Histogram(
+            "quillcache_state_booking_seconds",
+            "Time of a booking's round trip to Redis (a fallback's time included).",
+            buckets=_STATE_BUCKETS,
+            registry=r,
+        )
+
+    def booked(self, seconds: float, outcome: str) -> None:
+        self._child(self.state_bookings, outcome).inc()
+        self.state_booking_time.observe(seconds)
 
     def request_done(self, endpoint: str, status: int) -> None:
         self._child(self.requests, endpoint, str(status)).inc()
@@ -288,3 +310,41 @@ def readiness_metrics(state: Any) -> Iterator[Any]:
         {(): float(state.ready)},
         [],
     )
+
+
+def shared_state_metrics(stats: Any, up: bool, moved: int, polls: int) -> Iterator[Any]:
+    """The shared state's scrape-time numbers (a `quillcache.state.StateStats`)."""
+    yield gauge(
+        "quillcache_state_up",
+        "1 while Redis is in use; 0 while this replica routes on its local view.",
+        {(): float(up)},
+        [],
+    )
+    yield labelled_counter(
+        "quillcache_state_fallbacks",
+        "Shared-state operations that used the local view instead of Redis, by operation.",
+        {(op,): float(n) for op, n in sorted(stats.fallbacks.items())},
+        ["op"],
+    )
+    for name, doc, value in (
+        ("quillcache_state_timeouts", "Redis calls over their budget.", stats.timeouts),
+        ("quillcache_state_disconnects", "Times Redis became unusable.", stats.disconnects),
+        ("quillcache_state_reconnects", "Times Redis came back.", stats.reconnects),
+        ("quillcache_state_resyncs", "Share rewritten from this replica's book.", stats.resyncs),
+        (
+            "quillcache_state_lost_leases",
+            "Calls that found this replica's lease gone (Redis restarted or a long pause).",
+            stats.lost_leases,
+        ),
+        (
+            "quillcache_state_moved_bookings",
+            "Bookings that took another shortlist candidate than the router's choice.",
+            moved,
+        ),
+        (
+            "quillcache_state_load_polls",
+            "Reads of the fleet's booked load applied to the routers' view.",
+            polls,
+        ),
+    ):
+        yield counter(name, doc, float(value))

@@ -34,6 +34,7 @@ from quillcache.gateway.httpio import (
 )
 from quillcache.gateway.identify import RequestIdentifier
 from quillcache.gateway.outcomes import RequestOutcomes
+from quillcache.gateway.shared_routing import SharedRouting
 from quillcache.gateway.tenancy import Identity, TenantPolicy
 from quillcache.gateway.workers import Worker, WorkerPool
 from quillcache.routing import Action
@@ -110,6 +111,8 @@ class OpenAIEndpoints:
         self.outcomes = outcomes
         self.upstream = upstream
         self.peer_of = peer_of
+        # `--state redis`: every decision is booked in the fleet's shared state (None: local)
+        self.shared: SharedRouting | None = None
 
     async def completions(self, request: Request) -> Response:
         return await self._counted(request, COMPLETIONS, chat=False)
@@ -241,7 +244,7 @@ class OpenAIEndpoints:
         route_request, outcomes = prepared.route_request, self.outcomes
         rid = route_request.request_id
         for attempt in range(2):
-            worker, dp_rank, first_byte_s = self.route(prepared)
+            worker, dp_rank, first_byte_s = await self.route_booked(prepared)
             outcomes.forwarding(time.perf_counter() - started)
             # The first byte: a whole answer's head, or a stream's first chunk (its head
             # comes before the prefill). Until then the client has nothing: a retry is safe.
@@ -320,6 +323,22 @@ class OpenAIEndpoints:
         )
         dp_rank = decision.dp_rank if decision.dp_rank is not None else 0
         return worker, dp_rank, self.first_byte_limit(route_request, cached_tokens)
+
+    async def route_booked(self, prepared: Prepared) -> tuple[Worker, int, float]:
+        """`route`, then with shared state the booking in Redis, which may move the
+        request to another candidate of the router's shortlist (`shared_routing`)."""
+        worker, dp_rank, first_byte_s = self.route(prepared)
+        shared = self.shared
+        if shared is None:
+            return worker, dp_rank, first_byte_s
+        try:
+            booked = await shared.book(prepared.route_request, worker.id, dp_rank)
+        except BaseException:
+            self.outcomes.released(prepared.route_request.request_id)
+            raise
+        if booked.moved and booked.worker in self.pool.workers:
+            worker, dp_rank = self.pool.get(booked.worker), booked.rank
+        return worker, dp_rank, first_byte_s
 
     def first_byte_limit(self, route_request: RouteRequest, cached_tokens: int) -> float:
         """How long an engine may take before its first byte without counting as hung:

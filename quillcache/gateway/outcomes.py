@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from quillcache.connectors import EventIngestor
 from quillcache.controlplane import ControlPlane
 from quillcache.gateway.metrics import GatewayMetrics
+from quillcache.gateway.shared_routing import SharedRouting
 from quillcache.gateway.workers import WorkerPool
 
 
@@ -58,6 +59,13 @@ class RequestOutcomes:
         self.metrics = metrics
         self.router_name = router_name
         self.samples = LatencySamples()
+        # with shared state, the booking in Redis follows the plane's (None: local state)
+        self.shared: SharedRouting | None = None
+
+    def _release(self, request_id: int | str) -> None:
+        self._plane.finish(request_id)
+        if self.shared is not None:
+            self.shared.release(request_id)
 
     # -- the decision --------------------------------------------------------------------
 
@@ -87,6 +95,8 @@ class RequestOutcomes:
     def first_byte(self, path: str, elapsed_s: float, request_id: int | str) -> None:
         self.metrics.first_byte(path, elapsed_s)
         self._plane.prefill_done(request_id)
+        if self.shared is not None:
+            self.shared.prefill_done(request_id)
 
     def cached_tokens(self, tokens: int) -> None:
         """What the engine reported cached (`usage.prompt_tokens_details.cached_tokens`)."""
@@ -94,14 +104,14 @@ class RequestOutcomes:
 
     def released(self, request_id: int | str) -> None:
         """The request holds no engine any more (idempotent): failed, retried or delegated."""
-        self._plane.finish(request_id)
+        self._release(request_id)
 
     def engine_failed(
         self, request_id: int | str, worker_id: int, why: str, *, retry: bool
     ) -> None:
         """The engine gave no answer: release the request, take the engine out of
         rotation and, when the request goes to another one, count the retry."""
-        self._plane.finish(request_id)
+        self._release(request_id)
         self._pool.mark_down(worker_id, why)
         if retry:
             self.metrics.retries.labels(str(worker_id)).inc()
@@ -111,13 +121,13 @@ class RequestOutcomes:
 
     def client_left(self, request_id: int | str) -> None:
         """The client hung up before the engine answered."""
-        self._plane.finish(request_id)
+        self._release(request_id)
         self.metrics.client_disconnects.inc()
 
     def answer_over(self, request_id: int | str, worker_id: int) -> None:
         """The engine's answer is over: release the request; its events are expected
         even if every one of them is lost."""
-        self._plane.finish(request_id)
+        self._release(request_id)
         self._ingestor.expect_events(worker_id)
 
     def engine_broke(self, worker_id: int, why: str) -> None:

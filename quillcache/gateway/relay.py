@@ -157,8 +157,34 @@ class RelayHost:
             self._answer_failure(rid, flight.path, exc)
 
     def _route_and_forward(self, rid: int, flight: Flight, started: float | None) -> None:
-        outcomes = self.outcomes
+        if self.endpoints.shared is not None:  # the booking in Redis: a round trip
+            task = asyncio.ensure_future(self._book_and_forward(rid, flight, started))
+            self._deciding.add(task)
+            task.add_done_callback(self._deciding.discard)
+            return
         worker, dp_rank, first_byte_s = self.endpoints.route(flight.prepared)
+        self._forward(rid, flight, started, worker, dp_rank, first_byte_s)
+
+    async def _book_and_forward(self, rid: int, flight: Flight, started: float | None) -> None:
+        """`_send`'s shared-state path: route, book, forward; every failure answered."""
+        try:
+            worker, dp_rank, first_byte_s = await self.endpoints.route_booked(flight.prepared)
+            self._forward(rid, flight, started, worker, dp_rank, first_byte_s)
+        except Exception as exc:
+            if self.flights.pop(rid, None) is not None:
+                self.outcomes.released(flight.prepared.route_request.request_id)
+            self._answer_failure(rid, flight.path, exc)
+
+    def _forward(
+        self,
+        rid: int,
+        flight: Flight,
+        started: float | None,
+        worker: Worker,
+        dp_rank: int,
+        first_byte_s: float,
+    ) -> None:
+        outcomes = self.outcomes
         flight.worker = worker
         flight.first_byte_s = first_byte_s
         route_id = flight.prepared.route_request.request_id

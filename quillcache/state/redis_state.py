@@ -446,6 +446,39 @@ class RedisFleetState:
             return PinResult(True, str(reply[1]))
         return PinResult(False, "")
 
+    async def put_pin_chain(self, prefix_key: int, chain: Sequence[int]) -> Shared | LocalFallback:
+        """The content keys of a pinned prefix (its blocks, first to last), so that every
+        replica can pin the same blocks in its own index (`pin` names the prefix only)."""
+        key = self.base + "pinkeys"
+        value = ",".join(_hex(k) for k in chain)
+        reply = await self._run(
+            "pin", None, ["HSET", key, _hex(prefix_key), value], self.admin_timeout_s
+        )
+        return LocalFallback(self._why()) if reply is _FAILED else Shared()
+
+    async def drop_pin_chain(self, prefix_key: int) -> Shared | LocalFallback:
+        key = self.base + "pinkeys"
+        reply = await self._run(
+            "unpin", None, ["HDEL", key, _hex(prefix_key)], self.admin_timeout_s
+        )
+        return LocalFallback(self._why()) if reply is _FAILED else Shared()
+
+    async def pin_chains(self, prefix_keys: Sequence[int]) -> dict[int, list[int]] | LocalFallback:
+        """The chains `put_pin_chain` stored for these prefixes (those it has)."""
+        if not prefix_keys:
+            return {}
+        key = self.base + "pinkeys"
+        reply = await self._run(
+            "config", None, ["HMGET", key, *(_hex(k) for k in prefix_keys)], self.admin_timeout_s
+        )
+        if reply is _FAILED:
+            return LocalFallback(self._why())
+        return {
+            k: [int(x, 16) for x in str(v).split(",") if x]
+            for k, v in zip(prefix_keys, reply, strict=True)
+            if v
+        }
+
     async def set_draining(
         self, engine: EngineKey, draining: bool = True
     ) -> Shared | LocalFallback:

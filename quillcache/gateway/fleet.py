@@ -1,0 +1,263 @@
+"""The gateway's side of `--state redis://...`: several replicas of one fleet sharing
+what each learns from its own traffic through Redis (docs/state.md, "How the gateway
+uses it").
+
+`FleetLink` owns, for one replica:
+
+- the `RedisFleetState` (lease, heartbeat, fail-open, resync: `quillcache/state/`);
+- the plane's `SharedLoadStore`: the fleet's booked load, polled every `state_poll_s`,
+  plus this replica's own bookings applied at once;
+- the booking step (`SharedRouting`), which the request path calls after the plane's
+  decision, and which `RequestOutcomes` tells of first bytes and ends;
+- the admin changes the fleet shares: engines added or removed through the admin API,
+  draining flags and pins go to Redis, and every replica applies the fleet's version
+  when it changes (a replica starting later applies it before it serves).
+
+Engines are named in Redis by `fleet_engine_id(url)`, so replicas agree on them whatever
+order they learnt them in. A change made through the admin API while Redis is
+unreachable is applied to this replica only (the answer says `"shared": false`); the
+fleet's version replaces it when Redis is back and the fleet's configuration changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from quillcache.controlplane import ControlPlane
+from quillcache.gateway.config import GatewayConfig, WorkerConfig
+from quillcache.gateway.metrics import GatewayMetrics, shared_state_metrics
+from quillcache.gateway.secret import GatewaySecret
+from quillcache.gateway.shared_routing import EngineIds, SharedRouting, ViewCapture
+from quillcache.gateway.workers import Worker, WorkerPool
+from quillcache.state import EngineKey, FleetConfig, LocalFallback, RedisFleetState
+from quillcache.state.load_store import SharedLoadStore
+
+log = logging.getLogger(__name__)
+
+
+class FleetLink:
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.state = RedisFleetState(
+            config.state,
+            prefix=config.state_prefix,
+            lease_ttl_s=config.state_lease_ttl_s,
+            budget_s=config.state_budget_s,
+        )
+        self.store = SharedLoadStore()
+        self.ids = EngineIds()
+        self.routing: SharedRouting
+        self._plane: ControlPlane
+        self._pool: WorkerPool
+        self._on_added: Callable[[Worker], None] = lambda w: None
+        self._version = -1  # the fleet configuration last applied
+        self._fleet_engines: set[int] = set()  # fleet ids of engines added through the fleet
+        self._pins: dict[int, npt.NDArray[np.uint64]] = {}  # prefix key -> its chain, applied
+        self._task: asyncio.Task[None] | None = None
+        metrics.enable_shared_state()
+
+    async def start(self, secret: GatewaySecret) -> None:
+        """Join the fleet; `SecretMismatchError` (a ConfigError) refuses the start."""
+        await self.state.start(secret)
+        if not self.state.healthy:
+            log.warning(
+                "shared state: redis at %s unreachable at start; routing on local state "
+                "until it comes",
+                self.config.state,
+            )
+
+    def bind(
+        self, plane: ControlPlane, pool: WorkerPool, on_added: Callable[[Worker], None]
+    ) -> SharedRouting:
+        """Wire the plane (built with `self.store`) and the pool; the booking step."""
+        self._plane, self._pool, self._on_added = plane, pool, on_added
+        capture = ViewCapture(plane.router)
+        plane.router = capture
+
+        def row_of(key: EngineKey) -> int | None:
+            worker = self.ids.to_worker.get(key.engine)
+            if worker is None:
+                return None
+            rows = plane.worker(worker).rows
+            return rows[key.rank] if 0 <= key.rank < len(rows) else None
+
+        self.store.bind(row_of)
+        self.routing = SharedRouting(
+            self.state,
+            self.store,
+            capture,
+            self.ids,
+            block_size=plane.block_size,
+            spec_ttl_s=plane.speculative_ttl_s,
+            on_booked=self.metrics.booked,
+        )
+        return self.routing
+
+    def attached(self, w: Worker) -> None:
+        self.ids.add(w.id, w.url)
+
+    def begin(self) -> None:
+        self._task = asyncio.create_task(self._poll(), name="fleet-poll")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if hasattr(self, "routing"):
+            await self.routing.close()
+        await self.state.close()
+
+    # -- polling -------------------------------------------------------------------------
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.state_poll_s)
+            try:
+                await self.poll_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the poll must outlive anything one round can raise
+                log.exception("shared state: poll failed")
+
+    async def poll_once(self) -> None:
+        loads = await self.state.loads()
+        if not isinstance(loads, LocalFallback):
+            self.store.apply_snapshot(loads)
+        await self.apply_config()
+
+    async def apply_config(self) -> None:
+        """The fleet's engines, draining flags and pins, when their version moved."""
+        cfg = await self.state.config()
+        if isinstance(cfg, LocalFallback) or cfg.version == self._version:
+            return
+        done = await self._apply_engines(cfg)
+        self._apply_draining(cfg)
+        done = await self._apply_pins(cfg) and done
+        if done:
+            self._version = cfg.version
+
+    async def _apply_engines(self, cfg: FleetConfig) -> bool:
+        done = True
+        for fid, spec in cfg.engines.items():
+            self._fleet_engines.add(fid)
+            if fid in self.ids.to_worker:
+                continue
+            try:
+                w = await self._pool.add(WorkerConfig.model_validate(spec))
+            except Exception as exc:  # retried at the next poll
+                done = False
+                log.warning("shared state: cannot add fleet engine %s: %s", spec.get("url"), exc)
+                continue
+            self.attached(w)
+            self._on_added(w)
+            log.info("shared state: engine %s added by the fleet as worker %d", w.url, w.id)
+        for fid in list(self._fleet_engines - set(cfg.engines)):
+            self._fleet_engines.discard(fid)
+            worker = self.ids.to_worker.get(fid)
+            if worker is not None and worker in self._pool.workers:
+                self._pool.remove(worker)
+                self.ids.remove(worker)
+                log.info("shared state: worker %d removed by the fleet", worker)
+        return done
+
+    def _apply_draining(self, cfg: FleetConfig) -> None:
+        draining = {k.engine for k in cfg.draining}
+        for fid, worker in list(self.ids.to_worker.items()):
+            w = self._pool.workers.get(worker)
+            if w is not None and w.draining != (fid in draining):
+                self._pool.set_draining(worker, fid in draining)
+
+    async def _apply_pins(self, cfg: FleetConfig) -> bool:
+        new = [k for k in cfg.pins if k not in self._pins]
+        if new:
+            chains = await self.state.pin_chains(new)
+            if isinstance(chains, LocalFallback):
+                return False
+            for key, chain in chains.items():
+                keys = np.asarray(chain, dtype=np.uint64)
+                self._plane.pin(keys)
+                self._pins[key] = keys
+        for key in [k for k in self._pins if k not in cfg.pins]:
+            self._plane.unpin(self._pins.pop(key))
+        return True
+
+    # -- what the admin API changes ------------------------------------------------------
+
+    async def engine_added(self, w: Worker) -> bool:
+        fid = self.ids.add(w.id, w.url)
+        self._fleet_engines.add(fid)
+        spec = w.config.model_dump(exclude_defaults=True)
+        return _shared(await self.state.add_engine(fid, spec))
+
+    async def engine_removed(self, w: Worker) -> bool:
+        fid = self.ids.to_fleet.get(w.id)
+        self.ids.remove(w.id)
+        if fid is None:
+            return False
+        self._fleet_engines.discard(fid)
+        return _shared(await self.state.remove_engine(fid))
+
+    async def drained(self, w: Worker, draining: bool) -> bool:
+        fid = self.ids.to_fleet.get(w.id)
+        if fid is None:
+            return False
+        return _shared(await self.state.set_draining(EngineKey(fid), draining))
+
+    async def pin(self, keys: npt.NDArray[np.uint64], tenant: str, ttl_s: float) -> dict[str, Any]:
+        """Pin a prompt's blocks on every replica: the prefix (its last key) in Redis
+        with its chain, then here. 409 material when another tenant holds it."""
+        if not len(keys):
+            return {"pinned": 0, "shared": False}
+        last = int(keys[-1])
+        out = await self.state.pin(last, tenant, ttl_s)
+        if isinstance(out, LocalFallback):
+            self._pin_here(last, keys)
+            return {"pinned": len(keys), "shared": False}
+        if not out.pinned:
+            return {"pinned": 0, "shared": True, "owner": out.owner}
+        await self.state.put_pin_chain(last, [int(k) for k in keys])
+        self._pin_here(last, keys)
+        return {"pinned": len(keys), "shared": True}
+
+    async def unpin(self, keys: npt.NDArray[np.uint64], tenant: str) -> dict[str, Any]:
+        if not len(keys):
+            return {"unpinned": 0, "shared": False}
+        last = int(keys[-1])
+        out = await self.state.unpin(last, tenant)
+        if not isinstance(out, LocalFallback) and out.pinned:
+            return {"unpinned": 0, "shared": True, "owner": out.owner}
+        if not isinstance(out, LocalFallback):
+            await self.state.drop_pin_chain(last)
+        held = self._pins.pop(last, None)
+        if held is not None:
+            self._plane.unpin(held)
+        return {"unpinned": len(keys) if held is not None else 0, "shared": _shared(out)}
+
+    def _pin_here(self, last: int, keys: npt.NDArray[np.uint64]) -> None:
+        if last not in self._pins:
+            self._plane.pin(keys)
+            self._pins[last] = keys
+
+    # -- metrics -------------------------------------------------------------------------
+
+    def collect(self) -> Iterator[Any]:
+        routing = getattr(self, "routing", None)
+        yield from shared_state_metrics(
+            self.state.stats,
+            self.state.healthy,
+            routing.moved if routing is not None else 0,
+            self.store.polls,
+        )
+
+
+def _shared(out: object) -> bool:
+    return not isinstance(out, LocalFallback)

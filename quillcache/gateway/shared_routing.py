@@ -1,0 +1,248 @@
+"""Booking through the fleet's shared state (`--state redis://...`): the route path's
+second step after the control plane's decision.
+
+    decision = plane.route(request)               # the router scores locally (its view
+                                                  # captured by `ViewCapture`)
+    route = await shared.book(request, w, rank)   # one round trip: the shortlist (the
+                                                  # router's choice first) booked in Redis
+    ... forward to route.worker, rank route.rank
+    shared.prefill_done(rid); shared.release(rid) # from `RequestOutcomes`
+
+Engines are named in Redis by a fleet-wide id derived from their URL (`fleet_engine_id`),
+not by this replica's worker ids: replicas number their workers in the order they were
+configured or added, which need not agree. `EngineIds` maps one to the other.
+
+Booking ids are `RedisFleetState.new_request_id()` (unique across the fleet); a retried
+request books again under a new id, its first booking released. When the booking falls
+back (Redis down, over budget, lease lost) the request goes where `choose` over this
+replica's last known loads puts it (`LocalFallback.engine`); `RedisFleetState` writes the
+rate-limited log line, `on_booked` counts it.
+
+The plane tracks the request on the router's choice (its speculative prefix there); when
+the booking takes another candidate, that prefix stays recorded on the first until the
+first byte or its TTL. A hook in the plane to move a tracked request would remove that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from quillcache.routing import Decision, Router, View
+from quillcache.routing import Request as RouteRequest
+from quillcache.state import Booked, Candidate, EngineKey, LocalFallback, RedisFleetState
+from quillcache.state.load_store import SharedLoadStore
+from quillcache.state.shortlist import (
+    Shortlist,
+    ShortlistPolicy,
+    anchors,
+    build_shortlist,
+    prefill_tokens,
+)
+
+log = logging.getLogger(__name__)
+
+
+def fleet_engine_id(url: str) -> int:
+    """An engine's id in the shared state: 48 bits of a hash of its base URL (exact as
+    a Lua number, and the same on every replica whatever order it learnt the engines in)."""
+    digest = hashlib.blake2b(url.rstrip("/").encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "big")
+
+
+class EngineIds:
+    """This replica's worker ids <-> the fleet's engine ids."""
+
+    def __init__(self) -> None:
+        self.to_fleet: dict[int, int] = {}
+        self.to_worker: dict[int, int] = {}
+
+    def add(self, worker: int, url: str) -> int:
+        fid = fleet_engine_id(url)
+        self.to_fleet[worker] = fid
+        self.to_worker[fid] = worker
+        return fid
+
+    def remove(self, worker: int) -> None:
+        fid = self.to_fleet.pop(worker, None)
+        if fid is not None and self.to_worker.get(fid) == worker:
+            del self.to_worker[fid]
+
+
+class ViewCapture(Router):
+    """A router that hands each view to the router it wraps and keeps the last one: the
+    shortlist is built from the view the decision was made on, without a second match.
+    The plane calls `route` synchronously, so "the last view" is this request's."""
+
+    def __init__(self, inner: Router) -> None:
+        super().__init__()
+        self.inner = inner
+        # the wrapped router's name in the plane's messages, per instance
+        self.name = getattr(inner, "name", None) or type(inner).__name__  # type: ignore[misc]
+        self.last: View | None = None
+
+    def route(self, request: RouteRequest, view: View) -> Decision:
+        self.last = view
+        return self.inner.route(request, view)
+
+    def take(self) -> View | None:
+        view, self.last = self.last, None
+        return view
+
+    def __getattr__(self, name: str) -> Any:  # the wrapped router's other attributes
+        return getattr(self.inner, name)
+
+
+@dataclass(slots=True)
+class _Booking:
+    booking_id: str
+    key: EngineKey  # fleet id, rank
+    prefill_tokens: int
+    context_tokens: int
+    prefilled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BookedRoute:
+    """Where the request goes, and how many of its blocks the view says are there."""
+
+    worker: int
+    rank: int
+    cached_blocks: int
+    moved: bool  # not the router's choice
+    shared: bool  # booked in Redis (False: this replica's local fallback)
+
+
+OnBooked = Callable[[float, str], None]  # (seconds, "shared" | "fallback")
+
+
+class SharedRouting:
+    """The booking step and the booked request's later moments, for one replica."""
+
+    def __init__(
+        self,
+        state: RedisFleetState,
+        store: SharedLoadStore,
+        capture: ViewCapture,
+        ids: EngineIds,
+        *,
+        block_size: int,
+        policy: ShortlistPolicy | None = None,
+        session_ttl_s: float = 600.0,
+        spec_ttl_s: float = 10.0,
+        on_booked: OnBooked | None = None,
+    ) -> None:
+        self.state = state
+        self.store = store
+        self.capture = capture
+        self.ids = ids
+        self.block_size = block_size
+        self.policy = policy or ShortlistPolicy()
+        self.session_ttl_s = session_ttl_s
+        self.spec_ttl_s = spec_ttl_s
+        self.on_booked = on_booked
+        self._bookings: dict[int | str, _Booking] = {}  # by the plane's request id
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.moved = 0  # bookings that took another candidate than the router's
+
+    async def book(self, request: RouteRequest, worker: int, rank: int) -> BookedRoute:
+        """Book the request through the shared state; the router's choice (`worker`,
+        `rank`) comes first in the shortlist."""
+        view = self.capture.take()
+        blocks = len(request.content_keys)
+        if view is not None:
+            short = build_shortlist(view, worker, rank, blocks, self.policy)
+        else:  # a decision without a view (not with the plane): book it alone
+            short = Shortlist([Candidate(EngineKey(worker, rank))], [0])
+        to_fleet = self.ids.to_fleet
+        cands = [
+            Candidate(EngineKey(to_fleet[c.engine.engine], c.engine.rank), c.ceiling)
+            for c in short.candidates
+            if c.engine.engine in to_fleet
+        ]
+        cached = {
+            EngineKey(to_fleet[c.engine.engine], c.engine.rank): b
+            for c, b in zip(short.candidates, short.cached_blocks, strict=True)
+            if c.engine.engine in to_fleet
+        }
+        if not cands:  # the chosen worker left between the decision and now
+            return BookedRoute(worker, rank, 0, False, False)
+        self.release(request.request_id)  # a retry: the earlier attempt's booking goes
+        bid = self.state.new_request_id()
+        # booked with the first candidate's prefill: the script books before the replica
+        # knows which candidate it takes, and a release takes back what was booked
+        prefill = prefill_tokens(request.prompt_tokens, short.cached_blocks[0], self.block_size)
+        started = time.perf_counter()
+        task = asyncio.ensure_future(
+            self.state.book(
+                bid,
+                cands,
+                prefill_tokens=prefill,
+                context_tokens=request.prompt_tokens,
+                weights=self.policy.weights,
+                session=request.session_id,
+                session_ttl_s=self.session_ttl_s,
+                anchors=anchors(request.content_keys),
+                spec_ttl_s=self.spec_ttl_s,
+            )
+        )
+        try:
+            # shielded: a client leaving mid-booking must not leave a booking that this
+            # replica does not know of (it would stay in Redis until the replica leaves)
+            out = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._orphan(t, bid))
+            raise
+        key = out.engine
+        assert key is not None  # a booking always names an engine
+        shared = isinstance(out, Booked)
+        if self.on_booked is not None:
+            self.on_booked(time.perf_counter() - started, "shared" if shared else "fallback")
+        if isinstance(out, Booked) and out.loads:
+            self.store.apply_some(zip((c.engine for c in cands), out.loads, strict=True))
+        self._bookings[request.request_id] = _Booking(bid, key, prefill, request.prompt_tokens)
+        self.store.own_booked(key, prefill)
+        booked_worker = self.ids.to_worker.get(key.engine, worker)
+        moved = (booked_worker, key.rank) != (worker, rank)
+        self.moved += moved
+        return BookedRoute(booked_worker, key.rank, cached.get(key, 0), moved, shared)
+
+    def _orphan(self, task: asyncio.Task[Booked | LocalFallback], bid: str) -> None:
+        """A booking whose request was cancelled while it was in flight: release it."""
+        if not task.cancelled() and task.exception() is None:
+            self._spawn(self.state.release(bid))
+
+    def prefill_done(self, request_id: int | str) -> None:
+        b = self._bookings.get(request_id)
+        if b is None or b.prefilled:
+            return
+        b.prefilled = True
+        self.store.own_prefilled(b.key, b.prefill_tokens, b.context_tokens)
+        self._spawn(self.state.prefill_done(b.booking_id))
+
+    def release(self, request_id: int | str) -> None:
+        """The request holds its engine no more (idempotent)."""
+        b = self._bookings.pop(request_id, None)
+        if b is None:
+            return
+        self.store.own_released(b.key, b.prefill_tokens, b.context_tokens, b.prefilled)
+        self._spawn(self.state.release(b.booking_id))
+
+    def _spawn(self, coro: Any) -> None:
+        # off the request's path: the answer does not wait for Redis to count it
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._bookings)
+
+    async def close(self) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=1.0)

@@ -1,0 +1,126 @@
+"""The shortlist a replica books through Redis, built from its router's decision and the
+view the router saw (docs/state.md, "How the gateway uses it").
+
+Order: the router's choice first, then up to `size - 1` other rows of the view, those
+holding (or computing) the longest prefix of the request first, then the least loaded.
+
+Ceilings (the load, in `LoadWeights` units, at or above which a candidate stops being
+preferred) are derived from what this replica *saw* when it decided:
+
+    ceiling = seen + 1 + cache_slack * min(prefix_blocks / request_blocks, 1)
+
+`seen` is the candidate's load in the view: the fleet's booked load at the last poll of
+Redis, moved by this replica's own bookings since. So a candidate stays preferred while
+at most one request more than this replica counted has landed on it, plus up to
+`cache_slack` more when it holds the request's whole prefix (in proportion to the part
+it holds): a cached prefix is worth some queueing, a cold engine is not.
+
+Why this spreads a burst: replicas that decide within one poll interval all saw the
+same loads and pick the same engine. The script books them one at a time; the first
+finds the engine under its ceiling, the next finds it at `seen + 1` and takes the next
+candidate still under its own, and once every candidate is at its ceiling the least
+overshoot wins, which turns into round-robin over the shortlist. What one gateway does
+when it sees every booking at once, without waiting for a poll.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from quillcache.errors import ConfigError
+from quillcache.routing.types import View
+from quillcache.state.types import Candidate, EngineKey, LoadWeights
+
+
+@dataclass(frozen=True, slots=True)
+class ShortlistPolicy:
+    """How long a shortlist is and how its ceilings are derived (module docstring)."""
+
+    size: int = 4
+    cache_slack: float = 4.0
+    weights: LoadWeights = field(default_factory=LoadWeights)
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ConfigError(f"shortlist size must be >= 1, got {self.size}")
+        if not math.isfinite(self.cache_slack) or self.cache_slack < 0:
+            raise ConfigError(f"cache_slack must be finite and >= 0, got {self.cache_slack}")
+
+
+@dataclass(frozen=True, slots=True)
+class Shortlist:
+    """The candidates, and per candidate the prefix blocks the view says it holds or is
+    computing (what the request reuses if it is booked there)."""
+
+    candidates: list[Candidate]
+    cached_blocks: list[int]
+
+
+def build_shortlist(
+    view: View,
+    worker: int,
+    dp_rank: int,
+    request_blocks: int,
+    policy: ShortlistPolicy,
+) -> Shortlist:
+    """The shortlist of a request the router sent to (`worker`, `dp_rank`) in `view`.
+    The choice is always first, even when it is not a row of the view (a router may
+    route outside the columns it read; the plane checked the worker is a candidate)."""
+    c = view.columns
+    n = len(c.worker)
+    w = policy.weights
+    load = c.load
+    scores: npt.NDArray[np.float64] = (
+        w.in_flight * load[:, 0] + w.queued_tokens * load[:, 1] + w.decodes * load[:, 2]
+    )
+    cached = np.maximum(c.local_blocks, c.pending_blocks)
+    hit = np.flatnonzero((c.worker == np.uint64(worker)) & (c.dp_rank == dp_rank))
+    chosen = int(hit[0]) if len(hit) else -1
+    rows = [chosen] if chosen >= 0 else []
+    want = policy.size - 1
+    if want > 0 and n > (1 if chosen >= 0 else 0):
+        # longest prefix first, then least loaded, then view order: one sort key
+        top = float(scores.max()) + 1.0 if n else 1.0
+        key = scores - cached.astype(np.float64) * top
+        if chosen >= 0:
+            key = key.copy()
+            key[chosen] = np.inf
+        k = min(want, n - (1 if chosen >= 0 else 0))
+        part = np.argpartition(key, k - 1)[:k] if k < n else np.arange(n)
+        part = part[np.lexsort((part, key[part]))][:k]
+        rows += [int(r) for r in part if r != chosen]
+    out: list[Candidate] = []
+    blocks: list[int] = []
+    denom = max(request_blocks, 1)
+    if chosen < 0:
+        out.append(Candidate(EngineKey(worker, dp_rank), math.inf))
+        blocks.append(0)
+    for r in rows:
+        b = int(cached[r])
+        ceiling = float(scores[r]) + 1.0 + policy.cache_slack * min(b / denom, 1.0)
+        out.append(Candidate(EngineKey(int(c.worker[r]), int(c.dp_rank[r])), ceiling))
+        blocks.append(b)
+    return Shortlist(out, blocks)
+
+
+def anchors(keys: npt.NDArray[np.uint64]) -> list[tuple[int, int]]:
+    """The anchors a booking records and looks up (docs/state.md, "Anchors"): the key at
+    each power-of-two block count up to the request's length, and the last one."""
+    n = len(keys)
+    out: list[tuple[int, int]] = []
+    b = 1
+    while b < n:
+        out.append((int(keys[b - 1]), b))
+        b *= 2
+    if n:
+        out.append((int(keys[n - 1]), n))
+    return out
+
+
+def prefill_tokens(prompt_tokens: int, cached_blocks: int, block_size: int) -> int:
+    """What the plane books as a request's prefill: its tokens not cached (at least 1)."""
+    return max(prompt_tokens - cached_blocks * block_size, 1)
