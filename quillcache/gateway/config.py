@@ -191,6 +191,15 @@ class GatewayConfig(BaseModel):
     state_poll_s: float = Field(
         default=0.25, gt=0, description="how often the fleet's load and admin changes are read"
     )
+    state_shortlist: int = Field(
+        default=4, ge=1, description="candidates a booking offers Redis (the router's first)"
+    )
+    state_cache_slack: float = Field(
+        default=4.0,
+        ge=0,
+        description="how many requests more than it saw a candidate holding the whole prefix "
+        "may take before a booking moves on (quillcache/state/shortlist.py)",
+    )
     state_pin_ttl_s: float = Field(
         default=30 * 86400.0, gt=0, description="how long a pin made through the admin API lasts"
     )

@@ -38,6 +38,7 @@ from quillcache.gateway.shared_routing import EngineIds, SharedRouting, ViewCapt
 from quillcache.gateway.workers import Worker, WorkerPool
 from quillcache.state import EngineKey, FleetConfig, LocalFallback, RedisFleetState
 from quillcache.state.load_store import SharedLoadStore
+from quillcache.state.shortlist import ShortlistPolicy
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,9 @@ class FleetLink:
             capture,
             self.ids,
             block_size=plane.block_size,
+            policy=ShortlistPolicy(
+                size=self.config.state_shortlist, cache_slack=self.config.state_cache_slack
+            ),
             spec_ttl_s=plane.speculative_ttl_s,
             on_booked=self.metrics.booked,
         )

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -132,3 +135,157 @@ def test_replicas_route_a_workload_end_to_end(fleet: Fleet) -> None:
     )
     # every booking released: nothing left in flight in Redis
     wait_for(lambda: fleet.in_flight() == 0, 5.0, "the fleet's load back to zero")
+
+
+def burst(fleet: Fleet, gateways: list[Proc], tag: str, n: int = 64) -> list[int]:
+    """`n` requests sharing a new 8-block prefix (each with 8 blocks of its own) spread
+    over `gateways`, released together; the per-engine counts, largest first."""
+    names = [fleet.urls_by_id(g) for g in gateways]
+    clients = [client(g.url, timeout=60.0) for g in gateways]
+    gate = threading.Barrier(n)
+    text = prompt(tag, blocks=8)
+
+    def one(i: int) -> str:
+        oa = clients[i % len(clients)]
+        body = text + (f"<{i:04d}>" * 32)[:128]
+        gate.wait()
+        raw = oa.completions.with_raw_response.create(model="sim-model", prompt=body, max_tokens=16)
+        return names[i % len(clients)][raw.headers["x-quillcache-worker"]]
+
+    with ThreadPoolExecutor(n) as pool:
+        urls = list(pool.map(one, range(n)))
+    counts = Counter(urls)
+    return sorted((counts.get(e.url, 0) for e in fleet.stack.engines), reverse=True)
+
+
+def test_a_burst_through_four_replicas_spreads_as_one_gateway_does(fleet: Fleet) -> None:
+    """No herding: every replica's router sees the same cold engines, the booking step
+    spreads the burst as one gateway seeing every booking does (within one request per
+    engine). A router that spreads by load: for cache-affinity routers the derived
+    ceilings do not reproduce one gateway (docs/state.md, "How the gateway uses it")."""
+    router = "least-loaded"
+    for _ in range(4):
+        fleet.stack.engine(time_scale=5.0)  # the burst's requests overlap
+    replicas = [fleet.replica(router=router) for _ in range(4)]
+    spread = burst(fleet, replicas, f"burst-fleet-{router}")
+    wait_for(lambda: fleet.in_flight() == 0, 10.0, "the burst's bookings released")
+    one = fleet.stack.start_gateway({"router": router})  # local state, on its own
+    alone = burst(fleet, [one], f"burst-alone-{router}")
+    assert sum(spread) == sum(alone) == 64
+    assert all(abs(a - b) <= 1 for a, b in zip(spread, alone, strict=True)), (spread, alone)
+
+
+def stream_tokens(url: str, tag: str, max_tokens: int, started: threading.Event) -> int:
+    """Stream one completion; the number of non-empty chunks (raises on a broken stream)."""
+    oa = client(url, timeout=60.0)
+    n = 0
+    for chunk in oa.completions.create(
+        model="sim-model", prompt=prompt(tag), max_tokens=max_tokens, stream=True
+    ):
+        if chunk.choices and chunk.choices[0].text:
+            n += 1
+            started.set()
+    return n
+
+
+def test_a_replica_killed_mid_stream_leaves_no_load_and_no_trace(fleet: Fleet) -> None:
+    for _ in range(2):
+        fleet.stack.engine()
+    doomed, survivor = fleet.replica(), fleet.replica()
+    n = 4
+    started = [threading.Event() for _ in range(2 * n)]
+    with ThreadPoolExecutor(2 * n) as pool:
+        theirs = [
+            pool.submit(stream_tokens, survivor.url, f"b{i}", 300, started[i]) for i in range(n)
+        ]
+        ours = [
+            pool.submit(stream_tokens, doomed.url, f"a{i}", 300, started[n + i]) for i in range(n)
+        ]
+        for e in started:
+            assert e.wait(20)
+        assert fleet.in_flight() == 2 * n
+        doomed.kill()  # SIGKILL: no goodbye, its lease left to lapse
+        killed = time.monotonic()
+        wait_for(lambda: fleet.in_flight() == n, LEASE_TTL_S + 1.5, "the dead replica's load gone")
+        gone_after = time.monotonic() - killed
+        assert not any(f.done() for f in theirs), "the survivor's streams ended too early"
+        # the survivor's clients see nothing: every stream whole
+        assert [f.result() for f in theirs] == [300] * n
+        for f in ours:
+            with pytest.raises(openai.APIError):
+                f.result()
+    assert gone_after <= LEASE_TTL_S + 1.5
+    wait_for(lambda: fleet.in_flight() == 0, 5.0, "the survivor's bookings released")
+
+
+def test_redis_stopped_and_restarted_under_load(fleet: Fleet) -> None:
+    """Redis dies: the replicas route on their local view and every request is answered;
+    Redis comes back empty: they reconnect and put their bookings back (resync)."""
+    for _ in range(2):
+        fleet.stack.engine()
+    replicas = [fleet.replica(), fleet.replica()]
+    started = [threading.Event() for _ in range(4)]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    answered = Counter[str]()
+
+    def load(r: Proc) -> None:
+        oa = client(r.url)
+        i = 0
+        while not stop.is_set():
+            try:
+                oa.completions.create(model="sim-model", prompt=prompt(f"l{i % 5}"), max_tokens=2)
+                answered[r.url] += 1
+            except BaseException as exc:
+                errors.append(exc)
+            i += 1
+
+    with ThreadPoolExecutor(8) as pool:
+        streams = [
+            pool.submit(stream_tokens, replicas[i % 2].url, f"s{i}", 700, started[i])
+            for i in range(4)
+        ]
+        for e in started:
+            assert e.wait(20)
+        loaders = [pool.submit(load, r) for r in replicas]
+        try:
+            wait_for(lambda: fleet.in_flight() >= 4, 5.0, "the streams booked in Redis")
+            fleet.redis.stop()
+            for r in replicas:
+                wait_for(lambda r=r: scrape(r, "quillcache_state_up") == 0, 5.0, "fail open")
+            before = {r.url: answered[r.url] for r in replicas}
+            wait_for(
+                lambda: all(answered[r.url] >= before[r.url] + 5 for r in replicas),
+                10.0,
+                "requests answered on the local view",
+            )
+            fallbacks = [
+                scrape(r, 'quillcache_state_bookings_total{outcome="fallback"}') for r in replicas
+            ]
+            assert all(f > 0 for f in fallbacks), fallbacks
+            fleet.redis.start(same_port=True)  # empty: no persistence
+            for r in replicas:
+                wait_for(lambda r=r: scrape(r, "quillcache_state_up") == 1, 5.0, "reconnected")
+                assert scrape(r, "quillcache_state_reconnects_total") >= 1
+            shared_before = [
+                scrape(r, 'quillcache_state_bookings_total{outcome="shared"}') for r in replicas
+            ]
+            wait_for(
+                lambda: all(
+                    scrape(r, 'quillcache_state_bookings_total{outcome="shared"}') > b
+                    for r, b in zip(replicas, shared_before, strict=True)
+                ),
+                5.0,
+                "bookings shared again",
+            )
+            stop.set()
+            for f in loaders:
+                f.result()
+            # the streams still running are back in Redis, and nothing else
+            wait_for(lambda: fleet.in_flight() == 4, 3.0, "the replicas' bookings resynced")
+            assert not any(f.done() for f in streams), "streams ended before the check"
+        finally:
+            stop.set()
+        assert [f.result() for f in streams] == [700] * 4
+    assert not errors, errors[:3]
+    wait_for(lambda: fleet.in_flight() == 0, 5.0, "every booking released")
