@@ -8,6 +8,7 @@ Pins: pin or unpin the blocks of a prompt.
 from __future__ import annotations
 
 import collections
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -141,6 +142,10 @@ class AdminApi:
                 **{name: percentiles_us(values) for name, values in samples.items()},
             }
         )
+        if self.fleet is not None:
+            response = JSONResponse(
+                {**json.loads(bytes(response.body)), "shared_state": self.fleet.status()}
+            )
         if request.query_params.get("reset_latency"):
             for values in samples.values():
                 values.clear()

@@ -190,6 +190,8 @@ class FleetLink:
                 keys = np.asarray(chain, dtype=np.uint64)
                 self._plane.pin(keys)
                 self._pins[key] = keys
+            if len(chains) < len(new):  # a chain not written yet: again at the next poll
+                return False
         for key in [k for k in self._pins if k not in cfg.pins]:
             self._plane.unpin(self._pins.pop(key))
         return True
@@ -222,13 +224,14 @@ class FleetLink:
         if not len(keys):
             return {"pinned": 0, "shared": False}
         last = int(keys[-1])
+        # the chain first: a replica that sees the pin finds the blocks to pin
+        await self.state.put_pin_chain(last, [int(k) for k in keys])
         out = await self.state.pin(last, tenant, ttl_s)
         if isinstance(out, LocalFallback):
             self._pin_here(last, keys)
             return {"pinned": len(keys), "shared": False}
         if not out.pinned:
             return {"pinned": 0, "shared": True, "owner": out.owner}
-        await self.state.put_pin_chain(last, [int(k) for k in keys])
         self._pin_here(last, keys)
         return {"pinned": len(keys), "shared": True}
 
@@ -250,6 +253,19 @@ class FleetLink:
         if last not in self._pins:
             self._plane.pin(keys)
             self._pins[last] = keys
+
+    def status(self) -> dict[str, Any]:
+        """For /admin/index: this replica's link to the fleet."""
+        return {
+            "url": self.config.state,
+            "prefix": self.state.prefix,
+            "replica": self.state.replica,
+            "redis_in_use": self.state.healthy,
+            "config_version": self._version,
+            "pins": len(self._pins),
+            "fleet_engines": len(self._fleet_engines),
+            "own_bookings": self.routing.in_flight if hasattr(self, "routing") else 0,
+        }
 
     # -- metrics -------------------------------------------------------------------------
 

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import threading
 import time
 import uuid
@@ -17,7 +19,7 @@ import openai
 import pytest
 
 from quillcache.state import LocalFallback, RedisFleetState, SharedLoad
-from quillcache.up import Proc
+from quillcache.up import LaunchError, Proc, launch
 from tests.online.conftest import ADMIN, Stack, metric
 from tests.online.helpers import http_get, wait_for
 from tests.state.server import RedisServer
@@ -252,7 +254,11 @@ def test_redis_stopped_and_restarted_under_load(fleet: Fleet) -> None:
             wait_for(lambda: fleet.in_flight() >= 4, 5.0, "the streams booked in Redis")
             fleet.redis.stop()
             for r in replicas:
-                wait_for(lambda r=r: scrape(r, "quillcache_state_up") == 0, 5.0, "fail open")
+                wait_for(
+                    functools.partial(lambda r: scrape(r, "quillcache_state_up") == 0, r),
+                    5.0,
+                    "fail open",
+                )
             before = {r.url: answered[r.url] for r in replicas}
             wait_for(
                 lambda: all(answered[r.url] >= before[r.url] + 5 for r in replicas),
@@ -265,7 +271,11 @@ def test_redis_stopped_and_restarted_under_load(fleet: Fleet) -> None:
             assert all(f > 0 for f in fallbacks), fallbacks
             fleet.redis.start(same_port=True)  # empty: no persistence
             for r in replicas:
-                wait_for(lambda r=r: scrape(r, "quillcache_state_up") == 1, 5.0, "reconnected")
+                wait_for(
+                    functools.partial(lambda r: scrape(r, "quillcache_state_up") == 1, r),
+                    5.0,
+                    "reconnected",
+                )
                 assert scrape(r, "quillcache_state_reconnects_total") >= 1
             shared_before = [
                 scrape(r, 'quillcache_state_bookings_total{outcome="shared"}') for r in replicas
@@ -289,3 +299,85 @@ def test_redis_stopped_and_restarted_under_load(fleet: Fleet) -> None:
         assert [f.result() for f in streams] == [700] * 4
     assert not errors, errors[:3]
     wait_for(lambda: fleet.in_flight() == 0, 5.0, "every booking released")
+
+
+def workers_of(fleet: Fleet, proc: Proc) -> dict[str, dict[str, object]]:
+    with fleet.admin(proc) as a:
+        return {w["url"]: w for w in a.get("/admin/workers").json()["workers"]}
+
+
+def pins_of(fleet: Fleet, proc: Proc) -> int:
+    """The fleet's pins this replica applied to its index."""
+    with fleet.admin(proc) as a:
+        return int(a.get("/admin/index").json()["shared_state"]["pins"])
+
+
+def test_admin_changes_reach_every_replica(fleet: Fleet) -> None:
+    e0, e1 = fleet.stack.engine(), fleet.stack.engine()
+    a, b = fleet.replica(), fleet.replica()
+    with fleet.admin(a) as admin:
+        ids = {w["url"]: w["id"] for w in admin.get("/admin/workers").json()["workers"]}
+        r = admin.post(f"/admin/workers/{ids[e1.url]}/drain", json={"draining": True})
+        assert r.status_code == 200 and r.json()["shared"] is True
+        pinned = {"model": "sim-model", "prompt": prompt("pinned", blocks=6)}
+        r = admin.post("/admin/pins", json=pinned)
+        assert r.status_code == 200 and r.json() == {"pinned": 6, "shared": True}
+        e2 = fleet.stack.engine()
+        r = admin.post("/admin/workers", json={"url": e2.url})
+        assert r.status_code == 201 and r.json()["shared"] is True
+    wait_for(lambda: workers_of(fleet, b)[e1.url]["draining"] is True, 5.0, "drain seen by b")
+    wait_for(lambda: e2.url in workers_of(fleet, b), 5.0, "the added engine seen by b")
+    wait_for(lambda: pins_of(fleet, b) == 1, 5.0, "the pin seen by b")
+    # b routes around the engine a drained
+    oa = client(b.url)
+    names = fleet.urls_by_id(b)
+    for i in range(6):
+        raw = oa.completions.with_raw_response.create(
+            model="sim-model", prompt=prompt(f"d{i}"), max_tokens=2
+        )
+        assert names[raw.headers["x-quillcache-worker"]] != e1.url
+    # a replica started later finds the fleet as the admin API left it
+    c = fleet.replica()
+    seen = workers_of(fleet, c)
+    assert seen[e1.url]["draining"] is True and e2.url in seen and e0.url in seen
+    assert pins_of(fleet, c) == 1
+    # and the undoing travels too
+    with fleet.admin(b) as admin:
+        ids = {w["url"]: w["id"] for w in admin.get("/admin/workers").json()["workers"]}
+        admin.post(f"/admin/workers/{ids[e1.url]}/drain", json={"draining": False})
+        r = admin.request("DELETE", "/admin/pins", json=pinned)
+        assert r.status_code == 200 and r.json()["unpinned"] == 6
+        assert admin.delete(f"/admin/workers/{ids[e2.url]}").json()["shared"] is True
+    for p in (a, c):
+        wait_for(
+            functools.partial(lambda p: workers_of(fleet, p)[e1.url]["draining"] is False, p),
+            5.0,
+            "undrain",
+        )
+        wait_for(
+            functools.partial(lambda p: e2.url not in workers_of(fleet, p), p),
+            5.0,
+            "engine removal",
+        )
+        wait_for(functools.partial(lambda p: pins_of(fleet, p) == 0, p), 5.0, "unpin")
+
+
+def test_start_up_refuses_what_cannot_work_with_replicas(fleet: Fleet) -> None:
+    e = fleet.stack.engine()
+    fleet.replica()
+    # an engine whose publisher connects to one gateway cannot serve several replicas
+    bound = {"url": e.url, "kv_endpoint": "tcp://127.0.0.1:5999", "kv_bind": True}
+    path = fleet.tmp / "bound.json"
+    path.write_text(json.dumps({**fleet.config(), "workers": [bound], "tokenizer": "builtin"}))
+    with pytest.raises(LaunchError) as refused:
+        launch("bound", ["gateway", "--port", "0", "--config", str(path)], fleet.tmp)
+    assert "exit 2" in str(refused.value)
+    assert "kv_bind: true" in str(refused.value) and "bind their KV-event socket" in str(
+        refused.value
+    )
+    # another fleet's secret: the replica refuses, saying what to do
+    with pytest.raises(LaunchError) as refused:
+        fleet.replica(secret_file=str(fleet.tmp / "another-secret.json"))
+    assert "exit 2" in str(refused.value)
+    text = str(refused.value)
+    assert "is not the one fleet" in text and "give every replica of a fleet the same" in text
