@@ -1,8 +1,10 @@
-"""`quillcache up --engines N`: N simulated engines and a gateway on 127.0.0.1.
+"""`quillcache up --engines N [--replicas R]`: N simulated engines and a gateway (or R
+gateway replicas sharing their state through a `redis-server`) on 127.0.0.1.
 
-The processes are real (`quillcache engine-sim`, `quillcache gateway`) and announce
-their addresses through a ready file, so nothing here guesses ports. The same
-launcher is used by the end-to-end tests.
+The processes are real (`quillcache engine-sim`, `quillcache gateway`, `redis-server`)
+and announce their addresses through a ready file (Redis: a PING), so nothing here
+guesses ports. The engines bind their KV-event sockets and every replica subscribes to
+every engine. The same launcher is used by the end-to-end tests.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -166,6 +170,109 @@ def stack(
             tmp.cleanup()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pings(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def launch_redis(workdir: Path, timeout_s: float = 10.0) -> Proc:
+    """A `redis-server` on a free 127.0.0.1 port, without persistence, evicting nothing
+    (the shared state's sums must not lose a key: docs/state.md)."""
+    binary = shutil.which("redis-server") or shutil.which("valkey-server")
+    if binary is None:
+        raise LaunchError(
+            "redis-server is not installed: `apt-get install redis-server` (or valkey-server)"
+        )
+    for _attempt in range(5):
+        port = _free_port()
+        log_path = workdir / f"redis-{port}.log"
+        popen = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(workdir),
+                "--logfile",
+                str(log_path),
+                "--maxmemory-policy",
+                "noeviction",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and popen.poll() is None:
+            if _pings(port):
+                ready = {"url": f"redis://127.0.0.1:{port}/0", "port": port}
+                return Proc("redis", popen, ready, log_path)
+            time.sleep(0.02)
+        if popen.poll() is None:
+            popen.kill()
+            popen.wait(timeout=5)
+        tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+        if "Address already in use" not in tail:
+            raise LaunchError(f"redis-server did not start:\n{tail}")
+    raise LaunchError("redis-server: no free port after 5 attempts")
+
+
+@contextlib.contextmanager
+def fleet_stack(
+    engines: int,
+    replicas: int,
+    *,
+    workdir: Path,
+    engine_extra: Sequence[str] = (),
+    gateway_extra: Sequence[str] = (),
+    time_scale: float = 1.0,
+    model: str = "sim-model",
+) -> Iterator[tuple[Proc, list[Proc], list[Proc]]]:
+    """Redis, N engines and R gateway replicas of one fleet (`--state redis://...`, one
+    secret file); every process is killed on exit, whatever happened."""
+    procs: list[Proc] = []
+    try:
+        redis = launch_redis(workdir)
+        procs.append(redis)
+        started = [
+            launch(
+                f"engine{i}", engine_args(model, time_scale=time_scale, extra=engine_extra), workdir
+            )
+            for i in range(engines)
+        ]
+        procs += started
+        shared = ["--state", redis.url, "--secret-file", str(workdir / "gateway-secret.json")]
+        gateways = []
+        for i in range(replicas):  # one after the other: the first writes the secret
+            g = launch(
+                f"gateway{i}",
+                gateway_args([p.url for p in started], extra=[*shared, *gateway_extra]),
+                workdir,
+            )
+            procs.append(g)
+            gateways.append(g)
+        yield redis, started, gateways
+    finally:
+        for p in procs:
+            p.kill()
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -173,6 +280,13 @@ def _interrupt(signum: int, frame: object) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--engines", type=int, default=2, help="how many simulated engines")
+    a(
+        "--replicas",
+        type=int,
+        default=1,
+        help="gateway replicas; above 1 they share their state through a redis-server "
+        "started here (it must be installed)",
+    )
     a("--model", default="sim-model", help="the model name the engines serve")
     a("--router", default="quillcache", help="the gateway's router (a name or 'pkg.module:Class')")
     a("--time-scale", type=float, default=1.0, help="engine latency multiplier")
@@ -185,46 +299,86 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.engines < 1:
-        print("up: --engines must be at least 1", file=sys.stderr)
+    if args.engines < 1 or args.replicas < 1:
+        print("up: --engines and --replicas must be at least 1", file=sys.stderr)
         return 2
     # SIGTERM (systemd, `timeout`, CI) must stop the children too: make it unwind like Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
     admin_token = args.admin_token or secrets.token_urlsafe(24)
     # to the gateway through its environment, not its command line (`ps` shows that)
     os.environ[ADMIN_TOKEN_ENV] = admin_token
-    workdir = Path(args.workdir) if args.workdir else None
-    if workdir is not None:
+    tmp = None
+    if args.workdir:
+        workdir = Path(args.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="quillcache-up-")
+        workdir = Path(tmp.name)
     try:
-        with stack(
-            args.engines,
-            workdir=workdir,
-            time_scale=args.time_scale,
-            model=args.model,
-            gateway_extra=["--router", args.router],
-        ) as (engines, gateway):
-            print(f"{len(engines)} engine simulator(s):")
-            for e in engines:
-                print(f"  {e.url}   (KV events {e.ready.get('kv_endpoint')})")
-            print(f"gateway: {gateway.url}   (router {args.router})")
-            if args.admin_token is None:
-                print(f"admin token (printed once, not stored): {admin_token}")
-            print()
-            print("Try:")
-            print(
-                f"  curl -s {gateway.url}/v1/completions -H 'content-type: application/json' "
-                f'-d \'{{"model": "{args.model}", "prompt": "Hello", "max_tokens": 8}}\''
-            )
-            print(f"  curl -s {gateway.url}/metrics | grep quillcache_")
-            print(f"  curl -s -H 'Authorization: Bearer {admin_token}' {gateway.url}/admin/workers")
-            print(f"  quillcache loadgen --url {gateway.url} --requests 200 --concurrency 16\n")
-            print("Ctrl-C stops everything.", flush=True)
-            while all(p.alive() for p in [*engines, gateway]):
+        with contextlib.ExitStack() as running:
+            redis: Proc | None = None
+            if args.replicas > 1:
+                redis, engines, gateways = running.enter_context(
+                    fleet_stack(
+                        args.engines,
+                        args.replicas,
+                        workdir=workdir,
+                        time_scale=args.time_scale,
+                        model=args.model,
+                        gateway_extra=["--router", args.router],
+                    )
+                )
+            else:
+                engines, gateway = running.enter_context(
+                    stack(
+                        args.engines,
+                        workdir=workdir,
+                        time_scale=args.time_scale,
+                        model=args.model,
+                        gateway_extra=["--router", args.router],
+                    )
+                )
+                gateways = [gateway]
+            _announce(args, engines, gateways, redis, admin_token)
+            everything = [*engines, *gateways, *([redis] if redis is not None else [])]
+            while all(p.alive() for p in everything):
                 time.sleep(0.5)
-            dead = [p.name for p in [*engines, gateway] if not p.alive()]
+            dead = [p.name for p in everything if not p.alive()]
             print(f"up: {', '.join(dead)} exited; stopping the rest", file=sys.stderr)
             return 1
     except LaunchError as exc:
         print(f"up: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _announce(
+    args: argparse.Namespace,
+    engines: list[Proc],
+    gateways: list[Proc],
+    redis: Proc | None,
+    admin_token: str,
+) -> None:
+    print(f"{len(engines)} engine simulator(s):")
+    for e in engines:
+        print(f"  {e.url}   (KV events {e.ready.get('kv_endpoint')})")
+    if redis is not None:
+        print(f"shared state: {redis.url}   (redis-server)")
+    for i, g in enumerate(gateways):
+        replica = f"replica {i}, " if len(gateways) > 1 else ""
+        print(f"gateway: {g.url}   ({replica}router {args.router})")
+    url = gateways[0].url
+    if args.admin_token is None:
+        print(f"admin token (printed once, not stored): {admin_token}")
+    print()
+    print("Try:")
+    print(
+        f"  curl -s {url}/v1/completions -H 'content-type: application/json' "
+        f'-d \'{{"model": "{args.model}", "prompt": "Hello", "max_tokens": 8}}\''
+    )
+    print(f"  curl -s {url}/metrics | grep quillcache_")
+    print(f"  curl -s -H 'Authorization: Bearer {admin_token}' {url}/admin/workers")
+    print(f"  quillcache loadgen --url {url} --requests 200 --concurrency 16\n")
+    print("Ctrl-C stops everything.", flush=True)

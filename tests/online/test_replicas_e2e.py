@@ -6,6 +6,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -381,3 +386,58 @@ def test_start_up_refuses_what_cannot_work_with_replicas(fleet: Fleet) -> None:
     assert "exit 2" in str(refused.value)
     text = str(refused.value)
     assert "is not the one fleet" in text and "give every replica of a fleet the same" in text
+
+
+def test_up_starts_a_fleet_of_replicas_in_one_command(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "quillcache", "up", "--engines", "2", "--replicas", "3",
+         "--workdir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    gateways: list[str] = []
+    redis_url = ""
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("gateway:"):
+                gateways.append(line.split()[1])
+            elif line.startswith("shared state:"):
+                redis_url = line.split()[2]
+            elif line.startswith("Ctrl-C"):
+                break
+        assert len(gateways) == 3 and redis_url.startswith("redis://127.0.0.1:"), gateways
+        for i, url in enumerate(gateways):
+            out = client(url).completions.create(
+                model="sim-model", prompt=f"hello replica {i}", max_tokens=3
+            )
+            assert out.choices[0].text
+            page = http_get(url + "/metrics").text
+            assert metric(page, "quillcache_state_up") == 1
+            assert metric(page, 'quillcache_state_bookings_total{outcome="shared"}') == 1
+            assert metric(page, "quillcache_kv_sources_caught_up") == 2  # every engine's
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+
+    def all_down() -> bool:
+        for url in gateways:
+            try:
+                httpx.get(url + "/health", timeout=1)
+                return False
+            except httpx.HTTPError:
+                continue
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return False
+        except OSError:
+            return True
+
+    wait_for(all_down, 10.0, "the replicas and redis to stop")
