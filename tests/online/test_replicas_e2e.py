@@ -211,10 +211,21 @@ def test_a_replica_killed_mid_stream_leaves_no_load_and_no_trace(fleet: Fleet) -
         for e in started:
             assert e.wait(20)
         assert fleet.in_flight() == 2 * n
+        # the survivor's routers see the whole fleet's bookings, not only its own
+        wait_for(
+            lambda: scrape(survivor, "quillcache_worker_in_flight") == 2 * n,
+            2.0,
+            "the fleet's load in the survivor's view",
+        )
         doomed.kill()  # SIGKILL: no goodbye, its lease left to lapse
         killed = time.monotonic()
         wait_for(lambda: fleet.in_flight() == n, LEASE_TTL_S + 1.5, "the dead replica's load gone")
         gone_after = time.monotonic() - killed
+        wait_for(
+            lambda: scrape(survivor, "quillcache_worker_in_flight") == n,
+            1.0,
+            "the dead replica's load out of the survivor's view",
+        )
         assert not any(f.done() for f in theirs), "the survivor's streams ended too early"
         # the survivor's clients see nothing: every stream whole
         assert [f.result() for f in theirs] == [300] * n
