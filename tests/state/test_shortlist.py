@@ -1,0 +1,77 @@
+"""The booking step's inputs, built from a router's view: the shortlist and its ceilings
+(`quillcache.state.shortlist`), and the plane's view of the fleet's booked load
+(`quillcache.state.load_store`)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from quillcache.controlplane.load import DECODES, IN_FLIGHT, MEAN_CONTEXT, QUEUED
+from quillcache.costmodel import CostModel
+from quillcache.errors import ConfigError
+from quillcache.routing.types import View, WorkerView
+from quillcache.state import EngineKey, SharedLoad
+from quillcache.state.load_store import SharedLoadStore
+from quillcache.state.shortlist import ShortlistPolicy, anchors, build_shortlist, prefill_tokens
+
+
+def view(*workers: WorkerView) -> View:
+    return View(list(workers), 16, CostModel())
+
+
+def test_the_choice_first_then_longest_prefix_then_least_loaded() -> None:
+    v = view(
+        WorkerView(0, in_flight=1),
+        WorkerView(1, in_flight=5, gpu_blocks=8),
+        WorkerView(2, in_flight=0),
+        WorkerView(3, in_flight=2, pending_blocks=4),
+        WorkerView(4, in_flight=9),
+    )
+    s = build_shortlist(v, 4, 0, 8, ShortlistPolicy(size=4, cache_slack=4.0))
+    assert [c.engine.engine for c in s.candidates] == [4, 1, 3, 2]
+    assert s.cached_blocks == [0, 8, 4, 0]
+    # ceiling: what the replica saw + 1, + the slack in proportion to the prefix held
+    assert [c.ceiling for c in s.candidates] == [10.0, 10.0, 5.0, 1.0]
+
+
+def test_a_choice_outside_the_view_is_still_first_and_never_too_loaded() -> None:
+    s = build_shortlist(view(WorkerView(0), WorkerView(1)), 7, 1, 4, ShortlistPolicy(size=2))
+    assert s.candidates[0].engine == EngineKey(7, 1) and math.isinf(s.candidates[0].ceiling)
+    assert len(s.candidates) == 2
+
+
+def test_policy_and_helpers() -> None:
+    with pytest.raises(ConfigError):
+        ShortlistPolicy(size=0)
+    with pytest.raises(ConfigError):
+        ShortlistPolicy(cache_slack=-1)
+    keys = np.arange(10, 20, dtype=np.uint64)  # 10 blocks
+    assert anchors(keys) == [(10, 1), (11, 2), (13, 4), (17, 8), (19, 10)]
+    assert anchors(keys[:0]) == []
+    assert prefill_tokens(100, 3, 16) == 52 and prefill_tokens(10, 3, 16) == 1
+
+
+def test_the_store_keeps_the_engines_gauges_above_the_booked_load() -> None:
+    store = SharedLoadStore(rows=1)
+    rows = {EngineKey(5, 0): 0, EngineKey(5, 1): 1}
+    store.bind(rows.get)
+    for r in (0, 1):
+        store.add(r)
+    store.own_booked(EngineKey(5, 0), 100)
+    assert store.value(0, IN_FLIGHT) == 1 and store.value(0, QUEUED) == 100
+    store.report(0, IN_FLIGHT, 3.0)  # the scrape merge put the engine's count on top
+    store.apply_snapshot({EngineKey(5, 0): SharedLoad(4, 400, 0, 0)})  # the fleet's
+    assert store.value(0, IN_FLIGHT) == 6  # moved by the booked difference (1 -> 4)
+    assert store.booked(EngineKey(5, 0)) == SharedLoad(4, 400, 0, 0)
+    store.own_prefilled(EngineKey(5, 0), 100, 300)
+    assert store.value(0, DECODES) == 1 and store.value(0, MEAN_CONTEXT) == 300
+    store.own_released(EngineKey(5, 0), 100, 300, prefilled=True)
+    assert store.booked(EngineKey(5, 0)) == SharedLoad(3, 300, 0, 0)
+    store.apply_snapshot({})  # the fleet holds nothing: back to the engine's part
+    assert store.value(0, IN_FLIGHT) == 2 and store.value(0, QUEUED) == 0
+    store.own_booked(EngineKey(9, 0), 1)  # an engine this replica does not know: ignored
+    store.book(1, 50)  # the plane's own calls are ignored: the booking step books
+    assert store.value(1, IN_FLIGHT) == 0
