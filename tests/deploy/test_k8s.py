@@ -138,10 +138,10 @@ def test_every_quillcache_container_runs_flags_todays_cli_accepts() -> None:
 
 
 def test_a_flag_that_does_not_exist_is_caught() -> None:
-    """The check above can fail: `--state` (multi-replica mode, not built yet) is refused."""
+    """The check above can fail: a flag the gateway does not have is refused."""
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["gateway", "--state", "redis://quillcache-redis:6379"])
-    assert "--state" not in subcommand_flags("gateway")
+        build_parser().parse_args(["gateway", "--peer-snapshot", "http://quillcache-gateway"])
+    assert "--peer-snapshot" not in subcommand_flags("gateway")
 
 
 def test_the_gateway_config_is_valid_and_lists_every_engine(tmp_path: Path) -> None:
