@@ -103,10 +103,10 @@ class SharedLoadStore:
         for key, ld in loads:
             row = self._row_of(key)
             if row is not None and row < len(self._booked):
-                new = np.array(
-                    [[ld.in_flight, ld.queued_prefill_tokens, ld.running_decodes,
-                      ld.context_tokens]], dtype=np.float64)  # fmt: skip
-                self._move(slice(row, row + 1), new)
+                self._move_row(
+                    row, ld.in_flight, ld.queued_prefill_tokens, ld.running_decodes,
+                    ld.context_tokens,
+                )  # fmt: skip
 
     def own_booked(self, key: EngineKey, prefill_tokens: int) -> None:
         self._step(key, n=1, q=prefill_tokens)
@@ -134,8 +134,23 @@ class SharedLoadStore:
         row = self._row_of(key)
         if row is None or row >= len(self._booked):
             return
-        new = self._booked[row : row + 1] + np.array([[n, q, d, c]], dtype=np.float64)
-        self._move(slice(row, row + 1), np.maximum(new, 0.0))
+        b = self._booked[row]
+        self._move_row(
+            row,
+            max(float(b[_N]) + n, 0.0),
+            max(float(b[_Q]) + q, 0.0),
+            max(float(b[_D]) + d, 0.0),
+            max(float(b[_C]) + c, 0.0),
+        )
+
+    def _move_row(self, row: int, n: float, q: float, d: float, c: float) -> None:
+        """`_move` of one row in scalars: a booking moves a few rows, and numpy's
+        per-call overhead on a one-row slice is many times the arithmetic."""
+        b, m = self._booked[row], self._m[row]
+        for col, new, at in ((IN_FLIGHT, n, _N), (QUEUED, q, _Q), (DECODES, d, _D)):
+            m[col] = max(float(m[col]) + new - float(b[at]), 0.0)
+        m[MEAN_CONTEXT] = c / d if d > 0 else 0.0
+        b[_N], b[_Q], b[_D], b[_C] = n, q, d, c
 
     def _move(self, rows: slice, new: npt.NDArray[np.float64]) -> None:
         """Replace the booked part of `rows` by `new`; what the plane reads moves by the

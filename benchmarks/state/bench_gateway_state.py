@@ -1,0 +1,180 @@
+"""What `--state redis://...` costs a gateway, end to end (issue 16 §4): the same
+workload through a gateway with local state and one with shared state, side by side in
+one run, in front of the same engine simulators, with a real `redis-server`.
+
+    python -m benchmarks.state.bench_gateway_state [--engines 4] [--requests 2000] \\
+        [--concurrency 8] [--rounds 3] [--replicas 2] [--json out.json]
+
+Per round, each gateway in turn gets `--requests` non-streamed completions (16-token
+prompts of 8 blocks over 32 prefixes, 2 output tokens) from `--concurrency` client
+threads; shared state runs `--replicas` replicas (the requests spread over them round
+robin) so bookings meet other replicas' load, and the numbers are the replicas' sums.
+Measured per gateway:
+
+- `pre_upstream` p50 (handler entry -> upstream request sent: parse, tokenize, hash,
+  route and, with shared state, the booking), from `/admin/index`; the difference is
+  what the Redis round trip adds to routing;
+- the booking's own round trip p50, from `quillcache_state_booking_seconds`;
+- the gateway processes' CPU time per request (`/proc/<pid>/stat` utime + stime),
+  shared against local.
+
+Targets: routing p50 added <= 0.3 ms; CPU per request with shared state <= 1.3x local.
+Run from the repo root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from quillcache.gateway.cli import ADMIN_TOKEN_ENV
+from quillcache.up import Proc, engine_args, gateway_args, launch, launch_redis
+
+ADMIN = "bench-admin"
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+
+
+def prompt(i: int) -> str:
+    text = (f"[p{i % 32:02d}] " + "a context shared by the fleet " * 10)[:128]
+    return text
+
+
+def run_load(urls: list[str], requests: int, concurrency: int) -> None:
+    clients = [httpx.Client(base_url=u, timeout=30.0) for u in urls]
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        r = clients[i % len(clients)].post(
+            "/v1/completions", json={"model": "sim-model", "prompt": prompt(i), "max_tokens": 2}
+        )
+        if r.status_code != 200:
+            with lock:
+                errors.append(f"{r.status_code} {r.text[:200]}")
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, range(requests)))
+    for c in clients:
+        c.close()
+    if errors:
+        raise SystemExit(f"{len(errors)} requests failed, e.g. {errors[0]}")
+
+
+def admin_index(url: str, reset: bool = False) -> dict[str, Any]:
+    r = httpx.get(
+        url + "/admin/index" + ("?reset_latency=1" if reset else ""),
+        headers={"authorization": f"Bearer {ADMIN}"},
+        timeout=10,
+    )
+    r.raise_for_status()
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def booking_p50_us(url: str) -> float | None:
+    """The median of quillcache_state_booking_seconds, from its buckets (upper bound)."""
+    page = httpx.get(url + "/metrics", timeout=10).text
+    buckets = []
+    for line in page.splitlines():
+        if line.startswith("quillcache_state_booking_seconds_bucket"):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float(bound), float(line.rsplit(" ", 1)[1])))
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    total = buckets[-1][1]
+    for upper, n in buckets:
+        if n >= total / 2:
+            return upper * 1e6
+    return None
+
+
+def measure(gateways: list[Proc], args: argparse.Namespace) -> dict[str, float]:
+    urls = [g.url for g in gateways]
+    for u in urls:
+        admin_index(u, reset=True)
+    before = sum(cpu_s(g.popen.pid) for g in gateways)
+    started = time.perf_counter()
+    run_load(urls, args.requests, args.concurrency)
+    wall = time.perf_counter() - started
+    cpu = sum(cpu_s(g.popen.pid) for g in gateways) - before
+    p50s = [admin_index(u)["pre_upstream_us"]["p50"] for u in urls]
+    return {
+        "pre_upstream_p50_us": statistics.median(p50s),
+        "cpu_per_request_us": cpu / args.requests * 1e6,
+        "requests_per_s": args.requests / wall,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engines", type=int, default=4)
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    os.environ[ADMIN_TOKEN_ENV] = ADMIN
+    work = Path(tempfile.mkdtemp(prefix="bench-gateway-state-"))
+    procs: list[Proc] = []
+    try:
+        redis = launch_redis(work)
+        procs.append(redis)
+        engines = [launch(f"engine{i}", engine_args(), work) for i in range(args.engines)]
+        procs += engines
+        urls = [e.url for e in engines]
+        common = ["--tokenizer", "builtin", "--secret-file", str(work / "secret.json")]
+        local = launch("local", gateway_args(urls, extra=common), work)
+        procs.append(local)
+        shared = []
+        for i in range(args.replicas):
+            g = launch(
+                f"shared{i}", gateway_args(urls, extra=[*common, "--state", redis.url]), work
+            )
+            shared.append(g)
+            procs.append(g)
+        run_load([local.url], 200, args.concurrency)  # warm-up
+        run_load([g.url for g in shared], 200, args.concurrency)
+        rows: list[dict[str, Any]] = []
+        for rnd in range(args.rounds):
+            for name, gws in (("local", [local]), ("shared", shared)):
+                m = measure(gws, args)
+                if name == "shared":
+                    p50s = [booking_p50_us(g.url) for g in shared]
+                    m["booking_p50_us_bucket"] = max(v for v in p50s if v is not None)
+                rows.append({"round": rnd, "state": name, **m})
+                print(json.dumps(rows[-1]), flush=True)
+        for rnd in range(args.rounds):
+            lo, sh = (r for r in rows if r["round"] == rnd)
+            added = sh["pre_upstream_p50_us"] - lo["pre_upstream_p50_us"]
+            cpu_sh, cpu_lo = sh["cpu_per_request_us"], lo["cpu_per_request_us"]
+            print(
+                f"round {rnd}: routing p50 added {added:.0f} us, CPU per request "
+                f"{cpu_sh:.0f} / {cpu_lo:.0f} us = {cpu_sh / cpu_lo:.2f}x"
+            )
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+    finally:
+        for proc in procs:
+            proc.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
