@@ -324,15 +324,20 @@ class OpenAIEndpoints:
         dp_rank = decision.dp_rank if decision.dp_rank is not None else 0
         return worker, dp_rank, self.first_byte_limit(route_request, cached_tokens)
 
-    async def route_booked(self, prepared: Prepared) -> tuple[Worker, int, float]:
+    async def route_booked(
+        self, prepared: Prepared, *, cancellable: bool = True
+    ) -> tuple[Worker, int, float]:
         """`route`, then with shared state the booking in Redis, which may move the
-        request to another candidate of the router's shortlist (`shared_routing`)."""
+        request to another candidate of the router's shortlist (`shared_routing`).
+        `cancellable=False`: the caller's task is never cancelled (the native relay)."""
         worker, dp_rank, first_byte_s = self.route(prepared)
         shared = self.shared
         if shared is None:
             return worker, dp_rank, first_byte_s
         try:
-            booked = await shared.book(prepared.route_request, worker.id, dp_rank)
+            booked = await shared.book(
+                prepared.route_request, worker.id, dp_rank, cancellable=cancellable
+            )
         except BaseException:
             self.outcomes.released(prepared.route_request.request_id)
             raise

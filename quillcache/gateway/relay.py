@@ -168,7 +168,9 @@ class RelayHost:
     async def _book_and_forward(self, rid: int, flight: Flight, started: float | None) -> None:
         """`_send`'s shared-state path: route, book, forward; every failure answered."""
         try:
-            worker, dp_rank, first_byte_s = await self.endpoints.route_booked(flight.prepared)
+            worker, dp_rank, first_byte_s = await self.endpoints.route_booked(
+                flight.prepared, cancellable=False
+            )
             self._forward(rid, flight, started, worker, dp_rank, first_byte_s)
         except Exception as exc:
             if self.flights.pop(rid, None) is not None:

@@ -158,9 +158,13 @@ class SharedRouting:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.moved = 0  # bookings that took another candidate than the router's
 
-    async def book(self, request: RouteRequest, worker: int, rank: int) -> BookedRoute:
+    async def book(
+        self, request: RouteRequest, worker: int, rank: int, *, cancellable: bool = True
+    ) -> BookedRoute:
         """Book the request through the shared state; the router's choice (`worker`,
-        `rank`) comes first in the shortlist."""
+        `rank`) comes first in the shortlist. `cancellable=False`: the caller's task is
+        cancelled only at shutdown (the native relay's), when this replica's whole share
+        leaves Redis anyway, so the booking needs no shield."""
         view = self.capture.take()
         blocks = len(request.content_keys)
         if view is not None:
@@ -186,26 +190,28 @@ class SharedRouting:
         # knows which candidate it takes, and a release takes back what was booked
         prefill = prefill_tokens(request.prompt_tokens, short.cached_blocks[0], self.block_size)
         started = time.perf_counter()
-        task = asyncio.ensure_future(
-            self.state.book(
-                bid,
-                cands,
-                prefill_tokens=prefill,
-                context_tokens=request.prompt_tokens,
-                weights=self.policy.weights,
-                session=request.session_id,
-                session_ttl_s=self.session_ttl_s,
-                anchors=anchors(request.content_keys),
-                spec_ttl_s=self.spec_ttl_s,
-            )
+        booking = self.state.book(
+            bid,
+            cands,
+            prefill_tokens=prefill,
+            context_tokens=request.prompt_tokens,
+            weights=self.policy.weights,
+            session=request.session_id,
+            session_ttl_s=self.session_ttl_s,
+            anchors=anchors(request.content_keys),
+            spec_ttl_s=self.spec_ttl_s,
         )
-        try:
-            # shielded: a client leaving mid-booking must not leave a booking that this
-            # replica does not know of (it would stay in Redis until the replica leaves)
-            out = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(lambda t: self._orphan(t, bid))
-            raise
+        if not cancellable:
+            out = await booking
+        else:
+            task = asyncio.ensure_future(booking)
+            try:
+                # shielded: a client leaving mid-booking must not leave a booking that
+                # this replica does not know of (it would stay in Redis until it leaves)
+                out = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                task.add_done_callback(lambda t: self._orphan(t, bid))
+                raise
         key = out.engine
         assert key is not None  # a booking always names an engine
         shared = isinstance(out, Booked)
