@@ -46,10 +46,10 @@ def prompt(tag: str, blocks: int = 8) -> str:
 class Fleet:
     """A Redis, engines and replicas; every process killed at teardown."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, relay: str = "native") -> None:
         self.tmp = tmp
         self.redis = RedisServer("redis-server", tmp).start()
-        self.stack = Stack(tmp)
+        self.stack = Stack(tmp, relay)
         self.prefix = f"t{uuid.uuid4().hex[:8]}"
         self.replicas: list[Proc] = []
 
@@ -114,7 +114,17 @@ def scrape(proc: Proc, name: str) -> float:
     return metric(http_get(proc.url + "/metrics").text, name)
 
 
-def test_replicas_route_a_workload_end_to_end(fleet: Fleet) -> None:
+@pytest.mark.parametrize("relay", ["native", "python"])
+def test_replicas_route_a_workload_end_to_end(tmp_path: Path, relay: str) -> None:
+    """Both data paths book in Redis: the native relay's and the ASGI app's."""
+    fleet = Fleet(tmp_path, relay)
+    try:
+        _route_a_workload(fleet)
+    finally:
+        fleet.close()
+
+
+def _route_a_workload(fleet: Fleet) -> None:
     for _ in range(3):
         fleet.stack.engine()
     replicas = [fleet.replica(router="quillcache") for _ in range(3)]
