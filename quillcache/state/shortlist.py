@@ -7,13 +7,17 @@ holding (or computing) the longest prefix of the request first, then the least l
 Ceilings (the load, in `LoadWeights` units, at or above which a candidate stops being
 preferred) are derived from what this replica *saw* when it decided:
 
-    ceiling = seen + 1 + cache_slack * min(prefix_blocks / request_blocks, 1)
+    the router's choice:  ceiling = seen + 1 + cache_slack * min(prefix_blocks / request_blocks, 1)
+    any other candidate:  ceiling = min(seen, seen of the choice) + 1 + cache_slack * (...)
 
-`seen` is the candidate's load in the view: the fleet's booked load at the last poll of
-Redis, moved by this replica's own bookings since. So a candidate stays preferred while
+`seen` is a candidate's load in the view: the fleet's booked load at the last poll of
+Redis, moved by this replica's own bookings since. So the choice stays preferred while
 at most one request more than this replica counted has landed on it, plus up to
 `cache_slack` more when it holds the request's whole prefix (in proportion to the part
-it holds): a cached prefix is worth some queueing, a cold engine is not.
+it holds): a cached prefix is worth some queueing, a cold engine is not. Another
+candidate is preferred instead only while its load is below what the choice had when
+the router chose it; and when every candidate is at or over its ceiling, the least
+overshoot wins, which for cold candidates is the least load the fleet really has.
 
 Why this spreads a burst: replicas that decide within one poll interval all saw the
 same loads and pick the same engine. The script books them one at a time; the first
@@ -99,9 +103,11 @@ def build_shortlist(
     if chosen < 0:
         out.append(Candidate(EngineKey(worker, dp_rank), math.inf))
         blocks.append(0)
+    chosen_seen = float(scores[chosen]) if chosen >= 0 else math.inf
     for r in rows:
         b = int(cached[r])
-        ceiling = float(scores[r]) + 1.0 + policy.cache_slack * min(b / denom, 1.0)
+        seen = float(scores[r]) if r == chosen else min(float(scores[r]), chosen_seen)
+        ceiling = seen + 1.0 + policy.cache_slack * min(b / denom, 1.0)
         out.append(Candidate(EngineKey(int(c.worker[r]), int(c.dp_rank[r])), ceiling))
         blocks.append(b)
     return Shortlist(out, blocks)

@@ -178,12 +178,14 @@ def burst(fleet: Fleet, gateways: list[Proc], tag: str, n: int = 64) -> list[int
 def test_a_burst_through_four_replicas_spreads_as_one_gateway_does(fleet: Fleet) -> None:
     """No herding: every replica's router sees the same cold engines, the booking step
     spreads the burst as one gateway seeing every booking does (within one request per
-    engine). A router that spreads by load: for cache-affinity routers the derived
-    ceilings do not reproduce one gateway (docs/state.md, "How the gateway uses it")."""
+    engine). A router that spreads by load, with `state_cache_slack` 0: the ceilings then
+    value a cached prefix as the router does, not at all. For cache-affinity routers the
+    derived ceilings do not reproduce one gateway (docs/state.md, "How the gateway uses
+    it")."""
     router = "least-loaded"
     for _ in range(4):
         fleet.stack.engine(time_scale=5.0)  # the burst's requests overlap
-    replicas = [fleet.replica(router=router) for _ in range(4)]
+    replicas = [fleet.replica(router=router, state_cache_slack=0.0) for _ in range(4)]
     spread = burst(fleet, replicas, f"burst-fleet-{router}")
     wait_for(lambda: fleet.in_flight() == 0, 10.0, "the burst's bookings released")
     one = fleet.stack.start_gateway({"router": router})  # local state, on its own

@@ -37,6 +37,14 @@ def test_the_choice_first_then_longest_prefix_then_least_loaded() -> None:
     assert [c.ceiling for c in s.candidates] == [10.0, 10.0, 5.0, 1.0]
 
 
+def test_another_candidate_is_preferred_only_below_the_choices_load() -> None:
+    """A round-robin-like choice that was not the least loaded: the others' ceilings
+    start from the choice's load, so a booking moves only to a less loaded engine."""
+    v = view(WorkerView(0, in_flight=6), WorkerView(1, in_flight=2), WorkerView(2, in_flight=9))
+    s = build_shortlist(v, 0, 0, 8, ShortlistPolicy(size=3, cache_slack=0.0))
+    assert [(c.engine.engine, c.ceiling) for c in s.candidates] == [(0, 7.0), (1, 3.0), (2, 7.0)]
+
+
 def test_a_choice_outside_the_view_is_still_first_and_never_too_loaded() -> None:
     s = build_shortlist(view(WorkerView(0), WorkerView(1)), 7, 1, 4, ShortlistPolicy(size=2))
     assert s.candidates[0].engine == EngineKey(7, 1) and math.isinf(s.candidates[0].ceiling)
