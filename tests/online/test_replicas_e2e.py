@@ -464,3 +464,45 @@ def test_up_starts_a_fleet_of_replicas_in_one_command(tmp_path: Path) -> None:
             return True
 
     wait_for(all_down, 10.0, "the replicas and redis to stop")
+
+
+def test_a_replica_added_under_load_joins_the_fleet(fleet: Fleet) -> None:
+    """A replica started while the others serve: ready once it caught up with every
+    engine, then booking in Redis next to them; nobody's clients see an error."""
+    for _ in range(2):
+        fleet.stack.engine()
+    first = fleet.replica()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    served = Counter[str]()
+
+    def load(url: str) -> None:
+        oa = client(url)
+        i = 0
+        while not stop.is_set():
+            try:
+                oa.completions.create(model="sim-model", prompt=prompt(f"j{i % 7}"), max_tokens=2)
+                served[url] += 1
+            except BaseException as exc:  # every failure is the test's
+                errors.append(exc)
+            i += 1
+
+    with ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(load, first.url)]
+        try:
+            wait_for(lambda: served[first.url] >= 10, 10.0, "load on the first replica")
+            joined = fleet.replica()
+            ready = http_get(joined.url + "/ready")
+            assert ready.status_code == 200, ready.text  # caught up before it serves
+            assert ready.json()["sources"] == {"total": 2, "caught_up": 2}
+            running.append(pool.submit(load, joined.url))
+            wait_for(lambda: served[joined.url] >= 10, 10.0, "load on the new replica")
+            shared = 'quillcache_state_bookings_total{outcome="shared"}'
+            assert scrape(joined, shared) >= 10
+            assert scrape(joined, "quillcache_state_up") == 1
+        finally:
+            stop.set()
+        for f in running:
+            f.result()
+    assert not errors, errors[:3]
+    wait_for(lambda: fleet.in_flight() == 0, 5.0, "every booking released")
