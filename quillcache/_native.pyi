@@ -21,6 +21,7 @@ __all__ = [
     "MAX_MEDIUM_NAME_BYTES",
     "OTHER_MEDIUM",
     "CorruptIndexError",
+    "CostKernel",
     "DurableIndex",
     "EventDecodeError",
     "HashingError",
@@ -469,6 +470,73 @@ class Relay:
         """Let the backend app serve the request as it came."""
     def stop(self) -> None:
         """Stop accepting and close every connection (waits for the relay's thread)."""
+
+@final
+class CostKernel:
+    """The cost-model routers' per-row estimates in one pass (bit-identical to the numpy
+    reference in `quillcache.costmodel` and `quillcache.routing`)."""
+
+    def __new__(
+        cls,
+        *,
+        linear_flops_per_token: float,
+        attn_flops_per_pair: float,
+        flops_per_s: float,
+        overhead_s: float,
+        weight_read_s: float,
+        kv_read_s_per_token: float,
+        chunk_budget: int,
+        block_size: int,
+        kv_bytes_per_token: int,
+        transfer_latency_s: float,
+        cpu_gbps: float,
+        disk_gbps: float,
+        peer_gbps: float,
+        allow_peer_fetch: bool,
+    ) -> Self: ...
+    def load_sums(self, load: npt.NDArray[np.float64]) -> tuple[float, float]:
+        """(running decodes, requests waiting) summed over the rows in order."""
+    def ttft(
+        self,
+        worker: npt.NDArray[np.uint64],
+        load: npt.NDArray[np.float64],
+        gpu: npt.NDArray[np.int64],
+        cpu: npt.NDArray[np.int64],
+        disk: npt.NDArray[np.int64],
+        pending: npt.NDArray[np.int64],
+        blocks: int,
+        prompt_tokens: int,
+        block_size: int,
+    ) -> tuple[int, npt.NDArray[np.float64]]:
+        """(position, estimates): estimated TTFT per row and the row that wins."""
+    def quill(
+        self,
+        worker: npt.NDArray[np.uint64],
+        load: npt.NDArray[np.float64],
+        gpu: npt.NDArray[np.int64],
+        cpu: npt.NDArray[np.int64],
+        disk: npt.NDArray[np.int64],
+        pending: npt.NDArray[np.int64],
+        blocks: int,
+        prompt_tokens: int,
+        block_size: int,
+        *,
+        speculative: bool,
+        interference: bool,
+        work_weight: float,
+        lambda_: float,
+        per_worker_lambda: bool,
+        work_base: float,
+        max_work_weight: float,
+        continuing: bool,
+        continuing_work_weight: float,
+        decode_weight: float,
+        mean_decodes: float,
+        home_decode_weight: float,
+        expected_output_tokens: int,
+        session_batch: npt.NDArray[np.float64] | None,
+    ) -> tuple[int, npt.NDArray[np.float64]]:
+        """(position, estimates): QuillCache's score per row and the row that wins."""
 
 @final
 class PendingPrefixes:

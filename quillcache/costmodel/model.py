@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from quillcache._native import CostKernel
 from quillcache.costmodel.config import CostModelConfig
 
 #: A column of per-worker numbers (counts are exact in float64 below 2**53).
@@ -52,6 +53,29 @@ class CostModel:
         self.overhead_s = c.gpu.step_overhead_s
         self.block_size = c.engine.block_size
         self.chunk_budget = c.engine.max_num_batched_tokens
+        t = c.transfer
+        #: The `*_array` estimates below, as the routers score a fleet with them in one
+        #: pass (`quillcache.routing.kernels`); these methods stay the reference.
+        self.kernel = CostKernel(
+            linear_flops_per_token=self._linear_flops_per_token,
+            attn_flops_per_pair=self._attn_flops_per_pair,
+            flops_per_s=self._flops_per_s,
+            overhead_s=self.overhead_s,
+            weight_read_s=self._weight_read_s,
+            kv_read_s_per_token=self._kv_read_s_per_token,
+            chunk_budget=self.chunk_budget,
+            block_size=self.block_size,
+            kv_bytes_per_token=c.model.kv_bytes_per_token,
+            transfer_latency_s=t.latency_s,
+            cpu_gbps=t.cpu_to_gpu_gbps,
+            disk_gbps=t.disk_to_gpu_gbps,
+            peer_gbps=t.peer_gbps,
+            allow_peer_fetch=t.allow_peer_fetch,
+        )
+
+    def __reduce__(self) -> tuple[type[CostModel], tuple[CostModelConfig]]:
+        # everything derives from the config (the native kernel does not pickle)
+        return (CostModel, (self.config,))
 
     # --- engine step -------------------------------------------------------------
 

@@ -160,6 +160,28 @@ def estimate_ttft_s_array(request: Request, view: View) -> npt.NDArray[np.float6
     )
 
 
+def kernel_rows(
+    view: View,
+) -> tuple[
+    npt.NDArray[np.uint64],
+    npt.NDArray[np.float64],
+    npt.NDArray[np.int64],
+    npt.NDArray[np.int64],
+    npt.NDArray[np.int64],
+    npt.NDArray[np.int64],
+]:
+    """The columns `CostModel.kernel` scores, in its argument order."""
+    c = view.columns
+    return (
+        c.worker,
+        np.ascontiguousarray(c.load),
+        c.gpu_blocks,
+        c.cpu_blocks,
+        c.disk_blocks,
+        c.pending_blocks,
+    )
+
+
 def first_min(*keys: npt.NDArray[np.generic]) -> int:
     """The position of the smallest row by `keys` compared in order (a tuple key), the
     first among equals: `min(range(n), key=lambda i: tuple(k[i] for k in keys))`."""

@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from quillcache.errors import ConfigError
-from quillcache.routing.base import Router, covered_array, first_min
+from quillcache.routing.base import Router, covered_array, first_min, kernel_rows
 from quillcache.routing.types import Decision, Request, View, WorkerView
 
 
@@ -223,6 +223,36 @@ class QuillCacheRouter(Router):
             )
         return extra + ttft
 
+    def scored(self, request: Request, view: View) -> tuple[int, npt.NDArray[np.float64]]:
+        """(position, scores): `estimates` from the cost model's native kernel in one
+        pass over the rows, and the `first_min` over (score, -prefix held or being
+        computed, in flight, id). The same numbers as `estimates`, the readable
+        reference (`tests/routing/test_kernels.py`)."""
+        batch = None
+        if self.home_decode_weight and self._session_decodes:
+            homes = self._session_decodes
+            batch = np.asarray([homes.get(w, 0.0) for w in view.columns.worker.tolist()])
+        return view.cost.kernel.quill(
+            *kernel_rows(view),
+            len(request.content_keys),
+            request.prompt_tokens,
+            view.block_size,
+            speculative=self.speculative,
+            interference=self.interference,
+            work_weight=self.work_weight,
+            lambda_=self._lambda,
+            per_worker_lambda=self.adaptive and self.work_scope == "worker",
+            work_base=self.work_base,
+            max_work_weight=self.max_work_weight,
+            continuing=self._continuing,
+            continuing_work_weight=self.continuing_work_weight,
+            decode_weight=self.decode_weight,
+            mean_decodes=self._mean_decodes,
+            home_decode_weight=self.home_decode_weight,
+            expected_output_tokens=request.expected_output_tokens,
+            session_batch=batch,
+        )
+
     def route(self, request: Request, view: View) -> Decision:
         if not len(view):
             return self.no_workers()
@@ -231,12 +261,12 @@ class QuillCacheRouter(Router):
         c = view.columns
         count = len(c.worker)
         self._lambda = self.work_weight
-        # summed in order, as a loop over the workers adds them
-        self._mean_decodes = sum(c.running_decodes.tolist()) / count
+        # summed in row order, as a loop over the workers adds them
+        decodes, waiting = view.cost.kernel.load_sums(np.ascontiguousarray(c.load))
+        self._mean_decodes = decodes / count
         if self.adaptive and self.work_scope == "cluster":
             # Each second of compute added delays every request that queues behind it:
             # weigh it by how many are waiting per worker right now.
-            waiting = sum(np.maximum(c.in_flight - c.running_decodes, 0).tolist())
             self._lambda = min(
                 self._lambda * (self.work_base + waiting / count),
                 self.max_work_weight,
@@ -245,14 +275,8 @@ class QuillCacheRouter(Router):
         self._continuing = False
         self._session_decodes = {}
         if self.sessions and sid is not None:
-            self._session_load(sid, view)
-        local = c.local_blocks
-        at = first_min(
-            self.estimates(request, view),
-            -np.maximum(local, c.pending_blocks),
-            c.in_flight,
-            c.worker,
-        )
+            self._session_load(sid, view, decodes)
+        at, _ = self.scored(request, view)
         best = view.worker_at(at)
         if self.sessions and sid is not None:
             self._homes[sid] = (best.worker, view.now_s)
@@ -270,7 +294,7 @@ class QuillCacheRouter(Router):
         reused = np.minimum(local, n) * bs - self.pressure_weight * c.queued_prefill_tokens
         return view.worker_at(first_min(-reused, c.in_flight, c.worker))
 
-    def _session_load(self, sid: str, view: View) -> None:
+    def _session_load(self, sid: str, view: View, decodes: float) -> None:
         """Forget sessions idle for longer than the TTL, take this one out of its home
         (it is being placed now) and, for a new session, estimate the decodes each
         worker's live sessions bring: live sessions x decodes per live session."""
@@ -290,5 +314,5 @@ class QuillCacheRouter(Router):
         ids = view.columns.worker.tolist()
         total = sum(live.get(w, 0) for w in ids)
         if total:
-            per_session = sum(view.columns.running_decodes.tolist()) / total
+            per_session = decodes / total
             self._session_decodes = {w: live.get(w, 0) * per_session for w in ids}

@@ -8,17 +8,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from quillcache.routing.base import Router, estimate_ttft_s_array, first_min, plan_and_estimate
+from quillcache.routing.base import Router, kernel_rows, plan_and_estimate
 from quillcache.routing.types import Decision, Request, View
 
 
 def lowest_ttft_at(request: Request, view: View) -> int:
     """The position of the lowest estimated TTFT; ties (short prompts cost one weight
     read wherever they go) go to the longer cached prefix, then the fewer requests in
-    flight, then the lower id."""
-    c = view.columns
-    local = c.local_blocks
-    return first_min(estimate_ttft_s_array(request, view), -local, c.in_flight, c.worker)
+    flight, then the lower id.
+
+    Scored by the cost model's native kernel in one pass over the rows: the same
+    numbers as `first_min(estimate_ttft_s_array(request, view), -local, in_flight,
+    worker)`, the readable reference (`tests/routing/test_kernels.py`)."""
+    at, _ = view.cost.kernel.ttft(
+        *kernel_rows(view), len(request.content_keys), request.prompt_tokens, view.block_size
+    )
+    return at
 
 
 class MooncakeConductor(Router):

@@ -7,6 +7,7 @@
 //! * [`backends`]: the index over key-value stores (RocksDB, Holt) for the ART-vs-LSM study.
 //! * [`persist`]: write-ahead log, snapshots, the crash-safe index (docs/persistence.md).
 //! * [`speculative`]: the prefixes being computed on workers, until their events arrive.
+//! * [`scoring`]: the cost-model routers' per-row estimates, bit-identical to numpy's.
 //!
 //! The binding crate (`rust/python`) only converts types and releases the GIL.
 
@@ -16,5 +17,6 @@ pub mod events;
 pub mod index;
 pub mod namespace;
 pub mod persist;
+pub mod scoring;
 pub mod speculative;
 pub mod vllm_hash;

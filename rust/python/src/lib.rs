@@ -13,6 +13,7 @@ mod kv_index;
 mod matches;
 mod reads;
 mod relay;
+mod scoring;
 mod speculative;
 
 #[pymodule]
@@ -26,5 +27,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     kv_index::register(m)?;
     relay::register(m)?;
     speculative::register(m)?;
+    scoring::register(m)?;
     Ok(())
 }

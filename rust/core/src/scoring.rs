@@ -1,0 +1,490 @@
+//! Scoring kernels for the cost-model routers: one pass over a fleet's rows instead of
+//! some fifty numpy operations, each of which costs more per call than the whole row
+//! loop does.
+//!
+//! The Python routers' numpy expressions (`quillcache.costmodel.CostModel`'s `*_array`
+//! methods, `quillcache.routing.base.estimate_ttft_s_array`,
+//! `QuillCacheRouter.estimates`) stay the readable reference; every function here is
+//! their element-wise translation, operation for operation and in the same order, so the
+//! results are bit-identical (`tests/routing/test_kernels.py` checks it over random
+//! fleets). Three numpy behaviours are reproduced on purpose: `np.maximum`/`np.minimum`
+//! propagate NaN, float `//` is numpy's `npy_floor_divide`, and integers enter float
+//! arithmetic converted to `f64` at the operation where numpy promotes them.
+
+/// Columns of a row of the load matrix (`quillcache.routing.types.LOAD_FIELDS`).
+pub const IN_FLIGHT: usize = 0;
+pub const QUEUED_PREFILL_TOKENS: usize = 1;
+pub const RUNNING_DECODES: usize = 2;
+pub const MEAN_CONTEXT_TOKENS: usize = 4;
+/// Fields per row of the load matrix.
+pub const LOAD_WIDTH: usize = 5;
+
+/// The constants `CostModel` derives from its configuration.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CostParams {
+    pub linear_flops_per_token: f64,
+    pub attn_flops_per_pair: f64,
+    pub flops_per_s: f64,
+    pub overhead_s: f64,
+    pub weight_read_s: f64,
+    pub kv_read_s_per_token: f64,
+    /// The engine's chunked-prefill token budget per step.
+    pub chunk_budget: i64,
+    /// The engine's block size, for the bytes a transfer moves.
+    pub block_size: i64,
+    pub kv_bytes_per_token: i64,
+    pub transfer_latency_s: f64,
+    pub cpu_gbps: f64,
+    pub disk_gbps: f64,
+    pub peer_gbps: f64,
+    pub allow_peer_fetch: bool,
+}
+
+/// A fleet's rows, in view order: ids, the load matrix (`LOAD_WIDTH` per row, row-major)
+/// and the longest prefix of the request per tier, plus the blocks being computed.
+#[derive(Debug, Clone, Copy)]
+pub struct Rows<'a> {
+    pub worker: &'a [u64],
+    pub load: &'a [f64],
+    pub gpu: &'a [i64],
+    pub cpu: &'a [i64],
+    pub disk: &'a [i64],
+    pub pending: &'a [i64],
+}
+
+/// Why `Rows` cannot be scored.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RowsError {
+    #[error("the columns disagree on the number of rows: {0}")]
+    Lengths(String),
+    #[error("there are no rows to choose from")]
+    Empty,
+}
+
+impl Rows<'_> {
+    pub fn len(&self) -> usize {
+        self.worker.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.worker.is_empty()
+    }
+
+    fn check(&self, session_batch: Option<&[f64]>) -> Result<(), RowsError> {
+        let n = self.worker.len();
+        let lens = [
+            self.load.len() / LOAD_WIDTH,
+            self.gpu.len(),
+            self.cpu.len(),
+            self.disk.len(),
+            self.pending.len(),
+            session_batch.map_or(n, <[f64]>::len),
+        ];
+        if !self.load.len().is_multiple_of(LOAD_WIDTH) || lens.iter().any(|&l| l != n) {
+            return Err(RowsError::Lengths(format!(
+                "{n} ids, {} load values, tiers/pending/batch {:?}",
+                self.load.len(),
+                &lens[1..]
+            )));
+        }
+        if n == 0 {
+            return Err(RowsError::Empty);
+        }
+        Ok(())
+    }
+
+    fn field(&self, row: usize, field: usize) -> f64 {
+        self.load[row * LOAD_WIDTH + field]
+    }
+
+    fn local(&self, row: usize) -> i64 {
+        self.gpu[row].max(self.cpu[row]).max(self.disk[row])
+    }
+}
+
+/// What the estimates need of the request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Ask {
+    /// Its blocks (`len(request.content_keys)`).
+    pub blocks: i64,
+    pub prompt_tokens: i64,
+    /// The view's block size (tokens per block of the index).
+    pub block_size: i64,
+}
+
+/// `QuillCacheRouter`'s knobs and the per-request state its `route` sets before scoring.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QuillKnobs {
+    pub speculative: bool,
+    pub interference: bool,
+    /// 0: the work term is off.
+    pub work_weight: f64,
+    /// The request's work weight (`_lambda`) when it is one number for the fleet.
+    pub lambda: f64,
+    /// `adaptive and work_scope == "worker"`: the weight is per row, from its queue.
+    pub per_worker_lambda: bool,
+    pub work_base: f64,
+    pub max_work_weight: f64,
+    /// A session seen within the TTL.
+    pub continuing: bool,
+    pub continuing_work_weight: f64,
+    /// 0: no decode pile-up term.
+    pub decode_weight: f64,
+    pub mean_decodes: f64,
+    pub home_decode_weight: f64,
+    pub expected_output_tokens: i64,
+}
+
+/// `np.maximum` on floats: NaN wins.
+fn maximum(a: f64, b: f64) -> f64 {
+    if a >= b || a.is_nan() {
+        a
+    } else {
+        b
+    }
+}
+
+/// `np.minimum` on floats: NaN wins.
+fn minimum(a: f64, b: f64) -> f64 {
+    if a <= b || a.is_nan() {
+        a
+    } else {
+        b
+    }
+}
+
+/// numpy's float `a // b` (`npy_floor_divide`, by way of `npy_divmod`).
+fn floor_divide(a: f64, b: f64) -> f64 {
+    if b == 0.0 {
+        return a / b;
+    }
+    let rem = a % b;
+    let mut div = (a - rem) / b;
+    if rem != 0.0 && ((b < 0.0) != (rem < 0.0)) {
+        div -= 1.0;
+    }
+    if div != 0.0 {
+        let mut floor = div.floor();
+        if div - floor > 0.5 {
+            floor += 1.0;
+        }
+        floor
+    } else {
+        0.0f64.copysign(a / b)
+    }
+}
+
+impl CostParams {
+    /// `prefill_compute_s_array` for one row (`new` and `context` as floats).
+    fn prefill_compute_s(&self, new: f64, context: f64) -> f64 {
+        let pairs = new * (context + (new + 1.0) / 2.0);
+        let flops = self.linear_flops_per_token * new + self.attn_flops_per_pair * pairs;
+        if new <= 0.0 {
+            0.0
+        } else {
+            flops / self.flops_per_s
+        }
+    }
+
+    fn queue_time(&self, queued: f64) -> f64 {
+        let steps = -floor_divide(-queued, self.chunk_budget as f64);
+        let t = self.prefill_compute_s(queued, 0.0) + steps * self.overhead_s;
+        if queued <= 0.0 {
+            0.0
+        } else {
+            t
+        }
+    }
+
+    fn prefill_time(&self, new: i64, context: i64) -> f64 {
+        let steps = -((-new).div_euclid(self.chunk_budget)) as f64;
+        let t = steps * self.overhead_s
+            + maximum(
+                self.prefill_compute_s(new as f64, context as f64),
+                steps * self.weight_read_s,
+            );
+        if new <= 0 {
+            0.0
+        } else {
+            t
+        }
+    }
+
+    fn loaded_prefill_time(
+        &self,
+        queued: f64,
+        new: i64,
+        context: i64,
+        decodes: f64,
+        mean_context: f64,
+    ) -> f64 {
+        let new = new.max(1);
+        let total = queued + new as f64;
+        let budget = maximum(self.chunk_budget as f64 - decodes, 1.0);
+        let steps = -floor_divide(-total, budget);
+        let compute = self.prefill_compute_s(queued, 0.0)
+            + self.prefill_compute_s(new as f64, context as f64);
+        let per_step = self.overhead_s + decodes * mean_context * self.kv_read_s_per_token;
+        steps * per_step + maximum(compute, steps * self.weight_read_s)
+    }
+
+    fn transfer_time(&self, blocks: i64, gbps: f64) -> f64 {
+        let bytes = blocks * self.block_size * self.kv_bytes_per_token;
+        if blocks <= 0 {
+            0.0
+        } else {
+            self.transfer_latency_s + bytes as f64 / (gbps * 1e9)
+        }
+    }
+
+    fn decode_step_time(&self, batch: f64, mean_context: f64) -> f64 {
+        let context = (batch * mean_context).trunc();
+        let fixed = self.overhead_s
+            + if self.weight_read_s > 0.0 {
+                self.weight_read_s
+            } else {
+                0.0
+            };
+        if batch <= 0.0 {
+            0.0
+        } else {
+            fixed + context * self.kv_read_s_per_token
+        }
+    }
+
+    /// `covered_array` for one row: the blocks it serves without recomputing, given its
+    /// usable GPU prefix, and the transfer time that takes.
+    fn covered(&self, rows: &Rows<'_>, ask: &Ask, row: usize, gpu: i64, peer: i64) -> (i64, f64) {
+        let n = ask.blocks;
+        let mut covered = gpu;
+        let mut transfer = 0.0;
+        for (blocks, gbps) in [
+            (rows.cpu[row], self.cpu_gbps),
+            (rows.disk[row], self.disk_gbps),
+        ] {
+            let blocks = blocks.min(n);
+            if blocks > covered {
+                transfer += self.transfer_time(blocks - covered, gbps);
+                covered = blocks;
+            }
+        }
+        if self.allow_peer_fetch {
+            let peer = peer.min(n);
+            if peer > covered {
+                let peer_s = self.transfer_time(peer - covered, self.peer_gbps);
+                let bs = ask.block_size;
+                if peer_s < self.prefill_time((peer - covered) * bs, covered * bs) {
+                    transfer += peer_s;
+                    covered = peer;
+                }
+            }
+        }
+        (covered, transfer)
+    }
+}
+
+/// `peer_blocks_array`: per row, the longest GPU prefix another engine holds (the
+/// leader's own rows see the best of the others).
+fn peer_blocks(rows: &Rows<'_>) -> Vec<i64> {
+    let n = rows.len();
+    if n < 2 {
+        return vec![0; n];
+    }
+    let mut first = 0;
+    for (i, &g) in rows.gpu.iter().enumerate() {
+        if g > rows.gpu[first] {
+            first = i;
+        }
+    }
+    let leader = rows.worker[first];
+    let elsewhere = (0..n)
+        .map(|i| {
+            if rows.worker[i] == leader {
+                0
+            } else {
+                rows.gpu[i]
+            }
+        })
+        .max()
+        .unwrap_or(0);
+    (0..n)
+        .map(|i| {
+            if rows.worker[i] == leader {
+                elsewhere
+            } else {
+                rows.gpu[first]
+            }
+        })
+        .collect()
+}
+
+fn new_tokens(ask: &Ask, covered: i64) -> i64 {
+    (ask.prompt_tokens - (covered * ask.block_size).min(ask.prompt_tokens)).max(1)
+}
+
+/// `estimate_ttft_s_array`: queue + transfer + prefill per row.
+pub fn ttft_estimates(
+    params: &CostParams,
+    rows: &Rows<'_>,
+    ask: &Ask,
+) -> Result<Vec<f64>, RowsError> {
+    rows.check(None)?;
+    let peers = if params.allow_peer_fetch {
+        peer_blocks(rows)
+    } else {
+        Vec::new()
+    };
+    Ok((0..rows.len())
+        .map(|i| {
+            let gpu = rows.gpu[i].min(ask.blocks);
+            let (covered, transfer) =
+                params.covered(rows, ask, i, gpu, peers.get(i).copied().unwrap_or(0));
+            let new = new_tokens(ask, covered);
+            params.queue_time(rows.field(i, QUEUED_PREFILL_TOKENS))
+                + transfer
+                + params.prefill_time(new, ask.prompt_tokens - new)
+        })
+        .collect())
+}
+
+/// `QuillCacheRouter.estimates`: TTFT plus the work and decode load a choice adds.
+/// `session_batch`: per row, the decodes a new session's home would bring (None: no
+/// home term).
+pub fn quill_estimates(
+    params: &CostParams,
+    rows: &Rows<'_>,
+    ask: &Ask,
+    knobs: &QuillKnobs,
+    session_batch: Option<&[f64]>,
+) -> Result<Vec<f64>, RowsError> {
+    rows.check(session_batch)?;
+    let peers = if params.allow_peer_fetch {
+        peer_blocks(rows)
+    } else {
+        Vec::new()
+    };
+    let prompt = ask.prompt_tokens;
+    let out = knobs.expected_output_tokens as f64;
+    let kv_read = (prompt as f64 + out / 2.0) * params.kv_read_s_per_token;
+    let home_weight = knobs.home_decode_weight * out;
+    Ok((0..rows.len())
+        .map(|i| {
+            let queued = rows.field(i, QUEUED_PREFILL_TOKENS);
+            let decodes = rows.field(i, RUNNING_DECODES);
+            let mean_context = rows.field(i, MEAN_CONTEXT_TOKENS);
+            let mut gpu = rows.gpu[i];
+            if knobs.speculative {
+                gpu = gpu.max(rows.pending[i]);
+            }
+            let gpu = gpu.min(ask.blocks);
+            let (covered, transfer) =
+                params.covered(rows, ask, i, gpu, peers.get(i).copied().unwrap_or(0));
+            let new = new_tokens(ask, covered);
+            let mut extra = 0.0;
+            if knobs.work_weight != 0.0 {
+                let mut lambda = knobs.lambda;
+                if knobs.per_worker_lambda {
+                    let waiting = maximum(rows.field(i, IN_FLIGHT) - decodes, 0.0);
+                    lambda = minimum(
+                        knobs.work_weight * (knobs.work_base + waiting),
+                        knobs.max_work_weight,
+                    );
+                }
+                if knobs.continuing {
+                    lambda *= knobs.continuing_work_weight;
+                }
+                extra = 0.0 + lambda * params.prefill_compute_s(new as f64, (prompt - new) as f64);
+            }
+            let ttft = if knobs.interference {
+                transfer
+                    + params.loaded_prefill_time(queued, new, prompt - new, decodes, mean_context)
+            } else {
+                transfer + params.queue_time(queued) + params.prefill_time(new, prompt - new)
+            };
+            let excess = decodes - knobs.mean_decodes;
+            if knobs.decode_weight != 0.0 && !knobs.continuing && excess > 0.0 {
+                let step = params.decode_step_time(decodes, mean_context);
+                let overlap = if step > 0.0 {
+                    maximum(out - ttft / step, 0.0)
+                } else {
+                    out
+                };
+                extra += knobs.decode_weight * excess * overlap * kv_read;
+            }
+            if let Some(batch) = session_batch {
+                extra += home_weight * (batch[i] * mean_context * params.kv_read_s_per_token);
+            }
+            extra + ttft
+        })
+        .collect())
+}
+
+/// `(running decodes, requests waiting)` summed over the rows in order, as a loop over
+/// the workers adds them (waiting: in flight minus running decodes, at least 0).
+pub fn load_sums(load: &[f64]) -> (f64, f64) {
+    load.chunks_exact(LOAD_WIDTH)
+        .fold((0.0, 0.0), |(decodes, waiting), row| {
+            let d = row[RUNNING_DECODES];
+            (decodes + d, waiting + maximum(row[IN_FLIGHT] - d, 0.0))
+        })
+}
+
+/// The row that wins: the lowest estimate, then the longest reusable prefix (local
+/// tiers, and the blocks being computed there when `with_pending`), then the fewest in
+/// flight, then the lowest id; the first row among equals (`first_min`).
+pub fn lowest(estimates: &[f64], rows: &Rows<'_>, with_pending: bool) -> Result<usize, RowsError> {
+    rows.check(None)?;
+    if estimates.len() != rows.len() {
+        return Err(RowsError::Lengths(format!(
+            "{} estimates for {} rows",
+            estimates.len(),
+            rows.len()
+        )));
+    }
+    let reuse = |i: usize| {
+        let local = rows.local(i);
+        -if with_pending {
+            local.max(rows.pending[i])
+        } else {
+            local
+        }
+    };
+    let mut best = 0;
+    for i in 1..rows.len() {
+        let (a, b) = (estimates[i], estimates[best]);
+        let better = a < b
+            || (a == b
+                && (reuse(i), rows.field(i, IN_FLIGHT), rows.worker[i]).partial_cmp(&(
+                    reuse(best),
+                    rows.field(best, IN_FLIGHT),
+                    rows.worker[best],
+                )) == Some(std::cmp::Ordering::Less));
+        if better {
+            best = i;
+        }
+    }
+    Ok(best)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn floor_divide_is_numpys() {
+        // Python: -7.5 // 2 == -4.0, 7.5 // -2 == -4.0, -0.0 // 3 == -0.0, 6 // 3 == 2
+        assert_eq!(floor_divide(-7.5, 2.0), -4.0);
+        assert_eq!(floor_divide(7.5, -2.0), -4.0);
+        assert!(floor_divide(-0.0, 3.0).is_sign_negative());
+        assert_eq!(floor_divide(6.0, 3.0), 2.0);
+        assert_eq!(floor_divide(-1.0, 8192.0), -1.0);
+        assert!(floor_divide(1.0, 0.0).is_infinite());
+    }
+
+    #[test]
+    fn nan_propagates_as_in_numpy() {
+        assert!(maximum(f64::NAN, 1.0).is_nan());
+        assert!(maximum(1.0, f64::NAN).is_nan());
+        assert!(minimum(1.0, f64::NAN).is_nan());
+    }
+}

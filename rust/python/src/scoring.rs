@@ -1,0 +1,240 @@
+//! `CostKernel`: `quillcache_core::scoring` for the cost-model routers. Converts the
+//! view's columns (numpy, contiguous) into slices and the result back into numpy.
+
+use numpy::{PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use quillcache_core::scoring::{self, Ask, CostParams, QuillKnobs, Rows, RowsError};
+
+fn slice<'a, T: numpy::Element>(
+    what: &str,
+    array: &'a PyReadonlyArray1<'_, T>,
+) -> PyResult<&'a [T]> {
+    array
+        .as_slice()
+        .map_err(|_| PyValueError::new_err(format!("{what} must be a contiguous 1-D array")))
+}
+
+fn rows_error(e: RowsError) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+/// The view's columns, borrowed for one call.
+struct Columns<'py> {
+    worker: PyReadonlyArray1<'py, u64>,
+    load: PyReadonlyArray2<'py, f64>,
+    gpu: PyReadonlyArray1<'py, i64>,
+    cpu: PyReadonlyArray1<'py, i64>,
+    disk: PyReadonlyArray1<'py, i64>,
+    pending: PyReadonlyArray1<'py, i64>,
+}
+
+impl Columns<'_> {
+    fn rows(&self) -> PyResult<Rows<'_>> {
+        let load = self.load.as_slice().map_err(|_| {
+            PyValueError::new_err("load must be a C-contiguous (rows, 5) float64 array")
+        })?;
+        if self.load.shape()[1] != scoring::LOAD_WIDTH {
+            return Err(PyValueError::new_err(format!(
+                "load must have {} columns, it has {}",
+                scoring::LOAD_WIDTH,
+                self.load.shape()[1]
+            )));
+        }
+        Ok(Rows {
+            worker: slice("worker", &self.worker)?,
+            load,
+            gpu: slice("gpu_blocks", &self.gpu)?,
+            cpu: slice("cpu_blocks", &self.cpu)?,
+            disk: slice("disk_blocks", &self.disk)?,
+            pending: slice("pending_blocks", &self.pending)?,
+        })
+    }
+}
+
+#[pyclass(module = "quillcache._native", name = "CostKernel", frozen)]
+pub struct CostKernel {
+    params: CostParams,
+}
+
+#[pymethods]
+impl CostKernel {
+    #[new]
+    #[pyo3(signature = (
+        *, linear_flops_per_token, attn_flops_per_pair, flops_per_s, overhead_s,
+        weight_read_s, kv_read_s_per_token, chunk_budget, block_size, kv_bytes_per_token,
+        transfer_latency_s, cpu_gbps, disk_gbps, peer_gbps, allow_peer_fetch
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        linear_flops_per_token: f64,
+        attn_flops_per_pair: f64,
+        flops_per_s: f64,
+        overhead_s: f64,
+        weight_read_s: f64,
+        kv_read_s_per_token: f64,
+        chunk_budget: i64,
+        block_size: i64,
+        kv_bytes_per_token: i64,
+        transfer_latency_s: f64,
+        cpu_gbps: f64,
+        disk_gbps: f64,
+        peer_gbps: f64,
+        allow_peer_fetch: bool,
+    ) -> PyResult<Self> {
+        if chunk_budget <= 0 {
+            return Err(PyValueError::new_err("chunk_budget must be positive"));
+        }
+        Ok(Self {
+            params: CostParams {
+                linear_flops_per_token,
+                attn_flops_per_pair,
+                flops_per_s,
+                overhead_s,
+                weight_read_s,
+                kv_read_s_per_token,
+                chunk_budget,
+                block_size,
+                kv_bytes_per_token,
+                transfer_latency_s,
+                cpu_gbps,
+                disk_gbps,
+                peer_gbps,
+                allow_peer_fetch,
+            },
+        })
+    }
+
+    /// `(running decodes, requests waiting)` over the rows of `load`, summed in row
+    /// order (waiting: in flight minus running decodes, at least 0).
+    fn load_sums(&self, load: PyReadonlyArray2<'_, f64>) -> PyResult<(f64, f64)> {
+        let values = load.as_slice().map_err(|_| {
+            PyValueError::new_err("load must be a C-contiguous (rows, 5) float64 array")
+        })?;
+        if load.shape()[1] != scoring::LOAD_WIDTH {
+            return Err(PyValueError::new_err(format!(
+                "load must have {} columns, it has {}",
+                scoring::LOAD_WIDTH,
+                load.shape()[1]
+            )));
+        }
+        Ok(scoring::load_sums(values))
+    }
+
+    /// `(position, estimates)`: `estimate_ttft_s_array` per row, and the row with the
+    /// lowest estimate (then the longest local prefix, fewest in flight, lowest id).
+    #[pyo3(signature = (worker, load, gpu, cpu, disk, pending, blocks, prompt_tokens, block_size))]
+    #[allow(clippy::too_many_arguments)]
+    fn ttft<'py>(
+        &self,
+        py: Python<'py>,
+        worker: PyReadonlyArray1<'py, u64>,
+        load: PyReadonlyArray2<'py, f64>,
+        gpu: PyReadonlyArray1<'py, i64>,
+        cpu: PyReadonlyArray1<'py, i64>,
+        disk: PyReadonlyArray1<'py, i64>,
+        pending: PyReadonlyArray1<'py, i64>,
+        blocks: i64,
+        prompt_tokens: i64,
+        block_size: i64,
+    ) -> PyResult<(usize, Bound<'py, PyArray1<f64>>)> {
+        let columns = Columns {
+            worker,
+            load,
+            gpu,
+            cpu,
+            disk,
+            pending,
+        };
+        let rows = columns.rows()?;
+        let ask = Ask {
+            blocks,
+            prompt_tokens,
+            block_size,
+        };
+        let estimates = scoring::ttft_estimates(&self.params, &rows, &ask).map_err(rows_error)?;
+        let at = scoring::lowest(&estimates, &rows, false).map_err(rows_error)?;
+        Ok((at, PyArray1::from_vec(py, estimates)))
+    }
+
+    /// `(position, estimates)`: `QuillCacheRouter.estimates` per row, and the row with
+    /// the lowest (then the longest prefix held or being computed, fewest in flight,
+    /// lowest id). `session_batch`: per row, the decodes a new session's home brings.
+    #[pyo3(signature = (
+        worker, load, gpu, cpu, disk, pending, blocks, prompt_tokens, block_size, *,
+        speculative, interference, work_weight, lambda_, per_worker_lambda, work_base,
+        max_work_weight, continuing, continuing_work_weight, decode_weight, mean_decodes,
+        home_decode_weight, expected_output_tokens, session_batch
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn quill<'py>(
+        &self,
+        py: Python<'py>,
+        worker: PyReadonlyArray1<'py, u64>,
+        load: PyReadonlyArray2<'py, f64>,
+        gpu: PyReadonlyArray1<'py, i64>,
+        cpu: PyReadonlyArray1<'py, i64>,
+        disk: PyReadonlyArray1<'py, i64>,
+        pending: PyReadonlyArray1<'py, i64>,
+        blocks: i64,
+        prompt_tokens: i64,
+        block_size: i64,
+        speculative: bool,
+        interference: bool,
+        work_weight: f64,
+        lambda_: f64,
+        per_worker_lambda: bool,
+        work_base: f64,
+        max_work_weight: f64,
+        continuing: bool,
+        continuing_work_weight: f64,
+        decode_weight: f64,
+        mean_decodes: f64,
+        home_decode_weight: f64,
+        expected_output_tokens: i64,
+        session_batch: Option<PyReadonlyArray1<'py, f64>>,
+    ) -> PyResult<(usize, Bound<'py, PyArray1<f64>>)> {
+        let columns = Columns {
+            worker,
+            load,
+            gpu,
+            cpu,
+            disk,
+            pending,
+        };
+        let rows = columns.rows()?;
+        let ask = Ask {
+            blocks,
+            prompt_tokens,
+            block_size,
+        };
+        let knobs = QuillKnobs {
+            speculative,
+            interference,
+            work_weight,
+            lambda: lambda_,
+            per_worker_lambda,
+            work_base,
+            max_work_weight,
+            continuing,
+            continuing_work_weight,
+            decode_weight,
+            mean_decodes,
+            home_decode_weight,
+            expected_output_tokens,
+        };
+        let batch = match &session_batch {
+            Some(b) => Some(slice("session_batch", b)?),
+            None => None,
+        };
+        let estimates = scoring::quill_estimates(&self.params, &rows, &ask, &knobs, batch)
+            .map_err(rows_error)?;
+        let at = scoring::lowest(&estimates, &rows, true).map_err(rows_error)?;
+        Ok((at, PyArray1::from_vec(py, estimates)))
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<CostKernel>()
+}
