@@ -166,9 +166,7 @@ class NativeIndex:
         try:
             tiers, cols, floors = self._inner.match_tiers(keys, position, candidates)
         except (TypeError, QuillCacheError):
-            tiers, cols, floors = self._inner.match_tiers(
-                as_key_array(keys), position, candidates
-            )
+            tiers, cols, floors = self._inner.match_tiers(as_key_array(keys), position, candidates)
         worker, rank, medium, blocks, others = cols
         return tiers.reshape(3, candidates), MatchColumns(
             worker, rank, medium, blocks, tuple(others), tuple(floors)
