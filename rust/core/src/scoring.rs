@@ -153,8 +153,56 @@ fn minimum(a: f64, b: f64) -> f64 {
     }
 }
 
+/// Below this, integers and their quotients' floors are exact in `f64` division.
+const EXACT_INTEGERS: f64 = 4_503_599_627_370_496.0; // 2**52
+
+/// `x` (|x| < 2**52) has no fraction. The integer round trip, because `fract`, `floor`
+/// and `trunc` are calls into libm on the baseline x86-64 target (no SSE4.1).
+fn is_integer(x: f64) -> bool {
+    (x as i64) as f64 == x
+}
+
+/// `x.floor()` for |x| < 2**52, signed zero kept (see `is_integer`).
+fn floor(x: f64) -> f64 {
+    if x == 0.0 {
+        return x;
+    }
+    let t = (x as i64) as f64; // towards zero
+    if t > x {
+        t - 1.0
+    } else {
+        t
+    }
+}
+
+/// `x.trunc()`, signed zero kept (see `is_integer`).
+fn trunc(x: f64) -> f64 {
+    if x == 0.0 || x.abs() >= EXACT_INTEGERS || x.is_nan() {
+        return x.trunc();
+    }
+    let t = (x as i64) as f64;
+    if t == 0.0 {
+        0.0f64.copysign(x)
+    } else {
+        t
+    }
+}
+
 /// numpy's float `a // b` (`npy_floor_divide`, by way of `npy_divmod`).
 fn floor_divide(a: f64, b: f64) -> f64 {
+    // Loads are token counts: integer-valued a and b > 0 with |a| < 2**52. Then a / b
+    // rounds by less than a / b * 2**-53 < 1 / (2b), less than the distance 1 / b from
+    // a non-integer quotient to the next integer, so its floor is the exact floor,
+    // which is what numpy's fmod-based algorithm returns for integers (signed zero
+    // included: -0.0 / b floors to -0.0 both ways). `fmod` is the slow part of a row.
+    if b > 0.0 && a.abs() < EXACT_INTEGERS && is_integer(a) && b < EXACT_INTEGERS && is_integer(b) {
+        return floor(a / b);
+    }
+    floor_divide_fmod(a, b)
+}
+
+/// `npy_floor_divide` as numpy writes it.
+fn floor_divide_fmod(a: f64, b: f64) -> f64 {
     if b == 0.0 {
         return a / b;
     }
@@ -210,11 +258,13 @@ impl CostParams {
         }
     }
 
+    /// `loaded_prefill_time_array` for one row; `new_compute` is the row's
+    /// `prefill_compute_s(new, context)` (`new` at least 1), which the caller has.
     fn loaded_prefill_time(
         &self,
         queued: f64,
         new: i64,
-        context: i64,
+        new_compute: f64,
         decodes: f64,
         mean_context: f64,
     ) -> f64 {
@@ -222,8 +272,7 @@ impl CostParams {
         let total = queued + new as f64;
         let budget = maximum(self.chunk_budget as f64 - decodes, 1.0);
         let steps = -floor_divide(-total, budget);
-        let compute = self.prefill_compute_s(queued, 0.0)
-            + self.prefill_compute_s(new as f64, context as f64);
+        let compute = self.prefill_compute_s(queued, 0.0) + new_compute;
         let per_step = self.overhead_s + decodes * mean_context * self.kv_read_s_per_token;
         steps * per_step + maximum(compute, steps * self.weight_read_s)
     }
@@ -238,7 +287,7 @@ impl CostParams {
     }
 
     fn decode_step_time(&self, batch: f64, mean_context: f64) -> f64 {
-        let context = (batch * mean_context).trunc();
+        let context = trunc(batch * mean_context);
         let fixed = self.overhead_s
             + if self.weight_read_s > 0.0 {
                 self.weight_read_s
@@ -318,6 +367,30 @@ fn peer_blocks(rows: &Rows<'_>) -> Vec<i64> {
         .collect()
 }
 
+/// The last value of a function of a row's new tokens: most rows of a fleet hold the
+/// same prefix of a request (the floor every engine holds), so they compute the same
+/// number of new tokens, and its prefill estimate once.
+struct ByNewTokens {
+    last: Option<(i64, f64)>,
+}
+
+impl ByNewTokens {
+    fn new() -> Self {
+        Self { last: None }
+    }
+
+    fn get(&mut self, new: i64, f: impl FnOnce(i64) -> f64) -> f64 {
+        match self.last {
+            Some((n, value)) if n == new => value,
+            _ => {
+                let value = f(new);
+                self.last = Some((new, value));
+                value
+            }
+        }
+    }
+}
+
 fn new_tokens(ask: &Ask, covered: i64) -> i64 {
     (ask.prompt_tokens - (covered * ask.block_size).min(ask.prompt_tokens)).max(1)
 }
@@ -334,6 +407,7 @@ pub fn ttft_estimates(
     } else {
         Vec::new()
     };
+    let mut prefill = ByNewTokens::new();
     Ok((0..rows.len())
         .map(|i| {
             let gpu = rows.gpu[i].min(ask.blocks);
@@ -342,7 +416,7 @@ pub fn ttft_estimates(
             let new = new_tokens(ask, covered);
             params.queue_time(rows.field(i, QUEUED_PREFILL_TOKENS))
                 + transfer
-                + params.prefill_time(new, ask.prompt_tokens - new)
+                + prefill.get(new, |new| params.prefill_time(new, ask.prompt_tokens - new))
         })
         .collect())
 }
@@ -367,6 +441,7 @@ pub fn quill_estimates(
     let out = knobs.expected_output_tokens as f64;
     let kv_read = (prompt as f64 + out / 2.0) * params.kv_read_s_per_token;
     let home_weight = knobs.home_decode_weight * out;
+    let (mut compute, mut prefill) = (ByNewTokens::new(), ByNewTokens::new());
     Ok((0..rows.len())
         .map(|i| {
             let queued = rows.field(i, QUEUED_PREFILL_TOKENS);
@@ -379,7 +454,10 @@ pub fn quill_estimates(
             let gpu = gpu.min(ask.blocks);
             let (covered, transfer) =
                 params.covered(rows, ask, i, gpu, peers.get(i).copied().unwrap_or(0));
-            let new = new_tokens(ask, covered);
+            let new = new_tokens(ask, covered); // at least 1
+            let new_compute = compute.get(new, |new| {
+                params.prefill_compute_s(new as f64, (prompt - new) as f64)
+            });
             let mut extra = 0.0;
             if knobs.work_weight != 0.0 {
                 let mut lambda = knobs.lambda;
@@ -393,13 +471,15 @@ pub fn quill_estimates(
                 if knobs.continuing {
                     lambda *= knobs.continuing_work_weight;
                 }
-                extra = 0.0 + lambda * params.prefill_compute_s(new as f64, (prompt - new) as f64);
+                extra = 0.0 + lambda * new_compute;
             }
             let ttft = if knobs.interference {
                 transfer
-                    + params.loaded_prefill_time(queued, new, prompt - new, decodes, mean_context)
+                    + params.loaded_prefill_time(queued, new, new_compute, decodes, mean_context)
             } else {
-                transfer + params.queue_time(queued) + params.prefill_time(new, prompt - new)
+                transfer
+                    + params.queue_time(queued)
+                    + prefill.get(new, |new| params.prefill_time(new, prompt - new))
             };
             let excess = decodes - knobs.mean_decodes;
             if knobs.decode_weight != 0.0 && !knobs.continuing && excess > 0.0 {
@@ -479,6 +559,28 @@ mod tests {
         assert_eq!(floor_divide(6.0, 3.0), 2.0);
         assert_eq!(floor_divide(-1.0, 8192.0), -1.0);
         assert!(floor_divide(1.0, 0.0).is_infinite());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn floor_and_trunc_are_stds(x in proptest::num::f64::ANY) {
+            if x.abs() < EXACT_INTEGERS {
+                proptest::prop_assert_eq!(floor(x).to_bits(), x.floor().to_bits());
+            }
+            proptest::prop_assert_eq!(trunc(x).to_bits(), x.trunc().to_bits());
+        }
+
+        #[test]
+        fn the_integer_shortcut_floors_as_numpy_does(
+            a in -(1i64 << 52) + 1..(1i64 << 52),
+            b in 1i64..(1 << 40),
+            small in -100_000i64..100_000,
+        ) {
+            for a in [a as f64, small as f64, -(small as f64), -0.0] {
+                let (fast, slow) = (floor_divide(a, b as f64), floor_divide_fmod(a, b as f64));
+                proptest::prop_assert_eq!(fast.to_bits(), slow.to_bits(), "{} // {}", a, b);
+            }
+        }
     }
 
     #[test]
