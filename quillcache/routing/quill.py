@@ -33,6 +33,7 @@ Ties go to the longer reusable prefix, then to fewer requests in flight.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -230,8 +231,10 @@ class QuillCacheRouter(Router):
         reference (`tests/routing/test_kernels.py`)."""
         batch = None
         if self.home_decode_weight and self._session_decodes:
-            homes = self._session_decodes
-            batch = np.asarray([homes.get(w, 0.0) for w in view.columns.worker.tolist()])
+            rows_of = _rows_by_worker(view.columns.worker)
+            batch = np.zeros(len(view.columns.worker))
+            for w, decodes in self._session_decodes.items():
+                batch[rows_of(w)] = decodes
         return view.cost.kernel.quill(
             *kernel_rows(view),
             len(request.content_keys),
@@ -311,8 +314,26 @@ class QuillCacheRouter(Router):
             live[home[0]] -= 1
             self._continuing = True
             return
-        ids = view.columns.worker.tolist()
-        total = sum(live.get(w, 0) for w in ids)
+        # per live worker, its rows in the view (one per dp rank; the ids are sorted):
+        # what a sum over the rows counts, without visiting every row
+        rows_of = _rows_by_worker(view.columns.worker)
+        rows = {w: len(rows_of(w)) for w, k in live.items() if k}
+        total = sum(live[w] * n for w, n in rows.items())
         if total:
             per_session = decodes / total
-            self._session_decodes = {w: live.get(w, 0) * per_session for w in ids}
+            # a worker absent here brings 0 * per_session = 0.0, what .get() defaults to
+            self._session_decodes = {w: live[w] * per_session for w, n in rows.items() if n}
+
+
+def _rows_by_worker(ids: npt.NDArray[np.uint64]) -> Callable[[int], npt.NDArray[np.intp]]:
+    """A worker's rows in a view (one per dp rank; none: not in the view). Views are in
+    id order, so a binary search finds them; a view built out of order gets a scan."""
+    if len(ids) < 2 or bool((ids[1:] >= ids[:-1]).all()):
+
+        def search(worker: int) -> npt.NDArray[np.intp]:
+            key = np.uint64(worker)
+            lo, hi = np.searchsorted(ids, key, "left"), np.searchsorted(ids, key, "right")
+            return np.arange(lo, hi, dtype=np.intp)
+
+        return search
+    return lambda worker: np.flatnonzero(ids == np.uint64(worker))

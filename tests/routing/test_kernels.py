@@ -167,3 +167,48 @@ def test_a_cost_model_pickles_with_its_kernel() -> None:
     tiers = np.array([0, 3], dtype=np.int64)
     args = (ids, np.ones((2, 5)), tiers, tiers, tiers, tiers, 3, 50, 16)
     assert copy.kernel.ttft(*args)[1].tolist() == cost.kernel.ttft(*args)[1].tolist()
+
+
+@settings(max_examples=300)
+@given(
+    fleet=fleets(),
+    shuffled=st.booleans(),
+    counts=st.lists(st.integers(0, 5), min_size=1, max_size=14),
+    strangers=st.lists(st.integers(0, 2**64 - 1), max_size=3),
+    decodes=st.floats(0, 5_000),
+)
+def test_a_new_sessions_homes_count_every_row_of_its_workers(
+    fleet: tuple[Request, View],
+    shuffled: bool,
+    counts: list[int],
+    strangers: list[int],
+    decodes: float,
+) -> None:
+    """The decodes a new session's home brings, per row, as the per-row sum over the
+    view computes them: ranks of one engine each count, workers outside the view do
+    not, a view out of id order too."""
+    request, view = fleet
+    c = view.columns
+    if shuffled:
+        order = np.random.default_rng(len(c.worker)).permutation(len(c.worker))
+        c = WorkerColumns(
+            c.worker[order],
+            c.load[order],
+            c.fleet[order],
+            c.gpu_blocks[order],
+            c.cpu_blocks[order],
+            c.disk_blocks[order],
+            c.pending_blocks[order],
+            c.dp_rank[order],
+        )
+        view = View(None, BLOCK, view.cost, columns=c)
+    ids = c.worker.tolist()
+    live = dict(zip(list(dict.fromkeys(ids)) + strangers, counts, strict=False))
+    router = QuillCacheRouter()
+    router._live = dict(live)
+    router._session_load("new", view, decodes)
+    total = sum(live.get(w, 0) for w in ids)
+    want = [live.get(w, 0) * (decodes / total) if total else 0.0 for w in ids]
+    assert [router._session_decodes.get(w, 0.0) for w in ids] == want
+    _, got = router.scored(request, view)
+    assert got.tolist() == router.estimates(request, view).tolist()
