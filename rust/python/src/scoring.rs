@@ -20,6 +20,19 @@ fn rows_error(e: RowsError) -> PyErr {
     PyValueError::new_err(e.to_string())
 }
 
+/// The load matrix's values, row-major, `LOAD_WIDTH` per row.
+fn load_values<'a>(load: &'a PyReadonlyArray2<'_, f64>) -> PyResult<&'a [f64]> {
+    if load.shape()[1] != scoring::LOAD_WIDTH {
+        return Err(PyValueError::new_err(format!(
+            "load must have {} columns, it has {}",
+            scoring::LOAD_WIDTH,
+            load.shape()[1]
+        )));
+    }
+    load.as_slice()
+        .map_err(|_| PyValueError::new_err("load must be a C-contiguous (rows, 5) float64 array"))
+}
+
 /// The view's columns, borrowed for one call.
 struct Columns<'py> {
     worker: PyReadonlyArray1<'py, u64>,
@@ -32,16 +45,7 @@ struct Columns<'py> {
 
 impl Columns<'_> {
     fn rows(&self) -> PyResult<Rows<'_>> {
-        let load = self.load.as_slice().map_err(|_| {
-            PyValueError::new_err("load must be a C-contiguous (rows, 5) float64 array")
-        })?;
-        if self.load.shape()[1] != scoring::LOAD_WIDTH {
-            return Err(PyValueError::new_err(format!(
-                "load must have {} columns, it has {}",
-                scoring::LOAD_WIDTH,
-                self.load.shape()[1]
-            )));
-        }
+        let load = load_values(&self.load)?;
         Ok(Rows {
             worker: slice("worker", &self.worker)?,
             load,
@@ -109,16 +113,7 @@ impl CostKernel {
     /// `(running decodes, requests waiting)` over the rows of `load`, summed in row
     /// order (waiting: in flight minus running decodes, at least 0).
     fn load_sums(&self, load: PyReadonlyArray2<'_, f64>) -> PyResult<(f64, f64)> {
-        let values = load.as_slice().map_err(|_| {
-            PyValueError::new_err("load must be a C-contiguous (rows, 5) float64 array")
-        })?;
-        if load.shape()[1] != scoring::LOAD_WIDTH {
-            return Err(PyValueError::new_err(format!(
-                "load must have {} columns, it has {}",
-                scoring::LOAD_WIDTH,
-                load.shape()[1]
-            )));
-        }
+        let values = load_values(&load)?;
         Ok(scoring::load_sums(values))
     }
 
