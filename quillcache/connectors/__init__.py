@@ -9,7 +9,13 @@
 
 from __future__ import annotations
 
-from quillcache.connectors.ingestor import EventIngestor, IngestorStats, IngestReceipt, SourceStatus
+from quillcache.connectors.ingestor import (
+    EventIngestor,
+    IngestorStats,
+    IngestReceipt,
+    SourcePosition,
+    SourceStatus,
+)
 from quillcache.connectors.sink import IndexSink, IngestSink
 from quillcache.connectors.zmq_source import ZmqSourceConfig
 
@@ -19,6 +25,7 @@ __all__ = [
     "IngestReceipt",
     "IngestSink",
     "IngestorStats",
+    "SourcePosition",
     "SourceStatus",
     "ZmqSourceConfig",
 ]

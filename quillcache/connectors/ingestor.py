@@ -64,11 +64,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-import xxhash
 import zmq
 
-from quillcache.connectors.replay import ReplayError, ReplayStream
+from quillcache.connectors.replay import ReplayError, ReplayStream, batch_digest
 from quillcache.connectors.sequence import SequenceTracker, Verdict, WireOrder
 from quillcache.connectors.sink import IngestSink
 from quillcache.connectors.zmq_source import ZmqReceiver, ZmqSourceConfig, raise_socket_limit
@@ -81,6 +81,8 @@ SourceKey = tuple[int, int]  # (worker, dp_rank)
 Frames = list[tuple[int, bytes]]  # (seq, payload), in the publisher's order
 _SYNC = -1  # queue marker: replay everything after the last applied seq
 _UNSEQUENCED = -2  # HTTP ingest without a seq: applied as it comes
+_WAKE = -3  # queue marker: wake the applier for a call waiting in `_calls`
+_T = TypeVar("_T")
 # Return freed heap to the OS once the applier is idle after holding this much.
 _TRIM_AFTER_BYTES = 16 << 20
 _REPLAY_CHUNK_BYTES = 1 << 20
@@ -270,8 +272,26 @@ class IngestorStats:
     per_source: list[dict[str, int]] = field(default_factory=list)
 
 
-def _digest(payload: bytes) -> int:
-    return xxhash.xxh3_64_intdigest(payload)
+_digest = batch_digest
+
+
+@dataclass(frozen=True)
+class SourcePosition:
+    """Where one source's applied stream stands, read on the applier thread between two
+    applies, so that it agrees with the index at that moment (`EventIngestor.positions`).
+
+    `exact`: the index holds exactly what the engine published up to `last_seq` (seq and
+    the digest of that batch known, caught up, not stale, not lost beyond the buffer):
+    another replica may take this residency and replay from `last_seq + 1`."""
+
+    worker: int
+    dp_rank: int
+    endpoint: str
+    replay_endpoint: str | None
+    last_seq: int
+    digest: int | None
+    exact: bool
+    why: str  # why not exact ("" when it is)
 
 
 class EventIngestor:
@@ -319,6 +339,12 @@ class EventIngestor:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._idle = threading.Event()
+        # callables to run on the applier thread between two applies (`on_applier`)
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
+        self._calls = queue.SimpleQueue()
+        # (worker, dp_rank) -> (seq, digest of that batch) a peer snapshot vouched for: the
+        # source resumed at that seq keeps the digest, so its restart probe compares bytes
+        self.resume_digests: dict[SourceKey, tuple[int, int]] = {}
         self._thread = threading.Thread(target=self._run, name="kv-ingest", daemon=True)
         self._thread.start()
 
@@ -331,6 +357,9 @@ class EventIngestor:
         status.replay_endpoint = config.replay_endpoint
         if resume_from > status.tracker.last:
             status.tracker.last = resume_from
+            vouched = self.resume_digests.pop(config.key, None)
+            if vouched is not None and vouched[0] == resume_from:
+                status.tracker.last_digest = vouched[1]
         receiver = ZmqReceiver(self.ctx, config, self._deliver, self._on_peer, self._on_malformed)
         receiver.start()
         with self._lock:
@@ -498,9 +527,66 @@ class EventIngestor:
     TICK_S = 0.05
     IDLE_TICK_S = 0.25
 
+    def on_applier(self, fn: Callable[[], _T]) -> concurrent.futures.Future[_T]:
+        """Run `fn` on the applier thread between two applies: every source's sequence
+        state then agrees with the index (a run of batches is applied whole before the
+        applier looks at its calls). Its result or exception comes back in the future.
+        `fn` holds up the applier while it runs (the queue buffers meanwhile)."""
+        done: concurrent.futures.Future[_T] = concurrent.futures.Future()
+        if self._stop.is_set():
+            done.set_exception(RuntimeError("the event ingestor is closed"))
+            return done
+        self._calls.put((fn, done))
+        self._queue.put(((-1, -1), 0, [(_WAKE, b"")], 0, None))
+        return done
+
+    def positions(self) -> list[SourcePosition]:
+        """Every source's position (call it on the applier thread: `on_applier`)."""
+        out = []
+        for s in list(self.sources.values()):
+            t = s.tracker
+            why = ""
+            if not s.caught_up:
+                why = "not caught up"
+            elif s.stale or s.rebuild_from is not None:
+                why = "stale (events lost beyond the engine's buffer)"
+            elif t.last < 0:
+                why = "nothing applied yet"
+            elif t.last_digest is None:
+                why = "the last applied batch's bytes are not known"
+            elif not s.replay_endpoint:
+                why = "no replay socket"
+            out.append(
+                SourcePosition(
+                    worker=s.worker,
+                    dp_rank=s.dp_rank,
+                    endpoint=s.endpoint,
+                    replay_endpoint=s.replay_endpoint,
+                    last_seq=t.last,
+                    digest=t.last_digest,
+                    exact=not why,
+                    why=why,
+                )
+            )
+        return out
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, done = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if not done.set_running_or_notify_cancel():
+                continue
+            try:
+                done.set_result(fn())
+            except BaseException as exc:  # handed to the caller, never kills the applier
+                done.set_exception(exc)
+
     def _run(self) -> None:
         tick = self.TICK_S
         while not self._stop.is_set():
+            self._run_calls()
             try:
                 first = self._queue.get(timeout=tick)
             except queue.Empty:
@@ -528,6 +614,9 @@ class EventIngestor:
                     break
                 items.append(item)
                 count += len(item[2])
+            items = [i for i in items if i[2][0][0] != _WAKE]
+            if not items:
+                continue  # only calls to run: the loop's top runs them
             with self._bytes_lock:
                 for key, _, frames, size, _ in items:
                     if frames[0][0] == _SYNC:
@@ -1043,6 +1132,13 @@ class EventIngestor:
             r.stop()
         self._stop.set()
         self._thread.join(timeout=2.0)
+        while True:  # calls the applier will not run now
+            try:
+                _, done = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if done.set_running_or_notify_cancel():
+                done.set_exception(RuntimeError("the event ingestor is closed"))
         # an HTTP call still waiting learns that none of its batches will be applied
         while True:
             try:

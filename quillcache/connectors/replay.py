@@ -7,9 +7,12 @@ reply). Replies are `[b"", topic, seq, payload]` (vLLM >= 0.26, SGLang) or
 
 from __future__ import annotations
 
+import contextlib
+import enum
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
+import xxhash
 import zmq
 
 REPLAY_RCVHWM = 10_000  # vLLM's default replay buffer (`buffer_steps`)
@@ -136,3 +139,39 @@ def fetch_replay(
         result.batches.extend(chunk)
     result.complete = stream.complete
     return result
+
+
+def batch_digest(payload: bytes) -> int:
+    """The xxh3 digest of one batch's bytes: what tells two engine lives apart at one seq."""
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+class Holding(enum.Enum):
+    """What an engine's replay socket says of one (seq, digest) a gateway applied."""
+
+    HELD = "held"  # it still holds that seq with the same bytes: the same engine life
+    OTHER_BYTES = "other_bytes"  # it holds that seq with other bytes: it restarted
+    NOT_PUBLISHED = "not_published"  # its stream ends before that seq: it restarted
+    BUFFER_MOVED_ON = "buffer_moved_on"  # its buffer starts after that seq
+    NO_ANSWER = "no_answer"  # the replay socket did not answer (or answered nonsense)
+
+
+def probe_holding(
+    ctx: zmq.Context, endpoint: str, seq: int, digest: int, timeout_s: float = 2.0
+) -> Holding:
+    """Ask the replay socket for `seq` alone and compare its bytes with `digest`. A replay
+    from `seq` + 1 then covers everything after it only when this says HELD: the seq
+    numbering is per engine process, so the same seq with other bytes is another life."""
+    stream = ReplayStream(ctx, endpoint, seq, timeout_s, stop_seq=seq)
+    try:
+        with contextlib.closing(stream.chunks()) as chunks:
+            for chunk in chunks:
+                first, payload = chunk[0]
+                if first > seq:
+                    return Holding.BUFFER_MOVED_ON
+                if first < seq:  # a socket that ignores the start seq: not trusted
+                    return Holding.NO_ANSWER
+                return Holding.HELD if batch_digest(payload) == digest else Holding.OTHER_BYTES
+    except ReplayError:
+        return Holding.NO_ANSWER
+    return Holding.NOT_PUBLISHED if stream.complete else Holding.NO_ANSWER

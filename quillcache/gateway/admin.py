@@ -3,30 +3,44 @@
 Workers: list, add, get, remove, drain. Lookup: which worker holds how much of a prompt.
 Index: stats, event sources, ingest counters and the gateway's own latency samples.
 Pins: pin or unpin the blocks of a prompt.
+Snapshot: the index image and every source's position, for a joining peer (`bootstrap`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from quillcache.connectors import EventIngestor
+from quillcache.connectors import EventIngestor, SourcePosition
 from quillcache.controlplane import ControlPlane, UnknownWorkerError
 from quillcache.gateway.config import GatewayConfig, WorkerConfig
 from quillcache.gateway.fleet import FleetLink
 from quillcache.gateway.httpio import ApiError, json_object, validate_completion
 from quillcache.gateway.identify import RequestIdentifier
+from quillcache.gateway.metrics import GatewayMetrics
 from quillcache.gateway.outcomes import LatencySamples
+from quillcache.gateway.peer_snapshot import SnapshotHeader, SourceEntry, chunks, encode
 from quillcache.gateway.tenancy import TenantPolicy, valid_tenant
 from quillcache.gateway.workers import DiscoveryError, Worker, WorkerPool
+from quillcache.index.native import NativeIndex
 from quillcache.tokenization.request import TokenizationError
+
+log = logging.getLogger(__name__)
+
+# The applier stops while the image is taken; a peer whose applier is this far behind
+# would not answer in a useful time anyway.
+SNAPSHOT_TAKE_TIMEOUT_S = 10.0
+SNAPSHOT_BUSY_S = 120.0  # the longest one transfer may keep others waiting
 
 
 class AdminApi:
@@ -42,6 +56,8 @@ class AdminApi:
         samples: LatencySamples,
         on_worker_added: Callable[[Worker], None],
         fleet: FleetLink | None = None,
+        ready: Callable[[], bool] | None = None,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.config = config
         self.plane = plane
@@ -52,6 +68,12 @@ class AdminApi:
         self.samples = samples
         self.on_worker_added = on_worker_added
         self.fleet = fleet  # shared state: the changes below go to the whole fleet
+        self.ready = ready  # whether /ready answers 200 (a snapshot is only served then)
+        self.metrics = metrics
+        # one snapshot at a time (each holds a whole image): busy until this monotonic
+        # time, or until its transfer ended (a client gone before the body started
+        # never runs the body's cleanup, hence a deadline rather than a flag)
+        self._snapshot_busy_until = 0.0
 
     async def workers(self, request: Request) -> Response:
         if request.method == "GET":
@@ -172,6 +194,109 @@ class AdminApi:
         else:
             self.plane.unpin(keys)
         return JSONResponse({"pinned" if pin else "unpinned": len(keys)})
+
+    async def snapshot(self, request: Request) -> Response:
+        """`GET /admin/snapshot`: this replica's index image and, per event source, the
+        last applied seq and that batch's digest, taken together on the applier thread
+        (`peer_snapshot` has the format, `bootstrap` the reader). Only from a replica
+        that is ready (its image is complete) with the in-memory native index; one at
+        a time (429 while another is being taken or sent)."""
+        index = self.plane.index
+        if type(index) is not NativeIndex:
+            self._served("unsupported")
+            raise ApiError(
+                409,
+                f"index backend {self.config.index!r} has no peer snapshot (index: native has)",
+                "ConflictError",
+            )
+        if self.ready is not None and not self.ready():
+            self._served("not_ready")
+            raise ApiError(
+                503,
+                "this replica is not ready (its index has not caught up): ask another peer",
+                "ServiceUnavailableError",
+            )
+        if time.monotonic() < self._snapshot_busy_until:
+            self._served("busy")
+            raise ApiError(429, "a snapshot is being taken or sent: retry", "RateLimitError")
+        self._snapshot_busy_until = time.monotonic() + SNAPSHOT_BUSY_S
+
+        def take() -> tuple[bytes, list[SourcePosition], int]:
+            """On the applier thread: the image and the seqs it holds, at one point."""
+            return index.snapshot(), self.ingestor.positions(), index.stats().blocks
+
+        try:
+            image, positions, blocks = await asyncio.wait_for(
+                asyncio.wrap_future(self.ingestor.on_applier(take)), SNAPSHOT_TAKE_TIMEOUT_S
+            )
+            parts = encode(self._header(blocks, positions), image)
+        except BaseException as exc:
+            self._snapshot_busy_until = 0.0
+            if isinstance(exc, TimeoutError):
+                self._served("timeout")
+                raise ApiError(
+                    503, "the event applier did not take the snapshot in time: retry",
+                    "ServiceUnavailableError",
+                ) from None  # fmt: skip
+            raise
+        size = sum(len(p) for p in parts)
+
+        async def body() -> Any:
+            try:
+                for piece in chunks(parts):
+                    yield piece
+                self._served("served", size)
+            finally:
+                self._snapshot_busy_until = 0.0
+
+        return StreamingResponse(
+            body(),
+            media_type="application/octet-stream",
+            headers={"content-length": str(size), "x-quillcache-snapshot-format": "1"},
+        )
+
+    def _header(self, blocks: int, positions: list[SourcePosition]) -> SnapshotHeader:
+        """Every rank the index registers (the pool's workers), with its position: a
+        rank the joiner cannot take is listed too, so that it can drop its residency."""
+        at = {(p.worker, p.dp_rank): p for p in positions}
+        sources = []
+        for w in list(self.pool.workers.values()):
+            for rank in range(self.plane.worker(w.id).dp_ranks):
+                p = at.get((w.id, rank))
+                if p is None:
+                    why = "no event source"
+                elif not w.healthy:
+                    why = "engine down"
+                else:
+                    why = p.why
+                sources.append(
+                    SourceEntry(
+                        worker=w.id,
+                        url=w.url,
+                        dp_rank=rank,
+                        endpoint=p.endpoint if p else "",
+                        replay_endpoint=p.replay_endpoint if p else None,
+                        last_seq=p.last_seq if p else -1,
+                        digest=p.digest if p else None,
+                        exact=not why,
+                        why=why,
+                    )
+                )
+        return SnapshotHeader(
+            secret_fingerprint=self.tenancy.secret.fingerprint,
+            block_size=self.plane.block_size,
+            tokenizer_id=self.config.tokenizer_id,
+            created_unix=time.time(),
+            blocks=blocks,
+            sources=sources,
+        )
+
+    def _served(self, outcome: str, size: int = 0) -> None:
+        if self.metrics is not None:
+            self.metrics.snapshots_served.labels(outcome).inc()
+            self.metrics.snapshot_bytes_served.inc(size)
+        if outcome != "served":
+            log.warning("peer snapshot not served: %s", outcome)
 
     # -- shared steps --------------------------------------------------------------------
 

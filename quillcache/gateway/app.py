@@ -33,14 +33,27 @@ from quillcache.controlplane import ControlPlane
 from quillcache.errors import ConfigError, QuillCacheError, UnknownRouterError
 from quillcache.gateway import asgi
 from quillcache.gateway.admin import AdminApi
+from quillcache.gateway.bootstrap import (
+    Bootstrapper,
+    BootstrapReport,
+    Expectations,
+    local_sources,
+    peers_to_try,
+)
 from quillcache.gateway.config import GatewayConfig, WorkerConfig
 from quillcache.gateway.fleet import FleetLink
 from quillcache.gateway.identify import RequestIdentifier
 from quillcache.gateway.ingest_http import IngestEndpoint
-from quillcache.gateway.metrics import GatewayMetrics, readiness_metrics, state_metrics
+from quillcache.gateway.metrics import (
+    GatewayMetrics,
+    bootstrap_metrics,
+    readiness_metrics,
+    state_metrics,
+)
 from quillcache.gateway.openai_api import CHAT_COMPLETIONS, COMPLETIONS, OpenAIEndpoints
 from quillcache.gateway.outcomes import RequestOutcomes
 from quillcache.gateway.parity import ParityChecker
+from quillcache.gateway.peers import PeerDirectory
 from quillcache.gateway.readiness import Readiness, readiness
 from quillcache.gateway.secret import load_or_create
 from quillcache.gateway.tenancy import TenantPolicy
@@ -100,6 +113,9 @@ class Gateway:
         self._tasks: list[asyncio.Task[Any]] = []
         # `state: redis://...`: this replica's link to the fleet's shared state
         self.fleet: FleetLink | None = None
+        # `state: redis://...`: where ready replicas advertise their snapshot endpoint
+        self.peers: PeerDirectory | None = None
+        self.bootstrap = BootstrapReport()
         self.started = False
         self.startup_error: QuillCacheError | None = None
 
@@ -143,10 +159,28 @@ class Gateway:
         if len(sizes) > 1:
             raise ConfigError(f"engines disagree on the block size: {sorted(sizes)}")
         block_size = cfg.block_size or (sizes.pop() if sizes else 16)
+        if cfg.state != "local":
+            self.peers = PeerDirectory(cfg.state, cfg.state_prefix, cfg.state_lease_ttl_s)
+        # a peer's index image, before any subscription (bootstrap.py)
+        loaded = await Bootstrapper(
+            token=cfg.bootstrap_token or cfg.admin_token,
+            timeout_s=cfg.bootstrap_timeout_s,
+            max_bytes=cfg.bootstrap_max_bytes,
+            replay_timeout_s=cfg.replay_timeout_s,
+        ).run(
+            await peers_to_try(cfg, self.peers, self.advertise_url()),
+            Expectations(
+                secret_fingerprints=secret.accepted_fingerprints(),
+                block_size=block_size,
+                tokenizer_id=cfg.tokenizer_id,
+                sources=local_sources(described),
+            ),
+        )
+        self.bootstrap = loaded.report
         router = resolve_router(cfg.router, cfg.router_options)
         self.router_name = router if isinstance(router, str) else type(router).__name__
         self.cp = ControlPlane(
-            index=cfg.index,
+            index=loaded.index if loaded.index is not None else cfg.index,
             router=router,
             block_size=block_size,
             track_load=True,
@@ -172,6 +206,9 @@ class Gateway:
         self.pool.resume_seqs = self.sink.last_seqs()
         if self.pool.resume_seqs:
             log.info("persistent index: resuming sources at %s", self.pool.resume_seqs)
+        for key, (seq, digest) in loaded.resume.items():  # replay from the image's seqs
+            self.pool.resume_seqs[key] = seq
+            self.ingestor.resume_digests[key] = (seq, digest)
         fleet = self.fleet
         routing = None
         if fleet is not None:
@@ -230,6 +267,9 @@ class Gateway:
             await self.client.aclose()
         if hasattr(self, "upstream"):
             await self.upstream.close()
+        if self.peers is not None:
+            await self.peers.close()  # withdrawn: no joiner asks a stopped replica
+            self.peers = None
         if self.fleet is not None:
             await self.fleet.close()  # leave: this replica's share goes now
             self.fleet = None
@@ -301,6 +341,8 @@ class Gateway:
             samples=self.outcomes.samples,
             on_worker_added=self.start_parity_check,
             fleet=self.fleet,
+            ready=lambda: self.readiness().ready,
+            metrics=self.metrics,
         )
         self.ingest = IngestEndpoint(
             ingestor=self.ingestor,
@@ -319,6 +361,29 @@ class Gateway:
 
     # -- small endpoints and checks ------------------------------------------------------
 
+    def advertise_url(self, port: int | None = None) -> str | None:
+        """The URL peers reach this replica at: `advertise_url`, else http://host:port
+        when the host is one address (not a wildcard) and the port is known."""
+        if self.config.advertise_url:
+            return self.config.advertise_url.rstrip("/")
+        host, port = self.config.host, port or self.config.port
+        if host in ("", "0.0.0.0", "::") or not port:
+            return None
+        return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+    def listening(self, port: int) -> None:
+        """The gateway serves on `port`: advertise it to joining peers while ready."""
+        if self.peers is None:
+            return
+        url = self.advertise_url(port)
+        if url is None:
+            log.warning(
+                "peers: listening on %s; not advertised for peer snapshots (set advertise_url)",
+                self.config.host,
+            )
+            return
+        self.peers.start(url, lambda: self.readiness().ready)
+
     def start_parity_check(self, w: Worker) -> None:
         if self.config.parity_check:
             self._tasks.append(asyncio.create_task(self.parity.check(w)))
@@ -328,7 +393,9 @@ class Gateway:
         return JSONResponse({"status": "ok"})
 
     def readiness(self) -> Readiness:
-        return readiness(self.pool.workers.values(), self.ingestor.sources)
+        state = readiness(self.pool.workers.values(), self.ingestor.sources)
+        state.bootstrap = self.bootstrap
+        return state
 
     async def ready(self, request: Request) -> Response:
         """Readiness: a routable engine, and every routable engine's event sources caught
@@ -348,6 +415,7 @@ class Gateway:
             lambda worker_id: float(self.cp.worker(worker_id).in_flight),
         )
         yield from readiness_metrics(self.readiness())
+        yield from bootstrap_metrics(self.bootstrap)
 
     # -- assembly ------------------------------------------------------------------------
 
@@ -390,6 +458,7 @@ class Gateway:
             Route("/admin/lookup", admin("lookup"), methods=["POST"]),
             Route("/admin/index", admin("index"), methods=["GET"]),
             Route("/admin/pins", admin("pins"), methods=["POST", "DELETE"]),
+            Route("/admin/snapshot", admin("snapshot"), methods=["GET"]),
             Route("/ingest/kv_events", admin_only(ingest), methods=["POST"]),
         ]
         app = Starlette(routes=routes, lifespan=self.lifespan if with_lifespan else None)

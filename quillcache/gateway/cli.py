@@ -56,6 +56,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--state-prefix", default=None, help="the fleet's key prefix in Redis (default quillcache)")
     a("--secret-file", default=None, help="the gateway secret (identical on every replica)")
+    a(
+        "--bootstrap-from",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="a peer replica's base URL (repeatable): load its index snapshot at start-up, "
+        "before subscribing (its admin token: bootstrap_token, else --admin-token)",
+    )
+    a(
+        "--advertise-url",
+        default=None,
+        help="the URL peers reach this replica at (--state redis advertises it while ready)",
+    )
     a("--ready-file", default=None, help="write the resolved URL here as JSON when up")
 
 
@@ -82,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
             state=args.state,
             state_prefix=args.state_prefix,
             secret_file=args.secret_file,
+            bootstrap_from=args.bootstrap_from,
+            advertise_url=args.advertise_url,
         )
     except ConfigError as exc:
         print(f"gateway: {exc}", file=sys.stderr)

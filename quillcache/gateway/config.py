@@ -203,6 +203,31 @@ class GatewayConfig(BaseModel):
     state_pin_ttl_s: float = Field(
         default=30 * 86400.0, gt=0, description="how long a pin made through the admin API lasts"
     )
+    bootstrap_from: list[str] = Field(
+        default_factory=list,
+        description="peer replicas' base URLs (tried in order) whose index snapshot this "
+        "replica loads at start-up before subscribing (docs/gateway.md, 'Cold start from a "
+        "peer'); needs index: native",
+    )
+    bootstrap_discover: bool = Field(
+        default=True,
+        description="with state: redis and no bootstrap_from, take the snapshot from a ready "
+        "peer advertised in Redis",
+    )
+    bootstrap_token: str | None = Field(
+        default=None, description="the peers' admin token (None: this replica's admin_token)"
+    )
+    bootstrap_timeout_s: float = Field(
+        default=10.0, gt=0, description="the longest a peer's whole snapshot transfer may take"
+    )
+    bootstrap_max_bytes: int = Field(
+        default=4 << 30, ge=1 << 10, description="a peer snapshot larger than this is refused"
+    )
+    advertise_url: str | None = Field(
+        default=None,
+        description="the base URL peers reach this replica's admin API at (state: redis "
+        "advertises it while ready); None: http://host:port when host is one address",
+    )
 
     @field_validator("state")
     @classmethod
@@ -223,6 +248,19 @@ class GatewayConfig(BaseModel):
                     "(e.g. tcp://*:5557), set kv_bind: false (or give their kv_endpoint), "
                     "or run this gateway with state: local"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _bootstrap_needs_native(self) -> GatewayConfig:
+        if self.bootstrap_from and self.index != "native":
+            raise ValueError(
+                f"bootstrap_from needs index: native (the peer snapshot is the native "
+                f"index's image), not {self.index!r}; a native-wal replica resumes from "
+                "its own log instead"
+            )
+        for url in self.bootstrap_from:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"bootstrap_from: {url!r} is not an http(s):// URL")
         return self
 
     @field_validator("trusted_proxies")

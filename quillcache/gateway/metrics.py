@@ -77,6 +77,17 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.snapshots_served = Counter(
+            "quillcache_peer_snapshots_served",
+            "GET /admin/snapshot answers by outcome: served, busy (another in progress), "
+            "not_ready, unsupported (not the native index), timeout (applier too slow).",
+            ["outcome"],
+            registry=r,
+        )
+        self.snapshot_bytes_served = Counter(
+            "quillcache_peer_snapshot_bytes_served", "Bytes of peer snapshots sent.", registry=r
+        )
+
     def enable_shared_state(self) -> None:
         """The booking metrics of `--state redis` (absent with local state)."""
         r = self.registry
@@ -348,3 +359,51 @@ def shared_state_metrics(stats: Any, up: bool, moved: int, polls: int) -> Iterat
         ),
     ):
         yield counter(name, doc, float(value))
+
+
+def bootstrap_metrics(report: Any) -> Iterator[Any]:
+    """The start-up bootstrap from a peer's snapshot (a `bootstrap.BootstrapReport`)."""
+    outcomes: dict[tuple[str, ...], float] = {}
+    for refusal in report.refusals:
+        key = ("refused", refusal["reason"])
+        outcomes[key] = outcomes.get(key, 0.0) + 1
+    if report.outcome == "loaded":
+        outcomes[("loaded", "")] = 1.0
+    yield labelled_counter(
+        "quillcache_bootstrap_snapshots",
+        "Peer snapshots tried at start-up by outcome (loaded, refused) and refusal reason "
+        "(corrupt, truncated, version, secret, mismatch, too_large, slow, peer).",
+        outcomes,
+        ["outcome", "reason"],
+    )
+    yield gauge(
+        "quillcache_bootstrap_info",
+        "1, labelled with where the index came from at start-up: source url "
+        "(--bootstrap-from), redis (a peer advertised there) or none; the outcome.",
+        {(report.source, report.peer or "", report.outcome): 1.0},
+        ["source", "peer", "outcome"],
+    )
+    yield gauge(
+        "quillcache_bootstrap_blocks_loaded",
+        "Blocks taken from the peer's snapshot (after dropping the sources not kept).",
+        {(): float(report.blocks_loaded)},
+        [],
+    )
+    yield gauge(
+        "quillcache_bootstrap_sources",
+        "Event sources of the peer's snapshot kept (replayed from its seq) or dropped "
+        "(started cold: engine restarted, replay buffer moved on, not matching here).",
+        {("kept",): float(report.sources_kept), ("dropped",): float(report.sources_dropped)},
+        ["state"],
+    )
+    yield gauge(
+        "quillcache_bootstrap_seconds",
+        "Time of the bootstrap: transfer (the download), load (checks and restore), "
+        "total (every peer tried).",
+        {
+            ("transfer",): report.transfer_s,
+            ("load",): report.load_s,
+            ("total",): report.duration_s,
+        },
+        ["phase"],
+    )

@@ -35,6 +35,8 @@ class Readiness:
     # sources of routable engines that have not caught up: what /ready waits for
     waiting: list[dict[str, Any]] = field(default_factory=list)
     not_routable: list[dict[str, Any]] = field(default_factory=list)
+    # the start-up bootstrap from a peer's snapshot (`bootstrap.BootstrapReport`), if any
+    bootstrap: Any = None
 
     @property
     def ready(self) -> bool:
@@ -65,6 +67,7 @@ class Readiness:
             "sources": {"total": self.sources, "caught_up": self.caught_up},
             "waiting_for": self.waiting,
             "not_routable": self.not_routable,
+            **({"bootstrap": self.bootstrap.as_dict()} if self.bootstrap is not None else {}),
         }
 
 

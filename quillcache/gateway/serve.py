@@ -66,7 +66,12 @@ def serve_gateway(config: GatewayConfig, ready_file: str | None = None) -> None:
                 raise ConfigError(str(exc)) from None
             host = RelayHost(gateway.openai, relay)
             host.start()
+            gateway.listening(relay.port)
             return {"url": f"http://{config.host}:{relay.port}", "port": relay.port}
+
+        def started(port: int) -> dict[str, Any]:
+            gateway.listening(port)
+            return {"url": f"http://{config.host}:{port}", "port": port}
 
         try:
             if config.relay == "native":
@@ -88,6 +93,7 @@ def serve_gateway(config: GatewayConfig, ready_file: str | None = None) -> None:
                     config.log_level,
                     {},
                     ready_file,
+                    on_started=started,
                     http=_http_protocol(),
                 )
         finally:
