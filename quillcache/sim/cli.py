@@ -302,8 +302,13 @@ def _run(args: argparse.Namespace, err: Any) -> int:
             raise ConfigError(f"--router-opt for {rname}: {exc}") from None
 
     config = CostModelConfig.load(args.cost_config) if args.cost_config else CostModelConfig()
+    # An engine block size the user chose (file or flag) shapes the engines; the
+    # default one yields to the workload's.
+    chosen_bs = "block_size" in config.engine.model_fields_set
     if args.cost:
-        config = config.with_overrides(_kv(args.cost, "--cost"))
+        overrides = _kv(args.cost, "--cost")
+        chosen_bs = chosen_bs or "engine.block_size" in overrides
+        config = config.with_overrides(overrides)
     if args.plot:
         from quillcache.plotting import pyplot
 
@@ -315,6 +320,8 @@ def _run(args: argparse.Namespace, err: Any) -> int:
         if args.time_scale <= 0:
             raise ConfigError(f"--time-scale must be positive, got {args.time_scale}")
         workload = workload.scaled(args.time_scale)
+    if chosen_bs:
+        workload = workload.with_engine_blocks(config.engine.block_size)
     bs = workload.block_size
     config = config.with_overrides({"engine.block_size": bs})
     cost = CostModel(config)

@@ -279,7 +279,8 @@ def make_request(
     else:
         assert block_ids is not None and prompt_tokens is not None and chainer is not None
         n_prompt = prompt_tokens
-        keys = chainer.keys_for_ids(block_ids, prompt_tokens // block_size)
+        # a trace need not name a trailing partial block: key the full blocks it names
+        keys = chainer.keys_for_ids(block_ids, min(prompt_tokens // block_size, len(block_ids)))
         toks = None
     return SimRequest(
         rid=rid,

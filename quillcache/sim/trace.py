@@ -95,4 +95,5 @@ def load_trace(
         block_size=block_size,
         model=model,
         params={"trace": p.name, "chained": chained, "block_size": block_size},
+        chained_ids=chained,
     )

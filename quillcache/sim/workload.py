@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from quillcache.errors import ConfigError
 from quillcache.identity import namespace
-from quillcache.sim.requests import SimRequest
+from quillcache.sim.requests import KeyChainer, SimRequest, attach_layouts, make_request
 
 DEFAULT_MODEL = "sim-model"
 
@@ -24,6 +25,7 @@ class Workload:
     model: str = DEFAULT_MODEL
     pinned: list[SimRequest] = field(default_factory=list)  # prefixes every engine pins
     params: dict[str, object] = field(default_factory=dict)  # for reports
+    chained_ids: bool = False  # block-id requests: equal id at a position = equal prefix
 
     @property
     def duration_s(self) -> float:
@@ -41,4 +43,62 @@ class Workload:
             self.model,
             self.pinned,
             {**self.params, "time_scale": time_scale},
+            self.chained_ids,
+        )
+
+    def with_engine_blocks(self, engine_block_size: int) -> Workload:
+        """The same requests on an engine whose KV blocks hold `engine_block_size`
+        tokens, a divisor of the workload's block size: each workload block becomes
+        `k = block_size // engine_block_size` engine blocks, and keys, capacity, hits,
+        events and the index all count engine blocks from then on.
+
+        Token-carrying requests are keyed again from their tokens. A block id `x`
+        (traces) becomes the ids `x * k + j`, `j < k`, one per engine block: distinct
+        ids for distinct parts, equal where the trace's ids are equal, and still
+        chained when the trace's ids are. Full engine blocks inside a trailing partial
+        trace block become cacheable, as they would be on such an engine.
+        """
+        coarse = self.block_size
+        if engine_block_size == coarse:
+            return self
+        if engine_block_size <= 0 or coarse % engine_block_size:
+            would = ", ".join(str(d) for d in range(1, coarse + 1) if coarse % d == 0)
+            raise ConfigError(
+                f"engine.block_size {engine_block_size} does not divide the workload's "
+                f"block size {coarse} (a trace's --trace-block-size, a generator's "
+                f"--block-size): each of its blocks must map to whole engine blocks; "
+                f"would work: {would}"
+            )
+        k = coarse // engine_block_size
+        ns = sim_namespace(engine_block_size, self.model)
+        chainer = KeyChainer(ns, engine_block_size, chained=self.chained_ids)
+
+        def refine(r: SimRequest) -> SimRequest:
+            fine_ids = None
+            if r.block_ids is not None:
+                fine_ids = [x * k + j for x in r.block_ids for j in range(k)]
+            return make_request(
+                r.rid,
+                r.arrival_s,
+                r.output_tokens,
+                engine_block_size,
+                ns,
+                tokens=r.tokens,
+                block_ids=fine_ids,
+                prompt_tokens=r.prompt_tokens,
+                chainer=chainer if fine_ids is not None else None,
+                session_id=r.session_id,
+            )
+
+        reqs = [refine(r) for r in self.requests]
+        pinned = [refine(r) for r in self.pinned]
+        attach_layouts(reqs, engine_block_size)
+        return Workload(
+            self.name,
+            reqs,
+            engine_block_size,
+            self.model,
+            pinned,
+            {**self.params, "engine_block_size": engine_block_size},
+            self.chained_ids,
         )
