@@ -168,6 +168,33 @@ class CostModel:
         )
         return max(1, int(free // (bs * c.model.kv_bytes_per_token)))
 
+    def kv_gib(self, blocks: int, block_size: int | None = None) -> float:
+        """GiB of KV that `blocks` blocks of `block_size` tokens (the engine's) hold."""
+        bs = block_size or self.block_size
+        return blocks * bs * self.config.model.kv_bytes_per_token / GIB
+
+    def kv_gib_limit(self) -> float:
+        """The most KV one GPU could hold: its memory less the weights (before vLLM's
+        utilisation cap and activation reserve, which `kv_capacity_blocks` applies)."""
+        c = self.config
+        return (c.gpu.memory_gb * GIB - c.model.weight_bytes) / GIB
+
+    def kv_memory_warning(self, blocks: int, block_size: int | None = None) -> str | None:
+        """A one-line warning when `blocks` blocks per engine cannot fit on the GPU
+        beside the weights, None when they can."""
+        need, limit = self.kv_gib(blocks, block_size), self.kv_gib_limit()
+        if need <= limit:
+            return None
+        c = self.config
+        bs = block_size or self.block_size
+        return (
+            f"{blocks:,} KV blocks of {bs} tokens per engine need {need:,.1f} GiB "
+            f"({c.model.kv_bytes_per_token / 1024:g} KiB/token); the cost model's "
+            f"{c.gpu.name} holds at most {limit:,.1f} GiB of KV ({c.gpu.memory_gb:g} GiB "
+            f"less {c.model.weight_bytes / GIB:.1f} GiB of {c.model.name} weights): timed "
+            "results at this capacity are not physically plausible"
+        )
+
     # --- router-facing estimate ----------------------------------------------------
 
     def queue_time(self, queued_prefill_tokens: int) -> float:

@@ -263,6 +263,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, err: Any) -> int:
+    from rich.markup import escape
+
     from quillcache.costmodel import CostModel, CostModelConfig
     from quillcache.errors import ConfigError
     from quillcache.index import backend_status
@@ -370,6 +372,9 @@ def _run(args: argparse.Namespace, err: Any) -> int:
     }
     if replicas_list != [0]:
         meta["replicas"] = {"lb": lb, "scrape_interval_s": scrape_s}
+    warnings = _capacity_warnings(results, cost, bs, args.timing)
+    if warnings:
+        meta["warnings"] = warnings
     if args.json:
         shown = results if args.perf else [_deterministic(r) for r in results]
         text = json.dumps({"meta": meta, "results": shown}, indent=2, sort_keys=True)
@@ -387,7 +392,25 @@ def _run(args: argparse.Namespace, err: Any) -> int:
 
         plot(results, args.plot, title=f"{workload.name}, {args.timing} timing")
         err.print(f"plot written to {args.plot}")
+    for line in warnings:  # last, where a reader of the table sees them
+        err.print(f"[yellow]warning:[/yellow] {escape(line)}", soft_wrap=True)
     return 0
+
+
+def _capacity_warnings(
+    results: list[dict[str, Any]], cost: Any, block_size: int, timing: str
+) -> list[str]:
+    """One line per capacity no GPU of the cost model can hold, in timed replay (an
+    order-only replay is a cache analysis: any capacity, `unbounded` too, is a
+    question it may ask)."""
+    if timing != "full":
+        return []
+    out: list[str] = []
+    for cap in dict.fromkeys(r["capacity_blocks"] for r in results if r["kv_exceeds_gpu"]):
+        line = cost.kv_memory_warning(cap, block_size)
+        if line is not None:
+            out.append(line)
+    return out
 
 
 _PERF_KEYS = ("match_us_mean", "match_us_p99", "apply_us_mean", "apply_us_p99", "wall_s")

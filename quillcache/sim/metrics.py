@@ -53,6 +53,8 @@ class RunResult:
     apply_ns: list[int] = field(default_factory=list)
     wall_s: float = 0.0
     sweep: dict[str, Any] = field(default_factory=dict)
+    kv_gib_per_engine: float = 0.0  # the capacity's KV memory (cost model's bytes/token)
+    kv_exceeds_gpu: bool = False  # more than the cost model's GPU holds beside the weights
 
     def summary(self, *, perf: bool = False) -> dict[str, Any]:
         """Deterministic metrics (same inputs and seed, same values); wall-clock ones
@@ -75,6 +77,8 @@ class RunResult:
             "timing": self.timing,
             "workers": self.workers,
             "capacity_blocks": self.capacity_blocks,
+            "kv_gib_per_engine": _r(self.kv_gib_per_engine, 2),
+            "kv_exceeds_gpu": self.kv_exceeds_gpu,
             **self.sweep,
             "requests": len(recs),
             "rejected": len(recs) - len(served),

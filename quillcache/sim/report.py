@@ -21,6 +21,11 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
         title=f"{meta['workload']}: {meta['requests']} requests, "
         f"block size {meta['block_size']}, timing {meta['timing']}",
         title_justify="left",
+        caption="KV GiB: the KV memory per engine its capacity implies; "
+        "! = more than the cost model's GPU holds beside the weights"
+        if any(r["kv_exceeds_gpu"] for r in results)
+        else None,
+        caption_justify="left",
     )
     cols = ["router", "backend"]
     if sweep_workers:
@@ -29,7 +34,7 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
         cols.append("capacity")
     if replicas:
         cols += ["replicas", "state", "precision"]
-    cols += ["block hit", "token hit", "prefill tok"]
+    cols += ["KV GiB", "block hit", "token hit", "prefill tok"]
     if full:
         cols += ["TTFT mean", "p50", "p99", "E2E mean", "req/s"]
     cols += ["rejected", "share CV", "match µs", "wall s"]
@@ -48,6 +53,7 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
                 _f(r.get("routing_precision"), ".3f"),
             ]
         row += [
+            _kv_gib(r),
             _f(r["block_hit_rate"] * 100, ".1f") + "%",
             _f(r["token_hit_rate"] * 100, ".1f") + "%",
             f"{r['prefill_tokens_computed']:,}",
@@ -68,6 +74,13 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
         ]
         t.add_row(*row)
     table_console().print(t)
+
+
+def _kv_gib(r: dict[str, Any]) -> str:
+    """KV memory per engine its capacity implies; `!` past what the GPU holds."""
+    if r.get("capacity_point") == "unbounded":
+        return "-"
+    return _f(r["kv_gib_per_engine"], ",.1f") + ("!" if r["kv_exceeds_gpu"] else "")
 
 
 def _label(r: dict[str, Any], results: list[dict[str, Any]]) -> str:

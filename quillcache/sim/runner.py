@@ -193,6 +193,8 @@ def run(
         apply_ns=latencies.apply_ns,
         wall_s=wall,
         sweep=sweep,
+        kv_gib_per_engine=cost.kv_gib(capacity, bs),
+        kv_exceeds_gpu=cost.kv_memory_warning(capacity, bs) is not None,
     )
 
 

@@ -151,3 +151,35 @@ def test_bad_flags_exit_2_with_a_message(args: list[str], needle: str) -> None:
     assert proc.returncode == 2
     assert needle in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_capacities_no_gpu_holds_are_reported_and_warned(tmp_path) -> None:
+    from quillcache.costmodel import CostModel
+
+    trace = tmp_path / "t.jsonl"
+    write_chained_trace(trace, sessions=10)
+    common = ["--trace", str(trace), "--routers", "round-robin", "--jobs", "1", "--no-progress"]
+    plausible = _sim(*common, "--capacity", "400", "--json", "-")
+    assert "warning" not in plausible.stderr
+    doc = json.loads(plausible.stdout)
+    assert "warnings" not in doc["meta"]
+    row = doc["results"][0]
+    assert row["kv_exceeds_gpu"] is False
+    assert row["kv_gib_per_engine"] == round(CostModel().kv_gib(400, 512), 2) == 25.0
+
+    out = tmp_path / "r.json"
+    huge = _sim(*common, "--capacity", "400,10000", "--json", str(out))
+    lines = [ln for ln in huge.stderr.splitlines() if "warning" in ln]
+    assert len(lines) == 1  # one clear line, for the one capacity that does not fit
+    assert "10,000 KV blocks" in lines[0] and "625.0 GiB" in lines[0]
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["warnings"] == [lines[0].removeprefix("warning: ")]
+    by_cap = {r["capacity_blocks"]: r for r in doc["results"]}
+    assert by_cap[10000]["kv_exceeds_gpu"] is True and by_cap[10000]["kv_gib_per_engine"] == 625.0
+    assert by_cap[400]["kv_exceeds_gpu"] is False
+    assert "625.0!" in huge.stdout  # the table marks it
+
+    # order-only replay is a cache analysis: the memory is reported, nobody is warned
+    none = _sim(*common, "--capacity", "10000", "--timing", "none", "--json", "-")
+    assert "warning" not in none.stderr
+    assert json.loads(none.stdout)["results"][0]["kv_exceeds_gpu"] is True
