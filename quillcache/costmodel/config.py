@@ -48,9 +48,9 @@ class GpuSpec(BaseModel):
     peak_tflops: float = Field(312.0, gt=0)  # dense bf16
     hbm_gbps: float = Field(2039.0, gt=0)
     memory_gb: float = Field(80.0, gt=0)
-    # Fractions of peak that vLLM reaches. decode_mbu: measured (75 tok/s at batch 1 on
-    # an A100-40GB = 77 % of its bandwidth); prefill_mfu and the per-step overhead are
-    # ASSUMPTIONS. Sources in docs/simulator.md.
+    # Fractions of peak that vLLM reaches (decode_mbu from a published measurement;
+    # prefill_mfu and the per-step overhead are assumptions): each against its source
+    # in docs/simulator.md's cost-model table.
     prefill_mfu: float = Field(0.55, gt=0, le=1)
     decode_mbu: float = Field(0.77, gt=0, le=1)
     step_overhead_s: float = Field(0.001, ge=0)  # scheduler + sampling + launch per step
@@ -74,9 +74,10 @@ class TransferSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    cpu_to_gpu_gbps: float = Field(25.0, gt=0)  # PCIe 4.0 x16, ~80 % of 32 GB/s
+    # Assumed achievable rates; the links they stand for: docs/simulator.md.
+    cpu_to_gpu_gbps: float = Field(25.0, gt=0)  # PCIe 4.0 x16
     disk_to_gpu_gbps: float = Field(5.0, gt=0)  # one NVMe SSD
-    peer_gbps: float = Field(25.0, gt=0)  # 200 Gb/s RDMA NIC
+    peer_gbps: float = Field(25.0, gt=0)  # one 200 Gb/s RDMA NIC
     latency_s: float = Field(0.0005, ge=0)
     allow_peer_fetch: bool = False  # most engines cannot pull KV from a peer
 
