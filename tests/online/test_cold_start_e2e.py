@@ -23,24 +23,32 @@ import xxhash
 from quillcache.gateway.peer_snapshot import DIGEST_BYTES
 from quillcache.up import Proc, launch
 from tests.online.conftest import ADMIN, Stack, metric
-from tests.online.helpers import http_get, wait_for
+from tests.online.helpers import free_port, http_get, wait_for
 from tests.state.server import RedisServer
 
 BUFFER_STEPS = 4  # the engines' replay buffer: far shorter than their history
 
 
-def engine_args(buffer_steps: int = BUFFER_STEPS) -> list[str]:
+def engine_args(
+    buffer_steps: int = BUFFER_STEPS, port: int = 0, kv_ports: tuple[int, int] | None = None
+) -> list[str]:
+    # fixed ports: `*` as host, so that the engine binds (vLLM's rule), as it does for `:*`
+    pub, replay = (
+        (f"tcp://*:{kv_ports[0]}", f"tcp://*:{kv_ports[1]}")
+        if kv_ports
+        else ("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    )
     kv = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": "tcp://127.0.0.1:*",
-        "replay_endpoint": "tcp://127.0.0.1:*",
+        "endpoint": pub,
+        "replay_endpoint": replay,
         "buffer_steps": buffer_steps,
     }
     return [
         "engine-sim",
         "--port",
-        "0",
+        str(port),
         "--model",
         "sim-model",
         "--time-scale",
@@ -308,6 +316,86 @@ def test_a_bad_snapshot_is_refused_and_the_joiner_starts_cold(
     finally:
         if bad is not None:
             bad.close()
+
+
+def test_sources_whose_buffer_moved_on_since_the_snapshot_are_dropped(cold: ColdFleet) -> None:
+    """A snapshot taken earlier (real bytes of the peer, served as they were) whose seqs
+    the engines' buffers no longer hold: every source is dropped and started cold, the
+    early prefix is not taken on trust."""
+    old = BadPeer(_peer_bytes(cold))
+    try:
+        history(cold.stack, "moved-on")  # past every engine's 4-batch buffer
+        joiner = cold.joiner(bootstrap_from=[old.url])
+        try:
+            boot = http_get(joiner.url + "/ready").json()["bootstrap"]
+            assert boot["outcome"] == "loaded", boot
+            assert boot["sources_kept"] == 0 and boot["sources_dropped"] == 2, boot
+            assert all("no longer reaches back" in d["why"] for d in boot["dropped"]), boot
+            assert holders(joiner, cold.early) == {}
+            assert 'quillcache_bootstrap_sources{state="dropped"} 2.0' in scrape(joiner)
+        finally:
+            joiner.kill()
+    finally:
+        old.close()
+
+
+def test_a_source_whose_engine_restarted_since_the_snapshot_is_dropped(tmp_path: Path) -> None:
+    """Engine 0 restarts (same ports, seqs from 0 again, other bytes) after the snapshot
+    was taken: its source is dropped, engine 1's is kept with what it holds."""
+    stack = Stack(tmp_path)
+    ports = [free_port() for _ in range(3)]
+    try:
+
+        def engine0() -> Proc:
+            args = engine_args(buffer_steps=64, port=ports[0], kv_ports=(ports[1], ports[2]))
+            return launch(f"engine0-{uuid.uuid4().hex[:4]}", args, stack.workdir)
+
+        first = engine0()
+        stack.procs.append(first)
+        stack.engines.append(first)
+        start_engine(stack)  # engine 1
+        peer = stack.start_gateway({"router": "quillcache"})
+        texts = {i: prompt(f"restart-{i}") for i in range(2)}
+        for i, engine in enumerate(stack.engines):
+            r = httpx.post(
+                engine.url + "/v1/completions",
+                json={"model": "sim-model", "prompt": texts[i], "max_tokens": 2},
+                timeout=30.0,
+            )
+            assert r.status_code == 200
+        for i in range(2):
+            wait_for(lambda i=i: holders(peer, texts[i]) == {i: 6}, what=f"engine {i} indexed")
+        snapshot = BadPeer(_snapshot_of(peer))
+        first.kill()
+        second = engine0()  # a new life on the same ports
+        stack.procs.append(second)
+        stack.engines[0] = second
+        for i in range(6):  # more batches than the first life had: seqs overlap
+            r = httpx.post(
+                second.url + "/v1/completions",
+                json={"model": "sim-model", "prompt": prompt(f"new-life{i}", 2), "max_tokens": 2},
+                timeout=30.0,
+            )
+            assert r.status_code == 200
+        try:
+            joiner = stack.start_gateway({"router": "quillcache", "bootstrap_from": [snapshot.url]})
+            boot = http_get(joiner.url + "/ready").json()["bootstrap"]
+            assert boot["sources_kept"] == 1 and boot["sources_dropped"] == 1, boot
+            [dropped] = boot["dropped"]
+            assert dropped["worker"] == 0 and "restarted" in dropped["why"], boot
+            assert holders(joiner, texts[1]) == {1: 6}
+            assert holders(joiner, texts[0]) == {}  # the old life's blocks are not taken
+        finally:
+            snapshot.close()
+    finally:
+        stack.kill_all()
+
+
+def _snapshot_of(proc: Proc) -> bytes:
+    with admin(proc) as a:
+        r = a.get("/admin/snapshot")
+    assert r.status_code == 200, r.text
+    return r.content
 
 
 def test_a_joiner_finds_a_ready_peer_through_redis(tmp_path: Path) -> None:
