@@ -269,6 +269,7 @@ def _wrong_version(data: bytes) -> bytes:
         ("slow", "slow"),
         ("peer_down", "peer"),
         ("secret", "secret"),
+        ("too_large", "too_large"),
     ],
 )
 def test_a_bad_snapshot_is_refused_and_the_joiner_starts_cold(
@@ -286,6 +287,8 @@ def test_a_bad_snapshot_is_refused_and_the_joiner_starts_cold(
     elif case == "slow":
         bad = BadPeer(good, trickle_s=0.1)  # 6.4 s in all
         config["bootstrap_timeout_s"] = 1.0
+    elif case == "too_large":
+        config["bootstrap_max_bytes"] = 1024
     elif case == "secret":
         config["secret_file"] = str(tmp_path / f"other-secret-{uuid.uuid4().hex}.json")
     if case == "peer_down":
