@@ -367,7 +367,11 @@ def test_a_source_whose_engine_restarted_since_the_snapshot_is_dropped(tmp_path:
             )
             assert r.status_code == 200
         for i in range(2):
-            wait_for(lambda i=i: holders(peer, texts[i]) == {i: 6}, what=f"engine {i} indexed")
+
+            def indexed(i: int = i) -> bool:
+                return holders(peer, texts[i]) == {i: 6}
+
+            wait_for(indexed, what=f"engine {i} indexed")
         snapshot = BadPeer(_snapshot_of(peer))
         first.kill()
         second = engine0()  # a new life on the same ports
