@@ -221,15 +221,17 @@ class AdminApi:
             raise ApiError(429, "a snapshot is being taken or sent: retry", "RateLimitError")
         self._snapshot_busy_until = time.monotonic() + SNAPSHOT_BUSY_S
 
-        def take() -> tuple[bytes, list[SourcePosition], int]:
-            """On the applier thread: the image and the seqs it holds, at one point."""
-            return index.snapshot(), self.ingestor.positions(), index.stats().blocks
+        def take() -> tuple[bytes, SnapshotHeader]:
+            """On the applier thread: the image, the seqs it holds and the workers it
+            registers, at one point (reads only: the event loop may go on meanwhile)."""
+            image = index.snapshot()
+            return image, self._header(index.stats().blocks, self.ingestor.positions())
 
         try:
-            image, positions, blocks = await asyncio.wait_for(
+            image, header = await asyncio.wait_for(
                 asyncio.wrap_future(self.ingestor.on_applier(take)), SNAPSHOT_TAKE_TIMEOUT_S
             )
-            parts = encode(self._header(blocks, positions), image)
+            parts = encode(header, image)
         except BaseException as exc:
             self._snapshot_busy_until = 0.0
             if isinstance(exc, TimeoutError):

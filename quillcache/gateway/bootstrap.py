@@ -136,7 +136,10 @@ class Bootstrapper:
             report.source = source
             try:
                 result = await self._from_peer(url, expect, report)
-            except SnapshotError as exc:
+            except Exception as exc:  # whatever a peer sends, never a crash: a cold start
+                if not isinstance(exc, SnapshotError):
+                    log.exception("bootstrap: snapshot from %s failed", url)
+                    exc = SnapshotError("error", f"{type(exc).__name__}: {exc}")
                 report.refusals.append({"peer": url, "reason": exc.reason, "message": str(exc)})
                 log.warning(
                     "bootstrap: snapshot from %s refused (%s): %s; %s",

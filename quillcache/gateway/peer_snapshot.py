@@ -20,7 +20,6 @@ import json
 import struct
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import xxhash
 
@@ -78,7 +77,23 @@ class SnapshotHeader:
             raise SnapshotError("corrupt", f"snapshot header unreadable: {exc}") from None
         if not isinstance(header.block_size, int) or not isinstance(header.blocks, int):
             raise SnapshotError("corrupt", "snapshot header: block_size and blocks must be ints")
+        for s in header.sources:
+            if not (
+                all(_is_int(v) for v in (s.worker, s.dp_rank, s.last_seq))
+                and s.worker >= 0
+                and s.dp_rank >= 0
+                and (s.digest is None or _is_int(s.digest))
+                and isinstance(s.url, str)
+                and isinstance(s.endpoint, str)
+                and (s.replay_endpoint is None or isinstance(s.replay_endpoint, str))
+                and isinstance(s.exact, bool)
+            ):
+                raise SnapshotError("corrupt", f"snapshot header: a source of bad types: {s}")
         return header
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass
@@ -149,7 +164,3 @@ def decode(data: bytes | bytearray) -> PeerSnapshot:
     if header.format != FORMAT_VERSION:
         raise SnapshotError("version", f"snapshot header says format {header.format}")
     return PeerSnapshot(header, bytes(view[at:end]))
-
-
-def header_dict(header: SnapshotHeader) -> dict[str, Any]:
-    return asdict(header)
