@@ -372,7 +372,7 @@ def bootstrap_metrics(report: Any) -> Iterator[Any]:
     yield labelled_counter(
         "quillcache_bootstrap_snapshots",
         "Peer snapshots tried at start-up by outcome (loaded, refused) and refusal reason "
-        "(corrupt, truncated, version, secret, mismatch, too_large, slow, peer).",
+        "(corrupt, truncated, version, secret, mismatch, too_large, slow, peer, error).",
         outcomes,
         ["outcome", "reason"],
     )
