@@ -116,8 +116,6 @@ class FleetLink:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        if hasattr(self, "routing"):
-            await self.routing.close()
         await self.state.close()
 
     # -- polling -------------------------------------------------------------------------

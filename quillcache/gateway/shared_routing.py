@@ -6,7 +6,9 @@ second step after the control plane's decision.
     route = await shared.book(request, w, rank)   # one round trip: the shortlist (the
                                                   # router's choice first) booked in Redis
     ... forward to route.worker, rank route.rank
-    shared.prefill_done(rid); shared.release(rid) # from `RequestOutcomes`
+    shared.prefill_done(rid); shared.release(rid) # from `RequestOutcomes`: queued, they
+                                                  # ride on the next booking (or go as
+                                                  # one batch `settle_s` later)
 
 Engines are named in Redis by a fleet-wide id derived from their URL (`fleet_engine_id`),
 not by this replica's worker ids: replicas number their workers in the order they were
@@ -105,14 +107,6 @@ class _Booking:
     prefill_tokens: int
     context_tokens: int
     prefilled: bool = False
-    # prefill-done not sent to Redis yet (`PREFILL_DELAY_S`)
-    prefill_timer: asyncio.TimerHandle | None = None
-
-
-# A non-streamed answer's first byte comes with its end: prefill-done is sent this long
-# after the first byte, and not at all when the release comes first (one round trip
-# per such request saved; the booked load is only "queued" instead of "decoding" for it).
-PREFILL_DELAY_S = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +149,6 @@ class SharedRouting:
         self.spec_ttl_s = spec_ttl_s
         self.on_booked = on_booked
         self._bookings: dict[int | str, _Booking] = {}  # by the plane's request id
-        self._tasks: set[asyncio.Task[Any]] = set()
         self.moved = 0  # bookings that took another candidate than the router's
 
     async def book(
@@ -229,7 +222,13 @@ class SharedRouting:
     def _orphan(self, task: asyncio.Task[Booked | LocalFallback], bid: str) -> None:
         """A booking whose request was cancelled while it was in flight: release it."""
         if not task.cancelled() and task.exception() is None:
-            self._spawn(self.state.release(bid))
+            self.state.release_soon(bid)
+
+    # The request's later moments: this replica's view moves now; Redis hears of them
+    # with this replica's next booking, or in one batch `settle_s` later (off the
+    # request's path, and no round trip of their own under traffic). A non-streamed
+    # answer's first byte comes with its end: its prefill-done is dropped from the queue
+    # by its release, when both come within one batch.
 
     def prefill_done(self, request_id: int | str) -> None:
         b = self._bookings.get(request_id)
@@ -237,34 +236,16 @@ class SharedRouting:
             return
         b.prefilled = True
         self.store.own_prefilled(b.key, b.prefill_tokens, b.context_tokens)
-        b.prefill_timer = asyncio.get_running_loop().call_later(
-            PREFILL_DELAY_S, self._send_prefill_done, b
-        )
-
-    def _send_prefill_done(self, b: _Booking) -> None:
-        b.prefill_timer = None
-        self._spawn(self.state.prefill_done(b.booking_id))
+        self.state.prefill_done_soon(b.booking_id)
 
     def release(self, request_id: int | str) -> None:
         """The request holds its engine no more (idempotent)."""
         b = self._bookings.pop(request_id, None)
         if b is None:
             return
-        if b.prefill_timer is not None:
-            b.prefill_timer.cancel()
         self.store.own_released(b.key, b.prefill_tokens, b.context_tokens, b.prefilled)
-        self._spawn(self.state.release(b.booking_id))
-
-    def _spawn(self, coro: Any) -> None:
-        # off the request's path: the answer does not wait for Redis to count it
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.state.release_soon(b.booking_id)
 
     @property
     def in_flight(self) -> int:
         return len(self._bookings)
-
-    async def close(self) -> None:
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=1.0)

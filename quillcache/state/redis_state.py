@@ -3,7 +3,9 @@
 One object per replica, used from the replica's event loop. Every operation is at most
 one round trip (one Lua script, EVALSHA with an EVAL fallback on NOSCRIPT), bounded by
 a latency budget; past it, or with Redis unreachable, the operation is applied to the
-replica's own book and returns a `LocalFallback` instead of raising. The replica keeps
+replica's own book and returns a `LocalFallback` instead of raising. The ends of
+requests (release, prefill done) are not a round trip each: they are queued and ride on
+the replica's next booking, or go as one batch at most `settle_s` later. The replica keeps
 its own book of the requests it booked, so that it can put its share back in Redis
 (`resync`) after an outage, a Redis restart (empty or not) or a lapsed lease.
 
@@ -59,6 +61,8 @@ log = logging.getLogger(__name__)
 DEFAULT_WEIGHTS = LoadWeights()
 _CEILING_MAX = 1e300  # what an infinite ceiling is sent as (Lua's tonumber has no "inf")
 _FIELDS = {"n": 0, "q": 1, "d": 2, "c": 3}
+# what the settle codes (scripts.settle) say, per op
+_SETTLED = {"o": "ok", "n": "none", "-": "noop"}
 
 
 class _Script:
@@ -84,10 +88,8 @@ class _Script:
 
 
 _BOOK = _Script(scripts.BOOK)
-_PREFILLED = _Script(scripts.PREFILLED)
-_RELEASE = _Script(scripts.RELEASE)
 _RESYNC = _Script(scripts.RESYNC)
-_RENEW = _Script(scripts.RENEW)
+_SETTLE = _Script(scripts.SETTLE)
 _LEAVE = _Script(scripts.LEAVE)
 _SNAPSHOT = _Script(scripts.SNAPSHOT)
 _PENDING = _Script(scripts.PENDING)
@@ -174,6 +176,8 @@ class RedisFleetState:
         clock: Callable[[], int] | None = None,
         client: Redis | None = None,
         fast_path: bool = True,
+        settle_s: float = 0.02,
+        settle_max: int = 128,
     ) -> None:
         if not prefix or any(ch in prefix for ch in "{}"):
             raise ConfigError(f"state prefix must be non-empty without braces, got {prefix!r}")
@@ -190,6 +194,10 @@ class RedisFleetState:
             )
         if not budget_s > 0 or not admin_timeout_s > 0 or not reconnect_s > 0:
             raise ConfigError("budget_s, admin_timeout_s and reconnect_s must be > 0")
+        if not settle_s > 0 or settle_max < 1:
+            raise ConfigError(
+                f"settle_s must be > 0 and settle_max >= 1, got {settle_s}, {settle_max}"
+            )
         self.url = url
         self.prefix = prefix
         self.base = "{" + prefix + "}:"
@@ -220,6 +228,14 @@ class RedisFleetState:
         self._lane: RespConnection | None = None
         self._ids = itertools.count(1)
         self._book: dict[str, _Entry] = {}
+        # request ends not sent yet: request id -> "r" (released) | "p" (prefilled), in
+        # the order they came; they go with the next booking or at most settle_s later
+        self.settle_s = settle_s
+        self.settle_max = settle_max
+        self._ends: dict[str, str] = {}
+        self._end_waiters: dict[str, list[asyncio.Future[Shared | LocalFallback]]] = {}
+        self._settle_timer: asyncio.TimerHandle | None = None
+        self._settling: set[asyncio.Task[None]] = set()
         self._inflight = 0  # operations between the gate and their reply
         self._idle = asyncio.Event()
         self._idle.set()
@@ -271,6 +287,9 @@ class RedisFleetState:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        # queued request ends: leaving takes the whole share out; not leaving, the
+        # lease lapses with them
+        self._end_batch(self._take_ends(), None)
         if leave and self._up:
             with contextlib.suppress(RedisError, OSError, TimeoutError):
                 async with asyncio.timeout(self.admin_timeout_s):
@@ -310,6 +329,7 @@ class RedisFleetState:
         old = self._book.get(request_id)
         if old is not None:
             return Booked(old.engine, _position(shortlist, old.engine), "retry", ())
+        ends = self._take_ends()
         args = self._head()
         args += [
             request_id,
@@ -322,12 +342,16 @@ class RedisFleetState:
                 for c in shortlist
             ),
             ",".join(f"{_hex(k)}={int(b)}" for k, b in anchors),
+            *ends,
         ]
         reply = await self._run("book", _BOOK, args, self.budget_s, share=True)
         status = reply[0] if reply is not None else None
+        if ends:
+            codes = reply[3] if status == "ok" else reply[2] if status == "dup" else None
+            self._end_batch(ends, codes)
         if status == "ok":
             i = int(reply[1]) - 1
-            v = reply[3:]  # integers already (hiredis, or redis-py's RESP parser)
+            v = reply[4:]  # integers already (hiredis, or redis-py's RESP parser)
             loads = tuple(
                 SharedLoad(v[j], v[j + 1], v[j + 2], v[j + 3])
                 for j in range(0, 4 * len(shortlist), 4)
@@ -354,33 +378,134 @@ class RedisFleetState:
         self.stats.fell_back_bookings += 1
         return LocalFallback(reason, engine)
 
+    def prefill_done_soon(self, request_id: str) -> bool:
+        """The request's prompt is computed: its queued prefill turns into a decode, in
+        this replica's view now and in Redis with its next call (a booking, or the batch
+        sent at most `settle_s` later). False: not booked here, or already prefilled."""
+        e = self._book.get(request_id)
+        if e is None or e.prefilled:
+            return False
+        e.prefilled = True
+        self._adjust(e.engine, queued=-e.prefill_tokens, decodes=1, context=e.context_tokens)
+        self._queue_end(request_id, "p")
+        return True
+
+    def release_soon(self, request_id: str) -> bool:
+        """The request ended (done or failed): its load leaves the engine, in this
+        replica's view now and in Redis with its next call. False: not booked here."""
+        e = self._book.pop(request_id, None)
+        if e is None:
+            return False
+        if e.prefilled:
+            self._adjust(e.engine, in_flight=-1, decodes=-1, context=-e.context_tokens)
+        else:
+            self._adjust(e.engine, in_flight=-1, queued=-e.prefill_tokens)
+        self._queue_end(request_id, "r")
+        return True
+
     async def prefill_done(self, request_id: str) -> Shared | LocalFallback:
-        """The request's prompt is computed: its queued prefill turns into a decode."""
+        """`prefill_done_soon`, sent now (with whatever else is queued); returns once
+        Redis has it."""
         e = self._book.get(request_id)
         if e is None:
             return Shared("unknown request")
         if e.prefilled:
             return Shared("already prefilled")
-        e.prefilled = True
-        self._adjust(e.engine, queued=-e.prefill_tokens, decodes=1, context=e.context_tokens)
-        reply = await self._run(
-            "prefill_done", _PREFILLED, [*self._head(), request_id], self.budget_s, share=True
-        )
-        return self._outcome("prefill_done", reply)
+        self.prefill_done_soon(request_id)
+        return await self._sent(request_id)
 
     async def release(self, request_id: str) -> Shared | LocalFallback:
-        """The request ended (done or failed): its load leaves the engine."""
-        e = self._book.pop(request_id, None)
-        if e is None:
+        """`release_soon`, sent now (with whatever else is queued); returns once Redis
+        has it."""
+        if not self.release_soon(request_id):
             return Shared("unknown request")
-        if e.prefilled:
-            self._adjust(e.engine, in_flight=-1, decodes=-1, context=-e.context_tokens)
+        return await self._sent(request_id)
+
+    async def flush(self) -> None:
+        """Send the queued request ends now, in one round trip (with the lease's
+        renewal)."""
+        if self._ends:
+            await self._settle("settle", self.budget_s)
+
+    def _queue_end(self, request_id: str, op: str) -> None:
+        if not self._up:  # the book has it; the resync after the reconnect sends it
+            self._fallback("release" if op == "r" else "prefill_done")
+            return
+        # a prefill not sent yet and then the release: the release alone (the booking
+        # record in Redis still says "queued", and the release takes back what it says)
+        self._ends[request_id] = op
+        if len(self._ends) >= self.settle_max:
+            self._settle_soon()
+        elif self._settle_timer is None:
+            self._settle_timer = asyncio.get_running_loop().call_later(
+                self.settle_s, self._settle_soon
+            )
+
+    def _settle_soon(self) -> None:
+        """The batch's timer (or a full batch): one task per batch, not per request."""
+        if self._settle_timer is not None:
+            self._settle_timer.cancel()
+            self._settle_timer = None
+        task = asyncio.ensure_future(self.flush())
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    def _take_ends(self) -> list[str]:
+        """The queued ends as script arguments ('r' or 'p', then the request id), taken
+        off the queue."""
+        if self._settle_timer is not None:
+            self._settle_timer.cancel()
+            self._settle_timer = None
+        if not self._ends:
+            return []
+        ends = [op + rid for rid, op in self._ends.items()]
+        self._ends = {}
+        return ends
+
+    async def _sent(self, request_id: str) -> Shared | LocalFallback:
+        """Send the queue now and wait for the request's own end to be answered."""
+        if request_id not in self._ends:  # not queued: Redis is not in use
+            return LocalFallback(self._why())
+        fut: asyncio.Future[Shared | LocalFallback] = asyncio.get_running_loop().create_future()
+        self._end_waiters.setdefault(request_id, []).append(fut)
+        await self.flush()
+        return await fut
+
+    async def _settle(self, op: str, timeout_s: float) -> None:
+        """The SETTLE script: renew the lease and send the queued ends."""
+        ends = self._take_ends()
+        reply = await self._run(op, _SETTLE, [*self._head(), *ends], timeout_s, share=True)
+        if reply is not None and reply[0] == "lost":
+            self._lost(op)
+        if ends:
+            self.stats.end_batches += 1
+            self._end_batch(ends, reply[2] if reply is not None and reply[0] == "ok" else None)
+
+    def _end_batch(self, ends: Sequence[str], codes: str | None) -> None:
+        """Count a batch of ends Redis answered (`codes`, one character per end) or did
+        not (None: the call failed; the share is dirty and a resync puts the book back),
+        and answer whoever waits for one of them."""
+        if not ends:
+            return
+        stats = self.stats
+        stats.ends_sent += len(ends)
+        if codes is None:
+            failed = LocalFallback(self._why())
+            self._answer(ends, lambda i: failed)
         else:
-            self._adjust(e.engine, in_flight=-1, queued=-e.prefill_tokens)
-        reply = await self._run(
-            "release", _RELEASE, [*self._head(), request_id], self.budget_s, share=True
-        )
-        return self._outcome("release", reply)
+            stats.ends_applied += codes.count("o")
+            stats.ends_unknown += codes.count("n")
+            self._answer(ends, lambda i: Shared(_SETTLED[codes[i]]))
+
+    def _answer(self, ends: Sequence[str], result: Callable[[int], Shared | LocalFallback]) -> None:
+        """Answer the callers waiting for some of `ends` (`release()`, `prefill_done()`)."""
+        waiters = self._end_waiters
+        if not waiters or not ends:
+            return
+        for i, end in enumerate(ends):
+            for fut in waiters.pop(end[1:], ()):
+                if not fut.done():
+                    fut.set_result(result(i))
 
     # --- reads ----------------------------------------------------------------------
 
@@ -543,6 +668,8 @@ class RedisFleetState:
         try:
             async with asyncio.timeout(self.admin_timeout_s):
                 await self._idle.wait()
+                # the book has every queued end already: Redis gets the book instead
+                self._answer(self._take_ends(), lambda i: Shared("resynced"))
                 args: list[str | int | float] = self._head()
                 for rid, e in self._book.items():
                     args += [
@@ -669,13 +796,6 @@ class RedisFleetState:
         )
         return "lease lost in redis; resynchronising"
 
-    def _outcome(self, op: str, reply: Any) -> Shared | LocalFallback:
-        if reply is None:
-            return LocalFallback(self._why())
-        if reply[0] == "lost":
-            return LocalFallback(self._lost(op))
-        return Shared(str(reply[0]))
-
     def _note(
         self, rid: str, engine: EngineKey, prefill: int, context: int, session: str | None
     ) -> None:
@@ -785,9 +905,7 @@ class RedisFleetState:
         elif self._dirty or time.monotonic() - self._resynced_at > self.resync_every_s:
             await self.resync()
         else:
-            reply = await self._run("renew", _RENEW, self._head(), self.admin_timeout_s, share=True)
-            if reply is not None and reply[0] == "lost":
-                self._lost("renew")
+            await self._settle("renew", self.admin_timeout_s)
 
     async def _maintain(self) -> None:
         """`beat()` every `heartbeat_s` while Redis is up, every `reconnect_s` while it

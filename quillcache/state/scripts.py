@@ -92,24 +92,62 @@ end
 local function renew()
   redis.call('ZADD', LEASES, now + ttl, replica)
 end
+
+-- The ends of this replica's requests, batched: ARGV[from..] are 'r'..request id (the
+-- request ended: its load leaves) or 'p'..request id (its prefill is done: its queued
+-- tokens turn into a decode), applied in order. One character per op in the result:
+-- 'o' applied, 'n' no such booking here (already released, or booked while this
+-- replica could not reach Redis and not resynchronised yet), '-' already prefilled.
+-- The booking record makes each op idempotent: a release deletes it.
+local function settle(from)
+  local codes = {}
+  for i = from, #ARGV do
+    local a = ARGV[i]
+    local rid = string.sub(a, 2)
+    local rec = redis.call('HGET', BK, rid)
+    if not rec then
+      codes[#codes + 1] = 'n'
+    else
+      local e, q, c, p = parse(rec)
+      if string.sub(a, 1, 1) == 'r' then
+        apply(SHARE, e, q, c, p, -1)
+        redis.call('HDEL', BK, rid)
+        codes[#codes + 1] = 'o'
+      elseif p == '1' then
+        codes[#codes + 1] = '-'
+      else
+        bump(LOAD, e .. '|q', -q); bump(SHARE, e .. '|q', -q)
+        bump(LOAD, e .. '|d', 1); bump(SHARE, e .. '|d', 1)
+        bump(LOAD, e .. '|c', c); bump(SHARE, e .. '|c', c)
+        redis.call('HSET', BK, rid, e .. '|' .. q .. '|' .. c .. '|1')
+        codes[#codes + 1] = 'o'
+      end
+    end
+  end
+  return table.concat(codes)
+end
 """
 
 # ARGV[5] request id, [6] 'prefill|context|wn|wq|wd|session|session ttl ms|spec ttl ms'
 # (session: a key name suffix or empty), [7] the shortlist 'engine=ceiling,...' in the
-# router's order, [8] the request's anchors 'key=blocks,...' (may be empty). Few
-# arguments: the client packs each argument in Python, a long ARGV costs more there
-# than these string.gmatch loops cost here.
-# Returns {'lost'} | {'dup', engine} | {'ok', index (1-based), reason, n1, q1, d1, c1, ...}
+# router's order, [8] the request's anchors 'key=blocks,...' (may be empty), [9..] this
+# replica's request ends queued since its last call (`settle`), applied first: they
+# ride on the booking instead of a round trip of their own. Few arguments for the
+# booking itself: redis-py packs each argument in Python, and these string.gmatch loops
+# cost less here than a long ARGV costs there.
+# Returns {'lost'} | {'dup', engine, settle codes}
+#       | {'ok', index (1-based), reason, settle codes, n1, q1, d1, c1, ...}
 BOOK = (
     PRELUDE
     + r"""
 if not live() then return {'lost'} end
 renew()
+local settled = settle(9)
 local rid = ARGV[5]
 local prev = redis.call('HGET', BK, rid)
 if prev then
   local e = parse(prev)
-  return {'dup', e}
+  return {'dup', e, settled}
 end
 local q, c, wn, wq, wd, sess, sess_ttl, spec_ttl = string.match(ARGV[6],
   '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
@@ -189,43 +227,9 @@ for j = 1, m do
   redis.call('ZADD', k, 'GT', now + spec_ttl, e)
   redis.call('PEXPIRE', k, spec_ttl)
 end
-local out = {'ok', chosen, reason}
+local out = {'ok', chosen, reason, settled}
 for i = 1, 4 * n do out[#out + 1] = tonumber(vals[i]) or 0 end
 return out
-"""
-)
-
-# ARGV[5] request id. Returns {'lost'} | {'none'} | {'noop'} | {'ok'}
-PREFILLED = (
-    PRELUDE
-    + r"""
-if not live() then return {'lost'} end
-renew()
-local rid = ARGV[5]
-local rec = redis.call('HGET', BK, rid)
-if not rec then return {'none'} end
-local e, q, c, p = parse(rec)
-if p == '1' then return {'noop'} end
-apply(SHARE, e, q, c, '0', -1)
-apply(SHARE, e, q, c, '1', 1)
-redis.call('HSET', BK, rid, e .. '|' .. q .. '|' .. c .. '|1')
-return {'ok'}
-"""
-)
-
-# ARGV[5] request id. Returns {'lost'} | {'none'} | {'ok'}
-RELEASE = (
-    PRELUDE
-    + r"""
-if not live() then return {'lost'} end
-renew()
-local rid = ARGV[5]
-local rec = redis.call('HGET', BK, rid)
-if not rec then return {'none'} end
-local e, q, c, p = parse(rec)
-apply(SHARE, e, q, c, p, -1)
-redis.call('HDEL', BK, rid)
-return {'ok'}
 """
 )
 
@@ -249,13 +253,16 @@ return {'ok', count}
 """
 )
 
-# Returns {'lost'} | {'ok', reaped}
-RENEW = (
+# The lease renewed, and the request ends queued since this replica's last call
+# (ARGV[5..], `settle`): the heartbeat and the batched releases and prefills are one
+# script. Returns {'lost'} | {'ok', reaped, settle codes}
+SETTLE = (
     PRELUDE
     + r"""
 if not live() then return {'lost'} end
 renew()
-return {'ok', reaped}
+local settled = settle(5)
+return {'ok', reaped, settled}
 """
 )
 

@@ -140,6 +140,13 @@ class StateStats:
     lost_leases: int = 0  # Redis did not hold this replica's lease (restart, or a pause)
     booked: int = 0
     fell_back_bookings: int = 0
+    # request ends (releases, prefills done), batched: sent, applied by Redis, unknown
+    # to Redis (booked while it was not in use, or resynchronised meanwhile), and the
+    # round trips of their own (the others rode on a booking)
+    ends_sent: int = 0
+    ends_applied: int = 0
+    ends_unknown: int = 0
+    end_batches: int = 0
 
     def fallback(self, op: str) -> None:
         self.fallbacks[op] = self.fallbacks.get(op, 0) + 1
