@@ -268,6 +268,19 @@ def _read_field(r: _Reader, name: str, fields: dict[str, Any]) -> None:
         fields[name] = read()
 
 
+def _sglang_metadata(r: _Reader, fields: dict[str, Any]) -> None:
+    """SGLang 0.5.18-0.5.19 (`BlockStoredWithMetadata`): a salted store appends, after
+    `medium`, the map ``{"cache_salt": str}`` where vLLM's positional form has
+    `lora_name` (a str or nil, so the two are told apart by type). Other keys are
+    skipped, as in an event map."""
+    for _ in range(r.map_header()):
+        key = r.string("a metadata key")
+        if key == "cache_salt":
+            fields["cache_salt"] = r.nil_or(lambda: r.string("cache_salt"))
+        else:
+            r.skip(5)  # batch > events > event > metadata > value
+
+
 def _build(r: _Reader, kind: str, fields: dict[str, Any], start: int) -> Event:
     for name in _REQUIRED[kind]:
         if name not in fields:
@@ -332,7 +345,11 @@ def _event(r: _Reader, index: int) -> Event:
         for i in range(n - 1):
             name = names[i] if i < len(names) else f"<extra {i}>"
             r.path = f"events[{index}].{name}"
-            _read_field(r, name, fields)
+            if name == "lora_name" and kind == "BlockStored" and _is_map(r.peek()):
+                r.path = f"events[{index}].metadata"
+                _sglang_metadata(r, fields)
+            else:
+                _read_field(r, name, fields)
         r.path = f"events[{index}]"
         return _build(r, kind, fields, start)
     raise r.fail(f"expected an event (a map or an array), found marker 0x{marker:02x}")

@@ -2,7 +2,8 @@
 //!
 //! The grammar (mirrored by the Python reference `quillcache/events/pyref.py`):
 //! a batch is `[ts, events, dp_rank?]`; an event is a map with a `"type"` key
-//! (vLLM >= 0.24, SGLang) or an array `[type, field, ...]` (vLLM <= 0.23). Known
+//! (vLLM >= 0.24, SGLang >= 0.5.20) or an array `[type, field, ...]` (vLLM <= 0.23,
+//! SGLang <= 0.5.19, whose salted stores put a metadata map at `lora_name`). Known
 //! field names are validated whatever the event type; unknown keys and trailing
 //! positional fields are skipped (depth-bounded). Duplicate keys: the last one wins.
 
@@ -30,7 +31,7 @@ const U32_MAX: WireInt = u32::MAX as WireInt;
 const FIELD_DEPTH: usize = 4; // batch > events > event > field value
 const EXTRA_ITEM_DEPTH: usize = 6; // ... > extra_keys > one block's keys > item
 
-/// Field order of the positional (vLLM <= 0.23) forms, and how many are required.
+/// Field order of the positional (vLLM <= 0.23, SGLang <= 0.5.19) forms, and how many are required.
 const STORED_POSITIONAL: [&str; 16] = [
     "block_hashes",
     "parent_block_hash",
@@ -245,6 +246,10 @@ fn decode_event(
             }
             for i in 0..n - 1 {
                 match names.get(i) {
+                    Some(&"lora_name") if kind == Kind::Stored && is_map(r.peek()?) => {
+                        r.path = Path::EventField(index, "metadata");
+                        sglang_metadata(r, &mut fields)?;
+                    }
                     Some(name) => read_field(r, index, Some(name), &mut fields, out)?,
                     None => {
                         r.path = Path::EventField(index, "<extra positional field>");
@@ -263,6 +268,31 @@ fn decode_event(
             )))
         }
     }
+}
+
+fn is_map(m: rmp::Marker) -> bool {
+    matches!(
+        m,
+        rmp::Marker::FixMap(_) | rmp::Marker::Map16 | rmp::Marker::Map32
+    )
+}
+
+/// SGLang 0.5.18-0.5.19 (`BlockStoredWithMetadata`): a salted store appends, after
+/// `medium`, the map `{"cache_salt": str}` where vLLM's positional form has
+/// `lora_name` (a str or nil, so the two are told apart by type). Other keys are
+/// skipped, as in an event map.
+fn sglang_metadata(r: &mut Reader<'_>, f: &mut Fields) -> Result<(), DecodeError> {
+    for _ in 0..r.map_len()? {
+        let start = r.pos();
+        let key = r.str_raw("a metadata key")?;
+        if key == b"cache_salt" {
+            f.cache_salt = nil_or(r, |r| Ok(r.str("cache_salt")?.to_owned()))?;
+        } else {
+            r.utf8(key, start, "a metadata key")?;
+            r.skip(FIELD_DEPTH + 1)?; // batch > events > event > metadata > value
+        }
+    }
+    Ok(())
 }
 
 fn parse_kind(r: &Reader<'_>, name: &str, at: usize) -> Result<Kind, DecodeError> {

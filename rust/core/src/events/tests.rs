@@ -767,3 +767,121 @@ fn identity_tenant_rule() {
     assert_eq!(ident.mm_items(2), None);
     assert_eq!(ident.mm_items(3), None);
 }
+
+/// SGLang's golden frames (`tests/vectors/sglang_kv_events.json`, made by the
+/// publisher code of five releases): each decodes to what SGLang was asked to send.
+/// Hashes are SGLang's signed int64 (decoded by their bits); the salt is the field
+/// (>= 0.5.20) or the metadata map (0.5.18-0.5.19); `session_id` is not kept.
+#[test]
+fn sglang_golden_frames_of_every_release() {
+    use serde_json::Value;
+    let doc: Value = serde_json::from_str(include_str!(
+        "../../../../tests/vectors/sglang_kv_events.json"
+    ))
+    .unwrap();
+    let hash = |v: &Value| v.as_i64().unwrap() as u64;
+    let opt_str = |e: &Value, k: &str| e.get(k).and_then(Value::as_str).map(str::to_owned);
+    let mut checked = 0;
+    for (release, r) in doc["releases"].as_object().unwrap() {
+        for (layer, frames) in r["frames"].as_object().unwrap() {
+            for f in frames.as_array().unwrap() {
+                let payload = match f.get("frames_hex") {
+                    Some(fr) => hex(fr[2].as_str().unwrap()),
+                    None => hex(f["payload_hex"].as_str().unwrap()),
+                };
+                let sent = &f["sent"];
+                let events = sent["events"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|e| match e["type"].as_str().unwrap() {
+                        "BlockStored" => Event::BlockStored(BlockStored {
+                            block_hashes: e["block_hashes"]
+                                .as_array()
+                                .unwrap()
+                                .iter()
+                                .map(hash)
+                                .collect(),
+                            parent_block_hash: e["parent_block_hash"].as_i64().map(|h| h as u64),
+                            token_ids: e["token_ids"]
+                                .as_array()
+                                .unwrap()
+                                .iter()
+                                .map(|t| t.as_u64().unwrap() as u32)
+                                .collect(),
+                            block_size: e["block_size"].as_u64().unwrap() as u32,
+                            lora_id: e["lora_id"].as_i64(),
+                            medium: Medium::parse(e.get("medium").and_then(Value::as_str)),
+                            lora_name: opt_str(e, "lora_name"),
+                            extra_keys: vec![],
+                            group_idx: 0,
+                            cache_salt: opt_str(e, "cache_salt").or_else(|| {
+                                e.get("metadata").and_then(|m| opt_str(m, "cache_salt"))
+                            }),
+                        }),
+                        "BlockRemoved" => Event::BlockRemoved(BlockRemoved {
+                            block_hashes: e["block_hashes"]
+                                .as_array()
+                                .unwrap()
+                                .iter()
+                                .map(hash)
+                                .collect(),
+                            medium: Medium::parse(e.get("medium").and_then(Value::as_str)),
+                            group_idx: 0,
+                        }),
+                        _ => Event::AllBlocksCleared,
+                    })
+                    .collect();
+                let expected = EventBatch {
+                    ts: sent["ts"].as_f64().unwrap(),
+                    events,
+                    dp_rank: sent["attn_dp_rank"].as_i64(),
+                };
+                let got =
+                    decode_batch(&payload).unwrap_or_else(|e| panic!("{release} {layer}: {e}"));
+                assert_eq!(got, expected, "{release} {layer}");
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 5 * 9);
+}
+
+fn sglang_array_stored(tail: &[u8]) -> Vec<u8> {
+    // [1.0, [["BlockStored", [-5], nil, [1, 2], 2, nil, "GPU", <tail>]], 0]
+    let mut p = hex("93cb3ff00000000000009198ab426c6f636b53746f72656491fbc092010202c0a3475055");
+    p.extend_from_slice(tail);
+    p.push(0x00);
+    p
+}
+
+#[test]
+fn sglang_metadata_map_at_lora_name_is_the_salt() {
+    // {"future": [1], "cache_salt": "t"}: the unknown key is skipped
+    let b = decode_batch(&sglang_array_stored(&hex(
+        "82a66675747572659101aa63616368655f73616c74a174",
+    )))
+    .unwrap();
+    let Event::BlockStored(s) = &b.events[0] else {
+        panic!()
+    };
+    assert_eq!(
+        (s.cache_salt.as_deref(), s.lora_name.as_deref()),
+        (Some("t"), None)
+    );
+    assert_eq!(s.block_hashes, vec![(-5i64) as u64]);
+    // a str there is still vLLM's lora_name
+    let b = decode_batch(&sglang_array_stored(&hex("a16c"))).unwrap();
+    let Event::BlockStored(s) = &b.events[0] else {
+        panic!()
+    };
+    assert_eq!(
+        (s.cache_salt.as_deref(), s.lora_name.as_deref()),
+        (None, Some("l"))
+    );
+    // a salt that is not a str, a key that is not a str: errors naming the metadata
+    for bad in ["81aa63616368655f73616c7407", "8101a178"] {
+        let err = decode_batch(&sglang_array_stored(&hex(bad))).unwrap_err();
+        assert!(err.message.starts_with("events[0].metadata"), "{err}");
+    }
+}
