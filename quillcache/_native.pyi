@@ -28,6 +28,7 @@ __all__ = [
     "IndexLockedError",
     "IngestRefusedError",
     "KvIndex",
+    "LoadOrder",
     "Namespace",
     "NativeIndex",
     "PendingPrefixes",
@@ -507,8 +508,11 @@ class CostKernel:
         blocks: int,
         prompt_tokens: int,
         block_size: int,
+        *,
+        at: npt.NDArray[np.intp] | None = None,
     ) -> tuple[int, npt.NDArray[np.float64]]:
-        """(position, estimates): estimated TTFT per row and the row that wins."""
+        """(position, estimates): estimated TTFT per row and the row that wins; `at`:
+        only the rows at these positions, the position returned is within `at`."""
     def quill(
         self,
         worker: npt.NDArray[np.uint64],
@@ -551,3 +555,33 @@ class PendingPrefixes:
     def prefixes(self, keys: _Keys) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint32]]:
         """(workers, blocks): how many of `keys` from the first each worker is computing."""
     def __len__(self) -> int: ...
+
+
+@final
+class LoadOrder:
+    """A fleet's rows in order of some load values, then worker id, then rank
+    (`f64::total_cmp`, -0.0 as 0.0): the control plane's ordered load structure."""
+
+    def __new__(cls, width: int) -> Self:
+        """`width` values (1-4) per row; ValueError otherwise."""
+    @property
+    def width(self) -> int: ...
+    def __len__(self) -> int: ...
+    def set(self, row: int, values: Sequence[float], worker: int, rank: int) -> None:
+        """Place (or move) `row`; ValueError when `values` is not `width` long."""
+    def set_many(
+        self,
+        rows: npt.NDArray[np.int64],
+        values: npt.NDArray[np.float64],
+        workers: npt.NDArray[np.uint64],
+        ranks: npt.NDArray[np.uint32],
+    ) -> None:
+        """`set` for each row (`values`: rows x width)."""
+    def remove(self, row: int) -> bool:
+        """Forget `row`; False when it was not placed."""
+    def values(self, row: int) -> list[float] | None:
+        """The values `row` is placed by."""
+    def rows(self) -> npt.NDArray[np.int64]:
+        """Every row, from the least loaded."""
+    def first(self, k: int, position: npt.NDArray[np.intp]) -> npt.NDArray[np.intp]:
+        """`position[row]` of the first `k` rows in order with a position >= 0."""

@@ -108,6 +108,13 @@ def build_fleet(engines: int, conversations_per_engine: int, requests: int, seed
         tokens = _tokens(c, PREFIX_BLOCKS) + _tokens(c, NEW_BLOCKS + 1, salt=i + 1)[BLOCK_SIZE:]
         keys = np.asarray(content_keys(tokens, BLOCK_SIZE, ns), dtype=np.uint64)
         reqs.append((keys, len(tokens), c))
+    # An engine that no conversation landed on (at thousands of engines, a few) still
+    # holds the system prompt, as the workload says every engine does.
+    for e in range(engines):
+        if not stored[e]:
+            ev = BlockStored([next_hash], None, _tokens(0, 1), BLOCK_SIZE)
+            next_hash += 1
+            stored[e].append(encode_batch([ev], 1.0, 0))
     refresh = []
     for e in range(engines):  # one small batch per engine: a block stored and removed
         h = 10**12 + e

@@ -13,6 +13,7 @@ keeps its matrix in those rows so that the plane reads a fleet's load with one s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -62,12 +63,25 @@ class LoadStore(Protocol):
         """The load matrix's `rows` (a slice is a view, not a copy)."""
         ...
 
+    def watch(self, listener: Callable[[int], None]) -> None:
+        """Call `listener(row)` after every change of a row's values, whoever makes it
+        (the plane keeps its rows in load order with it: controlplane/order.py)."""
+        ...
+
 
 class LocalLoadStore:
     """One process's load: a float64 matrix, one row per worker slot."""
 
     def __init__(self, rows: int = 64) -> None:
         self._m = np.zeros((max(rows, 1), len(LOAD_FIELDS)), dtype=np.float64)
+        self._listeners: list[Callable[[int], None]] = []
+
+    def watch(self, listener: Callable[[int], None]) -> None:
+        self._listeners.append(listener)
+
+    def _changed(self, row: int) -> None:
+        for listener in self._listeners:
+            listener(row)
 
     def add(self, row: int) -> None:
         if row >= len(self._m):
@@ -75,14 +89,17 @@ class LocalLoadStore:
             grown[: len(self._m)] = self._m
             self._m = grown
         self._m[row] = 0.0
+        self._changed(row)
 
     def report(self, row: int, column: int, value: float) -> None:
         self._m[row, column] = value
+        self._changed(row)
 
     def book(self, row: int, prefill_tokens: float) -> None:
         r = self._m[row]
         r[IN_FLIGHT] += 1
         r[QUEUED] += prefill_tokens
+        self._changed(row)
 
     def prefilled(self, row: int, prefill_tokens: float, context_tokens: float) -> None:
         r = self._m[row]
@@ -90,6 +107,7 @@ class LocalLoadStore:
         decodes = r[DECODES]
         r[MEAN_CONTEXT] = (r[MEAN_CONTEXT] * decodes + context_tokens) / (decodes + 1)
         r[DECODES] = decodes + 1
+        self._changed(row)
 
     def release(self, row: int, prefill_tokens: float, prefilled: bool) -> None:
         r = self._m[row]
@@ -98,6 +116,7 @@ class LocalLoadStore:
             r[DECODES] = max(r[DECODES] - 1, 0.0)
         else:
             r[QUEUED] = max(r[QUEUED] - prefill_tokens, 0.0)
+        self._changed(row)
 
     def value(self, row: int, column: int) -> float:
         return float(self._m[row, column])

@@ -52,6 +52,7 @@ from quillcache.controlplane.load import (
     LocalLoadStore,
     load_column,
 )
+from quillcache.controlplane.order import LoadOrders, PlaneRowOrder
 from quillcache.costmodel import CostModel, CostModelConfig
 from quillcache.errors import ConfigError, QuillCacheError
 from quillcache.index import (
@@ -226,6 +227,24 @@ class _Candidates:
         ok = (at >= 0) & (ranks < self.rank_counts[np.maximum(at, 0)])
         return np.where(ok, at + ranks.astype(np.intp), -1)
 
+    def position_list(self, workers: list[int], ranks: list[int]) -> list[int]:
+        """`rank_positions` of a few (worker, rank) pairs, in Python (numpy's per-call
+        overhead is more than the lookups)."""
+        table = self.table
+        if table is None:
+            at = self.rank_positions(
+                np.asarray(workers, dtype=np.uint64), np.asarray(ranks, dtype=np.uint32)
+            )
+            return [int(p) for p in at.tolist()]
+        counts = self.rank_counts
+        out = []
+        for w, r in zip(workers, ranks, strict=True):
+            p = int(table[w]) if w < len(table) else -1
+            if p >= 0 and r:
+                p = p + r if counts is not None and r < counts[p] else -1
+            out.append(p)
+        return out
+
     @classmethod
     def of(cls, states: list[WorkerState], row_capacity: int) -> _Candidates:
         """The candidates made of `states` (in id order): one position per rank."""
@@ -258,6 +277,7 @@ class _Candidates:
 
 
 _NO_KEYS: npt.NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
+_NO_POSITIONS: npt.NDArray[np.intp] = np.zeros(0, dtype=np.intp)
 
 #: Candidate subsets (`route(only=...)`) kept per routable set.
 _MAX_SUBSETS = 64
@@ -303,6 +323,7 @@ class ControlPlane:
         order_only: bool = False,
         load_store: LoadStore | None = None,
         latencies: OpLatencies | None = None,
+        prune_min_rows: int | None = 64,
     ) -> None:
         self.index: IndexBackend = (
             create_backend(index, **(index_options or {})) if isinstance(index, str) else index
@@ -324,6 +345,13 @@ class ControlPlane:
         self.latencies = latencies
         self.apply_stats = ApplyStats()
         self.load: LoadStore = load_store if load_store is not None else LocalLoadStore()
+        # Views of at least this many rows are prunable (`View.prunable`): routers that
+        # can score only the rows that may win do so. None: never (every view is scored
+        # whole, the reference the conformance tests compare pruning against).
+        if prune_min_rows is not None and prune_min_rows < 1:
+            raise ConfigError(f"prune_min_rows must be >= 1 or None, got {prune_min_rows}")
+        self.prune_min_rows = prune_min_rows
+        self._orders = LoadOrders(self.load)
         self._fleet = _FleetColumns()
         self._workers: dict[int, WorkerState] = {}
         self._free_rows: list[int] = []  # rows of removed workers, reused first
@@ -373,6 +401,7 @@ class ControlPlane:
                 rows.append(self._next_row)
                 self._next_row += 1
         state = WorkerState(worker, rows, self.load, self._fleet)
+        self._orders.assign(rows, worker)
         for row in rows:
             self.load.add(row)
             self._fleet.add(row, cap)
@@ -396,6 +425,7 @@ class ControlPlane:
         """Give rows back; what was tracked on them is forgotten (their load with them),
         or a later release would land on the row's next owner."""
         freed = set(rows)
+        self._orders.release(rows)
         for rid in [r for r, t in self._tracked.items() if t.row in freed]:
             del self._tracked[rid]
         for row in rows:
@@ -543,11 +573,13 @@ class ControlPlane:
             if table is None:
                 tiers = hits.tiers_at(cand.rank_positions(hits.worker, hits.dp_rank), n)
         pending = np.zeros(n, dtype=np.int64)
+        pending_at = _NO_POSITIONS
         if len(self._pending) and len(keys):
             rows, blocks = self._pending.prefixes(as_key_array(keys))
             at = cand.row_position[rows.astype(np.intp)]
             ok = at >= 0
             pending[at[ok]] = blocks[ok]
+            pending_at = at[ok & (blocks > 0)]
         # The load and fleet rows may be views of the plane's own matrices (and the ids
         # are shared by every view): read-only, so a router cannot change the plane.
         load = self.load.rows(cand.rows)
@@ -564,6 +596,9 @@ class ControlPlane:
             pending,
             cand.ranks,
         )
+        order = None
+        if self.prune_min_rows is not None and n >= self.prune_min_rows:
+            order = PlaneRowOrder(self._orders, cand, hits, pending_at)
         return View(
             None,
             self.block_size,
@@ -574,6 +609,7 @@ class ControlPlane:
             media_of=_MediaOf(hits)
             if hits is not None and (len(hits.worker) or hits.floors)
             else None,
+            order=order,
         )
 
     def _candidates(self, only: AbstractSet[int] | None) -> _Candidates:

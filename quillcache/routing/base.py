@@ -12,7 +12,9 @@ into the index or the engines; everything it may use is in the `View`.
 
 from __future__ import annotations
 
+import bisect
 import random
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -36,6 +38,10 @@ class Router:
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""  # one line for `quillcache simulate --list-routers`
     source: ClassVar[str] = ""  # where the policy comes from (paper, project, file)
+    # True: on a prunable view (`View.prunable`) it scores only the rows that can win
+    # (`pruned_lowest`), and decides exactly as it would over every row;
+    # tests/routing/test_pruning.py checks that for every router that says so
+    prunes: ClassVar[bool] = False
 
     def __init__(self, *, seed: int = 0, **params: Any) -> None:
         if params:
@@ -161,7 +167,7 @@ def estimate_ttft_s_array(request: Request, view: View) -> npt.NDArray[np.float6
 
 
 def kernel_rows(
-    view: View,
+    view: View, at: npt.NDArray[np.intp] | None = None
 ) -> tuple[
     npt.NDArray[np.uint64],
     npt.NDArray[np.float64],
@@ -170,16 +176,69 @@ def kernel_rows(
     npt.NDArray[np.int64],
     npt.NDArray[np.int64],
 ]:
-    """The columns `CostModel.kernel` scores, in its argument order."""
+    """The columns `CostModel.kernel` scores, in its argument order: every row, or the
+    rows at positions `at` (ascending, so that the first among equals stays first)."""
     c = view.columns
+    if at is None:
+        return (
+            c.worker,
+            np.ascontiguousarray(c.load),
+            c.gpu_blocks,
+            c.cpu_blocks,
+            c.disk_blocks,
+            c.pending_blocks,
+        )
     return (
-        c.worker,
-        np.ascontiguousarray(c.load),
-        c.gpu_blocks,
-        c.cpu_blocks,
-        c.disk_blocks,
-        c.pending_blocks,
+        c.worker[at],
+        c.load[at],
+        c.gpu_blocks[at],
+        c.cpu_blocks[at],
+        c.disk_blocks[at],
+        c.pending_blocks[at],
     )
+
+
+#: Floor rows a pruning router scores first (doubled while the last of them could tie).
+PRUNE_FIRST_ROWS = 8
+
+
+def pruned_lowest(
+    view: View,
+    fields: tuple[str, ...],
+    score: Callable[[npt.NDArray[np.intp]], tuple[int, npt.NDArray[np.float64]]],
+) -> int | None:
+    """The position `score` would pick over every row, found by scoring only the rows
+    above the floor and the least loaded rows by `fields` (`View.least_loaded`).
+
+    `score(at)` scores the rows at positions `at` (ascending) and returns the position
+    within `at` of its choice (the lowest score, ties by the router's own order) and
+    the scores. Exact when the router's score of a row holding exactly the floor is
+    non-decreasing along the order of `fields` (then worker id, rank): every row after
+    the last one scored scores at least as much as it, so once that last score exceeds
+    the choice's, no unscored row can win or tie. Otherwise twice as many rows are
+    taken, up to all of them. None: the view is not prunable (score it whole)."""
+    if not view.prunable:
+        return None
+    n = len(view)
+    above = view.above_floor()
+    if 2 * len(above) >= n:
+        return None  # no floor to speak of (an engine holding nothing yet)
+    # a handful of rows: Python's sets beat numpy's set operations here
+    special = above.tolist()
+    is_special = set(special)
+    k = PRUNE_FIRST_ROWS
+    while True:
+        least = view.least_loaded(fields, k + len(special)).tolist()
+        rows = sorted(is_special.union(least))
+        if len(rows) >= n:
+            return None  # every row: scoring them whole is the same and cheaper
+        # more rows than are special were taken, and there are more rows than taken:
+        # some rows taken hold only the floor
+        last = bisect.bisect_left(rows, [p for p in least if p not in is_special][-1])
+        choice, scores = score(np.asarray(rows, dtype=np.intp))
+        if scores[last] > scores[choice]:
+            return rows[choice]
+        k *= 2
 
 
 def first_min(*keys: npt.NDArray[np.generic]) -> int:

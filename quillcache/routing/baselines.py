@@ -18,8 +18,15 @@ def load_key(w: WorkerView) -> tuple[int, int, int]:
     return (w.in_flight, w.queued_prefill_tokens, w.worker)
 
 
+#: `load_key`'s load fields, in order (the ordered structure's key for least-loaded).
+LOAD_KEY_FIELDS = ("in_flight", "queued_prefill_tokens")
+
+
 def least_loaded_at(view: View) -> int:
-    """The position of the least loaded worker by `load_key`, from the columns."""
+    """The position of the least loaded worker by `load_key`: the first row of the
+    plane's load order when the view is prunable, else from the columns."""
+    if view.prunable:
+        return int(view.least_loaded(LOAD_KEY_FIELDS, 1)[0])
     c = view.columns
     at = np.flatnonzero(c.in_flight == c.in_flight.min())
     if len(at) > 1:
@@ -61,6 +68,7 @@ class RandomRouter(Router):
 
 class LeastLoaded(Router):
     name = "least-loaded"
+    prunes = True
     summary = "fewest requests in flight (then fewest queued prefill tokens)"
     source = "Mooncake (FAST'25) baseline 'load balancing'"
 

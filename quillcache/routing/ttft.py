@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from quillcache.routing.base import Router, kernel_rows, plan_and_estimate
+from quillcache.routing.base import Router, kernel_rows, plan_and_estimate, pruned_lowest
 from quillcache.routing.types import Decision, Request, View
 
 
@@ -20,9 +20,21 @@ def lowest_ttft_at(request: Request, view: View) -> int:
     Scored by the cost model's native kernel in one pass over the rows: the same
     numbers as `first_min(estimate_ttft_s_array(request, view), -local, in_flight,
     worker)`, the readable reference (`tests/routing/test_kernels.py`)."""
-    at, _ = view.cost.kernel.ttft(
-        *kernel_rows(view), len(request.content_keys), request.prompt_tokens, view.block_size
-    )
+    kernel = view.cost.kernel
+    blocks, prompt, block_size = len(request.content_keys), request.prompt_tokens, view.block_size
+    if not view.cost.config.transfer.allow_peer_fetch:
+        # A row holding only the floor differs from the others only by its queue, and
+        # the estimate grows with the queue: the least queued few of those rows stand
+        # for all of them (`pruned_lowest`). With peer fetch a row's estimate also
+        # depends on the best other row, so every row is scored.
+        at = pruned_lowest(
+            view,
+            ("queued_prefill_tokens",),
+            lambda rows: kernel.ttft(*kernel_rows(view), blocks, prompt, block_size, at=rows),
+        )
+        if at is not None:
+            return at
+    at, _ = kernel.ttft(*kernel_rows(view), blocks, prompt, block_size)
     return at
 
 
@@ -33,6 +45,7 @@ class MooncakeConductor(Router):
     the estimated TTFT or TBT misses the SLO ("early rejection")."""
 
     name = "mooncake"
+    prunes = True
     summary = "Mooncake Conductor: argmin estimated TTFT, reject if the TTFT/TBT SLO is missed"
     source = "Mooncake (FAST'25), section 5 'KVCache-centric scheduling' and 7 'overload'"
 
@@ -66,6 +79,7 @@ class QuillGreedy(Router):
     worker, reusing GPU, CPU and disk tiers as the index reports them."""
 
     name = "quillcache-greedy"
+    prunes = True
     summary = "argmin estimated TTFT (queue + transfer + prefill) over all tiers"
     source = "QuillCache (this project)"
 

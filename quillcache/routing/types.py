@@ -206,6 +206,22 @@ class _NoMedia:
         return {}
 
 
+class RowOrder(Protocol):
+    """What a view built by the control plane knows about its rows' order, so that a
+    router scores the rows that can win instead of every row (`View.prunable`)."""
+
+    def least_loaded(self, fields: tuple[str, ...], k: int) -> npt.NDArray[np.intp]:
+        """Positions of the `k` rows lowest by `fields` (`LOAD_FIELDS` names compared in
+        order), then by worker id, then by rank; in that order."""
+        ...
+
+    def above_floor(self) -> npt.NDArray[np.intp]:
+        """Positions (ascending) of the rows that hold more of the request than the
+        floor every candidate holds, or have blocks of it being computed: every other
+        row holds exactly the floor, nothing pending."""
+        ...
+
+
 def _count(x: float) -> Any:
     """A count as an int (the columns hold float64); a fractional driver figure kept."""
     return int(x) if x.is_integer() else x
@@ -222,6 +238,7 @@ class View:
         "_best_peer",
         "_columns",
         "_media_of",
+        "_order",
         "_workers",
         "block_size",
         "cost",
@@ -239,12 +256,14 @@ class View:
         *,
         columns: WorkerColumns | None = None,
         media_of: MediaOf | None = None,
+        order: RowOrder | None = None,
     ) -> None:
         if (workers is None) == (columns is None):
             raise TypeError("a View is made of workers or of columns, exactly one")
         self._workers = list(workers) if workers is not None else None
         self._columns = columns
         self._media_of: MediaOf = media_of or _NoMedia()
+        self._order = order
         self._best_peer: tuple[int, int] | None = None
         self.block_size = block_size
         self.cost = cost
@@ -335,6 +354,34 @@ class View:
             known != 0.0,
             rank,
         )
+
+    @property
+    def prunable(self) -> bool:
+        """True when `least_loaded` and `above_floor` come from the control plane's
+        ordered load structure (cost O(k log n), not O(n)) and the view is large enough
+        for pruning to pay: a router whose choice among the rows holding only the floor
+        is monotone in some load fields scores `above_floor()` plus the least loaded of
+        the rest. False: they are computed from the columns (correct, not cheaper)."""
+        return self._order is not None
+
+    def least_loaded(self, fields: tuple[str, ...], k: int) -> npt.NDArray[np.intp]:
+        """Positions of the `k` rows lowest by `fields` (`LOAD_FIELDS` names, compared in
+        order, -0.0 as 0.0), then by worker id, then by rank; in that order."""
+        if self._order is not None:
+            return self._order.least_loaded(fields, k)
+        c = self.columns
+        columns = [c.load[:, LOAD_FIELDS.index(f)] + 0.0 for f in fields]
+        # np.lexsort sorts by its last key first
+        order = np.lexsort((c.dp_rank, c.worker, *reversed(columns)))
+        return order[:k].astype(np.intp)
+
+    def above_floor(self) -> npt.NDArray[np.intp]:
+        """Positions (ascending) of the rows holding more of the request than every
+        candidate holds, or with blocks of it pending; without the control plane's
+        match, every row."""
+        if self._order is not None:
+            return self._order.above_floor()
+        return np.arange(len(self), dtype=np.intp)
 
     def position(self, worker: int, dp_rank: int = 0) -> int:
         """Where `worker`'s rank `dp_rank` is in the view; KeyError when it is not a

@@ -49,12 +49,20 @@ class SharedLoadStore:
         self._booked = np.zeros((rows, 4), dtype=np.float64)  # the booked part in `_m`
         self._row_of: RowOf = lambda key: None
         self.polls = 0  # snapshots applied (shared or local)
+        self._listeners: list[Callable[[int], None]] = []
 
     def bind(self, row_of: RowOf) -> None:
         """How an engine key maps to a plane row (the plane is built after this store)."""
         self._row_of = row_of
 
     # --- the LoadStore protocol -----------------------------------------------------
+
+    def watch(self, listener: Callable[[int], None]) -> None:
+        self._listeners.append(listener)
+
+    def _changed(self, row: int) -> None:
+        for listener in self._listeners:
+            listener(row)
 
     def add(self, row: int) -> None:
         if row >= len(self._m):
@@ -66,9 +74,11 @@ class SharedLoadStore:
                 setattr(self, name, grown)
         self._m[row] = 0.0
         self._booked[row] = 0.0
+        self._changed(row)
 
     def report(self, row: int, column: int, value: float) -> None:
         self._m[row, column] = value
+        self._changed(row)
 
     def book(self, row: int, prefill_tokens: float) -> None:
         """Ignored: the booking step books the row it took (`own_booked`)."""
@@ -151,6 +161,7 @@ class SharedLoadStore:
             m[col] = max(float(m[col]) + new - float(b[at]), 0.0)
         m[MEAN_CONTEXT] = c / d if d > 0 else 0.0
         b[_N], b[_Q], b[_D], b[_C] = n, q, d, c
+        self._changed(row)
 
     def _move(self, rows: slice, new: npt.NDArray[np.float64]) -> None:
         """Replace the booked part of `rows` by `new`; what the plane reads moves by the
@@ -165,3 +176,6 @@ class SharedLoadStore:
         )
         self._m[rows] = m
         self._booked[rows] = new
+        if self._listeners:
+            for row in range(*rows.indices(len(self._m))):
+                self._changed(row)

@@ -7,6 +7,7 @@
 //! * [`backends`]: the index over key-value stores (RocksDB, Holt) for the ART-vs-LSM study.
 //! * [`persist`]: write-ahead log, snapshots, the crash-safe index (docs/persistence.md).
 //! * [`speculative`]: the prefixes being computed on workers, until their events arrive.
+//! * [`load_order`]: a fleet's rows in order of their load, for routers that prune.
 //! * [`scoring`]: the cost-model routers' per-row estimates, bit-identical to numpy's.
 //!
 //! The binding crate (`rust/python`) only converts types and releases the GIL.
@@ -15,6 +16,7 @@ pub mod backends;
 pub mod content_key;
 pub mod events;
 pub mod index;
+pub mod load_order;
 pub mod namespace;
 pub mod persist;
 pub mod scoring;

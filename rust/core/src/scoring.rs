@@ -102,6 +102,53 @@ impl Rows<'_> {
     }
 }
 
+/// `Rows` gathered at some positions (a pruned view's rows), owning their values.
+#[derive(Debug, Clone, Default)]
+pub struct GatheredRows {
+    worker: Vec<u64>,
+    load: Vec<f64>,
+    gpu: Vec<i64>,
+    cpu: Vec<i64>,
+    disk: Vec<i64>,
+    pending: Vec<i64>,
+}
+
+impl GatheredRows {
+    /// The rows of `rows` at `at` (in range, in the order given), or why not.
+    pub fn of(rows: &Rows<'_>, at: &[usize]) -> Result<Self, RowsError> {
+        rows.check(None)?;
+        let n = rows.len();
+        if let Some(&bad) = at.iter().find(|&&i| i >= n) {
+            return Err(RowsError::Lengths(format!("position {bad} of {n} rows")));
+        }
+        let mut out = Self {
+            load: Vec::with_capacity(at.len() * LOAD_WIDTH),
+            ..Self::default()
+        };
+        for &i in at {
+            out.worker.push(rows.worker[i]);
+            out.load
+                .extend_from_slice(&rows.load[i * LOAD_WIDTH..(i + 1) * LOAD_WIDTH]);
+            out.gpu.push(rows.gpu[i]);
+            out.cpu.push(rows.cpu[i]);
+            out.disk.push(rows.disk[i]);
+            out.pending.push(rows.pending[i]);
+        }
+        Ok(out)
+    }
+
+    pub fn rows(&self) -> Rows<'_> {
+        Rows {
+            worker: &self.worker,
+            load: &self.load,
+            gpu: &self.gpu,
+            cpu: &self.cpu,
+            disk: &self.disk,
+            pending: &self.pending,
+        }
+    }
+}
+
 /// What the estimates need of the request.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Ask {

@@ -10,6 +10,7 @@ mod events;
 mod hashing;
 mod index;
 mod kv_index;
+mod load_order;
 mod matches;
 mod reads;
 mod relay;
@@ -28,5 +29,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     relay::register(m)?;
     speculative::register(m)?;
     scoring::register(m)?;
+    load_order::register(m)?;
     Ok(())
 }

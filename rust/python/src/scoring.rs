@@ -5,7 +5,7 @@ use numpy::{PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods}
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use quillcache_core::scoring::{self, Ask, CostParams, QuillKnobs, Rows, RowsError};
+use quillcache_core::scoring::{self, Ask, CostParams, GatheredRows, QuillKnobs, Rows, RowsError};
 
 fn slice<'a, T: numpy::Element>(
     what: &str,
@@ -14,6 +14,15 @@ fn slice<'a, T: numpy::Element>(
     array
         .as_slice()
         .map_err(|_| PyValueError::new_err(format!("{what} must be a contiguous 1-D array")))
+}
+
+/// The rows at positions `at` (each in range) of `rows`.
+fn gather(rows: &Rows<'_>, at: &PyReadonlyArray1<'_, isize>) -> PyResult<GatheredRows> {
+    let at: Vec<usize> = slice("at", at)?
+        .iter()
+        .map(|&i| usize::try_from(i).map_err(|_| PyValueError::new_err(format!("position {i}"))))
+        .collect::<PyResult<_>>()?;
+    GatheredRows::of(rows, &at).map_err(rows_error)
 }
 
 fn rows_error(e: RowsError) -> PyErr {
@@ -119,7 +128,11 @@ impl CostKernel {
 
     /// `(position, estimates)`: `estimate_ttft_s_array` per row, and the row with the
     /// lowest estimate (then the longest local prefix, fewest in flight, lowest id).
-    #[pyo3(signature = (worker, load, gpu, cpu, disk, pending, blocks, prompt_tokens, block_size))]
+    /// `at`: score only the rows at these positions (a pruned view's), as if they were
+    /// the whole view; the position returned is then within `at`.
+    #[pyo3(signature = (
+        worker, load, gpu, cpu, disk, pending, blocks, prompt_tokens, block_size, *, at=None
+    ))]
     #[allow(clippy::too_many_arguments)]
     fn ttft<'py>(
         &self,
@@ -133,6 +146,7 @@ impl CostKernel {
         blocks: i64,
         prompt_tokens: i64,
         block_size: i64,
+        at: Option<PyReadonlyArray1<'py, isize>>,
     ) -> PyResult<(usize, Bound<'py, PyArray1<f64>>)> {
         let columns = Columns {
             worker,
@@ -142,15 +156,20 @@ impl CostKernel {
             disk,
             pending,
         };
-        let rows = columns.rows()?;
+        let all = columns.rows()?;
+        let gathered = match &at {
+            Some(at) => Some(gather(&all, at)?),
+            None => None,
+        };
+        let rows = gathered.as_ref().map_or(all, GatheredRows::rows);
         let ask = Ask {
             blocks,
             prompt_tokens,
             block_size,
         };
         let estimates = scoring::ttft_estimates(&self.params, &rows, &ask).map_err(rows_error)?;
-        let at = scoring::lowest(&estimates, &rows, false).map_err(rows_error)?;
-        Ok((at, PyArray1::from_vec(py, estimates)))
+        let best = scoring::lowest(&estimates, &rows, false).map_err(rows_error)?;
+        Ok((best, PyArray1::from_vec(py, estimates)))
     }
 
     /// `(position, estimates)`: `QuillCacheRouter.estimates` per row, and the row with
