@@ -16,7 +16,13 @@ Measured per gateway:
   what the Redis round trip adds to routing;
 - the booking's own round trip p50, from `quillcache_state_booking_seconds`;
 - the gateway processes' CPU time per request (`/proc/<pid>/stat` utime + stime),
-  shared against local.
+  shared against local;
+- the floor: the p50 of a bare PING to the same Redis from a blocking socket in a
+  process of its own (`rtt_probe`), every 2 ms during the round: what any round trip
+  costs on this machine at that moment, under the same load;
+- before the rounds, each gateway's CPU while idle (health checks, scrapes, and with
+  shared state the polls and the heartbeat), per second: with several replicas that
+  work is paid once per replica, and it is in the CPU per request.
 
 Targets: routing p50 added <= 0.3 ms; CPU per request with shared state <= 1.3x local.
 Run from the repo root.
@@ -27,7 +33,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -104,20 +112,45 @@ def booking_p50_us(url: str) -> float | None:
     return None
 
 
-def measure(gateways: list[Proc], args: argparse.Namespace) -> dict[str, float]:
+def start_probe(redis_url: str) -> subprocess.Popen[str]:
+    port = redis_url.rsplit(":", 1)[1].split("/", 1)[0]
+    return subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.state.rtt_probe", "--port", port],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def stop_probe(probe: subprocess.Popen[str]) -> dict[str, Any]:
+    probe.send_signal(signal.SIGTERM)
+    out, _ = probe.communicate(timeout=10)
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def idle_cpu_ms_per_s(gateways: list[Proc], seconds: float) -> float:
+    before = sum(cpu_s(g.popen.pid) for g in gateways)
+    time.sleep(seconds)
+    return (sum(cpu_s(g.popen.pid) for g in gateways) - before) / seconds * 1e3
+
+
+def measure(gateways: list[Proc], args: argparse.Namespace, redis_url: str) -> dict[str, float]:
     urls = [g.url for g in gateways]
     for u in urls:
         admin_index(u, reset=True)
+    probe = start_probe(redis_url)
     before = sum(cpu_s(g.popen.pid) for g in gateways)
     started = time.perf_counter()
     run_load(urls, args.requests, args.concurrency)
     wall = time.perf_counter() - started
     cpu = sum(cpu_s(g.popen.pid) for g in gateways) - before
+    floor = stop_probe(probe)
     p50s = [admin_index(u)["pre_upstream_us"]["p50"] for u in urls]
     return {
         "pre_upstream_p50_us": statistics.median(p50s),
         "cpu_per_request_us": cpu / args.requests * 1e6,
         "requests_per_s": args.requests / wall,
+        "ping_floor_p50_us": floor.get("p50_us", float("nan")),
     }
 
 
@@ -128,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--idle-s", type=float, default=3.0, help="idle CPU measured this long")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     os.environ[ADMIN_TOKEN_ENV] = ADMIN
@@ -151,10 +185,16 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(g)
         run_load([local.url], 200, args.concurrency)  # warm-up
         run_load([g.url for g in shared], 200, args.concurrency)
+        time.sleep(1.0)
+        idle = {
+            "local": idle_cpu_ms_per_s([local], args.idle_s),
+            "shared": idle_cpu_ms_per_s(shared, args.idle_s),
+        }
+        print(json.dumps({"idle_cpu_ms_per_s": idle}), flush=True)
         rows: list[dict[str, Any]] = []
         for rnd in range(args.rounds):
             for name, gws in (("local", [local]), ("shared", shared)):
-                m = measure(gws, args)
+                m = measure(gws, args, redis.url)
                 if name == "shared":
                     p50s = [booking_p50_us(g.url) for g in shared]
                     m["booking_p50_us_bucket"] = max(v for v in p50s if v is not None)
@@ -165,11 +205,18 @@ def main(argv: list[str] | None = None) -> int:
             added = sh["pre_upstream_p50_us"] - lo["pre_upstream_p50_us"]
             cpu_sh, cpu_lo = sh["cpu_per_request_us"], lo["cpu_per_request_us"]
             print(
-                f"round {rnd}: routing p50 added {added:.0f} us, CPU per request "
+                f"round {rnd}: routing p50 {sh['pre_upstream_p50_us']:.0f} / "
+                f"{lo['pre_upstream_p50_us']:.0f} us, added {added:.0f} us (PING floor "
+                f"p50 {sh['ping_floor_p50_us']:.0f} us; booking p50 <= "
+                f"{sh['booking_p50_us_bucket']:.0f} us); CPU per request "
                 f"{cpu_sh:.0f} / {cpu_lo:.0f} us = {cpu_sh / cpu_lo:.2f}x"
             )
+        print(
+            f"idle CPU: local {idle['local']:.1f} ms/s, shared {idle['shared']:.1f} ms/s "
+            f"over {len(shared)} replica(s)"
+        )
         if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
+            Path(args.json).write_text(json.dumps({"idle": idle, "rounds": rows}, indent=1))
     finally:
         for proc in procs:
             proc.kill()

@@ -165,16 +165,14 @@ class SharedRouting:
         else:  # a decision without a view (not with the plane): book it alone
             short = Shortlist([Candidate(EngineKey(worker, rank))], [0])
         to_fleet = self.ids.to_fleet
-        cands = [
-            Candidate(EngineKey(to_fleet[c.engine.engine], c.engine.rank), c.ceiling)
-            for c in short.candidates
-            if c.engine.engine in to_fleet
-        ]
-        cached = {
-            EngineKey(to_fleet[c.engine.engine], c.engine.rank): b
-            for c, b in zip(short.candidates, short.cached_blocks, strict=True)
-            if c.engine.engine in to_fleet
-        }
+        cands: list[Candidate] = []
+        cached: dict[EngineKey, int] = {}
+        for c, b in zip(short.candidates, short.cached_blocks, strict=True):
+            fid = to_fleet.get(c.engine.engine)
+            if fid is not None:
+                key = EngineKey(fid, c.engine.rank)
+                cands.append(Candidate(key, c.ceiling))
+                cached[key] = b
         if not cands:  # the chosen worker left between the decision and now
             return BookedRoute(worker, rank, 0, False, False)
         self.release(request.request_id)  # a retry: the earlier attempt's booking goes
@@ -205,8 +203,9 @@ class SharedRouting:
             except asyncio.CancelledError:
                 task.add_done_callback(lambda t: self._orphan(t, bid))
                 raise
-        key = out.engine
-        assert key is not None  # a booking always names an engine
+        booked = out.engine
+        assert booked is not None  # a booking always names an engine
+        key = booked
         shared = isinstance(out, Booked)
         if self.on_booked is not None:
             self.on_booked(time.perf_counter() - started, "shared" if shared else "fallback")
