@@ -9,6 +9,7 @@ and not), /tokenize, /v1/models, /health, /metrics with vLLM's metric names,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -24,10 +25,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from quillcache import __version__
 from quillcache.enginesim.engine import Admission, EngineConfig, EngineRequestError, SimEngine
 from quillcache.enginesim.publisher import KvEventPublisher
-from quillcache.enginesim.sglang import SglangCollector, server_info
+from quillcache.enginesim.sglang import DEFAULT_RELEASE, SglangCollector, server_info
 from quillcache.events.encode import BlockRemoved, BlockStored, encode_batch
 from quillcache.tokenization.local import ByteTokenizer, Tokenizer
 
@@ -149,6 +149,8 @@ class EngineApp:
         if flavor not in FLAVORS:
             raise ValueError(f"unknown flavor {flavor!r}; known: {', '.join(FLAVORS)}")
         self.flavor = flavor
+        if flavor == "sglang" and config.sglang_release is None:  # SGLang's events too
+            config = dataclasses.replace(config, sglang_release=DEFAULT_RELEASE)
         self.config = config
         self.tokenizer = tokenizer or ByteTokenizer()
         if isinstance(publisher, list):
@@ -252,7 +254,7 @@ class EngineApp:
 
     async def server_info(self, request: Request) -> Response:
         """SGLang's server arguments (`--flavor sglang`), KV-event config included."""
-        return JSONResponse(server_info(self.config, self.publishers, __version__))
+        return JSONResponse(server_info(self.config, self.publishers))
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         if not all([r.reset_prefix_cache() for r in self.ranks]):
@@ -314,15 +316,22 @@ class EngineApp:
         for j in range(32):  # distinct runs of blocks; half of them resident at any time
             hashes = [(1 << 62) + j * batch + i for i in range(batch)]
             tokens = [(j * 7919 + i) % 50_000 for i in range(batch * bs)]
-            store = encode_batch(
-                [
-                    BlockStored(
-                        block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=bs
-                    )
-                ],
-                ts=time.time(),
+            store = self.engine.wire_out(
+                encode_batch(
+                    [
+                        BlockStored(
+                            block_hashes=hashes,
+                            parent_block_hash=None,
+                            token_ids=tokens,
+                            block_size=bs,
+                        )
+                    ],
+                    ts=time.time(),
+                )
             )
-            remove = encode_batch([BlockRemoved(block_hashes=hashes)], ts=time.time())
+            remove = self.engine.wire_out(
+                encode_batch([BlockRemoved(block_hashes=hashes)], ts=time.time())
+            )
             pairs.append((store, remove))
         loop = asyncio.get_running_loop()
         start = loop.time()

@@ -66,6 +66,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="whose HTTP surface to serve: vLLM's (/kv_event_sources, vllm: metrics) or "
         "SGLang's (/server_info with kv_events_config, sglang: metrics)",
     )
+    a(
+        "--sglang-version",
+        default=None,
+        metavar="RELEASE",
+        help="with --flavor sglang: the SGLang release whose KV-event format to publish "
+        "(default 0.5.23): <= 0.5.19 tagged arrays (0.5.18-0.5.19 with the salt in a "
+        "metadata map), >= 0.5.20 tagged maps; replay replies without the topic frame "
+        "before 0.5.22",
+    )
     a("--ready-file", default=None, help="write the resolved addresses here as JSON when up")
     a("--log-level", default="warning", help="uvicorn's log level")
 
@@ -86,6 +95,23 @@ def _kv_config(raw: str | None) -> dict[str, Any] | None:
     return cfg
 
 
+def _sglang_release(flavor: str, release: str | None) -> str | None:
+    """The SGLang release to simulate (`--sglang-version`), None for vLLM."""
+    from quillcache.enginesim.sglang import DEFAULT_RELEASE
+    from quillcache.events.sglang import wire_of
+
+    if flavor != "sglang":
+        if release is not None:
+            raise ConfigError("--sglang-version needs --flavor sglang")
+        return None
+    release = release or DEFAULT_RELEASE
+    try:
+        wire_of(release)
+    except ValueError as exc:
+        raise ConfigError(f"--sglang-version: {exc}") from None
+    return release
+
+
 def _fixed_latency(spec: str | None) -> tuple[float, float] | None:
     if spec is None:
         return None
@@ -103,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
     from quillcache.connectors.zmq_source import raise_socket_limit
     from quillcache.costmodel import CostModelConfig
-    from quillcache.enginesim import fleet
+    from quillcache.enginesim import fleet, sglang
     from quillcache.enginesim.app import EngineApp
     from quillcache.enginesim.engine import EngineConfig
     from quillcache.enginesim.publisher import KvEventPublisher, ReplayHub
@@ -120,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
             for key in ("endpoint", "replay_endpoint"):
                 if kv.get(key):
                     fleet.offset_endpoint(kv[key], n * dp - 1)
+        sglang_release = _sglang_release(args.flavor, args.sglang_version)
         sockets = fleet.listen(args.host, args.port, n) if n > 1 else None
     except ConfigError as exc:
         print(f"engine-sim: {exc}", file=sys.stderr)
@@ -134,7 +161,11 @@ def run(args: argparse.Namespace) -> int:
         cost=cost,
         lora_modules=list(args.lora_modules),
         fixed_latency_s=fixed,
+        sglang_release=sglang_release,
     )
+    replay_layout: dict[str, bool] = {"legacy_replay": args.legacy_replay}
+    if sglang_release is not None:
+        replay_layout = sglang.replay_layout(sglang_release)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     if n > 1:  # libzmq's default is 1,023 sockets a context; each engine rank takes two
         raise_socket_limit(ctx)
@@ -155,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
                             topic=kv.get("topic", ""),
                             buffer_steps=int(kv.get("buffer_steps", 10_000)),
                             hwm=int(kv.get("hwm", 100_000)),
-                            legacy_replay=args.legacy_replay,
+                            **replay_layout,
                             ctx=ctx,
                             replay_hub=hub,
                         )

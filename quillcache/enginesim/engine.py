@@ -25,7 +25,9 @@ import numpy as np
 import xxhash
 
 from quillcache.costmodel import CostModel, CostModelConfig
+from quillcache.enginesim.sglang import sglang_batch
 from quillcache.events.encode import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
+from quillcache.events.sglang import wire_of as sglang_wire_of
 from quillcache.identity import content_keys, namespace
 from quillcache.sim.engine import EngineModel, Running, engine_hash
 from quillcache.sim.requests import SimRequest
@@ -49,6 +51,9 @@ class EngineConfig:
     lora_modules: list[str] = field(default_factory=list)
     # (TTFT, ITL) seconds for every request, bypassing the model (see `_fixed`)
     fixed_latency_s: tuple[float, float] | None = None
+    # `--flavor sglang`: the SGLang release whose KV-event format is published (None:
+    # vLLM's); see `quillcache.events.sglang`
+    sglang_release: str | None = None
 
 
 @dataclass
@@ -75,6 +80,7 @@ class SimEngine:
         self.config = config
         self.dp_rank = dp_rank
         self._publish = publish or (lambda payload: None)
+        self._sglang = sglang_wire_of(config.sglang_release) if config.sglang_release else None
         cost = CostModel(config.cost)
         self.model = EngineModel(
             0,
@@ -290,7 +296,14 @@ class SimEngine:
     def _flush_events(self) -> None:
         payload = self.model.drain_events(time.time())
         if payload:
-            self._publish(self._tag(payload) if self._tags else payload)
+            self._publish(self.wire_out(payload))
+
+    def wire_out(self, payload: bytes) -> bytes:
+        """A batch of the model (vLLM's format) as this engine publishes it: with vLLM's
+        LoRA / salt tags, or in the configured SGLang release's format."""
+        if self._sglang is not None:
+            return sglang_batch(payload, self._sglang, self._tags)
+        return self._tag(payload) if self._tags else payload
 
     def _tag(self, payload: bytes) -> bytes:
         """Add what vLLM's BlockStored carries for LoRA / salted requests: `lora_name`, and
@@ -328,5 +341,6 @@ class SimEngine:
         m.free.clear()
         m.cpu.clear()
         self._flush_events()
-        self._publish(encode_batch([AllBlocksCleared()], ts=time.time(), dp_rank=self.dp_rank))
+        cleared = encode_batch([AllBlocksCleared()], ts=time.time(), dp_rank=self.dp_rank)
+        self._publish(self.wire_out(cleared))
         return True

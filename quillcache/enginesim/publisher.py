@@ -50,13 +50,15 @@ class KvEventPublisher:
         topic: str = "",
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
-        legacy_replay: bool = False,  # vLLM < 0.26 replies [b"", seq, payload]
+        legacy_replay: bool = False,  # vLLM < 0.26, SGLang < 0.5.22: [b"", seq, payload]
+        end_marker_topic: bool = True,  # SGLang < 0.5.22 ends with [b"", END_SEQ, b""]
         ctx: zmq.Context | None = None,
         replay_hub: ReplayHub | None = None,  # None: a thread of its own
     ) -> None:
         self.ctx = ctx or zmq.Context.instance()
         self.topic = topic.encode()
         self.legacy_replay = legacy_replay
+        self.end_marker_topic = end_marker_topic
         self.seq = 0
         self.published = 0
         self.dropped = 0
@@ -132,7 +134,11 @@ class KvEventPublisher:
                 router.send_multipart([identity, b"", seq_b, payload])
             else:
                 router.send_multipart([identity, b"", self.topic, seq_b, payload])
-        router.send_multipart([identity, b"", b"", END_SEQ.to_bytes(8, "big"), b""])
+        end = END_SEQ.to_bytes(8, "big")
+        if self.end_marker_topic:
+            router.send_multipart([identity, b"", b"", end, b""])
+        else:
+            router.send_multipart([identity, b"", end, b""])
 
     def close(self) -> None:
         if self._hub is not None and self._own_hub:
