@@ -33,12 +33,15 @@ from quillcache.routing.registry import (
     ENTRY_POINT_GROUP,
     available_routers,
     builtin_routers,
+    canonical_router_name,
     create_router,
+    register_alias,
     register_router,
     router,
+    router_aliases,
 )
 from quillcache.routing.sglang import SglangCacheAware
-from quillcache.routing.ttft import MooncakeConductor, QuillGreedy
+from quillcache.routing.ttft import MooncakeConductor
 from quillcache.routing.types import (
     SLO,
     Action,
@@ -62,14 +65,20 @@ _BUILTINS: tuple[type[Router], ...] = (
     LlmdPrecisePrefix,
     PrebleE2,
     MooncakeConductor,
-    QuillGreedy,
     QuillCacheRouter,
 )
+# one name per distinct policy: the simulator's and bench-route's "all"
 BUILTIN_ORDER: tuple[str, ...] = tuple(cls.name for cls in _BUILTINS)
 for _cls in _BUILTINS:
     register_router(_cls.name, _cls)
+# QuillCache's first router: the same argmin of estimated TTFT over the same tiers as
+# Mooncake's Conductor, identical decisions; the name stays accepted everywhere
+BUILTIN_ALIASES: dict[str, str] = {"quillcache-greedy": MooncakeConductor.name}
+for _alias, _name in BUILTIN_ALIASES.items():
+    register_alias(_alias, _name)
 
 __all__ = [
+    "BUILTIN_ALIASES",
     "BUILTIN_ORDER",
     "ENTRY_POINT_GROUP",
     "SLO",
@@ -84,7 +93,6 @@ __all__ = [
     "PowerOfTwo",
     "PrebleE2",
     "QuillCacheRouter",
-    "QuillGreedy",
     "RandomRouter",
     "Request",
     "RoundRobin",
@@ -95,9 +103,12 @@ __all__ = [
     "WorkerView",
     "available_routers",
     "builtin_routers",
+    "canonical_router_name",
     "create_router",
     "plan_and_estimate",
+    "register_alias",
     "register_router",
     "router",
+    "router_aliases",
     "tier_of",
 ]

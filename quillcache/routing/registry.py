@@ -15,13 +15,41 @@ ENTRY_POINT_GROUP = "quillcache.routers"
 RouterFactory = Callable[..., Router]
 F = TypeVar("F", bound=RouterFactory)
 _registry: dict[str, RouterFactory] = {}
+# alias -> the registered name it stands for: one policy known by two names (a name
+# kept for old configurations), created and scored as that policy, counted once
+_aliases: dict[str, str] = {}
 
 
 def register_router(name: str, factory: RouterFactory, *, replace: bool = False) -> None:
     """Register a router class (or any factory taking keyword options) under `name`."""
     if not replace and name in _registry and _registry[name] is not factory:
         raise ValueError(f"router {name!r} is already registered")
+    if name in _aliases:
+        raise ValueError(f"router {name!r} is already an alias of {_aliases[name]!r}")
     _registry[name] = factory
+
+
+def register_alias(alias: str, name: str) -> None:
+    """Make `alias` another name of the registered router `name`: `create_router(alias)`
+    builds `name`'s router (whose `name` it keeps), `available_routers()` accepts it and
+    `router_aliases()` lists it as an alias, never as a distinct policy."""
+    if name not in _registry:
+        raise ValueError(f"cannot alias {alias!r} to {name!r}: no router of that name")
+    if alias in _registry:
+        raise ValueError(f"alias {alias!r} is already a router's name")
+    if _aliases.get(alias, name) != name:
+        raise ValueError(f"{alias!r} is already an alias of {_aliases[alias]!r}")
+    _aliases[alias] = name
+
+
+def router_aliases() -> dict[str, str]:
+    """Every alias and the router name it stands for."""
+    return dict(_aliases)
+
+
+def canonical_router_name(name: str) -> str:
+    """The policy a name stands for: an alias's target, any other name itself."""
+    return _aliases.get(name, name)
 
 
 def router(name: str) -> Callable[[F], F]:
@@ -58,19 +86,22 @@ def _load_entry_points() -> None:
 
 
 def available_routers() -> list[str]:
+    """Every name `create_router` takes: the registered routers and their aliases."""
     _load_entry_points()
-    return sorted(_registry)
+    return sorted([*_registry, *_aliases])
 
 
 def builtin_routers() -> list[str]:
-    """Built-in routers in a stable presentation order (baselines first)."""
+    """Built-in routers in a stable presentation order (baselines first), one name per
+    distinct policy (aliases are not in it)."""
     from quillcache.routing import BUILTIN_ORDER
 
     return list(BUILTIN_ORDER)
 
 
 def create_router(name: str, **options: Any) -> Router:
-    """Instantiate a registered router; unknown names list the known ones."""
+    """Instantiate a registered router (or an alias's); unknown names list the known ones."""
+    name = canonical_router_name(name)
     if name not in _registry:
         if ":" in name:
             import_router(name)

@@ -1,7 +1,9 @@
-"""TTFT-argmin routers: Mooncake's Conductor with SLO admission, and QuillCache's greedy one.
+"""The TTFT-argmin router: Mooncake's Conductor, also known as `quillcache-greedy`.
 
-Both estimate, for every worker, queue + KV transfer + prefill time with the cost
-model and pick the smallest; they differ in what they may reuse and in admission.
+It estimates, for every worker, queue + KV transfer + prefill time with the cost model
+and picks the smallest. QuillCache's first state-plane router (`quillcache-greedy`) was
+the same argmin over the same tiers and decided identically in every run without an
+SLO, so it is registered as an alias of this one (`quillcache.routing`).
 """
 
 from __future__ import annotations
@@ -72,19 +74,3 @@ class MooncakeConductor(Router):
                 f"estimated TBT {est.tbt_s:.3f}s exceeds the SLO {tbt_slo:.3f}s", est
             )
         return Decision(worker=w.worker, plan=plan, estimate=est, dp_rank=w.dp_rank)
-
-
-class QuillGreedy(Router):
-    """QuillCache's greedy state-plane router: argmin of estimated TTFT over every
-    worker, reusing GPU, CPU and disk tiers as the index reports them."""
-
-    name = "quillcache-greedy"
-    prunes = True
-    summary = "argmin estimated TTFT (queue + transfer + prefill) over all tiers"
-    source = "QuillCache (this project)"
-
-    def route(self, request: Request, view: View) -> Decision:
-        if not len(view):
-            return self.no_workers()
-        w = view.worker_at(lowest_ttft_at(request, view))
-        return self.decide(request, view, w)

@@ -176,7 +176,7 @@ def quill(r: QuillCacheRouter, request: Request, view: View, turn: int) -> int:
 
 
 def ttft_argmin(r: Router, request: Request, view: View, turn: int) -> int:
-    """quillcache-greedy and mooncake (without an SLO): the lowest estimated TTFT."""
+    """mooncake (alias quillcache-greedy): the lowest estimated TTFT."""
     return min(
         view.workers,
         key=lambda w: (estimate_ttft_s(request, view, w), -w.local_blocks, w.in_flight, w.worker),

@@ -34,7 +34,6 @@ REFERENCES: dict[str, tuple[Callable[..., int], dict[str, Any]]] = {
     "quillcache": (ref.quill, {}),
     "quillcache-worker-scope": (ref.quill, {"work_scope": "worker", "decode_weight": 2.0}),
     "quillcache-plain": (ref.quill, {"interference": False, "speculative": False}),
-    "quillcache-greedy": (ref.ttft_argmin, {}),
     "mooncake": (ref.ttft_argmin, {}),
     "preble": (ref.preble, {}),
 }

@@ -23,10 +23,15 @@ ROUTERS = available_routers()
 
 
 def test_every_builtin_is_registered() -> None:
-    from quillcache.routing import BUILTIN_ORDER
+    from quillcache.routing import BUILTIN_ALIASES, BUILTIN_ORDER, router_aliases
 
     assert set(BUILTIN_ORDER) <= set(ROUTERS)
-    assert len(BUILTIN_ORDER) == len(set(BUILTIN_ORDER)) >= 12
+    # eleven distinct policies; an alias names one of them and is not counted again
+    assert len(BUILTIN_ORDER) == len(set(BUILTIN_ORDER)) >= 11
+    assert not set(BUILTIN_ALIASES) & set(BUILTIN_ORDER)
+    assert set(BUILTIN_ALIASES.values()) <= set(BUILTIN_ORDER)
+    assert router_aliases().items() >= BUILTIN_ALIASES.items()
+    assert set(BUILTIN_ALIASES) <= set(ROUTERS)
 
 
 @pytest.mark.parametrize("name", ROUTERS)

@@ -169,7 +169,7 @@ def test_mooncake_rejects_exactly_when_the_best_estimate_misses_the_slo(slo: flo
 
 def test_ttft_routers_trade_cache_against_queue() -> None:
     req = _req(400)
-    for name in ("quillcache-greedy", "mooncake", "quillcache"):
+    for name in ("mooncake", "quillcache"):
         r = create_router(name)
         cached = WorkerView(0, gpu_blocks=380, queued_prefill_tokens=2_000)
         idle = WorkerView(1)
@@ -183,7 +183,7 @@ def test_quillcache_counts_prefixes_being_computed() -> None:
     computing = WorkerView(0, pending_blocks=390, queued_prefill_tokens=2_000)
     idle = WorkerView(1)
     assert create_router("quillcache").route(req, _view(computing, idle)).worker == 0
-    assert create_router("quillcache-greedy").route(req, _view(computing, idle)).worker == 1
+    assert create_router("mooncake").route(req, _view(computing, idle)).worker == 1
 
 
 def test_quillcache_prices_the_work_it_adds_under_load() -> None:
@@ -191,7 +191,7 @@ def test_quillcache_prices_the_work_it_adds_under_load() -> None:
     cached = WorkerView(0, gpu_blocks=150, in_flight=6, queued_prefill_tokens=4_000)
     idle = WorkerView(1, in_flight=4, queued_prefill_tokens=1_400)
     view = _view(cached, idle)
-    greedy = create_router("quillcache-greedy").route(req, view).worker
+    greedy = create_router("mooncake").route(req, view).worker
     quill = create_router("quillcache", interference=False).route(req, view).worker
     assert (greedy, quill) == (1, 0)
     # with the work term off it is the greedy router again
@@ -208,7 +208,7 @@ def test_quillcache_does_not_pile_decodes_onto_one_worker() -> None:
     )
     idle = [WorkerView(w) for w in (1, 2, 3)]
     view = _view(busy, *idle)
-    assert create_router("quillcache-greedy").route(req, view).worker == 0
+    assert create_router("mooncake").route(req, view).worker == 0
     assert create_router("quillcache").route(req, view).worker != 0
     assert create_router("quillcache", decode_weight=0.0).route(req, view).worker == 0
 
