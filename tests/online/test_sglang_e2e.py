@@ -14,6 +14,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -240,3 +241,56 @@ def test_bad_sglang_versions_get_a_clear_error(args: list[str], message: str) ->
         timeout=60,
     )
     assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_a_malformed_sglang_frame_is_counted_and_logged_per_source(stack: Stack) -> None:
+    """An engine whose PUB connects (no `*`: the gateway binds, as SGLang's rule says):
+    a PUB of the test's own connects there too and sends, with the engine's next seq, a
+    0.5.19-shaped store whose metadata salt is not a string. The gateway counts it for
+    that source, logs it, and keeps indexing the engine's real events."""
+    pub = free_port()
+    kv = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{pub}",
+        "replay_endpoint": "tcp://127.0.0.1:*",
+    }
+    common = ["--flavor", "sglang", "--sglang-version", "0.5.19", "--block-size", str(PAGE)]
+    engine = stack.engine(extra=[*common, "--kv-events-config", json.dumps(kv)])
+    gw = stack.start_gateway({"router": "quillcache"})
+    admin = stack.admin()
+    (worker,) = admin.get("/admin/workers").json()["workers"]
+    assert worker["kv_sources"][0]["bind"]
+    store = ["BlockStored", [-5], None, list(range(PAGE)), PAGE, None, "GPU", {"cache_salt": 7}]
+    bad = msgpack.packb([1.0, [store], 0])
+    inject = zmq.Context.instance().socket(zmq.PUB)
+    inject.connect(f"tcp://127.0.0.1:{pub}")
+
+    def counted() -> bool:
+        # the engine's next seq (a duplicate seq would be skipped before decoding)
+        seq = http_post(engine.url + "/debug/drop_events", json={"count": 0}).json()["next_seq"]
+        inject.send_multipart([b"", seq.to_bytes(8, "big"), bad])
+        time.sleep(0.05)
+        text = http_get(gw.url + "/metrics").text
+        return metric(text, "quillcache_kv_source_decode_errors_total") >= 1
+
+    try:
+        wait_for(counted, what="the malformed frame counted")
+    finally:
+        inject.close(0)
+    wait_for(
+        lambda: "events[0].metadata: expected cache_salt (a string)" in gw.log_path.read_text(),
+        what="the malformed frame in the gateway's log",
+    )
+    # the engine's own batch at the injected seq is now a duplicate: spend it
+    throwaway = {"prompt": prompt("spent-" + uuid.uuid4().hex[:8]), "max_tokens": 1}
+    assert http_post(engine.url + "/v1/completions", json=throwaway).is_success
+    text = prompt("after-bad-" + uuid.uuid4().hex[:8])
+    assert http_post(gw.url + "/v1/completions", json={"prompt": text, "max_tokens": 1}).is_success
+
+    def indexed() -> bool:
+        matches = admin.post("/admin/lookup", json={"prompt": text}).json()["matches"]
+        return any(m["blocks"] == 4 for m in matches)
+
+    wait_for(indexed, what="the engine's real events still indexed")
+    assert gw.alive() and engine.alive()
