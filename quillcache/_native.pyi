@@ -541,6 +541,39 @@ class CostKernel:
         session_batch: npt.NDArray[np.float64] | None,
     ) -> tuple[int, npt.NDArray[np.float64]]:
         """(position, estimates): QuillCache's score per row and the row that wins."""
+    def quill_lowest(
+        self,
+        order: LoadOrder,
+        position: npt.NDArray[np.intp],
+        special: npt.NDArray[np.intp],
+        worker: npt.NDArray[np.uint64],
+        load: npt.NDArray[np.float64],
+        gpu: npt.NDArray[np.int64],
+        cpu: npt.NDArray[np.int64],
+        disk: npt.NDArray[np.int64],
+        pending: npt.NDArray[np.int64],
+        blocks: int,
+        prompt_tokens: int,
+        block_size: int,
+        *,
+        speculative: bool,
+        interference: bool,
+        work_weight: float,
+        lambda_: float,
+        per_worker_lambda: bool,
+        work_base: float,
+        max_work_weight: float,
+        continuing: bool,
+        continuing_work_weight: float,
+        decode_weight: float,
+        mean_decodes: float,
+        home_decode_weight: float,
+        expected_output_tokens: int,
+        session_batch: npt.NDArray[np.float64] | None,
+    ) -> int | None:
+        """`quill`'s position, walking `special` then the rest in `order` (by queued
+        prefill tokens; `position[row]` < 0: not a candidate) until no row left can
+        win; None: the knobs or a NaN score do not allow it (score every row)."""
 
 @final
 class PendingPrefixes:

@@ -159,6 +159,9 @@ class PlaneRowOrder:
     def least_loaded(self, fields: tuple[str, ...], k: int) -> npt.NDArray[np.intp]:
         return self._orders.order(fields).first(k, self._candidates.row_position)
 
+    def load_order(self, fields: tuple[str, ...]) -> tuple[LoadOrder, npt.NDArray[np.intp]]:
+        return self._orders.order(fields), self._candidates.row_position
+
     def above_floor(self) -> npt.NDArray[np.intp]:
         if self._special is None:
             # a handful of positions: Python's sets beat numpy's set operations here

@@ -31,6 +31,7 @@ hold a lock when the index does not serialise its own readers and writers
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -445,7 +446,7 @@ class ControlPlane:
         them (what each was booked is kept) and KV usage and mean context apply to
         every rank; `update_rank_load` sets one rank's."""
         state = self._state(worker)
-        columns = [(load_column(name), value) for name, value in load.items()]
+        columns = [(load_column(name), _load_value(name, value)) for name, value in load.items()]
         if len(state.rows) == 1:
             for column, value in columns:
                 self.load.report(state.rows[0], column, value)
@@ -467,7 +468,7 @@ class ControlPlane:
         """`update_load` for one dp rank of the worker."""
         row = self._rank_row(self._state(worker), dp_rank)
         for name, value in load.items():
-            self.load.report(row, load_column(name), value)
+            self.load.report(row, load_column(name), _load_value(name, value))
 
     def _rank_row(self, state: WorkerState, dp_rank: int) -> int:
         if not 0 <= dp_rank < len(state.rows):
@@ -753,6 +754,15 @@ class ControlPlane:
 
     def close(self) -> None:
         self.index.close()
+
+
+def _load_value(name: str, value: float) -> float:
+    """A reported load figure: finite and at least 0 (routers that prune rely on it:
+    a negative queue or decode count would score below the bound that lets them skip
+    rows), else ConfigError naming it."""
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"load field {name!r} must be a finite number >= 0, got {value!r}")
+    return float(value)
 
 
 def _best_rank(view: View, state: WorkerState) -> int:

@@ -49,6 +49,7 @@ class QuillCacheRouter(Router):
     name = "quillcache"
     summary = "TTFT argmin + the work and decode load it adds; sessions choose a home"
     source = "QuillCache (this project); see docs/routing.md"
+    prunes = True  # `chosen` walks the rows by queue until a bound rules out the rest
 
     def __init__(
         self,
@@ -229,17 +230,46 @@ class QuillCacheRouter(Router):
         pass over the rows, and the `first_min` over (score, -prefix held or being
         computed, in flight, id). The same numbers as `estimates`, the readable
         reference (`tests/routing/test_kernels.py`)."""
+        return view.cost.kernel.quill(
+            *kernel_rows(view),
+            len(request.content_keys),
+            request.prompt_tokens,
+            view.block_size,
+            **self._kernel_knobs(request, view),
+        )
+
+    def chosen(self, request: Request, view: View) -> int:
+        """`scored`'s position. On a prunable view, the native kernel scores the rows
+        above the match's floor, then the others from the least queued on, and stops
+        once a lower bound of the rest (no decodes, nothing waiting, no session batch:
+        every other term only adds) exceeds the best score: the same row, without
+        visiting every row (`CostKernel.quill_lowest`, `tests/routing/test_pruning.py`)."""
+        walk = view.load_order(_BY_QUEUE)
+        if walk is not None:
+            order, position = walk
+            at = view.cost.kernel.quill_lowest(
+                order,
+                position,
+                view.above_floor(),
+                *kernel_rows(view),
+                len(request.content_keys),
+                request.prompt_tokens,
+                view.block_size,
+                **self._kernel_knobs(request, view),
+            )
+            if at is not None:
+                return at
+        return self.scored(request, view)[0]
+
+    def _kernel_knobs(self, request: Request, view: View) -> dict[str, Any]:
+        """The kernel's keyword arguments: the knobs and this request's state."""
         batch = None
         if self.home_decode_weight and self._session_decodes:
             rows_of = _rows_by_worker(view.columns.worker)
             batch = np.zeros(len(view.columns.worker))
             for w, decodes in self._session_decodes.items():
                 batch[rows_of(w)] = decodes
-        return view.cost.kernel.quill(
-            *kernel_rows(view),
-            len(request.content_keys),
-            request.prompt_tokens,
-            view.block_size,
+        return dict(
             speculative=self.speculative,
             interference=self.interference,
             work_weight=self.work_weight,
@@ -279,7 +309,7 @@ class QuillCacheRouter(Router):
         self._session_decodes = {}
         if self.sessions and sid is not None:
             self._session_load(sid, view, decodes)
-        at, _ = self.scored(request, view)
+        at = self.chosen(request, view)
         best = view.worker_at(at)
         if self.sessions and sid is not None:
             self._homes[sid] = (best.worker, view.now_s)
@@ -323,6 +353,10 @@ class QuillCacheRouter(Router):
             per_session = decodes / total
             # a worker absent here brings 0 * per_session = 0.0, what .get() defaults to
             self._session_decodes = {w: live[w] * per_session for w, n in rows.items() if n}
+
+
+#: The load order `chosen` walks: queued prefill tokens.
+_BY_QUEUE = ("queued_prefill_tokens",)
 
 
 def _rows_by_worker(ids: npt.NDArray[np.uint64]) -> Callable[[int], npt.NDArray[np.intp]]:

@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
+    from quillcache._native import LoadOrder
     from quillcache.costmodel import CostModel
 
 # Engines name media differently (vLLM "GPU"/"CPU"/"STORAGE", SGLang "CPU_PINNED",
@@ -221,6 +222,11 @@ class RowOrder(Protocol):
         row holds exactly the floor, nothing pending."""
         ...
 
+    def load_order(self, fields: tuple[str, ...]) -> tuple[LoadOrder, npt.NDArray[np.intp]]:
+        """The plane's rows in order of `fields` (a native structure a kernel walks),
+        and each plane row's position in the view (negative: not a candidate)."""
+        ...
+
 
 def _count(x: float) -> Any:
     """A count as an int (the columns hold float64); a fractional driver figure kept."""
@@ -382,6 +388,14 @@ class View:
         if self._order is not None:
             return self._order.above_floor()
         return np.arange(len(self), dtype=np.intp)
+
+    def load_order(self, fields: tuple[str, ...]) -> tuple[LoadOrder, npt.NDArray[np.intp]] | None:
+        """The control plane's ordered load structure by `fields` and each plane row's
+        position in the view, for a native kernel that walks the rows in that order;
+        None when the view is not prunable."""
+        if self._order is None:
+            return None
+        return self._order.load_order(fields)
 
     def position(self, worker: int, dp_rank: int = 0) -> int:
         """Where `worker`'s rank `dp_rank` is in the view; KeyError when it is not a

@@ -468,6 +468,162 @@ pub fn ttft_estimates(
         .collect())
 }
 
+/// One row's load as `QuillScorer` reads it: the row's own, or a bound's.
+#[derive(Debug, Clone, Copy)]
+struct RowLoad {
+    in_flight: f64,
+    queued: f64,
+    decodes: f64,
+    mean_context: f64,
+}
+
+impl RowLoad {
+    fn of(rows: &Rows<'_>, i: usize) -> Self {
+        Self {
+            in_flight: rows.field(i, IN_FLIGHT),
+            queued: rows.field(i, QUEUED_PREFILL_TOKENS),
+            decodes: rows.field(i, RUNNING_DECODES),
+            mean_context: rows.field(i, MEAN_CONTEXT_TOKENS),
+        }
+    }
+}
+
+/// `QuillCacheRouter.estimate_s`, row by row, with what the rows share computed once.
+struct QuillScorer<'a> {
+    params: &'a CostParams,
+    rows: &'a Rows<'a>,
+    ask: &'a Ask,
+    knobs: &'a QuillKnobs,
+    peers: Vec<i64>,
+    out: f64,
+    kv_read: f64,
+    home_weight: f64,
+    compute: ByNewTokens,
+    prefill: ByNewTokens,
+}
+
+impl<'a> QuillScorer<'a> {
+    fn new(
+        params: &'a CostParams,
+        rows: &'a Rows<'a>,
+        ask: &'a Ask,
+        knobs: &'a QuillKnobs,
+    ) -> Self {
+        let peers = if params.allow_peer_fetch {
+            peer_blocks(rows)
+        } else {
+            Vec::new()
+        };
+        let out = knobs.expected_output_tokens as f64;
+        Self {
+            params,
+            rows,
+            ask,
+            knobs,
+            peers,
+            out,
+            kv_read: (ask.prompt_tokens as f64 + out / 2.0) * params.kv_read_s_per_token,
+            home_weight: knobs.home_decode_weight * out,
+            compute: ByNewTokens::new(),
+            prefill: ByNewTokens::new(),
+        }
+    }
+
+    /// Row `i`'s score with load `load` (its own, or a bound's) and session batch.
+    fn estimate(&mut self, i: usize, load: RowLoad, batch: Option<f64>) -> f64 {
+        let (params, rows, ask, knobs) = (self.params, self.rows, self.ask, self.knobs);
+        let prompt = ask.prompt_tokens;
+        let RowLoad {
+            in_flight,
+            queued,
+            decodes,
+            mean_context,
+        } = load;
+        let mut gpu = rows.gpu[i];
+        if knobs.speculative {
+            gpu = gpu.max(rows.pending[i]);
+        }
+        let gpu = gpu.min(ask.blocks);
+        let (covered, transfer) =
+            params.covered(rows, ask, i, gpu, self.peers.get(i).copied().unwrap_or(0));
+        let new = new_tokens(ask, covered); // at least 1
+        let new_compute = self.compute.get(new, |new| {
+            params.prefill_compute_s(new as f64, (prompt - new) as f64)
+        });
+        let mut extra = 0.0;
+        if knobs.work_weight != 0.0 {
+            let mut lambda = knobs.lambda;
+            if knobs.per_worker_lambda {
+                let waiting = maximum(in_flight - decodes, 0.0);
+                lambda = minimum(
+                    knobs.work_weight * (knobs.work_base + waiting),
+                    knobs.max_work_weight,
+                );
+            }
+            if knobs.continuing {
+                lambda *= knobs.continuing_work_weight;
+            }
+            extra = 0.0 + lambda * new_compute;
+        }
+        let ttft = if knobs.interference {
+            transfer + params.loaded_prefill_time(queued, new, new_compute, decodes, mean_context)
+        } else {
+            transfer
+                + params.queue_time(queued)
+                + self
+                    .prefill
+                    .get(new, |new| params.prefill_time(new, prompt - new))
+        };
+        let excess = decodes - knobs.mean_decodes;
+        if knobs.decode_weight != 0.0 && !knobs.continuing && excess > 0.0 {
+            let step = params.decode_step_time(decodes, mean_context);
+            let overlap = if step > 0.0 {
+                maximum(self.out - ttft / step, 0.0)
+            } else {
+                self.out
+            };
+            extra += knobs.decode_weight * excess * overlap * self.kv_read;
+        }
+        if let Some(batch) = batch {
+            extra += self.home_weight * (batch * mean_context * params.kv_read_s_per_token);
+        }
+        extra + ttft
+    }
+
+    /// A lower bound of the score of every row that holds what row `i` holds (the same
+    /// tiers, nothing pending) and has `queued` tokens queued, non-decreasing in
+    /// `queued`, when `walkable`: the score with nothing running or waiting there and
+    /// no session batch. Every term of the score is non-decreasing in the running
+    /// decodes, their context, the requests waiting and the batch, or an added term
+    /// that is at least 0; IEEE rounding is monotone, so the computed numbers keep
+    /// that order.
+    fn bound(&mut self, i: usize, queued: f64, batch: bool) -> f64 {
+        let idle = RowLoad {
+            in_flight: 0.0,
+            queued,
+            decodes: 0.0,
+            mean_context: 0.0,
+        };
+        self.estimate(i, idle, batch.then_some(0.0))
+    }
+
+    /// Whether `bound` is a lower bound under these knobs (with loads that are finite
+    /// and at least 0, which the control plane guarantees): no peer fetch (a row's
+    /// score would depend on the best other row), and weights that only add.
+    fn walkable(&self) -> bool {
+        let k = self.knobs;
+        !self.params.allow_peer_fetch
+            && k.work_weight >= 0.0
+            && k.continuing_work_weight >= 0.0
+            && k.decode_weight >= 0.0
+            && k.mean_decodes >= 0.0
+            && k.home_decode_weight >= 0.0
+            && k.expected_output_tokens >= 0
+            && self.ask.prompt_tokens >= 0
+            && self.params.kv_read_s_per_token >= 0.0
+    }
+}
+
 /// `QuillCacheRouter.estimates`: TTFT plus the work and decode load a choice adds.
 /// `session_batch`: per row, the decodes a new session's home would bring (None: no
 /// home term).
@@ -479,71 +635,79 @@ pub fn quill_estimates(
     session_batch: Option<&[f64]>,
 ) -> Result<Vec<f64>, RowsError> {
     rows.check(session_batch)?;
-    let peers = if params.allow_peer_fetch {
-        peer_blocks(rows)
-    } else {
-        Vec::new()
-    };
-    let prompt = ask.prompt_tokens;
-    let out = knobs.expected_output_tokens as f64;
-    let kv_read = (prompt as f64 + out / 2.0) * params.kv_read_s_per_token;
-    let home_weight = knobs.home_decode_weight * out;
-    let (mut compute, mut prefill) = (ByNewTokens::new(), ByNewTokens::new());
+    let mut scorer = QuillScorer::new(params, rows, ask, knobs);
     Ok((0..rows.len())
-        .map(|i| {
-            let queued = rows.field(i, QUEUED_PREFILL_TOKENS);
-            let decodes = rows.field(i, RUNNING_DECODES);
-            let mean_context = rows.field(i, MEAN_CONTEXT_TOKENS);
-            let mut gpu = rows.gpu[i];
-            if knobs.speculative {
-                gpu = gpu.max(rows.pending[i]);
-            }
-            let gpu = gpu.min(ask.blocks);
-            let (covered, transfer) =
-                params.covered(rows, ask, i, gpu, peers.get(i).copied().unwrap_or(0));
-            let new = new_tokens(ask, covered); // at least 1
-            let new_compute = compute.get(new, |new| {
-                params.prefill_compute_s(new as f64, (prompt - new) as f64)
-            });
-            let mut extra = 0.0;
-            if knobs.work_weight != 0.0 {
-                let mut lambda = knobs.lambda;
-                if knobs.per_worker_lambda {
-                    let waiting = maximum(rows.field(i, IN_FLIGHT) - decodes, 0.0);
-                    lambda = minimum(
-                        knobs.work_weight * (knobs.work_base + waiting),
-                        knobs.max_work_weight,
-                    );
-                }
-                if knobs.continuing {
-                    lambda *= knobs.continuing_work_weight;
-                }
-                extra = 0.0 + lambda * new_compute;
-            }
-            let ttft = if knobs.interference {
-                transfer
-                    + params.loaded_prefill_time(queued, new, new_compute, decodes, mean_context)
-            } else {
-                transfer
-                    + params.queue_time(queued)
-                    + prefill.get(new, |new| params.prefill_time(new, prompt - new))
-            };
-            let excess = decodes - knobs.mean_decodes;
-            if knobs.decode_weight != 0.0 && !knobs.continuing && excess > 0.0 {
-                let step = params.decode_step_time(decodes, mean_context);
-                let overlap = if step > 0.0 {
-                    maximum(out - ttft / step, 0.0)
-                } else {
-                    out
-                };
-                extra += knobs.decode_weight * excess * overlap * kv_read;
-            }
-            if let Some(batch) = session_batch {
-                extra += home_weight * (batch[i] * mean_context * params.kv_read_s_per_token);
-            }
-            extra + ttft
-        })
+        .map(|i| scorer.estimate(i, RowLoad::of(rows, i), session_batch.map(|b| b[i])))
         .collect())
+}
+
+/// `lowest(&quill_estimates(..), rows, true)` without scoring every row: the rows in
+/// `special` (every row that holds more of the request than the others, or has some of
+/// it pending), then the others in `by_queue` order (ascending queued prefill tokens),
+/// until a row's `QuillScorer::bound` exceeds the best score so far: no later row can
+/// then win or tie. None when the knobs or the scores do not allow it (NaN): score
+/// every row.
+pub fn quill_lowest_walk(
+    params: &CostParams,
+    rows: &Rows<'_>,
+    ask: &Ask,
+    knobs: &QuillKnobs,
+    session_batch: Option<&[f64]>,
+    special: &[usize],
+    by_queue: impl Iterator<Item = usize>,
+) -> Result<Option<usize>, RowsError> {
+    rows.check(session_batch)?;
+    let mut scorer = QuillScorer::new(params, rows, ask, knobs);
+    if !scorer.walkable() {
+        return Ok(None);
+    }
+    let n = rows.len();
+    // `lowest`'s order: score, longest prefix held or pending, fewest in flight, id,
+    // then position (the first among equals)
+    type Key = (f64, i64, f64, u64, usize);
+    let mut best: Option<Key> = None;
+    // false: a NaN, which `lowest` orders by position alone; the walk cannot
+    let consider = |i: usize, scorer: &mut QuillScorer<'_>, best: &mut Option<Key>| {
+        let score = scorer.estimate(i, RowLoad::of(rows, i), session_batch.map(|b| b[i]));
+        let in_flight = rows.field(i, IN_FLIGHT);
+        if score.is_nan() || in_flight.is_nan() {
+            return false;
+        }
+        let reuse = -rows.local(i).max(rows.pending[i]);
+        let k = (score, reuse, in_flight, rows.worker[i], i);
+        if best.is_none_or(|b| k.partial_cmp(&b) == Some(std::cmp::Ordering::Less)) {
+            *best = Some(k);
+        }
+        true
+    };
+    let mut is_special = vec![false; n];
+    for &i in special {
+        if i >= n {
+            return Err(RowsError::Lengths(format!("position {i} of {n} rows")));
+        }
+        is_special[i] = true;
+        if !consider(i, &mut scorer, &mut best) {
+            return Ok(None);
+        }
+    }
+    for i in by_queue {
+        if i >= n {
+            return Err(RowsError::Lengths(format!("position {i} of {n} rows")));
+        }
+        if is_special[i] {
+            continue;
+        }
+        if let Some(b) = best {
+            let queued = rows.field(i, QUEUED_PREFILL_TOKENS);
+            if scorer.bound(i, queued, session_batch.is_some()) > b.0 {
+                break;
+            }
+        }
+        if !consider(i, &mut scorer, &mut best) {
+            return Ok(None);
+        }
+    }
+    Ok(best.map(|b| b.4))
 }
 
 /// `(running decodes, requests waiting)` summed over the rows in order, as a loop over

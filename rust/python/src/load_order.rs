@@ -16,7 +16,7 @@ fn row_index(row: i64) -> PyResult<u32> {
 
 #[pyclass(module = "quillcache._native", name = "LoadOrder")]
 pub struct LoadOrder {
-    inner: load_order::LoadOrder,
+    pub(crate) inner: load_order::LoadOrder,
 }
 
 #[pymethods]

@@ -5,6 +5,7 @@ use numpy::{PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods}
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use crate::load_order::LoadOrder;
 use quillcache_core::scoring::{self, Ask, CostParams, GatheredRows, QuillKnobs, Rows, RowsError};
 
 fn slice<'a, T: numpy::Element>(
@@ -246,6 +247,101 @@ impl CostKernel {
             .map_err(rows_error)?;
         let at = scoring::lowest(&estimates, &rows, true).map_err(rows_error)?;
         Ok((at, PyArray1::from_vec(py, estimates)))
+    }
+
+    /// `quill`'s winning position without scoring every row (`quill_lowest_walk`):
+    /// `special` (positions of the rows above the match's floor or with pending
+    /// blocks), then the rest in `order` (a `LoadOrder` by queued prefill tokens;
+    /// `position[row]`: the row's position in the view, negative when not a
+    /// candidate) until no row left can win. None: score every row with `quill`.
+    #[pyo3(signature = (
+        order, position, special, worker, load, gpu, cpu, disk, pending, blocks,
+        prompt_tokens, block_size, *, speculative, interference, work_weight, lambda_,
+        per_worker_lambda, work_base, max_work_weight, continuing, continuing_work_weight,
+        decode_weight, mean_decodes, home_decode_weight, expected_output_tokens,
+        session_batch
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn quill_lowest<'py>(
+        &self,
+        order: PyRef<'py, LoadOrder>,
+        position: PyReadonlyArray1<'py, isize>,
+        special: PyReadonlyArray1<'py, isize>,
+        worker: PyReadonlyArray1<'py, u64>,
+        load: PyReadonlyArray2<'py, f64>,
+        gpu: PyReadonlyArray1<'py, i64>,
+        cpu: PyReadonlyArray1<'py, i64>,
+        disk: PyReadonlyArray1<'py, i64>,
+        pending: PyReadonlyArray1<'py, i64>,
+        blocks: i64,
+        prompt_tokens: i64,
+        block_size: i64,
+        speculative: bool,
+        interference: bool,
+        work_weight: f64,
+        lambda_: f64,
+        per_worker_lambda: bool,
+        work_base: f64,
+        max_work_weight: f64,
+        continuing: bool,
+        continuing_work_weight: f64,
+        decode_weight: f64,
+        mean_decodes: f64,
+        home_decode_weight: f64,
+        expected_output_tokens: i64,
+        session_batch: Option<PyReadonlyArray1<'py, f64>>,
+    ) -> PyResult<Option<usize>> {
+        let columns = Columns {
+            worker,
+            load,
+            gpu,
+            cpu,
+            disk,
+            pending,
+        };
+        let rows = columns.rows()?;
+        let ask = Ask {
+            blocks,
+            prompt_tokens,
+            block_size,
+        };
+        let knobs = QuillKnobs {
+            speculative,
+            interference,
+            work_weight,
+            lambda: lambda_,
+            per_worker_lambda,
+            work_base,
+            max_work_weight,
+            continuing,
+            continuing_work_weight,
+            decode_weight,
+            mean_decodes,
+            home_decode_weight,
+            expected_output_tokens,
+        };
+        let batch = match &session_batch {
+            Some(b) => Some(slice("session_batch", b)?),
+            None => None,
+        };
+        let position = slice("position", &position)?;
+        let special: Vec<usize> = slice("special", &special)?
+            .iter()
+            .map(|&i| {
+                usize::try_from(i).map_err(|_| PyValueError::new_err(format!("position {i}")))
+            })
+            .collect::<PyResult<_>>()?;
+        if order.inner.width() != 1 {
+            return Err(PyValueError::new_err(
+                "order must be by one value (queued prefill tokens)",
+            ));
+        }
+        let by_queue = order.inner.iter().filter_map(|row| {
+            let at = position.get(row as usize).copied().unwrap_or(-1);
+            usize::try_from(at).ok()
+        });
+        scoring::quill_lowest_walk(&self.params, &rows, &ask, &knobs, batch, &special, by_queue)
+            .map_err(rows_error)
     }
 }
 
