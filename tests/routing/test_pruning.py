@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import quillcache.routing.base as routing_base
 from quillcache.controlplane import ControlPlane
 from quillcache.costmodel import CostModelConfig
+from quillcache.errors import ConfigError
 from quillcache.events.encode import BlockStored, encode_batch
 from quillcache.hashing.reference import content_keys, namespace_id
 from quillcache.routing import BUILTIN_ORDER, Request, create_router
@@ -212,5 +213,23 @@ def test_a_shared_stores_polls_move_the_order() -> None:
             {key: SharedLoad(in_flight=0 if row == 2 else 5) for key, row in keys.items()}
         )
         assert cp.route(Request(1, keys_of(0, 2), 2 * BS)).worker == 2
+    finally:
+        cp.close()
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
+def test_a_load_report_that_is_not_a_count_is_refused(value: float) -> None:
+    """Pruning's bound holds for loads >= 0: a report outside that is refused with a
+    typed error, and the load stays what it was."""
+    cp = ControlPlane(index="native", router="quillcache", block_size=BS, prune_min_rows=1)
+    try:
+        cp.add_worker(0, dp_ranks=2)
+        cp.update_load(0, queued_prefill_tokens=8.0)
+        with pytest.raises(ConfigError, match="queued_prefill_tokens"):
+            cp.update_load(0, queued_prefill_tokens=value)
+        with pytest.raises(ConfigError, match="running_decodes"):
+            cp.update_rank_load(0, 1, running_decodes=value)
+        assert cp.worker(0).queued_prefill_tokens == 8.0
+        assert cp.worker(0).running_decodes == 0.0
     finally:
         cp.close()
