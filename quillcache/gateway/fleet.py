@@ -42,6 +42,10 @@ from quillcache.state.shortlist import ShortlistPolicy
 
 log = logging.getLogger(__name__)
 
+# The configuration is read when the version `loads()` reports moved, and at least this
+# often: reading it also expires lapsed pins (which then moves the version).
+CONFIG_EVERY_S = 5.0
+
 
 class FleetLink:
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics) -> None:
@@ -60,6 +64,7 @@ class FleetLink:
         self._pool: WorkerPool
         self._on_added: Callable[[Worker], None] = lambda w: None
         self._version = -1  # the fleet configuration last applied
+        self._config_read_at = -float("inf")  # loop time of the last config() read
         self._fleet_engines: set[int] = set()  # fleet ids of engines added through the fleet
         self._pins: dict[int, npt.NDArray[np.uint64]] = {}  # prefix key -> its chain, applied
         self._task: asyncio.Task[None] | None = None
@@ -131,15 +136,25 @@ class FleetLink:
                 log.exception("shared state: poll failed")
 
     async def poll_once(self) -> None:
+        """The fleet's load; its configuration when its version moved (the load's
+        round trip reads the version), or every `CONFIG_EVERY_S`."""
         loads = await self.state.loads()
         if not isinstance(loads, LocalFallback):
             self.store.apply_snapshot(loads)
-        await self.apply_config()
+        now = asyncio.get_running_loop().time()
+        if (
+            self.state.config_version != self._version
+            or now - self._config_read_at >= CONFIG_EVERY_S
+        ):
+            await self.apply_config()
 
     async def apply_config(self) -> None:
         """The fleet's engines, draining flags and pins, when their version moved."""
         cfg = await self.state.config()
-        if isinstance(cfg, LocalFallback) or cfg.version == self._version:
+        if isinstance(cfg, LocalFallback):
+            return
+        self._config_read_at = asyncio.get_running_loop().time()
+        if cfg.version == self._version:
             return
         done = await self._apply_engines(cfg)
         self._apply_draining(cfg)

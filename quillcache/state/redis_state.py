@@ -253,6 +253,7 @@ class RedisFleetState:
         self._closed = False
         self._log = _RateLimitedLog(log_every_s)
         self.epoch = ""
+        self.config_version = -1  # the fleet's configuration version at the last loads()
         self._last_why = "redis too slow or failed"
 
     # --- lifecycle ------------------------------------------------------------------
@@ -511,10 +512,14 @@ class RedisFleetState:
 
     async def loads(self) -> dict[EngineKey, SharedLoad] | LocalFallback:
         """Every engine key's booked load over the fleet's live replicas (keys with no
-        load are absent). One round trip; also reaps dead replicas."""
-        reply = await self._run("loads", _SNAPSHOT, self._head(), self.admin_timeout_s)
+        load are absent). One round trip (on the fast connection: a poll every few
+        hundred ms per replica); also reaps dead replicas, and reads the fleet's
+        configuration version (`config_version`), so that a poller reads `config()`
+        only when it moved."""
+        reply = await self._run("loads", _SNAPSHOT, self._head(), self.admin_timeout_s, share=True)
         if reply is None:
             return LocalFallback(self._why())
+        self.config_version = int(reply[0])
         self.epoch = str(reply[1])
         rows: dict[EngineKey, list[int]] = {}
         for i in range(2, len(reply), 2):
