@@ -43,6 +43,13 @@ class WorkerConfig(BaseModel):
     topic: str = ""
     dp_ranks: int = Field(default=1, ge=1)
     events: bool = Field(default=True, description="subscribe to its KV events at all")
+    hash_seed: str | None = Field(
+        default=None,
+        max_length=256,
+        description="the engine's PYTHONHASHSEED when it sets one: vLLM derives its block "
+        "hashes' NONE_HASH from it, so the parity check predicts them with it; None = vLLM's "
+        "default seed ('vllm-none-hash', vLLM >= 0.32 with sha256 or sha256_cbor)",
+    )
 
     @field_validator("url")
     @classmethod

@@ -10,6 +10,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from quillcache.gateway.engine_hashes import HASH_STATES
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _STATE_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 _ROUTE_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
@@ -254,7 +256,9 @@ _WORKER_GAUGES: tuple[tuple[str, str, Callable[[Any], float]], ...] = (
     ),
     (
         "quillcache_worker_parity_ok",
-        "1 when the startup parity check passed.",
+        "1 when the startup parity check passed: the engine's events hold the predicted "
+        "content keys and its block hashes are not a mismatch (see "
+        "quillcache_worker_hash_parity).",
         lambda w: float(w.parity == "ok"),
     ),
 )
@@ -297,6 +301,17 @@ def state_metrics(
     )
     for name, doc, value in _WORKER_GAUGES:
         yield gauge(name, doc, {(str(w.id),): value(w) for w in workers}, ["worker"])
+    yield gauge(
+        "quillcache_worker_hash_parity",
+        "The engine-hash half of the parity check: 1 for the worker's state (ok, mismatch, "
+        "not_predictable, skipped, unchecked), 0 for the others.",
+        {
+            (str(w.id), state.replace(" ", "_")): float(w.hash_parity.state == state)
+            for w in workers
+            for state in HASH_STATES
+        },
+        ["worker", "state"],
+    )
 
 
 def readiness_metrics(state: Any) -> Iterator[Any]:

@@ -26,6 +26,7 @@ from quillcache.connectors.zmq_source import engine_binds, with_rank
 from quillcache.controlplane import ControlPlane
 from quillcache.errors import ConfigError
 from quillcache.gateway.config import WorkerConfig
+from quillcache.gateway.engine_hashes import HashVerdict
 from quillcache.gateway.probe import EngineProbe, Result, fetch_all, parse_metrics_fast
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,8 @@ class Worker:
     last_health_s: float = 0.0
     failures: int = 0
     parity: str = "unchecked"  # "ok", "mismatch: ...", "unchecked", "skipped: ..."
+    # the engine-hash half of the parity check (`engine_hashes.py`)
+    hash_parity: HashVerdict = field(default_factory=lambda: HashVerdict("unchecked"))
     # per rank (None: the whole engine), what the last scrape added on top of the
     # gateway's own counts (in flight, decodes) and the KV usage it gave the plane
     # (`_merge_engine_load`)
@@ -72,6 +75,8 @@ class Worker:
             "healthy": self.healthy,
             "draining": self.draining,
             "parity": self.parity,
+            "hash_parity": str(self.hash_parity),
+            "engine_hashes": self.hash_parity.as_dict(),
             "load": asdict(self.load),
             "kv_sources": [
                 {"endpoint": s.endpoint, "replay_endpoint": s.replay_endpoint, "bind": s.bind}
