@@ -43,6 +43,7 @@ import numpy as np
 import numpy.typing as npt
 
 from quillcache._native import PendingPrefixes
+from quillcache.controlplane.admission import admit
 from quillcache.controlplane.load import (
     DECODES,
     IN_FLIGHT,
@@ -66,7 +67,7 @@ from quillcache.index import (
     create_backend,
 )
 from quillcache.index.inputs import as_key_array
-from quillcache.routing import Decision, Request, Router, View, create_router
+from quillcache.routing import Decision, Request, Router, View, create_router, default_slo
 from quillcache.routing.base import first_min
 from quillcache.routing.types import FLEET_FIELDS, LOAD_FIELDS, WorkerColumns
 
@@ -666,6 +667,9 @@ class ControlPlane:
                     f"router {self.router.name or type(self.router).__name__!r} chose dp rank "
                     f"{rank} of worker {decision.worker}, which has {len(state.rows)}"
                 )
+            decision = admit(request, view, decision, default_slo(self.router))
+            if decision.rejected:
+                return decision
             self._track(request, decision, state.rows[rank], now_s)
         return decision
 

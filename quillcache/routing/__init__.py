@@ -31,14 +31,17 @@ from quillcache.routing.preble import PrebleE2
 from quillcache.routing.quill import QuillCacheRouter
 from quillcache.routing.registry import (
     ENTRY_POINT_GROUP,
+    SLO_OPTIONS,
     available_routers,
     builtin_routers,
     canonical_router_name,
     create_router,
+    default_slo,
     register_alias,
     register_router,
     router,
     router_aliases,
+    set_default_slo,
 )
 from quillcache.routing.sglang import SglangCacheAware
 from quillcache.routing.ttft import MooncakeConductor
@@ -82,6 +85,7 @@ __all__ = [
     "BUILTIN_ORDER",
     "ENTRY_POINT_GROUP",
     "SLO",
+    "SLO_OPTIONS",
     "Action",
     "Decision",
     "DynamoKvCost",
@@ -105,10 +109,12 @@ __all__ = [
     "builtin_routers",
     "canonical_router_name",
     "create_router",
+    "default_slo",
     "plan_and_estimate",
     "register_alias",
     "register_router",
     "router",
     "router_aliases",
+    "set_default_slo",
     "tier_of",
 ]

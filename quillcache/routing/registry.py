@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
-from quillcache.errors import UnknownRouterError
+from quillcache.errors import ConfigError, UnknownRouterError
 from quillcache.routing.base import Router
+from quillcache.routing.types import SLO
 
 ENTRY_POINT_GROUP = "quillcache.routers"
 
@@ -99,8 +101,48 @@ def builtin_routers() -> list[str]:
     return list(BUILTIN_ORDER)
 
 
+#: Options every router takes by name: the default SLO of the requests it routes, which
+#: the control plane's admission stage (`quillcache.controlplane.admission`) enforces
+#: after any router's decision. They are peeled off before the router is built.
+SLO_OPTIONS = ("ttft_slo_s", "tbt_slo_s")
+# the instance attribute holding that default (set on the router, read by the stage;
+# a router wrapping another forwards its attributes, as `shared_routing`'s does)
+_DEFAULT_SLO_ATTR = "default_slo"
+
+
+def _slo_option(name: str, key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"router {name!r}: {key} must be a number of seconds, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"router {name!r}: {key} must be positive and finite, got {value!r}")
+    return float(value)
+
+
+def set_default_slo(router: Router, slo: SLO | None) -> None:
+    """Give `router` the default SLO the admission stage applies to requests that carry
+    none of their own (None: no default)."""
+    try:
+        setattr(router, _DEFAULT_SLO_ATTR, slo)
+    except AttributeError:
+        raise ConfigError(
+            f"router {router.name or type(router).__name__!r} cannot hold an SLO "
+            "(its class has __slots__ without 'default_slo')"
+        ) from None
+
+
+def default_slo(router: Router) -> SLO | None:
+    """The default SLO `create_router` gave `router` (from `ttft_slo_s` / `tbt_slo_s`)."""
+    slo = getattr(router, _DEFAULT_SLO_ATTR, None)
+    return slo if isinstance(slo, SLO) else None
+
+
 def create_router(name: str, **options: Any) -> Router:
-    """Instantiate a registered router (or an alias's); unknown names list the known ones."""
+    """Instantiate a registered router (or an alias's); unknown names list the known ones.
+    `ttft_slo_s` / `tbt_slo_s`, taken by every router, set its default SLO
+    (`default_slo`)."""
+    slo_values = {
+        key: _slo_option(name, key, options.pop(key)) for key in SLO_OPTIONS if key in options
+    }
     name = canonical_router_name(name)
     if name not in _registry:
         if ":" in name:
@@ -111,4 +153,9 @@ def create_router(name: str, **options: Any) -> Router:
     except KeyError:
         known = ", ".join(available_routers()) or "none"
         raise UnknownRouterError(f"unknown router {name!r}; known: {known}") from None
-    return factory(**options)
+    built = factory(**options)
+    if slo_values:
+        set_default_slo(
+            built, SLO(ttft_s=slo_values.get("ttft_slo_s"), tbt_s=slo_values.get("tbt_slo_s"))
+        )
+    return built

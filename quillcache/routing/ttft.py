@@ -8,9 +8,7 @@ SLO, so it is registered as an alias of this one (`quillcache.routing`).
 
 from __future__ import annotations
 
-from typing import Any
-
-from quillcache.routing.base import Router, kernel_rows, plan_and_estimate, pruned_lowest
+from quillcache.routing.base import Router, kernel_rows, pruned_lowest
 from quillcache.routing.types import Decision, Request, View
 
 
@@ -43,34 +41,16 @@ def lowest_ttft_at(request: Request, view: View) -> int:
 class MooncakeConductor(Router):
     """Mooncake (FAST'25) Conductor: for each prefill instance, TTFT = queue time +
     prefill time given its prefix match (or, if KV may move between instances, the
-    best instance's prefix fetched); pick the minimum; reject (HTTP 429 online) when
-    the estimated TTFT or TBT misses the SLO ("early rejection")."""
+    best instance's prefix fetched); pick the minimum. Its early rejection of requests
+    whose estimated TTFT or TBT misses the SLO is the control plane's admission stage
+    (`quillcache.controlplane.admission`), which applies to every router."""
 
     name = "mooncake"
     prunes = True
-    summary = "Mooncake Conductor: argmin estimated TTFT, reject if the TTFT/TBT SLO is missed"
-    source = "Mooncake (FAST'25), section 5 'KVCache-centric scheduling' and 7 'overload'"
-
-    def __init__(
-        self, *, ttft_slo_s: float | None = None, tbt_slo_s: float | None = None, **kw: Any
-    ) -> None:
-        super().__init__(**kw)
-        self.ttft_slo_s = ttft_slo_s
-        self.tbt_slo_s = tbt_slo_s
+    summary = "Mooncake Conductor: argmin estimated TTFT (queue + transfer + prefill)"
+    source = "Mooncake (FAST'25), section 5 'KVCache-centric scheduling'"
 
     def route(self, request: Request, view: View) -> Decision:
         if not len(view):
             return self.no_workers()
-        w = view.worker_at(lowest_ttft_at(request, view))
-        plan, est = plan_and_estimate(request, view, w)
-        ttft_slo = request.slo.ttft_s if request.slo and request.slo.ttft_s else self.ttft_slo_s
-        tbt_slo = request.slo.tbt_s if request.slo and request.slo.tbt_s else self.tbt_slo_s
-        if ttft_slo is not None and est.ttft_s > ttft_slo:
-            return Decision.reject(
-                f"estimated TTFT {est.ttft_s:.3f}s exceeds the SLO {ttft_slo:.3f}s", est
-            )
-        if tbt_slo is not None and est.tbt_s > tbt_slo:
-            return Decision.reject(
-                f"estimated TBT {est.tbt_s:.3f}s exceeds the SLO {tbt_slo:.3f}s", est
-            )
-        return Decision(worker=w.worker, plan=plan, estimate=est, dp_rank=w.dp_rank)
+        return self.decide(request, view, view.worker_at(lowest_ttft_at(request, view)))

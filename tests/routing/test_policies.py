@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from quillcache.controlplane.admission import admit
 from quillcache.costmodel import CostModel, CostModelConfig
 from quillcache.routing import (
     SLO,
@@ -17,6 +18,7 @@ from quillcache.routing import (
     View,
     WorkerView,
     create_router,
+    default_slo,
     plan_and_estimate,
 )
 from quillcache.routing.base import estimate_ttft_s
@@ -152,19 +154,22 @@ def test_preble_exploits_long_matches_and_explores_otherwise() -> None:
 @given(slo=st.floats(0.001, 5.0))
 @settings(max_examples=30)
 def test_mooncake_rejects_exactly_when_the_best_estimate_misses_the_slo(slo: float) -> None:
+    # Mooncake's early rejection, now the control plane's admission stage after its
+    # argmin: the same outcome as when the router rejected by itself
     r = create_router("mooncake", ttft_slo_s=slo)
     v = _view(
         WorkerView(0, queued_prefill_tokens=40_000), WorkerView(1, queued_prefill_tokens=9_000)
     )
     req = _req(100)
     best = min(estimate_ttft_s(req, v, w) for w in v.workers)
-    d = r.route(req, v)
+    assert not r.route(req, v).rejected  # the router itself only chooses
+    d = admit(req, v, r.route(req, v), default_slo(r))
     assert d.rejected == (best > slo)
     if d.rejected:
-        assert "SLO" in d.reason
+        assert "SLO" in d.reason and d.estimate is not None and d.estimate.ttft_s == best
     # a request's own SLO takes precedence
     req.slo = SLO(ttft_s=best * 2)
-    assert not r.route(req, v).rejected
+    assert not admit(req, v, r.route(req, v), default_slo(r)).rejected
 
 
 def test_ttft_routers_trade_cache_against_queue() -> None:
