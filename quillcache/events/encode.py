@@ -4,9 +4,9 @@ The simulator and the engine simulator publish through this module, so everythin
 downstream of them (connectors, decoder, index) sees exactly what a real engine sends.
 
 The event classes are `quillcache.events.types`' (the decoders return the same ones).
-Two event shapes:
+Two event shapes (SGLang's, release by release: `quillcache.events.sglang`):
 
-* map form (vLLM >= 0.24, SGLang): ``{"type": name, field: value, ...}``, optional
+* map form (vLLM >= 0.24): ``{"type": name, field: value, ...}``, optional
   fields omitted when None, required ones written even when None. vLLM encodes with
   msgspec, which sizes the map header for the struct's *declared* number of keys
   (then writes the actual count), so a BlockStored (16 declared keys) always gets a
