@@ -71,9 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="RELEASE",
         help="with --flavor sglang: the SGLang release whose KV-event format to publish "
-        "(default 0.5.23): <= 0.5.19 tagged arrays (0.5.18-0.5.19 with the salt in a "
-        "metadata map), >= 0.5.20 tagged maps; replay replies without the topic frame "
-        "before 0.5.22",
+        "(default 0.5.23; 'legacy' = 0.5.19, 'current' = 0.5.23): <= 0.5.19 tagged "
+        "arrays (0.5.18-0.5.19 with the salt in a metadata map), >= 0.5.20 tagged maps; "
+        "replay replies without the topic frame before 0.5.22",
     )
     a("--ready-file", default=None, help="write the resolved addresses here as JSON when up")
     a("--log-level", default="warning", help="uvicorn's log level")
@@ -97,14 +97,14 @@ def _kv_config(raw: str | None) -> dict[str, Any] | None:
 
 def _sglang_release(flavor: str, release: str | None) -> str | None:
     """The SGLang release to simulate (`--sglang-version`), None for vLLM."""
-    from quillcache.enginesim.sglang import DEFAULT_RELEASE
+    from quillcache.enginesim.sglang import DEFAULT_RELEASE, RELEASE_ALIASES
     from quillcache.events.sglang import wire_of
 
     if flavor != "sglang":
         if release is not None:
             raise ConfigError("--sglang-version needs --flavor sglang")
         return None
-    release = release or DEFAULT_RELEASE
+    release = RELEASE_ALIASES.get(release or "", release or DEFAULT_RELEASE)
     try:
         wire_of(release)
     except ValueError as exc:

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 #: The release `--flavor sglang` simulates unless `--sglang-version` says otherwise.
 DEFAULT_RELEASE = "0.5.23"
+#: `--sglang-version` names for the two sides of the event-format boundary: the last
+#: release with tagged-array events, and the default (tagged maps, replay with topic).
+RELEASE_ALIASES = {"legacy": sgl.LAST_ARRAY_RELEASE, "current": DEFAULT_RELEASE}
 
 
 def replay_layout(release: str) -> dict[str, bool]:

@@ -28,7 +28,7 @@ from tests.online.conftest import Stack, make_stack, metric
 from tests.online.helpers import free_port, http_get, http_post, wait_for
 
 PAGE = 32
-RELEASES = ["0.5.19", "0.5.23"]  # the last array release, a current map release
+RELEASES = ["legacy", "0.5.23"]  # 0.5.19, the last array release; a current map release
 
 
 def _free_port_pair() -> int:
@@ -55,6 +55,7 @@ def prompt(tag: str, pages: int = 4) -> str:
 class SglangStack:
     def __init__(self, stack: Stack, release: str) -> None:
         self.stack, self.release = stack, release
+        self.version = {"legacy": sgl.LAST_ARRAY_RELEASE}.get(release, release)
         self.pub, self.replay = _free_port_pair(), _free_port_pair()
         kv = {
             "enable_kv_cache_events": True,
@@ -91,7 +92,7 @@ def sglang(
 
 def test_page_size_and_dp_ranks_come_from_server_info(sglang: SglangStack) -> None:
     info = http_get(sglang.dp.url + "/server_info").json()
-    assert (info["page_size"], info["dp_size"], info["version"]) == (PAGE, 2, sglang.release)
+    assert (info["page_size"], info["dp_size"], info["version"]) == (PAGE, 2, sglang.version)
     workers = sglang.admin.get("/admin/workers").json()["workers"]
     by_url = {w["url"]: w for w in workers}
     dp, single = by_url[sglang.dp.url], by_url[sglang.single.url]
@@ -106,7 +107,7 @@ def test_page_size_and_dp_ranks_come_from_server_info(sglang: SglangStack) -> No
 def test_the_engines_publish_sglangs_format_and_replay_layout(sglang: SglangStack) -> None:
     """What the gateway reads is SGLang's wire, not vLLM's: a SUB of our own on rank 1
     and a replay request, checked against the release's shape."""
-    wire = sgl.wire_of(sglang.release)
+    wire = sgl.wire_of(sglang.version)
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
