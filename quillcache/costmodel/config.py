@@ -28,6 +28,9 @@ class ModelSpec(BaseModel):
     kv_heads: int = Field(8, gt=0)
     head_dim: int = Field(128, gt=0)
     dtype_bytes: int = Field(2, gt=0)
+    # An FP8-weight checkpoint keeps a bf16 KV cache unless vLLM is told otherwise
+    # (--kv-cache-dtype), so the two widths are separate; None: as the weights.
+    kv_dtype_bytes: int | None = Field(None, gt=0)
 
     @property
     def weight_bytes(self) -> float:
@@ -36,7 +39,8 @@ class ModelSpec(BaseModel):
     @property
     def kv_bytes_per_token(self) -> int:
         # K and V, every layer, every KV head.
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        width = self.kv_dtype_bytes or self.dtype_bytes
+        return 2 * self.layers * self.kv_heads * self.head_dim * width
 
 
 class GpuSpec(BaseModel):

@@ -141,6 +141,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     out.add_argument("--list-routers", action="store_true", help="list routers and exit")
 
+    mx = p.add_argument_group("matrix (docs/simulator.md, 'The matrix')")
+    mx.add_argument(
+        "--matrix",
+        metavar="GRID",
+        help="replay a grid (a TOML file, or quick, full, degenerate) with every router; "
+        "writes a results page, JSON and a heatmap",
+    )
+    mx.add_argument("--out", metavar="DIR", help="--matrix: output directory (matrix-GRID)")
+
 
 def _kv(items: list[str], what: str) -> dict[str, Any]:
     from quillcache.errors import ConfigError
@@ -256,6 +265,13 @@ def run(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True)
     try:
+        if args.matrix or args.out is not None:
+            from quillcache.sim import matrix_cli
+
+            defaults = argparse.ArgumentParser()
+            add_arguments(defaults)
+            matrix_cli.check_options(args, vars(defaults.parse_args([])))
+            return matrix_cli.run(args, err)
         return _run(args, err)
     except QuillCacheError as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}")  # messages may hold [brackets]

@@ -20,7 +20,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from quillcache.controlplane import ControlPlane, OpLatencies
@@ -72,6 +72,28 @@ class SimConfig:
     seed: int = 0
     speculative: bool = True
     load_window: int | None = None  # timing none: None -> 4 x workers
+    # worker -> factor: its GPU computes and reads memory that many times slower (the
+    # routers' cost model does not know; they see it only in the worker's load)
+    slow_workers: dict[int, float] = field(default_factory=dict)
+    # worker -> time (s): it registers with the gateway at the first arrival at or after
+    # that time, with an empty cache (an engine joining mid-run); before, nothing routes to it
+    join_at_s: dict[int, float] = field(default_factory=dict)
+
+    def check(self) -> None:
+        if self.workers <= 0:
+            raise ConfigError(f"workers must be positive, got {self.workers}")
+        for what, table in (("slow worker", self.slow_workers), ("joining worker", self.join_at_s)):
+            for w in table:
+                if not 0 <= w < self.workers:
+                    raise ConfigError(f"{what} {w} is not one of the {self.workers} workers")
+        for w, factor in self.slow_workers.items():
+            if not factor > 0:
+                raise ConfigError(f"slow worker {w}: the factor must be positive, got {factor}")
+        for w, t in self.join_at_s.items():
+            if not t >= 0:
+                raise ConfigError(f"joining worker {w}: the time must be >= 0 s, got {t}")
+        if len(self.join_at_s) >= self.workers:
+            raise ConfigError("at least one worker must be there from the start")
 
     def capacity_for(self, cost: CostModel, block_size: int) -> int:
         if self.capacity_blocks is not None:
@@ -101,15 +123,18 @@ def run(
 ) -> RunResult:
     """One run; with `replicas`, through N gateway replicas (`quillcache.sim.replicas`),
     and the result says how many, their state and their routing precision."""
-    if config.workers <= 0:
-        raise ConfigError(f"workers must be positive, got {config.workers}")
+    config.check()
     bs = workload.block_size
     capacity = config.capacity_for(cost, bs)
     latencies = OpLatencies()
     speculative = config.speculative and config.timing == "full"
     engines = [
         EngineModel(
-            w, capacity_blocks=capacity, block_size=bs, cost=cost, cpu_blocks=config.cpu_blocks
+            w,
+            capacity_blocks=capacity,
+            block_size=bs,
+            cost=_slowed(cost, config.slow_workers.get(w, 1.0)),
+            cpu_blocks=config.cpu_blocks,
         )
         for w in range(config.workers)
     ]
@@ -152,19 +177,28 @@ def run(
         fleet.know(workload.requests)
         router_name = fleet.router_name
         add_worker = fleet.add_worker
-    for w, eng in enumerate(engines):
+    if config.join_at_s and fleet is not None:
+        raise ConfigError("an engine joining mid-run is simulated behind one gateway only")
+
+    def join(w: int, now: float) -> None:
         add_worker(w, capacity_blocks=capacity, model=workload.model)
+        eng = engines[w]
         for pre in workload.pinned:
             eng.pin(pre)
-        payload = eng.drain_events(0.0)
+        payload = eng.drain_events(now)
         if payload:
             cp.ingest(w, [payload])
+
+    for w in range(len(engines)):
+        if w not in config.join_at_s:
+            join(w, 0.0)
+    joins = _Joins(sorted((t, w) for w, t in config.join_at_s.items()), join)
     t0 = time.perf_counter()
     try:
         if config.timing == "none":
-            records = _order_only(workload, cp, engines, config, progress)
+            records = _order_only(workload, cp, engines, config, progress, joins)
         elif config.timing == "full":
-            records = _timed(workload, cp, engines, progress)
+            records = _timed(workload, cp, engines, progress, joins)
         else:
             raise ConfigError(f"timing must be 'full' or 'none', got {config.timing!r}")
         wall = time.perf_counter() - t0
@@ -198,6 +232,37 @@ def run(
     )
 
 
+def _slowed(cost: CostModel, factor: float) -> CostModel:
+    """The cost model of a GPU `factor` times slower in compute and memory bandwidth,
+    with that many times the per-step overhead."""
+    if factor == 1.0:
+        return cost
+    g = cost.config.gpu
+    return CostModel(
+        cost.config.with_overrides(
+            {
+                "gpu.peak_tflops": g.peak_tflops / factor,
+                "gpu.hbm_gbps": g.hbm_gbps / factor,
+                "gpu.step_overhead_s": g.step_overhead_s * factor,
+            }
+        )
+    )
+
+
+class _Joins:
+    """Workers waiting to join, in time order; `due(now)` registers those whose time
+    has come (called before each arrival is routed)."""
+
+    def __init__(self, pending: list[tuple[float, int]], join: Callable[[int, float], None]):
+        self._pending = deque(pending)
+        self._join = join
+
+    def due(self, now: float) -> None:
+        while self._pending and self._pending[0][0] <= now:
+            _, w = self._pending.popleft()
+            self._join(w, now)
+
+
 def _request(r: Any) -> Request:
     return Request(
         request_id=r.rid,
@@ -215,6 +280,7 @@ def _order_only(
     engines: list[EngineModel],
     config: SimConfig,
     progress: Progress | None,
+    joins: _Joins,
 ) -> list[Record]:
     window = config.load_window or 4 * len(engines)
     recent: deque[tuple[int, int]] = deque()
@@ -225,6 +291,7 @@ def _order_only(
     for n, r in enumerate(workload.requests):
         rec = Record(r.rid, -1, r.arrival_s, r.prompt_tokens, r.prompt_blocks, r.output_tokens)
         records.append(rec)
+        joins.due(r.arrival_s)
         decision = cp.route(_request(r), r.arrival_s)
         w = decision.worker
         if w is None:
@@ -267,6 +334,7 @@ def _timed(
     cp: Plane,
     engines: list[EngineModel],
     progress: Progress | None,
+    joins: _Joins,
 ) -> list[Record]:
     records: dict[int, Record] = {}
     order: list[Record] = []
@@ -336,6 +404,7 @@ def _timed(
         rec = Record(r.rid, -1, now, r.prompt_tokens, r.prompt_blocks, r.output_tokens)
         records[r.rid] = rec
         order.append(rec)
+        joins.due(now)
         decision = cp.route(_request(r), now)
         w = decision.worker
         if w is None:

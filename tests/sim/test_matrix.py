@@ -1,0 +1,236 @@
+"""`quillcache simulate --matrix`: the grid parser's errors, a tiny grid end to end
+(deterministic, --jobs 2 = --jobs 1, what each run measures), the verdicts, the page
+and the heatmap."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quillcache.costmodel import CostModel
+from quillcache.errors import ConfigError
+from quillcache.sim.matrix import _verdict, load_grid, parse_grid
+from quillcache.sim.runner import SimConfig, run
+
+TINY = """\
+description = "two cells, two routers"
+routers = ["quillcache", "round-robin"]
+seeds = 2
+
+[workloads.small]
+generator = "shared-prefix"
+requests = 160
+prefix_groups = 4
+shared_prefix_blocks = 8
+unique_blocks = 2
+
+[axes]
+workloads = ["small"]
+setups = ["llama-8b-a100"]
+engines = [2]
+time_scale = [1.0, 0.5]
+"""
+
+GOOD_AXES = '[axes]\nworkloads = ["shared-prefix"]\nsetups = ["llama-8b-a100"]\nengines = [2]\n'
+
+
+def _matrix(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "quillcache", "simulate", "--no-progress", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=cwd,
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            'routers = ["quillcache", "nope"]\n' + GOOD_AXES,
+            "line 1: routers: unknown router 'nope'",
+        ),
+        (
+            '[axes]\nworkloads = ["shared-prefix", "nosuch"]\nsetups = ["llama-8b-a100"]\n'
+            "engines = [2]\n",
+            "line 2: axes.workloads: unknown workload 'nosuch'",
+        ),
+        (
+            '[axes]\nworkloads = ["shared-prefix"]\nsetups = ["h200"]\nengines = [2]\n',
+            "line 3: axes.setups: unknown setup 'h200'",
+        ),
+        (
+            '[axes]\nworkloads = ["shared-prefix"]\nsetups = ["llama-8b-a100"]\nengines = [0]\n',
+            "line 4: axes.engines: 0 is not a positive whole number",
+        ),
+        (
+            '[axes]\nworkloads = ["shared-prefix"]\nsetups = ["llama-8b-a100"]\nengines = [2]\n'
+            "time_scale = [1, -1]\n",
+            "line 5: axes.time_scale: -1 is not a positive number",
+        ),
+        ("[axes\nworkloads = 1\n", "not valid TOML: Expected ']'"),
+        ('description = "x"\n', "no cells"),
+        ("seeds = 0\n" + GOOD_AXES, "line 1: seeds: must be >= 1"),
+        ("colour = 3\n" + GOOD_AXES, "line 1: colour: unknown key"),
+        (
+            '[workloads.x]\ngenerator = "shared-prefix"\nrequsts = 5\n',
+            "line 3: workloads.x.requsts: not a parameter of shared-prefix",
+        ),
+        (
+            '[workloads.x]\ngenerator = "shared-prefix"\nrequests = -5\n',
+            "line 1: workloads.x: shared-prefix refuses these parameters",
+        ),
+        (
+            '[workloads.x]\ngenerator = "zipf-storm"\n',
+            "line 2: workloads.x.generator: unknown generator 'zipf-storm'",
+        ),
+        (
+            '[workloads.x]\ngenerator = "multi-turn"\ntrace = "a.jsonl"\n',
+            "workloads.x: give exactly one of trace",
+        ),
+        (
+            '[setups.s]\nbase = "llama-8b-a100"\ncost = { "engine.nope" = 1 }\n',
+            "line 3: setups.s.cost: unknown cost-model field 'engine.nope'",
+        ),
+        ('[setups.s]\nbase = "b200"\n', "line 2: setups.s.base: unknown setup 'b200'"),
+        (
+            '[[cells]]\nname = "a"\nworkload = "shared-prefix"\nsetup = "llama-8b-a100"\n'
+            "engines = 4\nslow_workers = { 9 = 2.0 }\n",
+            "line 6: cells[0].slow_workers.9: worker 9 is not one of the cell's 4 engines",
+        ),
+        (
+            '[[cells]]\nname = "a"\nworkload = "shared-prefix"\nsetup = "llama-8b-a100"\n'
+            "engines = 1\njoin_at_s = { 0 = 5.0 }\n",
+            "cells[0].join_at_s: at least one engine must be there from the start",
+        ),
+        (
+            '[[cells]]\nname = "a"\nworkload = "shared-prefix"\nsetup = "llama-8b-a100"\n'
+            'engines = 4\n[[cells]]\nname = "b"\nworkload = "shared-prefix"\n',
+            "line 6: cells[1].setup: missing",
+        ),
+        (
+            '[workloads.t]\ntrace = "no-such-trace.jsonl"\n[[cells]]\nname = "a"\n'
+            'workload = "t"\nsetup = "llama-8b-a100"\nengines = 2\n',
+            "line 2: workloads.t.trace: trace 'no-such-trace.jsonl' not found",
+        ),
+    ],
+)
+def test_grid_errors_name_the_key_and_line(text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_grid(text, origin="g.toml")
+    assert f"grid g.toml{',' if 'line' in expected else ''}" in str(err.value)
+    assert expected in str(err.value)
+
+
+def test_shipped_grids_parse() -> None:
+    quick = load_grid("quick")
+    assert {c.workload for c in quick.cells} == {
+        "mooncake",
+        "shared-prefix",
+        "sglang-gsp",
+        "multi-turn",
+        "agent-fanout",
+    }
+    assert {(c.setup, c.engines, c.time_scale) for c in quick.cells} == {("llama-8b-a100", 8, 1.0)}
+    full = load_grid("full")
+    assert len(full.cells) == 5 * 3 * 4 * 3
+    degenerate = load_grid("degenerate")
+    assert any(c.slow_workers for c in degenerate.cells)
+    assert any(c.join_at_s for c in degenerate.cells)
+
+
+def test_bad_grid_exits_2_without_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "g.toml").write_text(GOOD_AXES.replace("shared-prefix", "nosuch"))
+    proc = _matrix("--matrix", "g.toml", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "axes.workloads: unknown workload 'nosuch'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = _matrix("--matrix", "quick", "--workers", "3", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "--workers: not taken with --matrix" in proc.stderr
+
+
+def test_tiny_grid_end_to_end(tmp_path: Path) -> None:
+    (tmp_path / "tiny.toml").write_text(TINY)
+    outs = {}
+    for name, jobs in (("a", "1"), ("b", "1"), ("c", "2")):
+        proc = _matrix("--matrix", "tiny.toml", "--jobs", jobs, "--out", name, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        outs[name] = (tmp_path / name / "matrix.json").read_text()
+    assert outs["a"] == outs["b"], "same grid, same seeds: same JSON"
+    assert outs["a"] == outs["c"], "--jobs 2 gives what --jobs 1 gives"
+
+    results = json.loads(outs["a"])
+    cells = results["cells"]
+    assert [c["time_scale"] for c in cells] == [1.0, 0.5]
+    assert all(set(c["routers"]) == {"quillcache", "round-robin"} for c in cells)
+    # a run in the JSON is the simulator's run of that cell, seed and router
+    grid = load_grid(str(tmp_path / "tiny.toml"))
+    wl = grid.workloads["small"]
+    from quillcache.sim.generators import GENERATORS
+
+    workload = GENERATORS["shared-prefix"](**dict(wl.params), seed=1).scaled(0.5)
+    direct = run(workload, "round-robin", "native", SimConfig(workers=2, seed=1), CostModel())
+    summary = direct.summary()
+    [recorded] = [r for r in cells[1]["runs"] if r["router"] == "round-robin" and r["seed"] == 1]
+    assert recorded["ttft_mean_s"] == summary["ttft_mean_s"]
+    assert recorded["ttft_p99_s"] == summary["ttft_p99_s"]
+    # the cell's mean is the seeds' mean
+    rr = [r for r in cells[1]["runs"] if r["router"] == "round-robin"]
+    assert cells[1]["routers"]["round-robin"]["ttft_mean_s"] == pytest.approx(
+        sum(r["ttft_mean_s"] for r in rr) / 2, abs=1e-6
+    )
+
+    page = (tmp_path / "a" / "matrix.md").read_text()
+    for c in cells:
+        assert f"#### {c['name']}" in page
+    assert "| quillcache" in page and "| round-robin" in page
+    png = (tmp_path / "a" / "matrix-heatmap.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _row(mean: float, spread: float, rejected: int = 0) -> dict[str, float | int]:
+    return {"ttft_mean_s": mean, "ttft_mean_spread_s": spread, "rejected": rejected}
+
+
+@pytest.mark.parametrize(
+    ("own", "other", "verdict", "winner"),
+    [
+        (_row(1.0, 0.0), _row(2.0, 0.0), "best", "quillcache"),
+        (_row(1.05, 0.0), _row(1.0, 0.1), "within_spread", "least-loaded"),
+        (_row(1.2, 0.5), _row(1.0, 0.1), "loses", "least-loaded"),
+        # a router that rejected requests does not win on the TTFTs of the rest
+        (_row(1.2, 0.0), _row(0.1, 0.0, rejected=3), "best", "quillcache"),
+        (_row(0.1, 0.0, rejected=1), _row(1.0, 0.0), "rejects", "least-loaded"),
+    ],
+)
+def test_verdict(own: dict[str, float], other: dict[str, float], verdict: str, winner: str) -> None:
+    v = _verdict({"quillcache": own, "least-loaded": other}, "ttft_mean_s")
+    assert (v["verdict"], v["winner"]) == (verdict, winner)
+
+
+def test_slow_and_joining_workers() -> None:
+    from quillcache.sim.generators import GENERATORS
+
+    wl = GENERATORS["shared-prefix"](requests=300, prefix_groups=4, rate=20.0, seed=0)
+    cost = CostModel()
+    base = run(wl, "round-robin", "native", SimConfig(workers=4), cost)
+    slow = run(wl, "round-robin", "native", SimConfig(workers=4, slow_workers={0: 10.0}), cost)
+
+    def ttft(res: object, worker: int) -> float:
+        recs = [r for r in res.records if r.worker == worker]  # type: ignore[attr-defined]
+        return sum(r.first_token_s - r.arrival_s for r in recs) / len(recs)
+
+    assert ttft(slow, 0) > 3 * ttft(base, 0)  # round-robin keeps sending it its share
+    assert ttft(slow, 1) == pytest.approx(ttft(base, 1), rel=1e-9)
+    join_s = wl.requests[150].arrival_s
+    late = run(wl, "round-robin", "native", SimConfig(workers=4, join_at_s={3: join_s}), cost)
+    on_3 = [r.arrival_s for r in late.records if r.worker == 3]
+    assert on_3 and min(on_3) >= join_s
+    with pytest.raises(ConfigError, match="slow worker 4 is not one of the 4 workers"):
+        run(wl, "round-robin", "native", SimConfig(workers=4, slow_workers={4: 2.0}), cost)
