@@ -62,8 +62,14 @@ class WorkloadSpec:
     def describe(self) -> str:
         if self.trace is not None:
             return f"trace {self.trace}" + (f" (first {self.limit})" if self.limit else "")
-        shown = ", ".join(f"{k}={v}" for k, v in self.params)
-        return f"{self.generator}" + (f" ({shown})" if shown else "")
+        assert self.generator is not None
+        defaults = {
+            k: p.default
+            for k, p in inspect.signature(GENERATORS[self.generator]).parameters.items()
+            if k not in ("seed", "model")
+        }
+        shown = ", ".join(f"{k}={v}" for k, v in {**defaults, **dict(self.params)}.items())
+        return f"{self.generator} ({shown})"
 
 
 BUILTIN_WORKLOADS: dict[str, WorkloadSpec] = {
