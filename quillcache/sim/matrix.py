@@ -603,9 +603,18 @@ class Outcome:
     """The runs of a grid, in task order, and what they cost."""
 
     runs: list[dict[str, Any]]
-    cpu_s: float
+    task_cpu_s: list[float]  # per task, in task order
     wall_s: float
     jobs: int
+
+    @property
+    def cpu_s(self) -> float:
+        return sum(self.task_cpu_s)
+
+    def cell_cpu_s(self, grid: Grid) -> list[float]:
+        per_cell = len(grid.seeds) * len(grid.routers)
+        cpu = self.task_cpu_s
+        return [sum(cpu[i : i + per_cell]) for i in range(0, len(cpu), per_cell)]
 
 
 def execute(
@@ -625,21 +634,21 @@ def execute(
     jobs = min(jobs, len(tasks))
     parallel = jobs > 1 and "fork" in mp.get_all_start_methods()
     runs: list[dict[str, Any]] = []
-    cpu = 0.0
+    cpu: list[float] = []
     t0 = time.perf_counter()
     try:
         if parallel:
             with mp.get_context("fork").Pool(jobs) as pool:
                 for kept, task_cpu in pool.imap(run_task, tasks):
                     runs.append(kept)
-                    cpu += task_cpu
+                    cpu.append(task_cpu)
                     if progress is not None:
                         progress(len(runs), len(tasks))
         else:
             for task in tasks:
                 kept, task_cpu = run_task(task)
                 runs.append(kept)
-                cpu += task_cpu
+                cpu.append(task_cpu)
                 if progress is not None:
                     progress(len(runs), len(tasks))
     finally:

@@ -78,6 +78,7 @@ def run(args: argparse.Namespace, err: Any) -> int:
             "cpu_s": round(outcome.cpu_s, 1),
             "wall_s": round(outcome.wall_s, 1),
             "jobs": outcome.jobs,
+            "cell_cpu_s": [round(x, 2) for x in outcome.cell_cpu_s(grid)],
         }
     text = json.dumps(results, indent=2, sort_keys=True) + "\n"
     json_path = args.json or str(out / "matrix.json")
@@ -91,7 +92,13 @@ def run(args: argparse.Namespace, err: Any) -> int:
         + args.matrix
         + (f" --jobs {args.jobs}" if args.jobs else "")
     )
-    md = page(results, title=f"Matrix `{grid.name}` ({today})", command=command, timing=timing)
+    md = page(
+        results,
+        title=f"Matrix `{grid.name}` ({today})",
+        command=command,
+        timing=timing,
+        cell_cpu_s=outcome.cell_cpu_s(grid),
+    )
     (out / "matrix.md").write_text(md + "\n")
     if want_plot:
         heatmap(results, plot_path, title=f"grid {grid.name}: TTFT over each cell's best router")

@@ -25,7 +25,14 @@ def _loss(v: dict[str, Any]) -> str:
     return verdict
 
 
-def page(results: dict[str, Any], *, title: str, command: str, timing: str) -> str:
+def page(
+    results: dict[str, Any],
+    *,
+    title: str,
+    command: str,
+    timing: str,
+    cell_cpu_s: list[float] | None = None,
+) -> str:
     """The results page: a summary, the cells QuillCache's policy loses, then per cell
     every router's mean and p99 TTFT (mean over seeds, ± their max - min)."""
     meta = results["meta"]
@@ -69,7 +76,7 @@ def page(results: dict[str, Any], *, title: str, command: str, timing: str) -> s
     else:
         lines.append(f"None: `{own}` is best or within the winner's spread in every cell.")
     lines += ["", "### Every cell", ""]
-    for c in cells:
+    for ci, c in enumerate(cells):
         extra = []
         if c.get("slow_workers"):
             extra.append(
@@ -80,6 +87,8 @@ def page(results: dict[str, Any], *, title: str, command: str, timing: str) -> s
                 "joining " + ", ".join(f"{w} at {t:g} s" for w, t in c["join_at_s"].items())
             )
         kv = f"; KV capacity {c['capacity_blocks']:,} blocks per engine"
+        if cell_cpu_s is not None:
+            kv += f"; {cell_cpu_s[ci]:,.1f} CPU s for its runs"
         if c["kv_exceeds_gpu"]:
             kv += " (**more than the GPU holds**)"
         lines += [
