@@ -80,6 +80,7 @@ class PublishedChain:
     token_ids: list[int]
     block_size: int
     extra_keys: list[Sequence[object] | None] = field(default_factory=list)
+    lora_name: str | None = None
 
 
 def find_chain(events: Iterable[object], tokens: Sequence[int]) -> PublishedChain | None:
@@ -111,7 +112,9 @@ def find_chain(events: Iterable[object], tokens: Sequence[int]) -> PublishedChai
         full = min(len(hashes), len(prompt) // bs)
         while full and token_ids[: full * bs] != prompt[: full * bs]:
             full -= 1  # the engine's tokens leave the prompt's: keep what they share
-        return PublishedChain(hashes[:full], token_ids[: full * bs], bs, extra[:full])
+        return PublishedChain(
+            hashes[:full], token_ids[: full * bs], bs, extra[:full], first.lora_name
+        )
     return None
 
 
@@ -143,14 +146,29 @@ class HashVerdict:
         }
 
 
-def _extra_keys(chain: PublishedChain) -> list[list[tuple[str, str, int]] | None] | None:
-    """The multimodal extra keys of the chain's blocks, as vLLM hashes them; None when it
-    has none. Other keys (LoRA, salt) are not rebuilt from events: vLLM's event drops the
-    LoRA path and the probe sends neither."""
-    out: list[list[tuple[str, str, int]] | None] = []
-    for keys in chain.extra_keys:
-        out.append([("mm", k.hash, k.offset) for k in keys or () if isinstance(k, MmKey)] or None)
-    return out if any(out) else None
+VllmKey = tuple[str, str] | tuple[str, str, int]
+
+
+def _extra_keys(chain: PublishedChain) -> tuple[list[list[VllmKey] | None] | None, str]:
+    """The blocks' extra keys as vLLM hashes them, rebuilt from the untagged ones its events
+    carry (vLLM's `to_event_extra_keys`: a bare cache salt on block 0, `[mm_hash, offset]`
+    per multimodal item, in the order hashed): (keys, ""), or (None, why they cannot be
+    rebuilt): a LoRA block hashes the adapter's path, which the event drops, and a
+    prompt-embeds digest is not interpreted by the decoder."""
+    out: list[list[VllmKey] | None] = []
+    for i, keys in enumerate(chain.extra_keys):
+        block: list[VllmKey] = []
+        for k in keys or ():
+            if isinstance(k, MmKey):
+                block.append(("mm", k.hash, k.offset))
+            elif isinstance(k, str) and chain.lora_name and k == chain.lora_name:
+                return None, "a LoRA adapter's blocks hash its path, which vLLM's events drop"
+            elif isinstance(k, str) and i == 0:
+                block.append(("cache_salt", k))
+            else:
+                return None, f"block {i} carries an extra key the gateway cannot rebuild ({k!r})"
+        out.append(block or None)
+    return (out if any(out) else None), ""
 
 
 def judge(
@@ -194,7 +212,9 @@ def judge(
         return HashVerdict("skipped", why, **verdict)
     n = len(chain.hashes)
     prompt = list(tokens)
-    extra = _extra_keys(chain)
+    extra, unbuildable = _extra_keys(chain)
+    if unbuildable:
+        return HashVerdict("not predictable", unbuildable, **verdict)
     if chain.block_size != block_size:
         predicted = vllm_event_hashes(prompt[: n * block_size], block_size, seed=gateway_seed)
         same_size = vllm_event_hashes(

@@ -191,6 +191,37 @@ def test_multimodal_extra_keys_from_the_events_enter_the_prediction() -> None:
     assert str(judge(TOKENS, BS, algorithm="sha256_cbor", seed=None, chain=chain)) == "ok"
 
 
+def test_a_salted_prompt_is_predicted_with_its_salt_on_block_0() -> None:
+    """vLLM hashes ("cache_salt", salt) into block 0 and publishes the bare salt."""
+    vllm_keys: list[object] = [[("cache_salt", "tenant-a")], None, None, None, None]
+    hashes = vllm_event_hashes(TOKENS[: FULL * BS], BS, extra_keys=vllm_keys).tolist()  # type: ignore[arg-type]
+    events = _published(hashes, TOKENS, BS, extra_keys=[["tenant-a"], None, None, None, None])
+    assert str(judge(TOKENS, BS, algorithm="sha256_cbor", seed=None, chain=_chain(events))) == "ok"
+    # the same salt published on block 1 is not one vLLM hashes there: not rebuilt
+    moved = _published(hashes, TOKENS, BS, extra_keys=[None, ["tenant-a"], None, None, None])
+    v = judge(TOKENS, BS, algorithm="sha256_cbor", seed=None, chain=_chain(moved))
+    assert v.state == "not predictable" and "block 1" in v.detail
+
+
+def test_a_lora_prompt_is_not_predictable() -> None:
+    """vLLM hashes ("lora", name, path) and publishes only the name."""
+    hashes = vllm_event_hashes(TOKENS[: FULL * BS], BS).tolist()
+    events = [
+        BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=None,
+            token_ids=TOKENS[: FULL * BS],
+            block_size=BS,
+            lora_id=1,
+            lora_name="sql",
+            extra_keys=[["sql"]] * FULL,
+        )
+    ]
+    decoded = list(decode_batch(encode_batch(events, ts=1.0)).events)
+    v = judge(TOKENS, BS, algorithm="sha256_cbor", seed=None, chain=_chain(decoded))
+    assert v.state == "not predictable" and "LoRA" in v.detail and v.published == hashes
+
+
 def test_find_chain_amid_other_traffic() -> None:
     hashes = vllm_event_hashes(TOKENS[: FULL * BS], BS).tolist()
     other_tokens = [t + 1 for t in TOKENS]

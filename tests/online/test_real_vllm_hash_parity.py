@@ -17,10 +17,15 @@ from typing import Any
 
 import httpx
 import pytest
+import zmq
 
 from benchmarks.realvllm import VllmEngine, VllmUnavailable, make_tiny_model, start_engines
 from benchmarks.realvllm import vllm_python as find_vllm_python
-from benchmarks.realvllm.launcher import ENV_VAR
+from benchmarks.realvllm.launcher import BLOCK, ENV_VAR, SERVED_MODEL
+from quillcache._native import decode_batch
+from quillcache.connectors.replay import fetch_replay
+from quillcache.gateway.engine_hashes import PublishedChain, find_chain, judge
+from quillcache.hashing import vllm_event_hashes
 from quillcache.up import Proc, launch
 from tests.online.conftest import ADMIN
 from tests.online.helpers import wait_for
@@ -113,3 +118,30 @@ def test_vllm_hash_verdicts(hash_stack: dict[str, Any]) -> None:
     assert 'quillcache_worker_hash_parity{state="not_predictable",worker="1"} 1.0' in metrics
     log = gw.log_path.read_text(errors="replace")
     assert "worker 1" in log and "engine hashes not predictable: the engine uses vLLM's" in log
+
+
+def _published_chain(engine: VllmEngine, tokens: list[int]) -> PublishedChain | None:
+    replayed = fetch_replay(zmq.Context.instance(), engine.replay_endpoint, 0)
+    events = [e for _, p in replayed.batches for e in decode_batch(p).events]
+    return find_chain(events, tokens)
+
+
+def test_a_salted_request_is_predicted_with_vllms_salt_key(hash_stack: dict[str, Any]) -> None:
+    """vLLM hashes ("cache_salt", salt) into block 0 and publishes the bare salt: the
+    verdict rebuilds the key from its event and predicts vLLM's hashes exactly."""
+    engine: VllmEngine = hash_stack["engines"][0]
+    prompt = " ".join(f"s{i}" for i in range(150))
+    tok = httpx.post(
+        engine.url + "/tokenize", json={"model": SERVED_MODEL, "prompt": prompt}, timeout=30
+    )
+    tokens: list[int] = tok.json()["tokens"]
+    body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-a"}
+    assert httpx.post(engine.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    wait_for(lambda: _published_chain(engine, tokens) is not None, 30, "the salted blocks")
+    chain = _published_chain(engine, tokens)
+    assert chain is not None and len(chain.hashes) == len(tokens) // BLOCK >= 2
+    assert list(chain.extra_keys[0] or ()) == ["tenant-a"] and not any(chain.extra_keys[1:])
+    v = judge(tokens, BLOCK, algorithm="sha256_cbor", seed=SEED, chain=chain)
+    assert v.state == "ok", v
+    unsalted = vllm_event_hashes(tokens[: len(chain.hashes) * BLOCK], BLOCK, seed=SEED)
+    assert unsalted.tolist() != chain.hashes  # the salt is in vLLM's hashes, and in ours
