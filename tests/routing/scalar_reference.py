@@ -67,23 +67,36 @@ def session_affinity(r: SessionAffinity, request: Request, view: View, turn: int
 
 def dynamo(r: DynamoKvCost, request: Request, view: View, turn: int) -> int:
     bs = view.block_size
-    request_blocks = -(-request.prompt_tokens // bs)
-    g_c, c_c, d_c = r.credits
+    n = len(request.content_keys)
+    least_queued = min(w.queued_prefill_tokens for w in view.workers)
     costs = []
     for w in view.workers:
-        gpu = w.gpu_blocks
-        cpu = max(w.cpu_blocks - gpu, 0)
-        disk = max(w.disk_blocks - max(gpu, w.cpu_blocks), 0)
-        overlap = g_c * gpu + c_c * cpu + d_c * disk
-        prefill = w.queued_prefill_tokens / bs + request_blocks
-        decode = w.kv_usage * w.capacity_blocks
-        costs.append(r.prefill_load_scale * max(prefill - overlap, 0.0) + decode)
+        device = w.gpu_blocks
+        host = max(w.cpu_blocks - device, 0)
+        disk = max(w.disk_blocks - max(device, w.cpu_blocks), 0)
+        credit = r.overlap_score_credit
+        if r.overlap_score_credit_decay > 0:
+            request_blocks = max(-(-request.prompt_tokens // bs), 1)
+            backlog = (w.queued_prefill_tokens - least_queued) / bs / request_blocks
+            credit = r.overlap_score_credit / (1.0 + r.overlap_score_credit_decay * backlog)
+        overlap = credit * device + r.host_cache_hit_weight * host + r.disk_cache_hit_weight * disk
+        raw_prefill = (w.queued_prefill_tokens + request.prompt_tokens) / bs
+        shared = min(max(device, w.pending_blocks), n)
+        decode = w.kv_usage * w.capacity_blocks + (n - shared)
+        costs.append(
+            r.prefill_load_scale * max(raw_prefill - overlap, 0.0)
+            + decode
+            + r.active_request_weight * w.in_flight
+        )
     if r.temperature <= 0:
         best = min(costs)
         ties = [w for w, c in zip(view.workers, costs, strict=True) if c == best]
         return (ties[0] if len(ties) == 1 else r.rng.choice(ties)).worker
-    top = max(costs) or 1.0
-    weights = [math.exp(-(c / top) / r.temperature) for c in costs]
+    lo, hi = min(costs), max(costs)
+    if lo == hi:
+        weights = [1.0] * len(costs)
+    else:
+        weights = [math.exp(-(c - lo) / ((hi - lo) * r.temperature)) for c in costs]
     return r.rng.choices(view.workers, weights=weights)[0].worker
 
 

@@ -29,6 +29,14 @@ REFERENCES: dict[str, tuple[Callable[..., int], dict[str, Any]]] = {
     "session-affinity": (ref.session_affinity, {}),
     "dynamo": (ref.dynamo, {}),
     "dynamo-sampled": (ref.dynamo, {"temperature": 0.7}),
+    "dynamo-decayed": (
+        ref.dynamo,
+        {
+            "overlap_score_credit_decay": 2.0,
+            "active_request_weight": 0.5,
+            "host_cache_hit_weight": 0.4,
+        },
+    ),
     "llm-d": (ref.llmd, {}),
     "sglang": (ref.sglang, {}),
     "quillcache": (ref.quill, {}),
@@ -91,7 +99,12 @@ def columns_view(workers: list[WorkerView], cost: CostModel = COST, **kw: Any) -
 @given(seed=st.integers(0, 2**32), played=rounds())
 def test_column_scoring_chooses_as_the_loop_does(case: str, seed: int, played: Played) -> None:
     reference, params = REFERENCES[case]
-    name = case.removesuffix("-sampled").removesuffix("-worker-scope").removesuffix("-plain")
+    name = (
+        case.removesuffix("-sampled")
+        .removesuffix("-decayed")
+        .removesuffix("-worker-scope")
+        .removesuffix("-plain")
+    )
     scored = create_router(name, seed=seed, **params)
     looped = create_router(name, seed=seed, **params)
     cost, order_only, requests_ = played

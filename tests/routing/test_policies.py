@@ -92,24 +92,21 @@ def test_session_affinity_is_consistent_hashing() -> None:
 
 
 def test_dynamo_cost_formula() -> None:
+    # Dynamo: prefill_load_scale * max((queued + prompt)/bs - overlap credit, 0)
+    #         + active blocks + the request's blocks not already there
     r = create_router("dynamo")
-    req = _req(20, extra=0)  # 20 request blocks
+    req = _req(20, extra=0)  # 20 request blocks, 320 tokens
     a = WorkerView(
         0, gpu_blocks=15, queued_prefill_tokens=10 * BLOCK, kv_usage=0.5, capacity_blocks=100
-    )  # 1*max(10+20-15,0) + 50 = 65
+    )  # max(10 + 20 - 15, 0) + 50 + 5 = 70
     b = WorkerView(
-        1, gpu_blocks=0, queued_prefill_tokens=0, kv_usage=0.2, capacity_blocks=100
-    )  # 20 + 20 = 40
+        1, gpu_blocks=0, queued_prefill_tokens=0, kv_usage=0.25, capacity_blocks=100
+    )  # 20 + 25 + 20 = 65
     assert r.route(req, _view(a, b)).worker == 1
-    b.kv_usage = 0.5  # 20 + 50 = 70 > 65
+    # prefill_load_scale 3 weighs prefill more: a = 45 + 55 = 100, b = 60 + 45 = 105
+    assert create_router("dynamo", prefill_load_scale=3.0).route(req, _view(a, b)).worker == 0
+    b.kv_usage = 0.6  # 20 + 60 + 20 = 100 > 70
     assert r.route(req, _view(a, b)).worker == 0
-    # prefill_load_scale 3 weighs prefill more: a = 45 + 50, b = 60 + 20
-    assert (
-        create_router("dynamo", prefill_load_scale=3.0)
-        .route(req, _view(a, WorkerView(1, kv_usage=0.2, capacity_blocks=100)))
-        .worker
-        == 1
-    )
 
 
 def test_sglang_thresholds() -> None:
