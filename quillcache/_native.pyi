@@ -242,9 +242,14 @@ class NativeIndex:
         """`match` as arrays in its order: (worker, dp_rank, medium, blocks, other
         media); a medium is 0 GPU, 1 CPU, 2 DISK or 3 + i for other_media[i]."""
     def match_tiers(
-        self, keys: _Keys, position: npt.NDArray[np.intp], candidates: int
+        self,
+        keys: _Keys,
+        position: npt.NDArray[np.intp],
+        candidates: int,
+        rank_counts: npt.NDArray[np.intp] | None = None,
     ) -> _MatchTiers:
-        """Per candidate (`position[worker]`, negative or past the end: none), its
+        """Per candidate (rank 0 at `position[worker]`, negative or past the end: none;
+        rank r at `position[worker] + r` when `rank_counts[position]` > r), its
         longest prefix per tier, flat: gpu, cpu, disk x candidates; and the match
         compacted: the columns of the hits above their medium's floor, and the floors
         ((medium code, blocks): every live source holds that many leading blocks)."""
@@ -338,7 +343,11 @@ class DurableIndex:
     def match(self, keys: npt.NDArray[np.uint64]) -> list[Match]: ...
     def match_columns(self, keys: npt.NDArray[np.uint64]) -> _MatchColumns: ...
     def match_tiers(
-        self, keys: npt.NDArray[np.uint64], position: npt.NDArray[np.intp], candidates: int
+        self,
+        keys: npt.NDArray[np.uint64],
+        position: npt.NDArray[np.intp],
+        candidates: int,
+        rank_counts: npt.NDArray[np.intp] | None = None,
     ) -> _MatchTiers: ...
     def match_many(self, requests: list[npt.NDArray[np.uint64]]) -> list[list[Match]]: ...
     def remove_worker(self, worker: int) -> int: ...
@@ -382,7 +391,11 @@ class KvIndex:
     def match(self, keys: npt.NDArray[np.uint64]) -> list[Match]: ...
     def match_columns(self, keys: npt.NDArray[np.uint64]) -> _MatchColumns: ...
     def match_tiers(
-        self, keys: npt.NDArray[np.uint64], position: npt.NDArray[np.intp], candidates: int
+        self,
+        keys: npt.NDArray[np.uint64],
+        position: npt.NDArray[np.intp],
+        candidates: int,
+        rank_counts: npt.NDArray[np.intp] | None = None,
     ) -> _MatchTiers: ...
     def match_many(self, requests: list[npt.NDArray[np.uint64]]) -> list[list[Match]]: ...
     def remove_worker(self, worker: int) -> int: ...
@@ -588,7 +601,6 @@ class PendingPrefixes:
     def prefixes(self, keys: _Keys) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint32]]:
         """(workers, blocks): how many of `keys` from the first each worker is computing."""
     def __len__(self) -> int: ...
-
 
 @final
 class LoadOrder:

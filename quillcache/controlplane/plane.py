@@ -563,11 +563,12 @@ class ControlPlane:
             tiers = np.zeros((3, n), dtype=np.int64)
         else:
             t0 = time.perf_counter_ns()
-            # the index places the hits itself when each worker is one row
-            table = cand.table if cand.rank_counts is None else None
+            # the index places the hits itself, ranks included, when the ids are small
+            # enough for a position table
+            table = cand.table
             with self._index_lock:
                 if table is not None:
-                    tiers, hits = self.index.match_tiers(keys, table, n)
+                    tiers, hits = self.index.match_tiers(keys, table, n, cand.rank_counts)
                 else:
                     hits = self.index.match_columns(keys)
             if self.latencies is not None:

@@ -265,10 +265,14 @@ class MemoryIndex:
         return MatchColumns.of(self.match(keys))
 
     def match_tiers(
-        self, keys: KeyArray, position: npt.NDArray[np.intp], candidates: int
+        self,
+        keys: KeyArray,
+        position: npt.NDArray[np.intp],
+        candidates: int,
+        rank_counts: npt.NDArray[np.intp] | None = None,
     ) -> tuple[npt.NDArray[np.int64], MatchColumns]:
         cols = self.match_columns(keys)
-        return cols.tiers(position, candidates), cols
+        return cols.tiers(position, candidates, rank_counts), cols
 
     def match(self, keys: KeyArray) -> list[Match]:
         keys_list = [int(k) for k in as_key_array(keys)]

@@ -161,12 +161,18 @@ class NativeIndex:
         return MatchColumns(worker, rank, medium, blocks, tuple(others))
 
     def match_tiers(
-        self, keys: KeyArray, position: npt.NDArray[np.intp], candidates: int
+        self,
+        keys: KeyArray,
+        position: npt.NDArray[np.intp],
+        candidates: int,
+        rank_counts: npt.NDArray[np.intp] | None = None,
     ) -> tuple[npt.NDArray[np.int64], MatchColumns]:
         try:
-            tiers, cols, floors = self._inner.match_tiers(keys, position, candidates)
+            tiers, cols, floors = self._inner.match_tiers(keys, position, candidates, rank_counts)
         except (TypeError, QuillCacheError):
-            tiers, cols, floors = self._inner.match_tiers(as_key_array(keys), position, candidates)
+            tiers, cols, floors = self._inner.match_tiers(
+                as_key_array(keys), position, candidates, rank_counts
+            )
         worker, rank, medium, blocks, others = cols
         return tiers.reshape(3, candidates), MatchColumns(
             worker, rank, medium, blocks, tuple(others), tuple(floors)

@@ -70,10 +70,16 @@ class IndexBackend(Protocol):
         ...
 
     def match_tiers(
-        self, keys: KeyArray, position: npt.NDArray[np.intp], candidates: int
+        self,
+        keys: KeyArray,
+        position: npt.NDArray[np.intp],
+        candidates: int,
+        rank_counts: npt.NDArray[np.intp] | None = None,
     ) -> tuple[npt.NDArray[np.int64], MatchColumns]:
-        """A (3, candidates) array: per candidate (its place is `position[worker]`;
-        negative or past the end: not a candidate) its longest prefix in the gpu, cpu
+        """A (3, candidates) array: per candidate (a worker's rank 0 is at
+        `position[worker]`, negative or past the end: not a candidate; its rank r at
+        `position[worker] + r` when `rank_counts[position[worker]]` > r, and without
+        `rank_counts` no rank but 0 is a candidate) its longest prefix in the gpu, cpu
         and disk tiers (a medium beyond GPU and CPU is disk); and the match's columns,
         which may be compact (`MatchColumns.floors`: what every live source holds, the
         arrays only the hits above it). Every candidate must be a registered source."""

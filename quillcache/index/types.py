@@ -71,11 +71,23 @@ class MatchColumns:
             tuple(others),
         )
 
-    def tiers(self, position: npt.NDArray[np.intp], candidates: int) -> npt.NDArray[np.int64]:
-        """Per candidate (`position[worker]`; negative or past the end: not one), its
-        longest prefix per tier: rows gpu, cpu, disk (a medium beyond GPU and CPU is
-        disk)."""
-        at = [int(position[w]) if w < len(position) else -1 for w in self.worker.tolist()]
+    def tiers(
+        self,
+        position: npt.NDArray[np.intp],
+        candidates: int,
+        rank_counts: npt.NDArray[np.intp] | None = None,
+    ) -> npt.NDArray[np.int64]:
+        """Per candidate (rank 0 at `position[worker]`, negative or past the end: not
+        one; rank r at `position[worker] + r` when `rank_counts` there is more than r,
+        and no other rank without `rank_counts`), its longest prefix per tier: rows
+        gpu, cpu, disk (a medium beyond GPU and CPU is disk)."""
+        at = []
+        for w, r in zip(self.worker.tolist(), self.dp_rank.tolist(), strict=True):
+            p = int(position[w]) if w < len(position) else -1
+            if 0 <= p < candidates and r:
+                ranks = int(rank_counts[p]) if rank_counts is not None else 1
+                p = p + r if r < ranks else -1
+            at.append(p)
         return self.tiers_at(np.asarray(at, dtype=np.intp), candidates)
 
     def tiers_at(self, at: npt.NDArray[np.intp], candidates: int) -> npt.NDArray[np.int64]:

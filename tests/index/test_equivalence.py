@@ -116,6 +116,8 @@ def store_event(data: st.DataObject, stream: Stream) -> enc.BlockStored:
 #: Candidates by worker id: the three workers the streams use and one never seen
 #: (not a source: it holds nothing, whatever a compact match's floors say).
 POSITION = np.array([2, 0, 3, 1], dtype=np.intp)
+RANKED_POSITION = np.array([0, 2, 3, 5], dtype=np.intp)
+RANK_COUNTS = np.array([2, 2, 1, 2, 2, 1], dtype=np.intp)
 
 
 def assert_same_tiers(ref: IndexBackend, other: IndexBackend, k: np.ndarray) -> None:
@@ -130,6 +132,18 @@ def assert_same_tiers(ref: IndexBackend, other: IndexBackend, k: np.ndarray) -> 
     for m in ref.match(k):
         assert above.get((m.worker, m.dp_rank, m.medium), floors.get(m.medium)) == m.blocks
     assert all(b > floors.get(medium, 0) for (_, _, medium), b in above.items())
+    # data-parallel candidates: workers 0 and 2 with two ranks, 1 and 3 with one (their
+    # rank 1 is not a candidate), each rank a row of its own
+    tiers, _ = other.match_tiers(k, RANKED_POSITION, 6, RANK_COUNTS)
+    want = np.zeros((3, 6), dtype=np.int64)
+    tier_row = {"GPU": 0, "CPU": 1}
+    for m in ref.match(k):
+        at = int(RANKED_POSITION[m.worker])
+        if m.dp_rank >= RANK_COUNTS[at]:
+            continue
+        row = tier_row.get(m.medium, 2)
+        want[row, at + m.dp_rank] = max(want[row, at + m.dp_rank], m.blocks)
+    assert tiers.tolist() == want.tolist()
 
 
 def assert_same_state(ref: IndexBackend, other: IndexBackend) -> None:

@@ -196,19 +196,26 @@ impl DurableIndex {
     }
 
     /// Each candidate's prefix per tier and the match compacted (`reads::match_tiers`).
+    #[pyo3(signature = (keys, position, candidates, rank_counts=None))]
     fn match_tiers<'py>(
         &self,
         py: Python<'py>,
         keys: PyReadonlyArray1<'py, u64>,
         position: PyReadonlyArray1<'py, isize>,
         candidates: usize,
+        rank_counts: Option<PyReadonlyArray1<'py, isize>>,
     ) -> PyResult<reads::MatchTiers<'py>> {
+        let counts = match &rank_counts {
+            Some(c) => Some(positions_slice(c)?),
+            None => None,
+        };
         reads::match_tiers(
             py,
             &*self.inner,
             keys_slice(&keys)?,
             positions_slice(&position)?,
             candidates,
+            counts,
         )
     }
 

@@ -19,7 +19,7 @@ use quillcache_core::events::Medium;
 use quillcache_core::index::{Index, IndexRead, NamedHit};
 
 use crate::convert::{entries_list, index_stats_tuple, IndexStatsTuple};
-use crate::errors::{closed, CoreError, OrRaise};
+use crate::errors::{closed, CoreError, OrRaise, QuillCacheError};
 use crate::matches::match_list;
 
 /// An index behind a class's lock.
@@ -91,21 +91,40 @@ pub(crate) fn match_columns<'py, L: Locked>(
 /// `match_tiers`: per candidate, its longest prefix per tier as a flat `[gpu.., cpu..,
 /// disk..]` array of `3 * candidates`, and the match compacted: the floors (`(medium
 /// code, blocks)`: every live source holds that many leading blocks in that medium)
-/// and the columns of the hits above them. `position[worker]` is a worker's place
-/// among the candidates (negative, or past the table's end: not a candidate); a
-/// medium beyond GPU and CPU counts as disk.
+/// and the columns of the hits above them. `position[worker]` is the place of a
+/// worker's rank 0 among the candidates (negative, or past the table's end: not a
+/// candidate); its rank `r` is at `position[worker] + r` when `rank_counts` (per
+/// position: the ranks of the worker there) says it has that rank, and no rank but 0
+/// is a candidate without `rank_counts`. A medium beyond GPU and CPU counts as disk.
 pub(crate) fn match_tiers<'py, L: Locked>(
     py: Python<'py>,
     lock: &L,
     keys: &[u64],
     position: &[isize],
     candidates: usize,
+    rank_counts: Option<&[isize]>,
 ) -> PyResult<MatchTiers<'py>> {
-    let place = |worker: u64| {
-        usize::try_from(worker)
+    if let Some(counts) = rank_counts {
+        if counts.len() < candidates {
+            return Err(QuillCacheError::new_err(format!(
+                "rank_counts has {} entries for {candidates} candidates",
+                counts.len()
+            )));
+        }
+    }
+    let place = |worker: u64, rank: u32| {
+        let at = usize::try_from(worker)
             .ok()
             .and_then(|w| position.get(w))
             .and_then(|&p| usize::try_from(p).ok())
+            .filter(|&p| p < candidates)?;
+        if rank == 0 {
+            return Some(at);
+        }
+        let ranks = rank_counts.and_then(|c| usize::try_from(c[at]).ok())?;
+        let rank = rank as usize;
+        (rank < ranks)
+            .then_some(at + rank)
             .filter(|&p| p < candidates)
     };
     let mut tiers = vec![0i64; 3 * candidates];
@@ -114,8 +133,8 @@ pub(crate) fn match_tiers<'py, L: Locked>(
         if !compact.floors.is_empty() {
             // the floors stand for every live source: those among the candidates get them
             let floor = tier_floor(&compact.floors);
-            ix.floor_holders(&mut |worker, _| {
-                if let Some(at) = place(worker) {
+            ix.floor_holders(&mut |worker, rank| {
+                if let Some(at) = place(worker, rank) {
                     for (tier, &blocks) in floor.iter().enumerate() {
                         let slot = &mut tiers[tier * candidates + at];
                         *slot = (*slot).max(blocks);
@@ -133,7 +152,7 @@ pub(crate) fn match_tiers<'py, L: Locked>(
         .map(|(medium, blocks)| (columns.code(medium), *blocks))
         .collect();
     for (i, &worker) in columns.workers.iter().enumerate() {
-        if let Some(at) = place(worker) {
+        if let Some(at) = place(worker, columns.ranks[i]) {
             let tier = usize::from(columns.media[i].min(2));
             let slot = &mut tiers[tier * candidates + at];
             *slot = (*slot).max(i64::from(columns.blocks[i]));
