@@ -57,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=4,
         help="conversation prefixes per engine in the index",
     )
+    parser.add_argument(
+        "--sessions",
+        action="store_true",
+        help="each request carries its conversation as a session id (the session path of "
+        "session-aware routers: homes, live sessions)",
+    )
     parser.add_argument("--index", default="native", help="index backend")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--json", metavar="PATH", help="write results as JSON ('-' for stdout)")
@@ -123,7 +129,9 @@ def build_fleet(engines: int, conversations_per_engine: int, requests: int, seed
     return Fleet(engines, stored, reqs, refresh)
 
 
-def bench_cell(fleet: Fleet, router: str, index: str, rate: float) -> dict[str, Any]:
+def bench_cell(
+    fleet: Fleet, router: str, index: str, rate: float, sessions: bool = False
+) -> dict[str, Any]:
     from quillcache.controlplane import ControlPlane
     from quillcache.routing import Request
 
@@ -150,7 +158,7 @@ def bench_cell(fleet: Fleet, router: str, index: str, rate: float) -> dict[str, 
     decide_ns = np.empty(len(fleet.requests), dtype=np.int64)
     upkeep_ns = 0
     now = 0.0
-    for i, (keys, tokens, _) in enumerate(fleet.requests):
+    for i, (keys, tokens, conversation) in enumerate(fleet.requests):
         owed += per_request
         t0 = time.perf_counter_ns()
         while owed >= 1.0:
@@ -162,7 +170,10 @@ def bench_cell(fleet: Fleet, router: str, index: str, rate: float) -> dict[str, 
         t1 = time.perf_counter_ns()
         upkeep_ns += t1 - t0
         now += 1.0 / rate
-        request = Request(i, keys, tokens, expected_output_tokens=64, arrival_s=now)
+        session = f"conversation-{conversation}" if sessions else None
+        request = Request(
+            i, keys, tokens, expected_output_tokens=64, arrival_s=now, session_id=session
+        )
         decision = cp.route(request, now_s=now)
         cp.prefill_done(i)
         cp.finish(i)
@@ -225,8 +236,11 @@ def run(args: argparse.Namespace) -> int:
         fleet = build_fleet(n, args.conversations_per_engine, args.requests, args.seed)
         for r in routers:
             progress.print(f"bench-route: {r} at {n} engines", highlight=False)
-            results.append(bench_cell(fleet, r, args.index, args.rate))
-    table = Table(title=f"routing decision cost (µs; {args.index} index, {args.requests} requests)")
+            results.append(bench_cell(fleet, r, args.index, args.rate, args.sessions))
+    sessions = ", requests in sessions" if args.sessions else ""
+    table = Table(
+        title=f"routing decision cost (µs; {args.index} index, {args.requests} requests{sessions})"
+    )
     table.add_column("router")
     for n in sizes:
         table.add_column(f"{n} p50", justify="right")

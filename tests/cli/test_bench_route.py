@@ -55,3 +55,17 @@ def test_bad_flags_are_named() -> None:
         proc = quillcache("bench-route", *args)
         assert proc.returncode == 2, (args, proc.stderr)
         assert words in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
+
+
+def test_sessions_time_the_session_path() -> None:
+    """`--sessions`: requests carry their conversation as a session id, and the
+    session-aware routers decide on it (homes found, sessions continued)."""
+    proc = quillcache(
+        "bench-route", "--engines", "8", "--requests", "60", "--routers",
+        "quillcache,session-affinity", "--sessions", "--json", "-",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    payload = json.loads(proc.stdout)
+    assert payload["args"]["sessions"] is True
+    assert [r["router"] for r in payload["results"]] == ["quillcache", "session-affinity"]
+    assert "sessions" in proc.stderr  # the table says what it timed
