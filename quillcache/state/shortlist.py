@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -64,6 +65,11 @@ class Shortlist:
     cached_blocks: list[int]
 
 
+# Up to this many rows, the shortlist is built from Python lists (one `tolist` per
+# column): numpy's per-call cost on a few rows is many times the arithmetic.
+SMALL_VIEW = 64
+
+
 def build_shortlist(
     view: View,
     worker: int,
@@ -73,44 +79,87 @@ def build_shortlist(
 ) -> Shortlist:
     """The shortlist of a request the router sent to (`worker`, `dp_rank`) in `view`.
     The choice is always first, even when it is not a row of the view (a router may
-    route outside the columns it read; the plane checked the worker is a candidate)."""
+    route outside the columns it read; the plane checked the worker is a candidate).
+    The other rows: longest prefix first, then least loaded, then view order."""
     c = view.columns
     n = len(c.worker)
     w = policy.weights
-    load = c.load
-    scores: npt.NDArray[np.float64] = (
-        w.in_flight * load[:, 0] + w.queued_tokens * load[:, 1] + w.decodes * load[:, 2]
-    )
-    cached = np.maximum(c.local_blocks, c.pending_blocks)
-    hit = np.flatnonzero((c.worker == np.uint64(worker)) & (c.dp_rank == dp_rank))
-    chosen = int(hit[0]) if len(hit) else -1
-    rows = [chosen] if chosen >= 0 else []
-    want = policy.size - 1
-    if want > 0 and n > (1 if chosen >= 0 else 0):
-        # longest prefix first, then least loaded, then view order: one sort key
-        top = float(scores.max()) + 1.0 if n else 1.0
-        key = scores - cached.astype(np.float64) * top
-        if chosen >= 0:
-            key = key.copy()
-            key[chosen] = np.inf
-        k = min(want, n - (1 if chosen >= 0 else 0))
-        part = np.argpartition(key, k - 1)[:k] if k < n else np.arange(n)
-        part = part[np.lexsort((part, key[part]))][:k]
-        rows += [int(r) for r in part if r != chosen]
+    scores: list[float]
+    cached: list[int]
+    if n <= SMALL_VIEW:
+        scores = [
+            w.in_flight * a + w.queued_tokens * b + w.decodes * d
+            for a, b, d in c.load[:, :3].tolist()
+        ]
+        cached = [
+            max(x, y)
+            for x, y in zip(c.local_blocks.tolist(), c.pending_blocks.tolist(), strict=True)
+        ]
+        workers, ranks = c.worker.tolist(), c.dp_rank.tolist()
+        chosen = next((i for i in range(n) if workers[i] == worker and ranks[i] == dp_rank), -1)
+        rows = _others_small(scores, cached, chosen, policy.size - 1)
+    else:
+        load = c.load
+        score_arr: npt.NDArray[np.float64] = (
+            w.in_flight * load[:, 0] + w.queued_tokens * load[:, 1] + w.decodes * load[:, 2]
+        )
+        cached_arr = np.maximum(c.local_blocks, c.pending_blocks)
+        hit = np.flatnonzero((c.worker == np.uint64(worker)) & (c.dp_rank == dp_rank))
+        chosen = int(hit[0]) if len(hit) else -1
+        rows = _others(score_arr, cached_arr, chosen, policy.size - 1)
+        scores, cached = score_arr.tolist(), cached_arr.tolist()
+        workers, ranks = c.worker.tolist(), c.dp_rank.tolist()
     out: list[Candidate] = []
     blocks: list[int] = []
     denom = max(request_blocks, 1)
     if chosen < 0:
         out.append(Candidate(EngineKey(worker, dp_rank), math.inf))
         blocks.append(0)
+    else:
+        rows = [chosen, *rows]
     chosen_seen = float(scores[chosen]) if chosen >= 0 else math.inf
     for r in rows:
         b = int(cached[r])
         seen = float(scores[r]) if r == chosen else min(float(scores[r]), chosen_seen)
         ceiling = seen + 1.0 + policy.cache_slack * min(b / denom, 1.0)
-        out.append(Candidate(EngineKey(int(c.worker[r]), int(c.dp_rank[r])), ceiling))
+        out.append(Candidate(EngineKey(int(workers[r]), int(ranks[r])), ceiling))
         blocks.append(b)
     return Shortlist(out, blocks)
+
+
+def _others_small(scores: list[float], cached: list[int], chosen: int, want: int) -> list[int]:
+    """Up to `want` rows other than `chosen`: by sort key (the load, less the top load
+    per cached block: longest prefix first, then least loaded), then view order."""
+    n = len(scores)
+    if want <= 0 or n <= (1 if chosen >= 0 else 0):
+        return []
+    top = max(scores) + 1.0
+    keyed = sorted((scores[i] - float(cached[i]) * top, i) for i in range(n) if i != chosen)
+    return [i for _, i in keyed[:want]]
+
+
+def _others(
+    scores: npt.NDArray[np.float64], cached: npt.NDArray[Any], chosen: int, want: int
+) -> list[int]:
+    """`_others_small` over numpy columns (large views): the same rows, in the same
+    order."""
+    n = len(scores)
+    if want <= 0 or n <= (1 if chosen >= 0 else 0):
+        return []
+    top = float(scores.max()) + 1.0
+    key = scores - cached.astype(np.float64) * top
+    if chosen >= 0:
+        key[chosen] = np.inf
+    k = min(want, n - (1 if chosen >= 0 else 0))
+    if k < n:
+        # the k-th smallest key and every row below it, ties included, then sorted by
+        # (key, row): argpartition alone may keep any of several tied rows
+        kth = np.partition(key, k - 1)[k - 1]
+        part = np.flatnonzero(key <= kth)
+    else:
+        part = np.arange(n)
+    part = part[np.lexsort((part, key[part]))][:k]
+    return [int(r) for r in part if r != chosen]
 
 
 def anchors(keys: npt.NDArray[np.uint64]) -> list[tuple[int, int]]:

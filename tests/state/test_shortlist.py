@@ -8,12 +8,15 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from quillcache.controlplane.load import DECODES, IN_FLIGHT, MEAN_CONTEXT, QUEUED
 from quillcache.costmodel import CostModel
 from quillcache.errors import ConfigError
 from quillcache.routing.types import View, WorkerView
-from quillcache.state import EngineKey, SharedLoad
+from quillcache.state import EngineKey, LoadWeights, SharedLoad
+from quillcache.state import shortlist as shortlist_module
 from quillcache.state.load_store import SharedLoadStore
 from quillcache.state.shortlist import ShortlistPolicy, anchors, build_shortlist, prefill_tokens
 
@@ -83,3 +86,47 @@ def test_the_store_keeps_the_engines_gauges_above_the_booked_load() -> None:
     store.own_booked(EngineKey(9, 0), 1)  # an engine this replica does not know: ignored
     store.book(1, 50)  # the plane's own calls are ignored: the booking step books
     assert store.value(1, IN_FLIGHT) == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.integers(0, 3),  # in flight
+            st.integers(0, 2),  # queued tokens (x100)
+            st.integers(0, 2),  # gpu blocks
+            st.integers(0, 2),  # pending blocks
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    choice=st.integers(0, 15),
+    size=st.integers(1, 6),
+    weights=st.sampled_from([LoadWeights(), LoadWeights(1.0, 0.01, 0.5)]),
+)
+def test_small_views_and_numpy_views_give_the_same_shortlist(
+    rows: list[tuple[int, int, int, int]], choice: int, size: int, weights: LoadWeights
+) -> None:
+    """Views up to `SMALL_VIEW` rows are shortlisted from Python lists, larger ones with
+    numpy: the same candidates, ceilings and blocks, in the same order, ties included
+    (many rows here share a load and a prefix), and both as the rule says: the choice,
+    then by (load less the top load per cached block, view order)."""
+    v = view(
+        *(
+            WorkerView(i, in_flight=n, queued_prefill_tokens=100 * q, gpu_blocks=g,
+                       pending_blocks=p)
+            for i, (n, q, g, p) in enumerate(rows)
+        )
+    )  # fmt: skip
+    policy = ShortlistPolicy(size=size, cache_slack=2.0, weights=weights)
+    small = build_shortlist(v, choice, 0, 2, policy)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(shortlist_module, "SMALL_VIEW", -1)
+        large = build_shortlist(v, choice, 0, 2, policy)
+    assert small == large
+    score = [weights.score(SharedLoad(n, 100 * q, 0)) for n, q, _, _ in rows]
+    cached = [max(g, p) for _, _, g, p in rows]
+    top = max(score) + 1.0
+    others = sorted((score[i] - cached[i] * top, i) for i in range(len(rows)) if i != choice)
+    want = [i for _, i in others[: size - 1]]
+    assert [c.engine.engine for c in small.candidates] == [choice, *want]
