@@ -1,9 +1,14 @@
 """llm-d's precise prefix-cache scorer with its weighted scorers (llm-d inference scheduler).
 
-Scores are in [0, 1] and summed with weights; the highest total wins (ties at random):
+Scores are in [0, 1] and summed with weights (precise prefix 2, KV utilisation 1,
+queue 1: the scheduling profile of llm-d-inference-scheduler's
+deploy/config/epp-precise-prefix-cache-config.yaml and of llm-d's
+precise-prefix-cache-aware guide); the highest total wins (ties at random):
 - prefix: the longest consecutive cached prefix, each block weighted by its tier
-  (GPU 1.0, CPU 0.8), divided by the request's blocks;
-- queue: min-max normalised requests in flight (fewest = 1);
+  (GPU 1.0, CPU 0.8), min-max normalised over the workers holding any of it (all
+  equal: 1), 0 for a worker holding none (`indexedScoresToNormalizedScoredPods`);
+- queue: min-max normalised requests in flight (fewest = 1; llm-d's queue scorer reads
+  the engine's waiting requests, which the view does not carry);
 - KV utilisation: 1 - fraction of KV blocks in use.
 """
 
@@ -12,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from quillcache.routing.base import Router
 from quillcache.routing.types import Decision, Request, View
@@ -19,15 +25,15 @@ from quillcache.routing.types import Decision, Request, View
 
 class LlmdPrecisePrefix(Router):
     name = "llm-d"
-    summary = "llm-d precise prefix scorer (GPU 1.0 / CPU 0.8) + queue + KV-util scorers"
+    summary = "llm-d precise prefix scorer (GPU 1.0 / CPU 0.8) x2 + KV-util x1 + queue x1"
     source = "llm-d kv-cache-manager precise-prefix-cache-scorer; inference-scheduler scorers"
 
     def __init__(
         self,
         *,
-        prefix_weight: float = 3.0,
-        queue_weight: float = 2.0,
-        kv_weight: float = 2.0,
+        prefix_weight: float = 2.0,
+        queue_weight: float = 1.0,
+        kv_weight: float = 1.0,
         gpu_tier_weight: float = 1.0,
         cpu_tier_weight: float = 0.8,
         **kw: Any,
@@ -40,12 +46,11 @@ class LlmdPrecisePrefix(Router):
         if not len(view):
             return self.no_workers()
         c = view.columns
-        n = max(len(request.content_keys), 1)
         wp, wq, wk = self.weights
         tg, tc = self.tiers
         gpu = c.gpu_blocks
         lower = np.maximum(c.cpu_blocks, c.disk_blocks) - gpu
-        prefix = (tg * gpu + tc * np.maximum(lower, 0)) / n
+        prefix = normalised_hits(tg * gpu + tc * np.maximum(lower, 0))
         queues = c.in_flight
         qlo, qhi = queues.min(), queues.max()
         queue = np.ones(len(queues)) if qhi == qlo else (qhi - queues) / (qhi - qlo)
@@ -67,3 +72,15 @@ class LlmdPrecisePrefix(Router):
 
 #: Scores this far below the top are never among the tied best (see `route`).
 _NEAR = 1e-9
+
+
+def normalised_hits(hits: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """llm-d's prefix score: the workers with a hit min-max normalised among themselves
+    (all equal: 1.0), the others 0."""
+    held = hits > 0
+    if not held.any():
+        return np.zeros(len(hits))
+    lo, hi = hits[held].min(), hits[held].max()
+    if lo == hi:
+        return held.astype(np.float64)
+    return np.where(held, (hits - lo) / (hi - lo), 0.0)

@@ -4,8 +4,14 @@ If the load is imbalanced (max - min > `balance_abs_threshold` AND max >
 `balance_rel_threshold` * min, load = requests in flight) route to the least-loaded
 worker. Otherwise route to the worker with the highest prefix match rate if it exceeds
 `cache_threshold`, else to the worker with the smallest cache tree (most free cache).
+Defaults: sgl-router's (`cache_threshold` 0.3, `balance_abs_threshold` 64,
+`balance_rel_threshold` 1.5; the version followed is in docs/routing.md, "Anchors").
+
 SGLang approximates each worker's cache with a radix tree of the text it routed there;
-here the match and the tree size come from the event-driven index instead.
+here the match and the tree size come from the event-driven index instead. The tree
+holds a prompt from the moment it is routed, before the engine has computed (or
+reported) it, so the match here is the longer of the worker's GPU prefix and the
+prefix an in-flight request is computing there (`pending_blocks`).
 """
 
 from __future__ import annotations
@@ -47,9 +53,11 @@ class SglangCacheAware(Router):
             at = first_min(loads, c.worker)
             return self.decide(request, view, view.worker_at(at), "load imbalanced: shortest queue")
         # longest match, then shortest queue, then lowest id
-        longest = np.flatnonzero(c.gpu_blocks == c.gpu_blocks.max())
-        best = view.worker_at(int(longest[first_min(loads[longest], c.worker[longest])]))
-        rate = best.gpu_blocks * view.block_size / max(request.prompt_tokens, 1)
+        held = np.maximum(c.gpu_blocks, c.pending_blocks)
+        longest = np.flatnonzero(held == held.max())
+        at = int(longest[first_min(loads[longest], c.worker[longest])])
+        best = view.worker_at(at)
+        rate = int(held[at]) * view.block_size / max(request.prompt_tokens, 1)
         if rate > self.cache_threshold:
             return self.decide(request, view, best, f"match rate {rate:.2f}")
         # smallest cache, then shortest queue, then lowest id

@@ -101,16 +101,24 @@ def dynamo(r: DynamoKvCost, request: Request, view: View, turn: int) -> int:
 
 
 def llmd(r: LlmdPrecisePrefix, request: Request, view: View, turn: int) -> int:
-    n = max(len(request.content_keys), 1)
     wp, wq, wk = r.weights
     tg, tc = r.tiers
+    hits = []
+    for w in view.workers:
+        lower = max(w.cpu_blocks, w.disk_blocks) - w.gpu_blocks
+        hits.append(tg * w.gpu_blocks + tc * max(lower, 0))
+    held = [h for h in hits if h > 0]
+    hlo, hhi = (min(held), max(held)) if held else (0.0, 0.0)
     queues = [w.in_flight for w in view.workers]
     qlo, qhi = min(queues), max(queues)
     best_score, best = -1.0, []
-    for w in view.workers:
-        gpu = w.gpu_blocks
-        lower = max(w.cpu_blocks, w.disk_blocks) - gpu
-        prefix = (tg * gpu + tc * max(lower, 0)) / n
+    for w, h in zip(view.workers, hits, strict=True):
+        if h <= 0:
+            prefix = 0.0
+        elif hlo == hhi:
+            prefix = 1.0
+        else:
+            prefix = (h - hlo) / (hhi - hlo)
         queue = 1.0 if qhi == qlo else (qhi - w.in_flight) / (qhi - qlo)
         score = wp * prefix + wq * queue + wk * (1.0 - w.kv_usage)
         if score > best_score + 1e-12:
@@ -126,8 +134,11 @@ def sglang(r: SglangCacheAware, request: Request, view: View, turn: int) -> int:
     lo, hi = min(loads), max(loads)
     if hi - lo > r.balance_abs_threshold and hi > lo * r.balance_rel_threshold:
         return min(workers, key=lambda w: (w.in_flight, w.worker)).worker
-    best = max(workers, key=lambda w: (w.gpu_blocks, -w.in_flight, -w.worker))
-    if best.gpu_blocks * view.block_size / max(request.prompt_tokens, 1) > r.cache_threshold:
+    best = max(
+        workers, key=lambda w: (max(w.gpu_blocks, w.pending_blocks), -w.in_flight, -w.worker)
+    )
+    held = max(best.gpu_blocks, best.pending_blocks)
+    if held * view.block_size / max(request.prompt_tokens, 1) > r.cache_threshold:
         return best.worker
     return min(workers, key=lambda w: (w.resident_blocks, w.in_flight, w.worker)).worker
 

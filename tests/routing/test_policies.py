@@ -128,6 +128,18 @@ def test_sglang_thresholds() -> None:
     assert r.route(_req(10), _view(hot, cold)).worker == 0
 
 
+def test_sglang_knows_a_routed_prompt_before_the_engine_reports_it() -> None:
+    # SGLang's tree inserts a prompt's text when it routes it: the next request with
+    # the same prefix follows it there, before any BlockStored (pending_blocks)
+    r = create_router("sglang")
+    routed = WorkerView(0, pending_blocks=8, in_flight=1, resident_blocks=50)
+    other = WorkerView(1, resident_blocks=10)
+    d = r.route(_req(10), _view(routed, other))
+    assert d.worker == 0 and d.reason == "match rate 0.79"
+    routed.pending_blocks = 2  # 0.2 < 0.3: the smallest tree again
+    assert r.route(_req(10), _view(routed, other)).worker == 1
+
+
 def test_llmd_tier_weights() -> None:
     r = create_router("llm-d", queue_weight=0.0, kv_weight=0.0)
     gpu = WorkerView(0, gpu_blocks=5)
@@ -135,6 +147,30 @@ def test_llmd_tier_weights() -> None:
     assert r.route(_req(10), _view(gpu, cpu)).worker == 0
     cpu.cpu_blocks = 7  # 5.6 > 5
     assert r.route(_req(10), _view(gpu, cpu)).worker == 1
+
+
+def test_llmd_weights_and_prefix_normalisation_are_llmds() -> None:
+    from quillcache.routing import LlmdPrecisePrefix
+    from quillcache.routing.llmd import normalised_hits
+
+    r = create_router("llm-d")
+    assert isinstance(r, LlmdPrecisePrefix) and r.weights == (2.0, 1.0, 1.0)
+    # min-max among the workers with a hit, 0 without, 1 when the hits are equal
+    assert normalised_hits(np.array([0.0, 2.0, 6.0, 4.0])).tolist() == [0.0, 0.0, 1.0, 0.5]
+    assert normalised_hits(np.array([0.0, 3.0, 3.0])).tolist() == [0.0, 1.0, 1.0]
+    assert normalised_hits(np.array([0.0, 0.0])).tolist() == [0.0, 0.0]
+    # a short prefix on one worker scores the full prefix weight when no one holds
+    # more (2 + queue 0 + kv 0.2 = 2.2 against 0 + 1 + 1 = 2): llm-d's relative score
+    short = WorkerView(0, gpu_blocks=1, in_flight=5, kv_usage=0.8)
+    idle = WorkerView(1)
+    assert r.route(_req(40), _view(short, idle)).worker == 0
+    short.kv_usage = 0.9  # 2.1 > 2
+    assert r.route(_req(40), _view(short, idle)).worker == 0
+    idle.kv_usage = 0.0
+    short.kv_usage = 1.0  # 2.0, and idle 0 + 1 + 1 = 2.0: a tie, drawn at random
+    assert {
+        create_router("llm-d", seed=s).route(_req(40), _view(short, idle)).worker for s in range(40)
+    } == {0, 1}
 
 
 def test_preble_exploits_long_matches_and_explores_otherwise() -> None:
