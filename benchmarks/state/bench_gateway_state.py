@@ -16,7 +16,8 @@ Measured per gateway:
   what the Redis round trip adds to routing;
 - the booking's own round trip p50, from `quillcache_state_booking_seconds`;
 - the gateway processes' CPU time per request (`/proc/<pid>/stat` utime + stime),
-  shared against local;
+  shared against local (summed over the replicas);
+- Redis's own time per script call (`usec_per_call` of EVALSHA over the round);
 - the floor: the p50 of a bare PING to the same Redis from a blocking socket in a
   process of its own (`rtt_probe`), every 2 ms during the round: what any round trip
   costs on this machine at that moment, under the same load;
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 
 from quillcache.gateway.cli import ADMIN_TOKEN_ENV
 from quillcache.up import Proc, engine_args, gateway_args, launch, launch_redis
@@ -128,16 +130,42 @@ def stop_probe(probe: subprocess.Popen[str]) -> dict[str, Any]:
     return result
 
 
+def run_ns(pid: int) -> int:
+    """Nanoseconds on a CPU of the process's live threads (`schedstat`: finer than the
+    clock ticks of `stat`, which a few idle seconds do not fill)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+            continue
+    return total
+
+
 def idle_cpu_ms_per_s(gateways: list[Proc], seconds: float) -> float:
-    before = sum(cpu_s(g.popen.pid) for g in gateways)
+    before = sum(run_ns(g.popen.pid) for g in gateways)
     time.sleep(seconds)
-    return (sum(cpu_s(g.popen.pid) for g in gateways) - before) / seconds * 1e3
+    return (sum(run_ns(g.popen.pid) for g in gateways) - before) / seconds / 1e6
+
+
+def script_us(redis_url: str, reset: bool = False) -> float:
+    """Redis's own time per script call (EVALSHA) since the last reset."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        if reset:
+            client.config_resetstat()
+            return 0.0
+        stats = client.info("commandstats").get("cmdstat_evalsha", {})
+        return float(stats.get("usec_per_call", float("nan")))
+    finally:
+        client.close()
 
 
 def measure(gateways: list[Proc], args: argparse.Namespace, redis_url: str) -> dict[str, float]:
     urls = [g.url for g in gateways]
     for u in urls:
         admin_index(u, reset=True)
+    script_us(redis_url, reset=True)
     probe = start_probe(redis_url)
     before = sum(cpu_s(g.popen.pid) for g in gateways)
     started = time.perf_counter()
@@ -151,6 +179,7 @@ def measure(gateways: list[Proc], args: argparse.Namespace, redis_url: str) -> d
         "cpu_per_request_us": cpu / args.requests * 1e6,
         "requests_per_s": args.requests / wall,
         "ping_floor_p50_us": floor.get("p50_us", float("nan")),
+        "redis_us_per_script": script_us(redis_url),
     }
 
 
@@ -208,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"round {rnd}: routing p50 {sh['pre_upstream_p50_us']:.0f} / "
                 f"{lo['pre_upstream_p50_us']:.0f} us, added {added:.0f} us (PING floor "
                 f"p50 {sh['ping_floor_p50_us']:.0f} us; booking p50 <= "
-                f"{sh['booking_p50_us_bucket']:.0f} us); CPU per request "
+                f"{sh['booking_p50_us_bucket']:.0f} us, of which Redis runs the script "
+                f"{sh['redis_us_per_script']:.0f} us); CPU per request "
                 f"{cpu_sh:.0f} / {cpu_lo:.0f} us = {cpu_sh / cpu_lo:.2f}x"
             )
         print(
