@@ -674,6 +674,29 @@ class ControlPlane:
             self._track(request, decision, state.rows[rank], now_s)
         return decision
 
+    def move(self, request_id: int | str, worker: int, dp_rank: int = 0) -> None:
+        """A routed request goes to another worker (and rank) than its decision named:
+        a booking step that took another candidate (several gateways on shared state),
+        or a retry elsewhere. What was tracked for it moves along: its blocks being
+        computed (so the next views see them where they really are) and, with
+        `track_load`, its booked load. A request not tracked (finished, or never
+        tracked) is left alone; an unknown worker or rank is an `UnknownWorkerError`."""
+        row = self._rank_row(self._state(worker), dp_rank)
+        t = self._tracked.get(request_id)
+        if t is None or t.row == row:
+            return
+        if not t.prefilled:
+            self._unpend(t)
+        if self.track_load and t.worker in self._workers:
+            self.load.release(t.row, t.prefill_tokens, t.prefilled)
+        t.worker, t.row = worker, row
+        if not t.prefilled and len(t.keys):
+            self._pending.add(row, t.keys)
+        if self.track_load:
+            self.load.book(row, t.prefill_tokens)
+            if t.prefilled:
+                self.load.prefilled(row, t.prefill_tokens, t.context_tokens)
+
     def prefill_done(self, request_id: int | str) -> None:
         """The request's prompt is computed: its blocks are (or will shortly be) reported
         by events, so its speculative entry ends; with `track_load` it turns into a decode."""
