@@ -166,5 +166,5 @@ def heatmap(results: dict[str, Any], path: str | Path, *, title: str) -> None:
     axes[0].set_yticks(range(len(cells)), [c["name"] for c in cells], fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
