@@ -105,9 +105,11 @@ def builtin_routers() -> list[str]:
 #: the control plane's admission stage (`quillcache.controlplane.admission`) enforces
 #: after any router's decision. They are peeled off before the router is built.
 SLO_OPTIONS = ("ttft_slo_s", "tbt_slo_s")
-# the instance attribute holding that default (set on the router, read by the stage;
-# a router wrapping another forwards its attributes, as `shared_routing`'s does)
+# the instance attribute holding that default (set on the router, read by the stage)
 _DEFAULT_SLO_ATTR = "default_slo"
+# how many wrappers `default_slo` looks through (a wrapper holds the router it wraps
+# as `inner`: the simulator's BookRouter, the gateway's shared-routing wrapper)
+_MAX_WRAPPERS = 8
 
 
 def _slo_option(name: str, key: str, value: Any) -> float:
@@ -131,9 +133,18 @@ def set_default_slo(router: Router, slo: SLO | None) -> None:
 
 
 def default_slo(router: Router) -> SLO | None:
-    """The default SLO `create_router` gave `router` (from `ttft_slo_s` / `tbt_slo_s`)."""
-    slo = getattr(router, _DEFAULT_SLO_ATTR, None)
-    return slo if isinstance(slo, SLO) else None
+    """The default SLO `create_router` gave `router` (from `ttft_slo_s` / `tbt_slo_s`),
+    or the router it wraps (`inner`, followed through a few wrappers): a plane routes
+    through a wrapper, the options were given to the router inside it."""
+    current: object = router
+    for _ in range(_MAX_WRAPPERS):
+        slo = getattr(current, _DEFAULT_SLO_ATTR, None)
+        if isinstance(slo, SLO):
+            return slo
+        current = getattr(current, "inner", None)
+        if current is None:
+            return None
+    return None
 
 
 def create_router(name: str, **options: Any) -> Router:

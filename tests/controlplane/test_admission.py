@@ -21,6 +21,7 @@ from quillcache.routing import (
     Decision,
     Estimate,
     Request,
+    Router,
     View,
     WorkerView,
     create_router,
@@ -193,3 +194,23 @@ def test_a_router_that_cannot_hold_an_slo_is_a_config_error() -> None:
     assert default_slo(create_router(Slotted.name)) is None
     with pytest.raises(ConfigError, match="cannot hold an SLO"):
         create_router(Slotted.name, ttft_slo_s=1.0)
+
+
+def test_a_wrapped_routers_slo_applies() -> None:
+    # the simulator's replicas route through a wrapper holding the router as `inner`
+    class Wrapper(Router):
+        name = "test-wrapper"
+
+        def __init__(self, inner: Router) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def route(self, request: Request, view: View) -> Decision:
+            return self.inner.route(request, view)
+
+    inner = create_router("round-robin", ttft_slo_s=1e-6)
+    assert default_slo(Wrapper(Wrapper(inner))) == SLO(ttft_s=1e-6)
+    assert default_slo(Wrapper(create_router("round-robin"))) is None
+    plane = ControlPlane(index="native", router=Wrapper(inner), block_size=BS)
+    plane.add_worker(0, capacity_blocks=100, model=MODEL)
+    assert plane.route(_request()).rejected
