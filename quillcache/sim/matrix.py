@@ -25,7 +25,7 @@ from typing import Any
 
 from quillcache.costmodel import CostModel, CostModelConfig
 from quillcache.costmodel.setups import SETUPS
-from quillcache.errors import ConfigError
+from quillcache.errors import ConfigError, QuillCacheError
 from quillcache.sim.generators import GENERATORS
 from quillcache.sim.workload import Workload
 
@@ -247,6 +247,10 @@ def parse_grid(
     for n in names:
         if names.count(n) > 1:
             raise ConfigError(f"grid {origin}: two cells are named {n!r}")
+    n_axes = len(cells) - len(raw_cells)
+    for i, c in enumerate(cells):
+        where = "axes.setups" if i < n_axes else f"cells[{i - n_axes}].setup"
+        _check_block_size(src, where, c, workloads[c.workload], setups[c.setup])
     used = {c.workload for c in cells}
     for wname in sorted(used):
         spec = workloads[wname]
@@ -261,6 +265,27 @@ def parse_grid(
         {s: setups[s] for s in sorted({c.setup for c in cells})},
         cells,
     )
+
+
+def _check_block_size(
+    src: _Source, where: str, cell: Cell, workload: WorkloadSpec, setup: SetupSpec
+) -> None:
+    """An engine block size the setup sets must divide the workload's (before any run)."""
+    if not setup.chooses_block_size:
+        return
+    engine_bs = setup.config().engine.block_size
+    if workload.trace is not None:
+        coarse = workload.block_size
+    else:
+        assert workload.generator is not None
+        default = inspect.signature(GENERATORS[workload.generator]).parameters["block_size"].default
+        coarse = dict(workload.params).get("block_size", default)
+    if coarse % engine_bs:
+        raise src.error(
+            where,
+            f"cell {cell.name!r}: setup {setup.name!r} sets engine.block_size {engine_bs}, "
+            f"which does not divide workload {workload.name!r}'s block size {coarse}",
+        )
 
 
 def _known(src: _Source, prefix: str, table: dict[str, Any], allowed: set[str]) -> None:
@@ -577,14 +602,20 @@ def run_task(task: Task) -> tuple[dict[str, Any], float]:
     cpu0 = time.process_time()
     ci, seed, router = task
     cell: Cell = _STATE["grid"].cells[ci]
-    wl, cost = _workload_for(cell, seed)
+    try:
+        wl, cost = _workload_for(cell, seed)
+    except QuillCacheError as exc:
+        raise ConfigError(f"cell {cell.name!r}, seed {seed}: {exc}") from None
     config = SimConfig(
         workers=cell.engines,
         seed=seed,
         slow_workers=dict(cell.slow_workers),
         join_at_s=dict(cell.join_at_s),
     )
-    summary = run(wl, router, "native", config, cost).summary()
+    try:
+        summary = run(wl, router, "native", config, cost).summary()
+    except QuillCacheError as exc:  # said with the run it belongs to, in any process
+        raise ConfigError(f"cell {cell.name!r}, seed {seed}, router {router}: {exc}") from None
     kept = {"router": router, "seed": seed, **{k: summary[k] for k in _KEPT}}
     return kept, time.process_time() - cpu0
 

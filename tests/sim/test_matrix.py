@@ -118,6 +118,21 @@ def _matrix(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
             'workload = "t"\nsetup = "llama-8b-a100"\nengines = 2\n',
             "line 2: workloads.t.trace: trace 'no-such-trace.jsonl' not found",
         ),
+        (
+            '[setups.bs48]\nbase = "llama-8b-a100"\ncost = { "engine.block_size" = 48 }\n'
+            '[axes]\nworkloads = ["shared-prefix"]\nsetups = ["bs48"]\nengines = [2]\n'
+            '[[cells]]\nname = "a"\nworkload = "sglang-gsp"\nsetup = "bs48"\nengines = 2\n',
+            "line 6: axes.setups: cell 'shared-prefix / bs48 / 2 engines / time x1': setup "
+            "'bs48' sets engine.block_size 48, which does not divide workload 'shared-prefix'",
+        ),
+        (
+            '[setups.bs8]\nbase = "llama-8b-a100"\ncost = { "engine.block_size" = 8 }\n'
+            '[setups.bs48]\nbase = "llama-8b-a100"\ncost = { "engine.block_size" = 48 }\n'
+            '[axes]\nworkloads = ["shared-prefix"]\nsetups = ["bs8"]\nengines = [2]\n'
+            '[[cells]]\nname = "a"\nworkload = "sglang-gsp"\nsetup = "bs8"\nengines = 2\n'
+            '[[cells]]\nname = "b"\nworkload = "sglang-gsp"\nsetup = "bs48"\nengines = 2\n',
+            "line 19: cells[1].setup: cell 'b': setup 'bs48' sets engine.block_size 48",
+        ),
     ],
 )
 def test_grid_errors_name_the_key_and_line(text: str, expected: str) -> None:
