@@ -9,6 +9,10 @@ Per round, each gateway in turn gets `--requests` non-streamed completions (16-t
 prompts of 8 blocks over 32 prefixes, 2 output tokens) from `--concurrency` client
 threads; shared state runs `--replicas` replicas (the requests spread over them round
 robin) so bookings meet other replicas' load, and the numbers are the replicas' sums.
+With several replicas, as many replicas with local state each ("private") get the
+same requests too: what N replicas cost without Redis (each one ingests every
+engine's events and does its own idle work), so that shared / private is what Redis
+itself costs.
 Measured per gateway:
 
 - `pre_upstream` p50 (handler entry -> upstream request sent: parse, tokenize, hash,
@@ -205,24 +209,33 @@ def main(argv: list[str] | None = None) -> int:
         common = ["--tokenizer", "builtin", "--secret-file", str(work / "secret.json")]
         local = launch("local", gateway_args(urls, extra=common), work)
         procs.append(local)
-        shared = []
+        # with several replicas, as many with local state each ("private": what
+        # independent replicas do), the same requests: what the replicas cost
+        # without Redis (each one ingests every engine's events, and its own idle work)
+        private = [local]
+        for i in range(1, args.replicas):
+            g = launch(f"private{i}", gateway_args(urls, extra=common), work)
+            private.append(g)
+            procs.append(g)
+        sets: list[tuple[str, list[Proc]]] = [("local", [local])]
+        if args.replicas > 1:
+            sets.append(("private", private))
+        shared: list[Proc] = []
+        sets.append(("shared", shared))
         for i in range(args.replicas):
             g = launch(
                 f"shared{i}", gateway_args(urls, extra=[*common, "--state", redis.url]), work
             )
             shared.append(g)
             procs.append(g)
-        run_load([local.url], 200, args.concurrency)  # warm-up
-        run_load([g.url for g in shared], 200, args.concurrency)
+        for _, gws in sets:  # warm-up
+            run_load([g.url for g in gws], 200, args.concurrency)
         time.sleep(1.0)
-        idle = {
-            "local": idle_cpu_ms_per_s([local], args.idle_s),
-            "shared": idle_cpu_ms_per_s(shared, args.idle_s),
-        }
+        idle = {name: idle_cpu_ms_per_s(gws, args.idle_s) for name, gws in sets}
         print(json.dumps({"idle_cpu_ms_per_s": idle}), flush=True)
         rows: list[dict[str, Any]] = []
         for rnd in range(args.rounds):
-            for name, gws in (("local", [local]), ("shared", shared)):
+            for name, gws in sets:
                 m = measure(gws, args, redis.url)
                 if name == "shared":
                     p50s = [booking_p50_us(g.url) for g in shared]
@@ -230,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"round": rnd, "state": name, **m})
                 print(json.dumps(rows[-1]), flush=True)
         for rnd in range(args.rounds):
-            lo, sh = (r for r in rows if r["round"] == rnd)
+            by = {r["state"]: r for r in rows if r["round"] == rnd}
+            lo, sh = by["local"], by["shared"]
             added = sh["pre_upstream_p50_us"] - lo["pre_upstream_p50_us"]
             cpu_sh, cpu_lo = sh["cpu_per_request_us"], lo["cpu_per_request_us"]
             print(
@@ -241,9 +255,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"{sh['redis_us_per_script']:.0f} us); CPU per request "
                 f"{cpu_sh:.0f} / {cpu_lo:.0f} us = {cpu_sh / cpu_lo:.2f}x"
             )
+            if "private" in by:
+                pv = by["private"]
+                cpu_pv = pv["cpu_per_request_us"]
+                print(
+                    f"  {len(private)} private replicas: routing p50 "
+                    f"{pv['pre_upstream_p50_us']:.0f} us; CPU per request {cpu_pv:.0f} us "
+                    f"({cpu_pv / cpu_lo:.2f}x local); shared / private {cpu_sh / cpu_pv:.2f}x"
+                )
         print(
-            f"idle CPU: local {idle['local']:.1f} ms/s, shared {idle['shared']:.1f} ms/s "
-            f"over {len(shared)} replica(s)"
+            "idle CPU (ms/s, summed over the set): "
+            + ", ".join(f"{name} {v:.1f}" for name, v in idle.items())
         )
         if args.json:
             Path(args.json).write_text(json.dumps({"idle": idle, "rounds": rows}, indent=1))
