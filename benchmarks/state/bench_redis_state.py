@@ -9,10 +9,13 @@ Per path (`--paths`: the share scripts on the fast connection, `resp`, or all th
 redis-py) and event loop (asyncio, then uvloop, which the gateway runs on), alternated
 `--repeats` times, each over `--requests` sequential requests after a warm-up:
 
-- `ping`: a PING on the bookings' connection: the floor of any round trip;
+- `ping`: a PING on the asyncio fast connection: the floor of any round trip (the
+  booking itself goes over its blocking socket on the `resp` path);
 - `book`: `RedisFleetState.book` with a `--shortlist`-long shortlist, `--anchors`
   speculative anchors and a session: the one round trip a routed request adds;
-- `release`, `prefill_done`: one round trip each, off the routing path;
+- `release`, `prefill_done`: the awaited forms, one round trip each (the gateway
+  queues them instead, and its next booking carries them: docs/state.md, "Request
+  ends, batched");
 - `local`: the in-process `LocalLoadStore.book` + `release` it replaces.
 
 With each booking: the gateway process's CPU time per booking (`process_time`: what a
