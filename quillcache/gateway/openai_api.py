@@ -343,6 +343,8 @@ class OpenAIEndpoints:
             raise
         if booked.moved and booked.worker in self.pool.workers:
             worker, dp_rank = self.pool.get(booked.worker), booked.rank
+            # its prefix is being computed there, not on the router's choice
+            self.plane.move(prepared.route_request.request_id, worker.id, dp_rank)
         return worker, dp_rank, first_byte_s
 
     def first_byte_limit(self, route_request: RouteRequest, cached_tokens: int) -> float:
