@@ -18,14 +18,19 @@ import numpy.typing as npt
 
 if TYPE_CHECKING:
     from quillcache._native import LoadOrder
+    from quillcache.controlplane.explain import Explanation
     from quillcache.costmodel import CostModel
 
 # Engines name media differently (vLLM "GPU"/"CPU"/"STORAGE", SGLang "CPU_PINNED",
-# "DISK", LMCache "cpu"): routers reason about three tiers.
+# "DISK", LMCache's connectors "cpu"/"CPU", LMCache's controller the names of its
+# storage backends): routers reason about three tiers. LMCache's local CPU backend is
+# host memory of the engine; each other backend (local disk, GDS, remote, peer, P/D)
+# is fetched over a disk-class path, the default of unknown names too.
 _TIER_OF_MEDIUM = {
     "gpu": "gpu",
     "cpu": "cpu",
     "cpu_pinned": "cpu",
+    "localcpubackend": "cpu",
     "storage": "disk",
     "disk": "disk",
     "external": "disk",
@@ -488,6 +493,9 @@ class Decision:
     estimate: Estimate | None = None
     reason: str = ""
     dp_rank: int | None = None
+    # set by the control plane when asked to explain its decisions (None otherwise):
+    # the KV-optimal row beside the chosen one, `quillcache.controlplane.explain`
+    explanation: Explanation | None = None
 
     @property
     def rejected(self) -> bool:
