@@ -44,6 +44,8 @@ import numpy.typing as npt
 
 from quillcache._native import PendingPrefixes
 from quillcache.controlplane.admission import admit
+from quillcache.controlplane.explain import ExplainTotals
+from quillcache.controlplane.explain import explain as _explain
 from quillcache.controlplane.load import (
     DECODES,
     IN_FLIGHT,
@@ -326,6 +328,7 @@ class ControlPlane:
         load_store: LoadStore | None = None,
         latencies: OpLatencies | None = None,
         prune_min_rows: int | None = 64,
+        explain: bool = False,
     ) -> None:
         self.index: IndexBackend = (
             create_backend(index, **(index_options or {})) if isinstance(index, str) else index
@@ -353,6 +356,10 @@ class ControlPlane:
         if prune_min_rows is not None and prune_min_rows < 1:
             raise ConfigError(f"prune_min_rows must be >= 1 or None, got {prune_min_rows}")
         self.prune_min_rows = prune_min_rows
+        # True: every decision carries its `Explanation` (`route(explain=...)` per call)
+        # and `explain_totals` sums them; off, routing pays nothing for it
+        self.explain = explain
+        self.explain_totals = ExplainTotals()
         self._orders = LoadOrders(self.load)
         self._fleet = _FleetColumns()
         self._workers: dict[int, WorkerState] = {}
@@ -639,14 +646,34 @@ class ControlPlane:
         return subset
 
     def route(
-        self, request: Request, now_s: float = 0.0, only: AbstractSet[int] | None = None
+        self,
+        request: Request,
+        now_s: float = 0.0,
+        only: AbstractSet[int] | None = None,
+        *,
+        explain: bool | None = None,
+        candidates: bool = False,
     ) -> Decision:
         """Route one request: build its view (restricted to `only`, see `view`), ask the
         router, record the decision. An empty candidate set is a rejection, whatever the
-        router; a router choosing outside the view is a `RouterContractError`."""
+        router; a router choosing outside the view is a `RouterContractError`.
+
+        `explain` (None: the plane's `explain`) attaches the decision's `Explanation`
+        (`controlplane/explain.py`) and adds it to `explain_totals`; `candidates` lists
+        the rows it compared (a sampled log's detail, bounded)."""
         view = self.view(request, now_s, only)
         if only is not None and not view.workers:
             return Decision.reject("no routable worker among the candidates")
+        decision = self._route(request, view, now_s, only)
+        if self.explain if explain is None else explain:
+            why = _explain(request, view, decision, candidates=candidates)
+            self.explain_totals.add(why)
+            decision = replace(decision, explanation=why)
+        return decision
+
+    def _route(
+        self, request: Request, view: View, now_s: float, only: AbstractSet[int] | None
+    ) -> Decision:
         decision = self.router.route(request, view)
         if decision.worker is not None:
             state = self._workers.get(decision.worker)
