@@ -75,6 +75,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "arrays (0.5.18-0.5.19 with the salt in a metadata map), >= 0.5.20 tagged maps; "
         "replay replies without the topic frame before 0.5.22",
     )
+    a(
+        "--lmcache",
+        choices=["vllm", "mp"],
+        default=None,
+        help="LMCache beside each engine: publish its CPU-tier chunks as its connector makes "
+        "vLLM do ('vllm': in-process LMCacheConnectorV1, medium 'cpu', no evictions; 'mp': "
+        "LMCache's multiprocess connector, medium 'CPU', evictions reported)",
+    )
+    a("--lmcache-chunk-size", type=int, default=256, help="LMCache's chunk size in tokens")
+    a("--lmcache-cpu-chunks", type=int, default=1024, help="LMCache's CPU tier size, in chunks")
     a("--ready-file", default=None, help="write the resolved addresses here as JSON when up")
     a("--log-level", default="warning", help="uvicorn's log level")
 
@@ -112,6 +122,21 @@ def _sglang_release(flavor: str, release: str | None) -> str | None:
     return release
 
 
+def _check_lmcache(args: argparse.Namespace) -> None:
+    """`--lmcache` needs a vLLM engine, and a chunk size LMCache's connector accepts."""
+    if args.lmcache is None:
+        return
+    if args.flavor != "vllm":
+        raise ConfigError("--lmcache is modelled for --flavor vllm only")
+    if args.lmcache_chunk_size < 1 or args.lmcache_cpu_chunks < 1:
+        raise ConfigError("--lmcache-chunk-size and --lmcache-cpu-chunks must be at least 1")
+    if args.lmcache == "mp" and args.lmcache_chunk_size % args.block_size:
+        raise ConfigError(
+            f"--lmcache-chunk-size {args.lmcache_chunk_size} must be a multiple of "
+            f"--block-size {args.block_size} with --lmcache mp (LMCache refuses it)"
+        )
+
+
 def _fixed_latency(spec: str | None) -> tuple[float, float] | None:
     if spec is None:
         return None
@@ -147,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
                 if kv.get(key):
                     fleet.offset_endpoint(kv[key], n * dp - 1)
         sglang_release = _sglang_release(args.flavor, args.sglang_version)
+        _check_lmcache(args)
         sockets = fleet.listen(args.host, args.port, n) if n > 1 else None
     except ConfigError as exc:
         print(f"engine-sim: {exc}", file=sys.stderr)
@@ -162,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
         lora_modules=list(args.lora_modules),
         fixed_latency_s=fixed,
         sglang_release=sglang_release,
+        lmcache=args.lmcache,
+        lmcache_chunk_size=args.lmcache_chunk_size,
+        lmcache_cpu_chunks=args.lmcache_cpu_chunks,
     )
     replay_layout: dict[str, bool] = {"legacy_replay": args.legacy_replay}
     if sglang_release is not None:

@@ -17,14 +17,16 @@ import asyncio
 import collections
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 import numpy as np
 import xxhash
 
 from quillcache.costmodel import CostModel, CostModelConfig
+from quillcache.enginesim.lmcache import LmcacheCpuTier
 from quillcache.enginesim.sglang import sglang_batch
 from quillcache.events.encode import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 from quillcache.events.sglang import wire_of as sglang_wire_of
@@ -33,6 +35,23 @@ from quillcache.sim.engine import EngineModel, Running, engine_hash
 from quillcache.sim.requests import SimRequest
 
 Publish = Callable[[bytes], object]  # what a publisher returns (its seq) is not used
+
+
+def _events_of(
+    raw_events: list[dict[str, Any]],
+) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+    """The event objects of a model batch's events as msgpack decodes them."""
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+    for raw in raw_events:
+        ev = dict(raw)
+        kind = ev.pop("type")
+        if kind == "BlockStored":
+            events.append(BlockStored(**ev))
+        elif kind == "BlockRemoved":
+            events.append(BlockRemoved(**ev))
+        else:
+            events.append(AllBlocksCleared())
+    return events
 
 
 class EngineRequestError(ValueError):
@@ -54,6 +73,11 @@ class EngineConfig:
     # `--flavor sglang`: the SGLang release whose KV-event format is published (None:
     # vLLM's); see `quillcache.events.sglang`
     sglang_release: str | None = None
+    # `--lmcache`: LMCache's connector ("vllm" or "mp") whose CPU-tier events this engine
+    # also publishes (None: no LMCache); see `quillcache.enginesim.lmcache`
+    lmcache: str | None = None
+    lmcache_chunk_size: int = 256
+    lmcache_cpu_chunks: int = 1024
 
 
 @dataclass
@@ -81,6 +105,19 @@ class SimEngine:
         self.dp_rank = dp_rank
         self._publish = publish or (lambda payload: None)
         self._sglang = sglang_wire_of(config.sglang_release) if config.sglang_release else None
+        if config.lmcache and config.sglang_release:
+            raise ValueError("LMCache's events are modelled for vLLM engines only")
+        self.lmcache = (
+            LmcacheCpuTier(
+                config.lmcache,
+                config.lmcache_chunk_size,
+                config.lmcache_cpu_chunks,
+                config.block_size,
+            )
+            if config.lmcache
+            else None
+        )
+        self._offloaded: set[int] = set()  # requests whose prompt LMCache has stored
         cost = CostModel(config.cost)
         self.model = EngineModel(
             0,
@@ -269,6 +306,7 @@ class SimEngine:
                 continue
             await asyncio.sleep(step_s * scale)
             done = m.apply_step(time.monotonic(), 1, chunks, decoders, step_s)
+            self._offload(run for run, _ in chunks)
             self._flush_events()
             for run in itertools.chain((r for r, _ in chunks), decoders):
                 stream = self._streams.get(run.req.rid)
@@ -279,6 +317,7 @@ class SimEngine:
                 if stream is not None:
                     stream.finished = True
                     stream.tokens.put_nowait(None)
+                self._offloaded.discard(run.req.rid)
 
     def _note_admissions(self) -> None:
         bs = self.config.block_size
@@ -293,9 +332,27 @@ class SimEngine:
             if stream.on_admitted is not None:
                 stream.on_admitted(Admission(run.req.prompt_tokens, cached))
 
+    def _offload(self, prefilled: Iterable[Running]) -> None:
+        """LMCache stores each prompt whose prefill this step completed."""
+        if self.lmcache is None:
+            return
+        for run in prefilled:
+            if run.computed >= run.req.prompt_tokens and run.req.rid not in self._offloaded:
+                self._offloaded.add(run.req.rid)
+                assert run.req.tokens is not None  # the engine simulator always has them
+                self.lmcache.store(run.req.tokens.tolist())
+
     def _flush_events(self) -> None:
-        payload = self.model.drain_events(time.time())
-        if payload:
+        ts = time.time()
+        payload = self.model.drain_events(ts)
+        offloaded = self.lmcache.drain() if self.lmcache is not None else []
+        if offloaded:  # vLLM publishes its connector's events in the step's batch
+            ts, events, rank = (ts, [], self.dp_rank)
+            if payload:
+                ts, raw, rank = msgpack.unpackb(self.wire_out(payload))
+                events = _events_of(raw)
+            self._publish(encode_batch([*events, *offloaded], ts=ts, dp_rank=rank))
+        elif payload:
             self._publish(self.wire_out(payload))
 
     def wire_out(self, payload: bytes) -> bytes:
@@ -310,11 +367,9 @@ class SimEngine:
         per block `extra_keys` (the adapter name; `cache_salt` on block 0). The index
         derives the namespace from them, as the gateway does from the request."""
         ts, raw_events, rank = msgpack.unpackb(payload)
-        events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
         changed = False
         for ev in raw_events:
-            kind = ev.pop("type")
-            if kind == "BlockStored":
+            if ev["type"] == "BlockStored":
                 tags = [self._tags.get(h) for h in ev["block_hashes"]]
                 if any(tags):
                     changed = True
@@ -326,12 +381,7 @@ class SimEngine:
                         else None
                         for t in tags
                     ]
-                events.append(BlockStored(**ev))
-            elif kind == "BlockRemoved":
-                events.append(BlockRemoved(**ev))
-            else:
-                events.append(AllBlocksCleared())
-        return encode_batch(events, ts=ts, dp_rank=rank) if changed else payload
+        return encode_batch(_events_of(raw_events), ts=ts, dp_rank=rank) if changed else payload
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block that no request uses (vLLM refuses while busy)."""

@@ -45,11 +45,19 @@ class LmcacheWire:
     medium: str  # the medium name on every event
     short_last_chunk: bool  # a prompt's partial last chunk is reported (block_size = its length)
     removals: bool  # evictions are reported as BlockRemoved
+    # A store that skips chunks LMCache already holds names parent 0 for its first new
+    # chunk (`LMCacheEngine.store` starts `prev_key` at 0 and sets it only for chunks it
+    # reports), not the hash of the chunk before it.
+    zero_parent_after_skip: bool
 
 
 CONNECTORS: dict[str, LmcacheWire] = {
-    "vllm": LmcacheWire("vllm", "cpu", short_last_chunk=True, removals=False),
-    "mp": LmcacheWire("mp", "CPU", short_last_chunk=False, removals=True),
+    "vllm": LmcacheWire(
+        "vllm", "cpu", short_last_chunk=True, removals=False, zero_parent_after_skip=True
+    ),
+    "mp": LmcacheWire(
+        "mp", "CPU", short_last_chunk=False, removals=True, zero_parent_after_skip=False
+    ),
 }
 
 
@@ -94,6 +102,12 @@ def stored_chunks(
         )
         parent = chunk_hash
     return events
+
+
+def resumed_parent(wire: LmcacheWire, previous_chunk: EngineHash) -> EngineHash:
+    """The parent LMCache names for the first chunk of a store that skipped the chunks
+    up to `previous_chunk` (already held)."""
+    return 0 if wire.zero_parent_after_skip else previous_chunk
 
 
 def removed_chunks(wire: LmcacheWire, hashes: Sequence[EngineHash]) -> list[BlockRemoved]:
