@@ -40,7 +40,7 @@ from quillcache.errors import ConfigError
 from quillcache.gateway.secret import GatewaySecret, fingerprint
 from quillcache.state import scripts
 from quillcache.state.choose import choose
-from quillcache.state.resp import BlockingConnection, RespConnection
+from quillcache.state.resp import RespConnection
 from quillcache.state.types import (
     ZERO_LOAD,
     Booked,
@@ -178,7 +178,6 @@ class RedisFleetState:
         fast_path: bool = True,
         settle_s: float = 0.02,
         settle_max: int = 128,
-        blocking_book: bool = True,
     ) -> None:
         if not prefix or any(ch in prefix for ch in "{}"):
             raise ConfigError(f"state prefix must be non-empty without braces, got {prefix!r}")
@@ -227,9 +226,6 @@ class RedisFleetState:
         # the share-changing scripts' own pipelined connection (resp.py); None: not yet
         self.fast_path = fast_path and not url.startswith("rediss://")
         self._lane: RespConnection | None = None
-        # the booking's blocking socket (resp.BlockingConnection); None: not open
-        self.blocking_book = blocking_book and self.fast_path
-        self._sync: BlockingConnection | None = None
         self._ids = itertools.count(1)
         self._book: dict[str, _Entry] = {}
         # request ends not sent yet: request id -> "r" (released) | "p" (prefilled), in
@@ -303,9 +299,6 @@ class RedisFleetState:
         if self._lane is not None:
             self._lane.close()
             self._lane = None
-        if self._sync is not None:
-            self._sync.close()
-            self._sync = None
         await self._client.aclose()
 
     def new_request_id(self) -> str:
@@ -352,11 +345,7 @@ class RedisFleetState:
             ",".join(f"{_hex(k)}={int(b)}" for k, b in anchors),
             *ends,
         ]
-        sync = self._sync
-        if sync is not None and self._up and self._open.is_set():
-            reply = self._book_blocking(sync, args)
-        else:
-            reply = await self._run("book", _BOOK, args, self.budget_s, share=True)
+        reply = await self._run("book", _BOOK, args, self.budget_s, share=True)
         status = reply[0] if reply is not None else None
         if ends:
             codes = reply[3] if status == "ok" else reply[2] if status == "dup" else None
@@ -769,15 +758,7 @@ class RedisFleetState:
                         self._inflight -= 1
                         if not self._inflight:
                             self._idle.set()
-        except (RedisError, OSError) as exc:  # TimeoutError is an OSError
-            self._failed(op, exc, timeout_s)
-            return failed
-        self._slow = 0
-        return out
-
-    def _failed(self, op: str, exc: BaseException, timeout_s: float) -> None:
-        """A call that did not get its answer: count it, mark what needs marking."""
-        if isinstance(exc, TimeoutError):
+        except TimeoutError:
             self.stats.timeouts += 1
             self._dirty = True  # the call may still reach Redis: resync on the next beat
             self._slow += 1
@@ -787,51 +768,18 @@ class RedisFleetState:
                 )
             self._last_why = f"redis slower than the {timeout_s * 1000:.1f} ms budget"
             self._fallback(op, self._last_why)
-            return
-        if _is_connection_error(exc):
-            self._down(op, exc)
-        else:
-            self._dirty = True
-            self._last_why = f"redis error: {exc}"
-            self._log("error", logging.WARNING, "shared state: %s failed in redis: %s", op, exc)
-        self._fallback(op)
-
-    def _book_blocking(self, sync: BlockingConnection, args: Sequence[str | int | float]) -> Any:
-        """The booking on its blocking socket, within `budget_s` (docs/state.md, "Two
-        connections"); None when it could not be had. No other call of this replica
-        can start meanwhile, so none is in flight with it but the fast connection's,
-        which touch other requests (a resync holds bookings back: `_open`)."""
-        try:
-            try:
-                out = sync.call(self.budget_s, "EVALSHA", _BOOK.sha, 0, *args)
-            except NoScriptError:
-                out = sync.call(self.budget_s, "EVAL", _BOOK.source, 0, *args)
+            return failed
         except (RedisError, OSError) as exc:
-            if not sync.usable:
-                self._sync = None  # opened again by the heartbeat
-            self._failed("book", exc, self.budget_s)
-            return None
+            if _is_connection_error(exc):
+                self._down(op, exc)
+            else:
+                self._dirty = True
+                self._last_why = f"redis error: {exc}"
+                self._log("error", logging.WARNING, "shared state: %s failed in redis: %s", op, exc)
+            self._fallback(op)
+            return failed
         self._slow = 0
         return out
-
-    async def _open_blocking(self) -> None:
-        """Open the booking's blocking socket (in a thread: connecting may block)."""
-        if not self.blocking_book or (self._sync is not None and self._sync.usable):
-            return
-        try:
-            self._sync = await asyncio.to_thread(
-                BlockingConnection.open, self.url, self.admin_timeout_s
-            )
-        except (RedisError, OSError) as exc:
-            self._sync = None
-            self._log(
-                "blocking",
-                logging.WARNING,
-                "shared state: cannot open the booking's socket to %s (%s); booking over "
-                "the asyncio connection meanwhile",
-                self.url,
-                exc,
-            )
 
     async def _on_lane(
         self,
@@ -945,7 +893,6 @@ class RedisFleetState:
         async with asyncio.timeout(self.admin_timeout_s):
             await self._client.execute_command("PING")
             await self._share_conn()
-            await self._open_blocking()
             if self._secret is not None:
                 await self._check_secret(self._secret)
             await self._warn_eviction()
@@ -1001,10 +948,7 @@ class RedisFleetState:
         reap dead replicas)."""
         if not self._up:
             await self._reconnect()
-            return
-        if self._sync is None or not self._sync.usable:
-            await self._open_blocking()
-        if self._dirty or time.monotonic() - self._resynced_at > self.resync_every_s:
+        elif self._dirty or time.monotonic() - self._resynced_at > self.resync_every_s:
             await self.resync()
         else:
             await self._settle("renew", self.admin_timeout_s)

@@ -1,6 +1,4 @@
-"""The Redis connections of the calls on a routed request's path: one pipelined
-asyncio connection (`RespConnection`), and a blocking socket for the booking
-(`BlockingConnection`).
+"""One pipelined Redis connection for the calls on a routed request's path.
 
 redis-py's asyncio client costs about 55-80 us of CPU per command on the project's
 machine (its connection pool, its command packing and reading, a lock per
@@ -20,8 +18,6 @@ reconnect, unlike redis-py, which must drop a connection whose reply it will not
 from __future__ import annotations
 
 import asyncio
-import socket
-import time
 from collections import deque
 from typing import Any, cast
 
@@ -130,107 +126,3 @@ class RespConnection(asyncio.Protocol):
             fut = self._waiters.popleft()
             if not fut.done():
                 fut.set_exception(exc)
-
-
-class BlockingConnection:
-    """A blocking socket to Redis for the booking, the one call a routed request waits
-    for. The event loop's thread sends the script and sleeps in the kernel until the
-    reply comes, within the call's budget: no loop turn between the reply and the
-    request's next step, which under load costs more than the round trip itself
-    (docs/results/state.md). Replies of calls abandoned at their budget are read and
-    dropped before the next call's (Redis answers in order)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._reader = hiredis.Reader(replyError=ResponseError, encoding="utf-8")
-        self._abandoned = 0  # replies still to come for calls that gave up
-        self.lost: BaseException | None = None
-
-    @classmethod
-    def open(cls, url: str, timeout_s: float) -> BlockingConnection:
-        """Connect to a `redis://` or `unix://` URL (with its user, password and db)
-        within `timeout_s`; raises OSError or a redis error."""
-        if url.startswith("rediss://"):
-            raise ConfigError("the blocking connection does not do TLS; use fast_path=False")
-        kw = parse_url(url)
-        if "path" in kw:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(timeout_s)
-            try:
-                sock.connect(kw["path"])
-            except BaseException:
-                sock.close()
-                raise
-        else:
-            sock = socket.create_connection(
-                (kw.get("host", "localhost"), int(kw.get("port", 6379))), timeout_s
-            )
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = cls(sock)
-        try:
-            if kw.get("password"):
-                user = [kw["username"]] if kw.get("username") else []
-                conn.call(timeout_s, "AUTH", *user, kw["password"])
-            if int(kw.get("db", 0) or 0):
-                conn.call(timeout_s, "SELECT", int(kw["db"]))
-        except BaseException:
-            conn.close()
-            raise
-        return conn
-
-    @property
-    def usable(self) -> bool:
-        return self.lost is None
-
-    def call(self, timeout_s: float, *args: str | int | float) -> Any:
-        """One command, its reply within `timeout_s` (TimeoutError after it, the reply
-        dropped when it comes); an error reply raised as ResponseError (NoScriptError
-        for NOSCRIPT); RedisConnectionError when the connection goes."""
-        if self.lost is not None:
-            raise RedisConnectionError(f"connection to redis lost: {self.lost}")
-        deadline = time.monotonic() + timeout_s
-        try:
-            self._sock.settimeout(timeout_s)
-            self._sock.sendall(hiredis.pack_command(args))  # type: ignore[arg-type]
-            while True:
-                reply = self._reader.gets()
-                if reply is False:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError
-                    self._sock.settimeout(left)
-                    data = self._sock.recv(65536)
-                    if not data:
-                        raise RedisConnectionError("connection to redis lost: closed")
-                    self._reader.feed(data)
-                    continue
-                if self._abandoned:
-                    self._abandoned -= 1
-                    continue
-                break
-        except TimeoutError:  # socket.timeout is TimeoutError
-            self._abandoned += 1
-            raise
-        except hiredis.ProtocolError as exc:
-            self._lose(RedisConnectionError(f"protocol error from redis: {exc}"))
-            raise self.lost from exc  # type: ignore[misc]
-        except OSError as exc:
-            self._lose(RedisConnectionError(f"connection to redis lost: {exc}"))
-            raise self.lost from exc  # type: ignore[misc]
-        except RedisConnectionError as exc:
-            self._lose(exc)
-            raise
-        if isinstance(reply, ResponseError):
-            if str(reply).startswith("NOSCRIPT"):
-                raise NoScriptError(str(reply))
-            raise reply
-        return reply
-
-    def _lose(self, exc: BaseException) -> None:
-        self.lost = exc
-        self._sock.close()
-
-    def close(self) -> None:
-        if self.lost is None:
-            self.lost = RedisConnectionError("closed")
-        self._sock.close()

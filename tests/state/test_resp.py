@@ -1,5 +1,4 @@
-"""The connections of the calls on a routed request's path (quillcache/state/resp.py):
-the pipelined asyncio one, and the booking's blocking socket."""
+"""The pipelined connection of the share-changing scripts (quillcache/state/resp.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from quillcache.errors import ConfigError
-from quillcache.state.resp import BlockingConnection, RespConnection
+from quillcache.state.resp import RespConnection
 from tests.state.helpers import run
 from tests.state.server import RedisServer
 
@@ -68,47 +67,3 @@ def test_db_and_tls_urls(redis_server: RedisServer) -> None:
             await RespConnection.open("rediss://127.0.0.1:1/0")
 
     run(main())
-
-
-def test_the_blocking_connection_drops_abandoned_replies(redis_server: RedisServer) -> None:
-    c = BlockingConnection.open(redis_server.url, 1.0)
-    try:
-        assert [c.call(1.0, "INCR", "n") for _ in range(3)] == [1, 2, 3]
-        with pytest.raises(ResponseError):
-            c.call(1.0, "INCR", "nope", "extra")  # wrong number of arguments
-        with pytest.raises(NoScriptError):
-            c.call(1.0, "EVALSHA", "0" * 40, 0)
-        # calls abandoned at their budget while Redis does not answer: their replies are
-        # dropped when they come, and the next call gets its own
-        redis_server.pause()
-        try:
-            for value in ("first", "second"):
-                with pytest.raises(TimeoutError):
-                    c.call(0.05, "SET", "k", value)
-        finally:
-            redis_server.resume()
-        assert c.call(1.0, "GET", "k") == "second"
-        assert c.call(1.0, "INCR", "n") == 4
-        assert c.usable
-        # the server goes: the call fails and the connection says so
-        redis_server.stop()
-        with pytest.raises(RedisConnectionError):
-            c.call(1.0, "PING")
-        assert not c.usable
-        with pytest.raises(RedisConnectionError):
-            c.call(1.0, "PING")
-    finally:
-        c.close()
-    with pytest.raises(ConfigError):
-        BlockingConnection.open("rediss://127.0.0.1:1/0", 1.0)
-
-
-def test_the_blocking_connection_selects_its_db(redis_server: RedisServer) -> None:
-    c = BlockingConnection.open(redis_server.url.replace("/0", "/3"), 1.0)
-    c.call(1.0, "SET", "where", "db3")
-    c.close()
-    d = BlockingConnection.open(redis_server.url, 1.0)
-    assert d.call(1.0, "GET", "where") is None
-    assert d.call(1.0, "SELECT", 3) == "OK"
-    assert d.call(1.0, "GET", "where") == "db3"
-    d.close()
