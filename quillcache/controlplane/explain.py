@@ -128,12 +128,12 @@ def usable_blocks(view: View, request: Request, at: npt.NDArray[np.intp]) -> npt
     return np.minimum(held, len(request.content_keys))
 
 
-def _rows_that_can_hold_most(view: View) -> npt.NDArray[np.intp]:
+def _rows_that_can_hold_most(view: View, every_row: bool) -> npt.NDArray[np.intp]:
     """Positions (ascending) among which the longest usable prefix lies, first among
     equals included: every row, or on a prunable view the rows above the floor and the
     first row holding just the floor."""
     n = len(view)
-    if not view.prunable:
+    if every_row or not view.prunable:
         return np.arange(n, dtype=np.intp)
     above = view.above_floor()
     if len(above) >= n:
@@ -150,11 +150,18 @@ def tokens_of(blocks: int, view: View, request: Request) -> int:
 
 
 def explain(
-    request: Request, view: View, decision: Decision, *, candidates: bool = False
+    request: Request,
+    view: View,
+    decision: Decision,
+    *,
+    candidates: bool = False,
+    every_row: bool = False,
 ) -> Explanation:
     """`decision` (for `request` on `view`) beside the KV-optimal row. `candidates`:
-    list up to `MAX_CANDIDATES` rows with their usable prefix, load and estimate."""
-    at = _rows_that_can_hold_most(view)
+    list up to `MAX_CANDIDATES` rows with their usable prefix, load and estimate.
+    `every_row`: read every row even on a prunable view (its pending column was filled
+    from outside the plane, so `above_floor()` does not know those rows)."""
+    at = _rows_that_can_hold_most(view, every_row)
     kv_optimal: tuple[int, int] | None = None
     best_blocks = 0
     usable = np.zeros(0, dtype=np.int64)

@@ -592,6 +592,8 @@ _KEPT = (
     "worker_share",
     "kv_exceeds_gpu",
     "capacity_blocks",
+    "kv_optimal_share",
+    "regret_tokens_per_request",
 )
 
 
@@ -717,6 +719,11 @@ def summarize(grid: Grid, runs: list[dict[str, Any]]) -> dict[str, Any]:
             row["block_hit_rate"] = _r(_mean(hits))
             row["rejected"] = sum(r["rejected"] for r in mine)
             row["max_worker_share"] = _r(_mean([max(r["worker_share"]) for r in mine]), 4)
+            # regret (docs/simulator.md): prefill another routable engine held, per request
+            row["kv_optimal_share"] = _r(_mean([r["kv_optimal_share"] for r in mine]), 4)
+            row["regret_tokens_per_request"] = _r(
+                _mean([r["regret_tokens_per_request"] for r in mine]), 2
+            )
             routers[router] = row
         cells.append(
             {

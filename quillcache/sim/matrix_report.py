@@ -17,6 +17,14 @@ def _s(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.1f} %"
+
+
+def _tokens(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.1f}"
+
+
 def _loss(v: dict[str, Any]) -> str:
     verdict = _VERDICT.get(v["verdict"], v["verdict"])
     pct = v.get("own_vs_best_pct")
@@ -50,7 +58,10 @@ def page(
         f"Each value is the mean over the seeds; ± is the seeds' max - min. The winner has the "
         f"lowest mean among routers that rejected no request. `{own}` is judged *best*, "
         "*within the winner's spread* (its mean ≤ the winner's mean + the winner's spread), "
-        "or *loses*.",
+        "or *loses*. KV-optimal: the share of requests placed on an engine holding the "
+        "longest usable prefix among the routable ones; regret: the prefill tokens per request "
+        "such an engine held that the chosen one did not (mean over the seeds; "
+        "docs/simulator.md).",
         "",
     ]
     for metric, label in (("mean", "mean TTFT"), ("p99", "p99 TTFT")):
@@ -98,8 +109,8 @@ def page(
             f"x{c['time_scale']:g}{kv}" + (f"; {'; '.join(extra)}" if extra else "") + ".",
             "",
             "| router | TTFT mean (s) | ± | TTFT p99 (s) | ± | block hit | busiest engine "
-            "| rejected |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| rejected | KV-optimal | regret (tokens/req) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name, r in c["routers"].items():
             marks = "".join(f" ({m} winner)" for m in ("mean", "p99") if c[m].get("winner") == name)
@@ -107,7 +118,9 @@ def page(
             lines.append(
                 f"| {name}{marks} | {_s(r['ttft_mean_s'])} | {_s(r['ttft_mean_spread_s'])} | "
                 f"{_s(r['ttft_p99_s'])} | {_s(r['ttft_p99_spread_s'])} | {hit} | "
-                f"{r['max_worker_share'] * 100:.0f} % | {r['rejected']} |"
+                f"{r['max_worker_share'] * 100:.0f} % | {r['rejected']} | "
+                f"{_share(r.get('kv_optimal_share'))} | "
+                f"{_tokens(r.get('regret_tokens_per_request'))} |"
             )
         lines += [
             "",

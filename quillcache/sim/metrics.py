@@ -22,6 +22,9 @@ class Record:
     first_token_s: float = float("nan")
     finish_s: float = float("nan")
     rejected: str = ""
+    # the decision beside the KV-optimal row (`quillcache.controlplane.explain`)
+    avoided_tokens: int = 0  # the chosen engine's usable prefix
+    avoidable_tokens: int = 0  # the longest usable prefix among the routable engines
 
 
 def _pct(a: np.ndarray, q: float) -> float:
@@ -90,6 +93,7 @@ class RunResult:
             "worker_share_cv": _r(cv, 4),
             "index_blocks": self.index_blocks,
             "events_applied": self.events_applied,
+            **_regret(served),
         }
         if self.timing == "full":
             ttft = np.array([r.first_token_s - r.arrival_s for r in served])
@@ -122,3 +126,19 @@ class RunResult:
                 wall_s=_r(self.wall_s, 3),
             )
         return out
+
+
+def _regret(served: list[Record]) -> dict[str, Any]:
+    """The decisions beside the KV-optimal ones (docs/simulator.md): the share of served
+    requests placed on an engine holding the longest usable prefix, and the prefill
+    tokens another routable engine held that the chosen one did not (total, per
+    request)."""
+    avoidable = sum(r.avoidable_tokens for r in served)
+    regret = avoidable - sum(r.avoided_tokens for r in served)
+    optimal = sum(r.avoided_tokens == r.avoidable_tokens for r in served)
+    return {
+        "kv_optimal_share": _r(optimal / len(served) if served else 0.0),
+        "prefill_tokens_avoidable": avoidable,
+        "regret_tokens": regret,
+        "regret_tokens_per_request": _r(regret / len(served) if served else 0.0, 2),
+    }

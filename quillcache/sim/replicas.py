@@ -37,7 +37,7 @@ import copy
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -45,6 +45,7 @@ import numpy.typing as npt
 
 from quillcache._native import PendingPrefixes
 from quillcache.controlplane import ControlPlane, OpLatencies
+from quillcache.controlplane.explain import explain
 from quillcache.controlplane.load import LocalLoadStore
 from quillcache.costmodel import CostModel
 from quillcache.errors import ConfigError
@@ -348,6 +349,13 @@ class ReplicaFleet:
             for worker, load in self._truth_rows.items():  # one replica: no one else's load
                 plane.update_load(worker, **load)
         decision = plane.route(request, now_s)
+        # regret against the fleet's index (the shadow's view: every event, and the
+        # placements of every replica pending), not what the deciding replica knew
+        truth = self.shadow.view(request, now_s)
+        if self.union is not None:
+            self.union.fill(request, truth)
+        why = explain(request, truth, decision, every_row=True)
+        decision = replace(decision, explanation=why)
         shadow = self.shadow.route(request, now_s)
         self.decisions += 1
         self.per_replica[i] += 1

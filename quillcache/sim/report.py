@@ -34,7 +34,7 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
         cols.append("capacity")
     if replicas:
         cols += ["replicas", "state", "precision"]
-    cols += ["KV GiB", "block hit", "token hit", "prefill tok"]
+    cols += ["KV GiB", "block hit", "token hit", "prefill tok", "KV-opt", "regret/req"]
     if full:
         cols += ["TTFT mean", "p50", "p99", "E2E mean", "req/s"]
     cols += ["rejected", "share CV", "match µs", "wall s"]
@@ -57,6 +57,8 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
             _f(r["block_hit_rate"] * 100, ".1f") + "%",
             _f(r["token_hit_rate"] * 100, ".1f") + "%",
             f"{r['prefill_tokens_computed']:,}",
+            _f(_pct(r.get("kv_optimal_share")), ".1f") + "%",
+            _f(r.get("regret_tokens_per_request"), ",.1f"),
         ]
         if full:
             row += [
@@ -74,6 +76,10 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
         ]
         t.add_row(*row)
     table_console().print(t)
+
+
+def _pct(share: float | None) -> float | None:
+    return None if share is None else share * 100
 
 
 def _kv_gib(r: dict[str, Any]) -> str:

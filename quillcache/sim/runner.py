@@ -110,6 +110,13 @@ def _peer_end(decision: Decision) -> int:
     return 0
 
 
+def _explained(rec: Record, decision: Decision) -> None:
+    why = decision.explanation
+    if why is not None:
+        rec.avoided_tokens = why.avoided_tokens
+        rec.avoidable_tokens = why.avoidable_tokens
+
+
 def run(
     workload: Workload,
     router: str | Router,
@@ -156,6 +163,7 @@ def run(
             speculative=speculative,
             order_only=config.timing == "none",
             latencies=latencies,
+            explain=True,
         )
         add_worker = plane.add_worker
     else:
@@ -301,6 +309,7 @@ def _order_only(
         if payload:
             cp.ingest(w, [payload])
         rec.worker = w
+        _explained(rec, decision)
         rec.hit_blocks = run.hit_blocks
         rec.first_token_s = rec.finish_s = r.arrival_s
         # load proxy: what each worker received among the last `window` requests
@@ -416,6 +425,7 @@ def _timed(
             cp.finish(r.rid)
             continue
         rec.worker = w
+        _explained(rec, decision)
         eng.enqueue(r, _peer_end(decision))
         cp.update_load(w, **eng.load())
         st = steps[w]
