@@ -4,6 +4,7 @@ Workers: list, add, get, remove, drain. Lookup: which worker holds how much of a
 Index: stats, event sources, ingest counters and the gateway's own latency samples.
 Pins: pin or unpin the blocks of a prompt.
 Snapshot: the index image and every source's position, for a joining peer (`bootstrap`).
+Decisions: the last sampled routing decisions, each beside its KV-optimal alternative.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from quillcache.gateway.fleet import FleetLink
 from quillcache.gateway.httpio import ApiError, json_object, validate_completion
 from quillcache.gateway.identify import RequestIdentifier
 from quillcache.gateway.metrics import GatewayMetrics
-from quillcache.gateway.outcomes import LatencySamples
+from quillcache.gateway.outcomes import DecisionLog, LatencySamples
 from quillcache.gateway.peer_snapshot import SnapshotHeader, SourceEntry, chunks, encode
 from quillcache.gateway.tenancy import TenantPolicy, valid_tenant
 from quillcache.gateway.workers import DiscoveryError, Worker, WorkerPool
@@ -58,8 +59,10 @@ class AdminApi:
         fleet: FleetLink | None = None,
         ready: Callable[[], bool] | None = None,
         metrics: GatewayMetrics | None = None,
+        decisions: DecisionLog | None = None,
     ) -> None:
         self.config = config
+        self.decisions = decisions if decisions is not None else DecisionLog()
         self.plane = plane
         self.pool = pool
         self.ingestor = ingestor
@@ -172,6 +175,28 @@ class AdminApi:
             for values in samples.values():
                 values.clear()
         return response
+
+    async def decisions_log(self, request: Request) -> Response:
+        """`GET /admin/decisions[?limit=N]`: the last N (default all kept) sampled
+        decisions, oldest first, each with its explanation (docs/gateway.md)."""
+        log_ = self.decisions
+        raw = request.query_params.get("limit")
+        limit = log_.capacity
+        if raw is not None:
+            try:
+                limit = int(raw)
+            except ValueError:
+                limit = 0
+            if not 1 <= limit <= log_.capacity:
+                raise ApiError(400, f"limit must be an integer from 1 to {log_.capacity}")
+        entries = list(log_.entries)[-limit:]
+        return JSONResponse(
+            {
+                "capacity": log_.capacity,
+                "sample_interval_s": log_.interval_s,
+                "decisions": entries,
+            }
+        )
 
     async def pins(self, request: Request) -> Response:
         keys = await self._keys_of(request)

@@ -343,6 +343,7 @@ class Gateway:
             fleet=self.fleet,
             ready=lambda: self.readiness().ready,
             metrics=self.metrics,
+            decisions=self.outcomes.decisions,
         )
         self.ingest = IngestEndpoint(
             ingestor=self.ingestor,
@@ -459,6 +460,7 @@ class Gateway:
             Route("/admin/index", admin("index"), methods=["GET"]),
             Route("/admin/pins", admin("pins"), methods=["POST", "DELETE"]),
             Route("/admin/snapshot", admin("snapshot"), methods=["GET"]),
+            Route("/admin/decisions", admin("decisions_log"), methods=["GET"]),
             Route("/ingest/kv_events", admin_only(ingest), methods=["POST"]),
         ]
         app = Starlette(routes=routes, lifespan=self.lifespan if with_lifespan else None)

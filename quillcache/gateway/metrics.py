@@ -72,6 +72,25 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # each routed decision beside the KV-optimal one (controlplane/explain.py): the
+        # regret is avoidable - avoided, the share kv_optimal / routed decisions
+        self.decisions_kv_optimal = Counter(
+            "quillcache_decisions_kv_optimal",
+            "Routed requests placed on an engine holding the longest usable prefix among "
+            "the candidates (no regret).",
+            registry=r,
+        )
+        self.prefill_tokens_avoidable = Counter(
+            "quillcache_prefill_tokens_avoidable",
+            "Prompt tokens the candidate holding the longest usable prefix held, per routed "
+            "request: what the best placement for the cache would not prefill.",
+            registry=r,
+        )
+        self.prefill_tokens_avoided = Counter(
+            "quillcache_prefill_tokens_avoided",
+            "Prompt tokens the chosen engine held (its usable prefix), per routed request.",
+            registry=r,
+        )
         self.route_time = Histogram(
             "quillcache_route_seconds",
             "Time to tokenize, hash and route a request.",

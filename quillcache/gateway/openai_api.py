@@ -302,7 +302,15 @@ class OpenAIEndpoints:
         candidates, prompt_tokens = prepared.candidates, prepared.prompt_tokens
         rid = route_request.request_id
         try:
-            decision = self.plane.route(route_request, now_s=time.monotonic(), only=candidates)
+            # every decision is explained (the regret counters); a sampled one lists its
+            # candidates for /admin/decisions
+            decision = self.plane.route(
+                route_request,
+                now_s=time.monotonic(),
+                only=candidates,
+                explain=True,
+                candidates=self.outcomes.decisions.sample(),
+            )
         except RouterContractError as exc:
             log.error("gateway: %s", exc)
             self.outcomes.not_routed(rid, "router error", None)
@@ -310,7 +318,7 @@ class OpenAIEndpoints:
         routed_s = time.perf_counter() - prepared.routing_started
         if decision.rejected or decision.worker is None:
             reason = decision.reason or "rejected"
-            self.outcomes.not_routed(rid, reason, routed_s)
+            self.outcomes.not_routed(rid, reason, routed_s, decision.explanation)
             if "no routable worker" in reason:
                 raise ApiError(503, f"request not routed: {reason}", "ServiceUnavailableError")
             raise ApiError(429, f"request not routed: {reason}", "RateLimitError")
@@ -319,7 +327,13 @@ class OpenAIEndpoints:
         cached_blocks = sum(step.blocks for step in decision.plan if step.action == Action.REUSE)
         cached_tokens = min(cached_blocks * self.plane.block_size, prompt_tokens)
         self.outcomes.routed(
-            worker.id, decision.reason or "chosen", routed_s, cached_tokens, prompt_tokens
+            worker.id,
+            decision.reason or "chosen",
+            routed_s,
+            cached_tokens,
+            prompt_tokens,
+            request_id=rid,
+            explanation=decision.explanation,
         )
         dp_rank = decision.dp_rank if decision.dp_rank is not None else 0
         return worker, dp_rank, self.first_byte_limit(route_request, cached_tokens)

@@ -9,10 +9,13 @@ engine's events, take a failing engine out of rotation and count it, exactly onc
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from quillcache.connectors import EventIngestor
 from quillcache.controlplane import ControlPlane
+from quillcache.controlplane.explain import Explanation
 from quillcache.gateway.metrics import GatewayMetrics
 from quillcache.gateway.shared_routing import SharedRouting
 from quillcache.gateway.workers import WorkerPool
@@ -43,6 +46,32 @@ class LatencySamples:
         }
 
 
+class DecisionLog:
+    """The last `capacity` sampled decisions with their explanation and candidates, for
+    `GET /admin/decisions`. At most one decision per `interval_s` is sampled: the cost
+    (listing the candidates, one dict kept) is bounded per second, whatever the rate;
+    under light traffic every decision is."""
+
+    def __init__(self, capacity: int = 256, interval_s: float = 0.05) -> None:
+        self.capacity = capacity
+        self.interval_s = interval_s
+        self.entries: collections.deque[dict[str, Any]] = collections.deque(maxlen=capacity)
+        self._last_s = -float("inf")
+
+    def sample(self) -> bool:
+        """Whether the decision about to be made is sampled (then `add` it)."""
+        now = time.monotonic()
+        if now - self._last_s < self.interval_s:
+            return False
+        self._last_s = now
+        return True
+
+    def add(self, request_id: int | str, router: str, why: Explanation) -> None:
+        self.entries.append(
+            {"request_id": request_id, "unix_s": time.time(), "router": router, **why.as_dict()}
+        )
+
+
 class RequestOutcomes:
     def __init__(
         self,
@@ -59,6 +88,7 @@ class RequestOutcomes:
         self.metrics = metrics
         self.router_name = router_name
         self.samples = LatencySamples()
+        self.decisions = DecisionLog()
         # with shared state, the booking in Redis follows the plane's (None: local state)
         self.shared: SharedRouting | None = None
 
@@ -70,7 +100,15 @@ class RequestOutcomes:
     # -- the decision --------------------------------------------------------------------
 
     def routed(
-        self, worker_id: int, reason: str, routed_s: float, cached_tokens: int, prompt_tokens: int
+        self,
+        worker_id: int,
+        reason: str,
+        routed_s: float,
+        cached_tokens: int,
+        prompt_tokens: int,
+        *,
+        request_id: int | str = "",
+        explanation: Explanation | None = None,
     ) -> None:
         m = self.metrics
         m.route_time.observe(routed_s)
@@ -78,14 +116,33 @@ class RequestOutcomes:
         m.decision(self.router_name, reason, str(worker_id))
         m.predicted_hit_tokens.inc(cached_tokens)
         m.prompt_tokens.inc(prompt_tokens)
+        if explanation is not None:
+            if explanation.is_kv_optimal:
+                m.decisions_kv_optimal.inc()
+            m.prefill_tokens_avoidable.inc(explanation.avoidable_tokens)
+            m.prefill_tokens_avoided.inc(explanation.avoided_tokens)
+            self._log(request_id, explanation)
 
-    def not_routed(self, request_id: int | str, reason: str, routed_s: float | None) -> None:
+    def not_routed(
+        self,
+        request_id: int | str,
+        reason: str,
+        routed_s: float | None,
+        explanation: Explanation | None = None,
+    ) -> None:
         """A rejection (or a router error, `routed_s` None): nothing was booked to keep."""
         if routed_s is not None:
             self.metrics.route_time.observe(routed_s)
             self.samples.route.append(routed_s)
             self._plane.finish(request_id)
         self.metrics.decision(self.router_name, reason[:60], "none")
+        if explanation is not None:
+            self._log(request_id, explanation)
+
+    def _log(self, request_id: int | str, explanation: Explanation) -> None:
+        # sampled decisions are the ones routed with their candidates listed
+        if explanation.candidates:
+            self.decisions.add(request_id, self.router_name, explanation)
 
     def forwarding(self, since_entry_s: float) -> None:
         self.samples.pre_upstream.append(since_entry_s)
