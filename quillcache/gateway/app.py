@@ -59,7 +59,7 @@ from quillcache.gateway.secret import load_or_create
 from quillcache.gateway.tenancy import TenantPolicy
 from quillcache.gateway.workers import Worker, WorkerPool
 from quillcache.routing import Router
-from quillcache.routing.registry import import_router
+from quillcache.routing.registry import create_router, import_router
 from quillcache.tokenization.request import RequestTokenizer
 
 log = logging.getLogger(__name__)
@@ -78,11 +78,12 @@ def resolve_router(spec: str, options: dict[str, Any]) -> Router | str:
     if ":" not in spec:
         return spec
     try:
-        cls = import_router(spec)
+        import_router(spec)
+        # through create_router, as a registered name: the options every router takes
+        # (ttft_slo_s, tbt_slo_s) work for a user's router too
+        router = create_router(spec, **options)
     except UnknownRouterError as exc:
         raise ConfigError(str(exc)) from None
-    try:
-        router = cls(**options)
     except TypeError as exc:
         raise ConfigError(f"router {spec!r}: bad router_options: {exc}") from exc
     if not callable(getattr(router, "route", None)):
