@@ -124,25 +124,38 @@ class ExplainTotals:
 def usable_blocks(view: View, request: Request, at: npt.NDArray[np.intp]) -> npt.NDArray[np.int64]:
     """The usable prefix (module docstring) of the rows at positions `at`, in blocks."""
     c = view.columns
-    held = np.maximum(c.local_blocks[at], c.pending_blocks[at])
-    return np.minimum(held, len(request.content_keys))
+    # the rows' own tiers (`local_blocks` would take the maximum over every row first)
+    local = np.maximum(np.maximum(c.gpu_blocks[at], c.cpu_blocks[at]), c.disk_blocks[at])
+    return np.minimum(np.maximum(local, c.pending_blocks[at]), len(request.content_keys))
 
 
-def _rows_that_can_hold_most(view: View, every_row: bool) -> npt.NDArray[np.intp]:
+def _rows_that_can_hold_most(view: View, every_row: bool) -> list[int]:
     """Positions (ascending) among which the longest usable prefix lies, first among
     equals included: every row, or on a prunable view the rows above the floor and the
-    first row holding just the floor."""
+    first row holding just the floor (a few rows: plain Python beats numpy there)."""
     n = len(view)
     if every_row or not view.prunable:
-        return np.arange(n, dtype=np.intp)
-    above = view.above_floor()
+        return list(range(n))
+    above: list[int] = view.above_floor().tolist()
     if len(above) >= n:
         return above
-    # the first position not above the floor: above is ascending, so it is the first i
-    # with above[i] != i (or len(above))
-    differs = np.flatnonzero(above != np.arange(len(above)))
-    first_floor = int(differs[0]) if len(differs) else len(above)
-    return np.sort(np.append(above, first_floor)).astype(np.intp)
+    # above is ascending: the first floor row is the first i with above[i] != i
+    first_floor = next((i for i, p in enumerate(above) if p != i), len(above))
+    above.insert(first_floor, first_floor)
+    return above
+
+
+def _position(view: View, worker: int, dp_rank: int) -> int:
+    """`view.position`, by bisection: the view is sorted by id, then rank, and holds a
+    worker's ranks side by side from 0. -1 when not a candidate."""
+    c = view.columns
+    i = int(np.searchsorted(c.worker, worker)) + dp_rank
+    if i < len(c.worker) and int(c.worker[i]) == worker and int(c.dp_rank[i]) == dp_rank:
+        return i
+    try:
+        return view.position(worker, dp_rank)
+    except KeyError:
+        return -1
 
 
 def tokens_of(blocks: int, view: View, request: Request) -> int:
@@ -161,29 +174,29 @@ def explain(
     list up to `MAX_CANDIDATES` rows with their usable prefix, load and estimate.
     `every_row`: read every row even on a prunable view (its pending column was filled
     from outside the plane, so `above_floor()` does not know those rows)."""
-    at = _rows_that_can_hold_most(view, every_row)
-    kv_optimal: tuple[int, int] | None = None
-    best_blocks = 0
-    usable = np.zeros(0, dtype=np.int64)
-    if len(at):
-        usable = usable_blocks(view, request, at)
-        best = int(np.argmax(usable))  # the first maximum: view order is id, then rank
-        c = view.columns
-        kv_optimal = (int(c.worker[at[best]]), int(c.dp_rank[at[best]]))
-        best_blocks = int(usable[best])
+    rows = _rows_that_can_hold_most(view, every_row)
     chosen: tuple[int, int] | None = None
-    chosen_blocks = 0
+    chosen_at = -1
     if decision.worker is not None:
         chosen = (decision.worker, decision.dp_rank or 0)
-        try:
-            pos = view.position(*chosen)
-        except KeyError:
-            pos = -1
-        if pos >= 0:
-            chosen_blocks = int(usable_blocks(view, request, np.array([pos], np.intp))[0])
+        chosen_at = _position(view, *chosen)
+    # one read of the columns for the rows that can hold most and the chosen one
+    at = [*rows, chosen_at] if chosen_at >= 0 else rows
+    usable = usable_blocks(view, request, np.asarray(at, np.intp))
+    held: list[int] = usable.tolist()
+    chosen_blocks = held.pop() if chosen_at >= 0 else 0
+    kv_optimal: tuple[int, int] | None = None
+    best_blocks = 0
+    if rows:
+        best = max(range(len(held)), key=held.__getitem__)  # the first maximum
+        c = view.columns
+        kv_optimal = (int(c.worker[rows[best]]), int(c.dp_rank[rows[best]]))
+        best_blocks = held[best]
     listed: tuple[Candidate, ...] = ()
-    if candidates and len(at):
-        listed = _candidates(request, view, at, usable, chosen, kv_optimal)
+    if candidates and rows:
+        listed = _candidates(
+            request, view, np.asarray(rows, np.intp), usable[: len(rows)], chosen, kv_optimal
+        )
     return Explanation(
         chosen=chosen,
         kv_optimal=kv_optimal,
@@ -209,11 +222,8 @@ def _candidates(
     for row in (kv_optimal, chosen):
         if row is None:
             continue
-        try:
-            pos = view.position(*row)
-        except KeyError:
-            continue
-        if pos not in positions:
+        pos = _position(view, *row)
+        if pos >= 0 and pos not in positions:
             positions.append(pos)
     out = []
     for pos in positions:

@@ -668,7 +668,14 @@ class ControlPlane:
         if self.explain if explain is None else explain:
             why = _explain(request, view, decision, candidates=candidates)
             self.explain_totals.add(why)
-            decision = replace(decision, explanation=why)
+            decision = Decision(
+                decision.worker,
+                decision.plan,
+                decision.estimate,
+                decision.reason,
+                decision.dp_rank,
+                why,
+            )
         return decision
 
     def _route(
