@@ -21,8 +21,7 @@ replica's last known loads puts it (`LocalFallback.engine`); `RedisFleetState` w
 rate-limited log line, `on_booked` counts it.
 
 The plane tracks the request on the router's choice (its speculative prefix there); when
-the booking takes another candidate, that prefix stays recorded on the first until the
-first byte or its TTL. A hook in the plane to move a tracked request would remove that.
+the booking takes another candidate, the caller moves it there (`ControlPlane.move`).
 """
 
 from __future__ import annotations
