@@ -521,11 +521,26 @@ class CostKernel:
         blocks: int,
         prompt_tokens: int,
         block_size: int,
-        *,
-        at: npt.NDArray[np.intp] | None = None,
     ) -> tuple[int, npt.NDArray[np.float64]]:
-        """(position, estimates): estimated TTFT per row and the row that wins; `at`:
-        only the rows at these positions, the position returned is within `at`."""
+        """(position, estimates): estimated TTFT per row and the row that wins."""
+    def ttft_lowest(
+        self,
+        order: LoadOrder,
+        position: npt.NDArray[np.intp],
+        special: npt.NDArray[np.intp],
+        worker: npt.NDArray[np.uint64],
+        load: npt.NDArray[np.float64],
+        gpu: npt.NDArray[np.int64],
+        cpu: npt.NDArray[np.int64],
+        disk: npt.NDArray[np.int64],
+        pending: npt.NDArray[np.int64],
+        blocks: int,
+        prompt_tokens: int,
+        block_size: int,
+    ) -> int | None:
+        """`ttft`'s position, walking `special` then the rest in `order` (by queued
+        prefill tokens; `position[row]` < 0: not a candidate) until no row left can
+        win; None: peer fetch or a NaN estimate (score every row)."""
     def quill(
         self,
         worker: npt.NDArray[np.uint64],

@@ -167,7 +167,7 @@ def estimate_ttft_s_array(request: Request, view: View) -> npt.NDArray[np.float6
 
 
 def kernel_rows(
-    view: View, at: npt.NDArray[np.intp] | None = None
+    view: View,
 ) -> tuple[
     npt.NDArray[np.uint64],
     npt.NDArray[np.float64],
@@ -176,25 +176,15 @@ def kernel_rows(
     npt.NDArray[np.int64],
     npt.NDArray[np.int64],
 ]:
-    """The columns `CostModel.kernel` scores, in its argument order: every row, or the
-    rows at positions `at` (ascending, so that the first among equals stays first)."""
+    """The columns `CostModel.kernel` scores, in its argument order."""
     c = view.columns
-    if at is None:
-        return (
-            c.worker,
-            np.ascontiguousarray(c.load),
-            c.gpu_blocks,
-            c.cpu_blocks,
-            c.disk_blocks,
-            c.pending_blocks,
-        )
     return (
-        c.worker[at],
-        c.load[at],
-        c.gpu_blocks[at],
-        c.cpu_blocks[at],
-        c.disk_blocks[at],
-        c.pending_blocks[at],
+        c.worker,
+        np.ascontiguousarray(c.load),
+        c.gpu_blocks,
+        c.cpu_blocks,
+        c.disk_blocks,
+        c.pending_blocks,
     )
 
 

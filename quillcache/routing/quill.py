@@ -244,7 +244,7 @@ class QuillCacheRouter(Router):
         once a lower bound of the rest (no decodes, nothing waiting, no session batch:
         every other term only adds) exceeds the best score: the same row, without
         visiting every row (`CostKernel.quill_lowest`, `tests/routing/test_pruning.py`)."""
-        walk = view.load_order(_BY_QUEUE)
+        walk = view.load_order(_BY_QUEUE) if len(view) >= WALK_MIN_ROWS else None
         if walk is not None:
             order, position = walk
             at = view.cost.kernel.quill_lowest(
@@ -357,6 +357,9 @@ class QuillCacheRouter(Router):
 
 #: The load order `chosen` walks: queued prefill tokens.
 _BY_QUEUE = ("queued_prefill_tokens",)
+#: Views from this many rows on are walked rather than scored whole: below it, one pass
+#: over every row costs less than the walk's set-up.
+WALK_MIN_ROWS = 512
 
 
 def _rows_by_worker(ids: npt.NDArray[np.uint64]) -> Callable[[int], npt.NDArray[np.intp]]:

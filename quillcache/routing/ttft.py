@@ -8,8 +8,12 @@ SLO, so it is registered as an alias of this one (`quillcache.routing`).
 
 from __future__ import annotations
 
-from quillcache.routing.base import Router, kernel_rows, pruned_lowest
+from quillcache.routing.base import Router, kernel_rows
 from quillcache.routing.types import Decision, Request, View
+
+#: Views from this many rows on are walked (`CostKernel.ttft_lowest`) rather than scored
+#: whole: below it, one pass over every row costs less than the walk's set-up.
+WALK_MIN_ROWS = 1024
 
 
 def lowest_ttft_at(request: Request, view: View) -> int:
@@ -22,15 +26,16 @@ def lowest_ttft_at(request: Request, view: View) -> int:
     worker)`, the readable reference (`tests/routing/test_kernels.py`)."""
     kernel = view.cost.kernel
     blocks, prompt, block_size = len(request.content_keys), request.prompt_tokens, view.block_size
-    if not view.cost.config.transfer.allow_peer_fetch:
+    walk = view.load_order(("queued_prefill_tokens",)) if len(view) >= WALK_MIN_ROWS else None
+    if walk is not None:
         # A row holding only the floor differs from the others only by its queue, and
-        # the estimate grows with the queue: the least queued few of those rows stand
-        # for all of them (`pruned_lowest`). With peer fetch a row's estimate also
-        # depends on the best other row, so every row is scored.
-        at = pruned_lowest(
-            view,
-            ("queued_prefill_tokens",),
-            lambda rows: kernel.ttft(*kernel_rows(view), blocks, prompt, block_size, at=rows),
+        # the estimate grows with the queue: the kernel scores the rows above the floor,
+        # then the others from the least queued on, until one scores above the best
+        # (`CostKernel.ttft_lowest`). With peer fetch a row's estimate also depends on
+        # the best other row: it answers None and every row is scored.
+        order, position = walk
+        at = kernel.ttft_lowest(
+            order, position, view.above_floor(), *kernel_rows(view), blocks, prompt, block_size
         )
         if at is not None:
             return at

@@ -20,12 +20,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import quillcache.routing.base as routing_base
+import quillcache.routing.quill as routing_quill
+import quillcache.routing.ttft as routing_ttft
 from quillcache.controlplane import ControlPlane
 from quillcache.costmodel import CostModelConfig
 from quillcache.errors import ConfigError
 from quillcache.events.encode import BlockStored, encode_batch
 from quillcache.hashing.reference import content_keys, namespace_id
-from quillcache.routing import BUILTIN_ORDER, Request, create_router
+from quillcache.routing import BUILTIN_ORDER, Decision, Request, Router, View, create_router
+from quillcache.routing.base import first_min, pruned_lowest
+from quillcache.routing.registry import register_router
 from quillcache.routing.types import LOAD_FIELDS
 from quillcache.state.load_store import SharedLoadStore
 from quillcache.state.types import EngineKey, SharedLoad
@@ -73,12 +77,41 @@ class Twins:
             p.close()
 
 
-@pytest.mark.parametrize("name", BUILTIN_ORDER)
+class FewestQueuedTokens(Router):
+    """A user's pruning router (`pruned_lowest`): the fewest queued tokens net of the
+    prefix a row holds, ties to the lowest id; a floor row's score grows with its
+    queue, so it may declare `prunes`."""
+
+    name = "test-fewest-queued-tokens"
+    prunes = True
+
+    def route(self, request: Request, view: View) -> Decision:
+        if not len(view):
+            return self.no_workers()
+        c = view.columns
+        held = np.minimum(c.local_blocks, len(request.content_keys)) * view.block_size
+
+        def score(at: np.ndarray) -> tuple[int, np.ndarray]:
+            s = c.queued_prefill_tokens[at] - held[at]
+            return first_min(s, c.worker[at]), s
+
+        at = pruned_lowest(view, ("queued_prefill_tokens",), score)
+        if at is None:
+            at = score(np.arange(len(view)))[0]
+        return self.decide(request, view, view.worker_at(at))
+
+
+register_router(FewestQueuedTokens.name, FewestQueuedTokens, replace=True)
+
+
+@pytest.mark.parametrize("name", [*BUILTIN_ORDER, FewestQueuedTokens.name])
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_pruned_views_make_the_same_decisions(name: str, data: st.DataObject) -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(routing_base, "PRUNE_FIRST_ROWS", 1)
+        mp.setattr(routing_ttft, "WALK_MIN_ROWS", 1)
+        mp.setattr(routing_quill, "WALK_MIN_ROWS", 1)
         same_decisions(name, data)
 
 

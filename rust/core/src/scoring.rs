@@ -102,53 +102,6 @@ impl Rows<'_> {
     }
 }
 
-/// `Rows` gathered at some positions (a pruned view's rows), owning their values.
-#[derive(Debug, Clone, Default)]
-pub struct GatheredRows {
-    worker: Vec<u64>,
-    load: Vec<f64>,
-    gpu: Vec<i64>,
-    cpu: Vec<i64>,
-    disk: Vec<i64>,
-    pending: Vec<i64>,
-}
-
-impl GatheredRows {
-    /// The rows of `rows` at `at` (in range, in the order given), or why not.
-    pub fn of(rows: &Rows<'_>, at: &[usize]) -> Result<Self, RowsError> {
-        rows.check(None)?;
-        let n = rows.len();
-        if let Some(&bad) = at.iter().find(|&&i| i >= n) {
-            return Err(RowsError::Lengths(format!("position {bad} of {n} rows")));
-        }
-        let mut out = Self {
-            load: Vec::with_capacity(at.len() * LOAD_WIDTH),
-            ..Self::default()
-        };
-        for &i in at {
-            out.worker.push(rows.worker[i]);
-            out.load
-                .extend_from_slice(&rows.load[i * LOAD_WIDTH..(i + 1) * LOAD_WIDTH]);
-            out.gpu.push(rows.gpu[i]);
-            out.cpu.push(rows.cpu[i]);
-            out.disk.push(rows.disk[i]);
-            out.pending.push(rows.pending[i]);
-        }
-        Ok(out)
-    }
-
-    pub fn rows(&self) -> Rows<'_> {
-        Rows {
-            worker: &self.worker,
-            load: &self.load,
-            gpu: &self.gpu,
-            cpu: &self.cpu,
-            disk: &self.disk,
-            pending: &self.pending,
-        }
-    }
-}
-
 /// What the estimates need of the request.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Ask {
@@ -641,11 +594,81 @@ pub fn quill_estimates(
         .collect())
 }
 
-/// `lowest(&quill_estimates(..), rows, true)` without scoring every row: the rows in
+/// What `lowest_walk` asks of a row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Eval {
+    /// Its score.
+    Score,
+    /// A lower bound of the score of it and of every row after it in the walk's order
+    /// that holds what it holds.
+    Bound,
+}
+
+/// `lowest(scores, rows, with_pending)` without scoring every row: the rows in
 /// `special` (every row that holds more of the request than the others, or has some of
-/// it pending), then the others in `by_queue` order (ascending queued prefill tokens),
-/// until a row's `QuillScorer::bound` exceeds the best score so far: no later row can
-/// then win or tie. None when the knobs or the scores do not allow it (NaN): score
+/// it pending), then the others in `by_queue` order, until a row's bound exceeds the
+/// best score so far: no later row can then win or tie. None when a score is NaN (which
+/// `lowest` orders by position alone).
+fn lowest_walk(
+    rows: &Rows<'_>,
+    with_pending: bool,
+    special: &[usize],
+    by_queue: impl Iterator<Item = usize>,
+    mut eval: impl FnMut(usize, Eval) -> f64,
+) -> Result<Option<usize>, RowsError> {
+    let n = rows.len();
+    // `lowest`'s order: score, longest prefix (held, or pending too), fewest in
+    // flight, id, then position (the first among equals)
+    type Key = (f64, i64, f64, u64, usize);
+    let mut best: Option<Key> = None;
+    let consider = |i: usize, score: f64, best: &mut Option<Key>| {
+        let in_flight = rows.field(i, IN_FLIGHT);
+        if score.is_nan() || in_flight.is_nan() {
+            return false;
+        }
+        let local = rows.local(i);
+        let reuse = -if with_pending {
+            local.max(rows.pending[i])
+        } else {
+            local
+        };
+        let k = (score, reuse, in_flight, rows.worker[i], i);
+        if best.is_none_or(|b| k.partial_cmp(&b) == Some(std::cmp::Ordering::Less)) {
+            *best = Some(k);
+        }
+        true
+    };
+    let mut is_special = vec![false; n];
+    for &i in special {
+        if i >= n {
+            return Err(RowsError::Lengths(format!("position {i} of {n} rows")));
+        }
+        is_special[i] = true;
+        if !consider(i, eval(i, Eval::Score), &mut best) {
+            return Ok(None);
+        }
+    }
+    for i in by_queue {
+        if i >= n {
+            return Err(RowsError::Lengths(format!("position {i} of {n} rows")));
+        }
+        if is_special[i] {
+            continue;
+        }
+        if let Some(b) = best {
+            if eval(i, Eval::Bound) > b.0 {
+                break;
+            }
+        }
+        if !consider(i, eval(i, Eval::Score), &mut best) {
+            return Ok(None);
+        }
+    }
+    Ok(best.map(|b| b.4))
+}
+
+/// `lowest(&quill_estimates(..), rows, true)` by `lowest_walk`: the bound of a row is
+/// `QuillScorer::bound`. None when the knobs do not allow it or a score is NaN: score
 /// every row.
 pub fn quill_lowest_walk(
     params: &CostParams,
@@ -661,53 +684,41 @@ pub fn quill_lowest_walk(
     if !scorer.walkable() {
         return Ok(None);
     }
-    let n = rows.len();
-    // `lowest`'s order: score, longest prefix held or pending, fewest in flight, id,
-    // then position (the first among equals)
-    type Key = (f64, i64, f64, u64, usize);
-    let mut best: Option<Key> = None;
-    // false: a NaN, which `lowest` orders by position alone; the walk cannot
-    let consider = |i: usize, scorer: &mut QuillScorer<'_>, best: &mut Option<Key>| {
-        let score = scorer.estimate(i, RowLoad::of(rows, i), session_batch.map(|b| b[i]));
-        let in_flight = rows.field(i, IN_FLIGHT);
-        if score.is_nan() || in_flight.is_nan() {
-            return false;
-        }
-        let reuse = -rows.local(i).max(rows.pending[i]);
-        let k = (score, reuse, in_flight, rows.worker[i], i);
-        if best.is_none_or(|b| k.partial_cmp(&b) == Some(std::cmp::Ordering::Less)) {
-            *best = Some(k);
-        }
-        true
-    };
-    let mut is_special = vec![false; n];
-    for &i in special {
-        if i >= n {
-            return Err(RowsError::Lengths(format!("position {i} of {n} rows")));
-        }
-        is_special[i] = true;
-        if !consider(i, &mut scorer, &mut best) {
-            return Ok(None);
-        }
-    }
-    for i in by_queue {
-        if i >= n {
-            return Err(RowsError::Lengths(format!("position {i} of {n} rows")));
-        }
-        if is_special[i] {
-            continue;
-        }
-        if let Some(b) = best {
+    lowest_walk(rows, true, special, by_queue, |i, what| match what {
+        Eval::Score => scorer.estimate(i, RowLoad::of(rows, i), session_batch.map(|b| b[i])),
+        Eval::Bound => {
             let queued = rows.field(i, QUEUED_PREFILL_TOKENS);
-            if scorer.bound(i, queued, session_batch.is_some()) > b.0 {
-                break;
-            }
+            scorer.bound(i, queued, session_batch.is_some())
         }
-        if !consider(i, &mut scorer, &mut best) {
-            return Ok(None);
-        }
+    })
+}
+
+/// `lowest(&ttft_estimates(..), rows, false)` by `lowest_walk`. A row that holds what
+/// the others hold is estimated from its queue alone (queue time, then the same
+/// transfer and prefill), and the queue time never decreases with the queue: the
+/// row's own estimate bounds every later row's. None with peer fetch (a row's estimate
+/// then depends on the best other row) or a NaN estimate: score every row.
+pub fn ttft_lowest_walk(
+    params: &CostParams,
+    rows: &Rows<'_>,
+    ask: &Ask,
+    special: &[usize],
+    by_queue: impl Iterator<Item = usize>,
+) -> Result<Option<usize>, RowsError> {
+    rows.check(None)?;
+    if params.allow_peer_fetch {
+        return Ok(None);
     }
-    Ok(best.map(|b| b.4))
+    let mut prefill = ByNewTokens::new();
+    let mut estimate = |i: usize| {
+        let gpu = rows.gpu[i].min(ask.blocks);
+        let (covered, transfer) = params.covered(rows, ask, i, gpu, 0);
+        let new = new_tokens(ask, covered);
+        params.queue_time(rows.field(i, QUEUED_PREFILL_TOKENS))
+            + transfer
+            + prefill.get(new, |new| params.prefill_time(new, ask.prompt_tokens - new))
+    };
+    lowest_walk(rows, false, special, by_queue, |i, _| estimate(i))
 }
 
 /// `(running decodes, requests waiting)` summed over the rows in order, as a loop over

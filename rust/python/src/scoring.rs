@@ -6,7 +6,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::load_order::LoadOrder;
-use quillcache_core::scoring::{self, Ask, CostParams, GatheredRows, QuillKnobs, Rows, RowsError};
+use quillcache_core::scoring::{self, Ask, CostParams, QuillKnobs, Rows, RowsError};
 
 fn slice<'a, T: numpy::Element>(
     what: &str,
@@ -17,13 +17,27 @@ fn slice<'a, T: numpy::Element>(
         .map_err(|_| PyValueError::new_err(format!("{what} must be a contiguous 1-D array")))
 }
 
-/// The rows at positions `at` (each in range) of `rows`.
-fn gather(rows: &Rows<'_>, at: &PyReadonlyArray1<'_, isize>) -> PyResult<GatheredRows> {
-    let at: Vec<usize> = slice("at", at)?
+/// A walk's arguments: the special positions, and the order's rows as view positions
+/// (`position[row]`; negative: not a candidate).
+fn walk_args<'a>(
+    order: &'a LoadOrder,
+    position: &'a [isize],
+    special: &PyReadonlyArray1<'_, isize>,
+) -> PyResult<(Vec<usize>, impl Iterator<Item = usize> + 'a)> {
+    let special: Vec<usize> = slice("special", special)?
         .iter()
         .map(|&i| usize::try_from(i).map_err(|_| PyValueError::new_err(format!("position {i}"))))
         .collect::<PyResult<_>>()?;
-    GatheredRows::of(rows, &at).map_err(rows_error)
+    if order.inner.width() != 1 {
+        return Err(PyValueError::new_err(
+            "order must be by one value (queued prefill tokens)",
+        ));
+    }
+    let by_queue = order.inner.iter().filter_map(move |row| {
+        let at = position.get(row as usize).copied().unwrap_or(-1);
+        usize::try_from(at).ok()
+    });
+    Ok((special, by_queue))
 }
 
 fn rows_error(e: RowsError) -> PyErr {
@@ -129,11 +143,7 @@ impl CostKernel {
 
     /// `(position, estimates)`: `estimate_ttft_s_array` per row, and the row with the
     /// lowest estimate (then the longest local prefix, fewest in flight, lowest id).
-    /// `at`: score only the rows at these positions (a pruned view's), as if they were
-    /// the whole view; the position returned is then within `at`.
-    #[pyo3(signature = (
-        worker, load, gpu, cpu, disk, pending, blocks, prompt_tokens, block_size, *, at=None
-    ))]
+    #[pyo3(signature = (worker, load, gpu, cpu, disk, pending, blocks, prompt_tokens, block_size))]
     #[allow(clippy::too_many_arguments)]
     fn ttft<'py>(
         &self,
@@ -147,7 +157,6 @@ impl CostKernel {
         blocks: i64,
         prompt_tokens: i64,
         block_size: i64,
-        at: Option<PyReadonlyArray1<'py, isize>>,
     ) -> PyResult<(usize, Bound<'py, PyArray1<f64>>)> {
         let columns = Columns {
             worker,
@@ -157,20 +166,58 @@ impl CostKernel {
             disk,
             pending,
         };
-        let all = columns.rows()?;
-        let gathered = match &at {
-            Some(at) => Some(gather(&all, at)?),
-            None => None,
-        };
-        let rows = gathered.as_ref().map_or(all, GatheredRows::rows);
+        let rows = columns.rows()?;
         let ask = Ask {
             blocks,
             prompt_tokens,
             block_size,
         };
         let estimates = scoring::ttft_estimates(&self.params, &rows, &ask).map_err(rows_error)?;
-        let best = scoring::lowest(&estimates, &rows, false).map_err(rows_error)?;
-        Ok((best, PyArray1::from_vec(py, estimates)))
+        let at = scoring::lowest(&estimates, &rows, false).map_err(rows_error)?;
+        Ok((at, PyArray1::from_vec(py, estimates)))
+    }
+
+    /// `ttft`'s winning position without scoring every row (`ttft_lowest_walk`): the
+    /// rows in `special`, then the rest in `order` (by queued prefill tokens;
+    /// `position[row]`: the row's position in the view, negative when not a candidate)
+    /// until no row left can win. None: score every row with `ttft`.
+    #[pyo3(signature = (
+        order, position, special, worker, load, gpu, cpu, disk, pending, blocks,
+        prompt_tokens, block_size
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn ttft_lowest<'py>(
+        &self,
+        order: PyRef<'py, LoadOrder>,
+        position: PyReadonlyArray1<'py, isize>,
+        special: PyReadonlyArray1<'py, isize>,
+        worker: PyReadonlyArray1<'py, u64>,
+        load: PyReadonlyArray2<'py, f64>,
+        gpu: PyReadonlyArray1<'py, i64>,
+        cpu: PyReadonlyArray1<'py, i64>,
+        disk: PyReadonlyArray1<'py, i64>,
+        pending: PyReadonlyArray1<'py, i64>,
+        blocks: i64,
+        prompt_tokens: i64,
+        block_size: i64,
+    ) -> PyResult<Option<usize>> {
+        let columns = Columns {
+            worker,
+            load,
+            gpu,
+            cpu,
+            disk,
+            pending,
+        };
+        let rows = columns.rows()?;
+        let ask = Ask {
+            blocks,
+            prompt_tokens,
+            block_size,
+        };
+        let position = slice("position", &position)?;
+        let (special, by_queue) = walk_args(&order, position, &special)?;
+        scoring::ttft_lowest_walk(&self.params, &rows, &ask, &special, by_queue).map_err(rows_error)
     }
 
     /// `(position, estimates)`: `QuillCacheRouter.estimates` per row, and the row with
@@ -325,21 +372,7 @@ impl CostKernel {
             None => None,
         };
         let position = slice("position", &position)?;
-        let special: Vec<usize> = slice("special", &special)?
-            .iter()
-            .map(|&i| {
-                usize::try_from(i).map_err(|_| PyValueError::new_err(format!("position {i}")))
-            })
-            .collect::<PyResult<_>>()?;
-        if order.inner.width() != 1 {
-            return Err(PyValueError::new_err(
-                "order must be by one value (queued prefill tokens)",
-            ));
-        }
-        let by_queue = order.inner.iter().filter_map(|row| {
-            let at = position.get(row as usize).copied().unwrap_or(-1);
-            usize::try_from(at).ok()
-        });
+        let (special, by_queue) = walk_args(&order, position, &special)?;
         scoring::quill_lowest_walk(&self.params, &rows, &ask, &knobs, batch, &special, by_queue)
             .map_err(rows_error)
     }
