@@ -662,7 +662,7 @@ class ControlPlane:
         (`controlplane/explain.py`) and adds it to `explain_totals`; `candidates` lists
         the rows it compared (a sampled log's detail, bounded)."""
         view = self.view(request, now_s, only)
-        if only is not None and not view.workers:
+        if only is not None and not len(view):
             return Decision.reject("no routable worker among the candidates")
         decision = self._route(request, view, now_s, only)
         if self.explain if explain is None else explain:

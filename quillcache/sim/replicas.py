@@ -275,6 +275,9 @@ class ReplicaFleet:
                     order_only=order_only,
                     load_store=self.truth if self.state == "shared" else None,
                     latencies=latencies if i == 0 else None,
+                    # a BookRouter writes pending blocks into the view the plane built,
+                    # rows `View.above_floor()` does not know: no pruned views
+                    prune_min_rows=None if self.book is not None else 64,
                 )
             )
         if self.state == "shared":
@@ -296,6 +299,7 @@ class ReplicaFleet:
             speculative=False,
             order_only=order_only,
             load_store=self.truth,
+            prune_min_rows=None if self.union is not None else 64,  # as the replicas'
         )
         self._owner: dict[int | str, int] = {}  # request id -> replica
         self._sim_requests: dict[int | str, SimRequest] = {}
