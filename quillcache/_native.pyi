@@ -40,6 +40,8 @@ __all__ = [
     "content_keys",
     "content_keys_batch",
     "decode_batch",
+    "dynamo_costs",
+    "llmd_scores",
     "namespace_id",
     "stored_identity",
     "vllm_block_hashes",
@@ -645,3 +647,39 @@ class LoadOrder:
         """Every row, from the least loaded."""
     def first(self, k: int, position: npt.NDArray[np.intp]) -> npt.NDArray[np.intp]:
         """`position[row]` of the first `k` rows in order with a position >= 0."""
+
+def dynamo_costs(
+    load: npt.NDArray[np.float64],
+    capacity: npt.NDArray[np.float64],
+    gpu: npt.NDArray[np.int64],
+    cpu: npt.NDArray[np.int64],
+    disk: npt.NDArray[np.int64],
+    pending: npt.NDArray[np.int64],
+    full_blocks: int,
+    prompt_tokens: int,
+    block_size: int,
+    *,
+    overlap_score_credit: float,
+    host_cache_hit_weight: float,
+    disk_cache_hit_weight: float,
+    prefill_load_scale: float,
+    overlap_score_credit_decay: float,
+    active_request_weight: float,
+) -> npt.NDArray[np.float64]:
+    """`DynamoKvCost.logits` per row (lower is better), bit for bit."""
+
+def llmd_scores(
+    load: npt.NDArray[np.float64],
+    capacity: npt.NDArray[np.float64],
+    gpu: npt.NDArray[np.int64],
+    cpu: npt.NDArray[np.int64],
+    disk: npt.NDArray[np.int64],
+    pending: npt.NDArray[np.int64],
+    *,
+    prefix_weight: float,
+    queue_weight: float,
+    kv_weight: float,
+    gpu_tier_weight: float,
+    cpu_tier_weight: float,
+) -> npt.NDArray[np.float64]:
+    """llm-d's weighted score per row (higher is better), bit for bit."""

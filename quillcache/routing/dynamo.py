@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from quillcache._native import dynamo_costs
 from quillcache.errors import ConfigError
 from quillcache.routing.base import Router
 from quillcache.routing.types import Decision, Request, View
@@ -103,10 +104,32 @@ class DynamoKvCost(Router):
             + self.active_request_weight * c.in_flight
         )
 
+    def costs(self, request: Request, view: View) -> npt.NDArray[np.float64]:
+        """`logits` from the native kernel (`quillcache._native.dynamo_costs`): the same
+        numbers in one pass over the rows (`tests/routing/test_anchor_kernels.py`)."""
+        c = view.columns
+        return dynamo_costs(
+            np.ascontiguousarray(c.load),
+            np.ascontiguousarray(c.capacity_blocks),
+            c.gpu_blocks,
+            c.cpu_blocks,
+            c.disk_blocks,
+            c.pending_blocks,
+            len(request.content_keys),
+            request.prompt_tokens,
+            view.block_size,
+            overlap_score_credit=self.overlap_score_credit,
+            host_cache_hit_weight=self.host_cache_hit_weight,
+            disk_cache_hit_weight=self.disk_cache_hit_weight,
+            prefill_load_scale=self.prefill_load_scale,
+            overlap_score_credit_decay=self.overlap_score_credit_decay,
+            active_request_weight=self.active_request_weight,
+        )
+
     def route(self, request: Request, view: View) -> Decision:
         if not len(view):
             return self.no_workers()
-        costs = self.logits(request, view)
+        costs = self.costs(request, view)
         if self.temperature <= 0:
             ties = np.flatnonzero(costs == costs.min())
             # as rng.choice(ties) draws: one index below the count

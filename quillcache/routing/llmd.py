@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from quillcache._native import llmd_scores as native_llmd_scores
 from quillcache.routing.base import Router
 from quillcache.routing.types import Decision, Request, View
 
@@ -42,19 +43,30 @@ class LlmdPrecisePrefix(Router):
         self.weights = (prefix_weight, queue_weight, kv_weight)
         self.tiers = (gpu_tier_weight, cpu_tier_weight)
 
-    def route(self, request: Request, view: View) -> Decision:
-        if not len(view):
-            return self.no_workers()
+    def scores(self, view: View) -> npt.NDArray[np.float64]:
+        """`llm_d_scores` from the native kernel (`quillcache._native.llmd_scores`): the
+        same numbers in one pass over the rows (`tests/routing/test_anchor_kernels.py`)."""
         c = view.columns
         wp, wq, wk = self.weights
         tg, tc = self.tiers
-        gpu = c.gpu_blocks
-        lower = np.maximum(c.cpu_blocks, c.disk_blocks) - gpu
-        prefix = normalised_hits(tg * gpu + tc * np.maximum(lower, 0))
-        queues = c.in_flight
-        qlo, qhi = queues.min(), queues.max()
-        queue = np.ones(len(queues)) if qhi == qlo else (qhi - queues) / (qhi - qlo)
-        scores = wp * prefix + wq * queue + wk * (1.0 - c.kv_usage)
+        return native_llmd_scores(
+            np.ascontiguousarray(c.load),
+            np.ascontiguousarray(c.capacity_blocks),
+            c.gpu_blocks,
+            c.cpu_blocks,
+            c.disk_blocks,
+            c.pending_blocks,
+            prefix_weight=wp,
+            queue_weight=wq,
+            kv_weight=wk,
+            gpu_tier_weight=tg,
+            cpu_tier_weight=tc,
+        )
+
+    def route(self, request: Request, view: View) -> Decision:
+        if not len(view):
+            return self.no_workers()
+        scores = self.scores(view)
         # Ties within 1e-12, as the scheduler compares them, in view order. Only scores
         # near the top can end among them (a later one above the best by more than the
         # tolerance starts the list again), so only those are walked.
@@ -68,6 +80,24 @@ class LlmdPrecisePrefix(Router):
                 best.append(i)
         at = best[0] if len(best) == 1 else best[self.rng.randrange(len(best))]
         return self.decide(request, view, view.worker_at(at))
+
+
+def llm_d_scores(
+    view: View, weights: tuple[float, float, float], tiers: tuple[float, float]
+) -> npt.NDArray[np.float64]:
+    """Every row's weighted score (higher is better): the readable reference of what
+    `route` gets from the native kernel."""
+    c = view.columns
+    wp, wq, wk = weights
+    tg, tc = tiers
+    gpu = c.gpu_blocks
+    lower = np.maximum(c.cpu_blocks, c.disk_blocks) - gpu
+    prefix = normalised_hits(tg * gpu + tc * np.maximum(lower, 0))
+    queues = c.in_flight
+    qlo, qhi = queues.min(), queues.max()
+    queue = np.ones(len(queues)) if qhi == qlo else (qhi - queues) / (qhi - qlo)
+    scores: npt.NDArray[np.float64] = wp * prefix + wq * queue + wk * (1.0 - c.kv_usage)
+    return scores
 
 
 #: Scores this far below the top are never among the tied best (see `route`).

@@ -8,10 +8,12 @@
 //! * [`persist`]: write-ahead log, snapshots, the crash-safe index (docs/persistence.md).
 //! * [`speculative`]: the prefixes being computed on workers, until their events arrive.
 //! * [`load_order`]: a fleet's rows in order of their load, for routers that prune.
+//! * [`anchor_scores`]: the reimplemented peer routers' (dynamo, llm-d) per-row scores.
 //! * [`scoring`]: the cost-model routers' per-row estimates, bit-identical to numpy's.
 //!
 //! The binding crate (`rust/python`) only converts types and releases the GIL.
 
+pub mod anchor_scores;
 pub mod backends;
 pub mod content_key;
 pub mod events;

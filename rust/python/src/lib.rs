@@ -3,6 +3,7 @@
 
 use pyo3::prelude::*;
 
+mod anchor_scores;
 mod convert;
 mod durable;
 mod errors;
@@ -29,6 +30,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     relay::register(m)?;
     speculative::register(m)?;
     scoring::register(m)?;
+    anchor_scores::register(m)?;
     load_order::register(m)?;
     Ok(())
 }

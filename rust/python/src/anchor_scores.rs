@@ -1,0 +1,150 @@
+//! `dynamo_costs`, `llmd_scores`: `quillcache_core::anchor_scores` for the peer routers.
+
+use numpy::{PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use quillcache_core::anchor_scores::{self, DynamoKnobs, LlmdKnobs, PeerRows};
+use quillcache_core::scoring::{RowsError, LOAD_WIDTH};
+
+fn slice<'a, T: numpy::Element>(
+    what: &str,
+    array: &'a PyReadonlyArray1<'_, T>,
+) -> PyResult<&'a [T]> {
+    array
+        .as_slice()
+        .map_err(|_| PyValueError::new_err(format!("{what} must be a contiguous 1-D array")))
+}
+
+fn rows_error(e: RowsError) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+/// The view's columns the peer routers read, borrowed for one call.
+struct Columns<'py> {
+    load: PyReadonlyArray2<'py, f64>,
+    capacity: PyReadonlyArray1<'py, f64>,
+    gpu: PyReadonlyArray1<'py, i64>,
+    cpu: PyReadonlyArray1<'py, i64>,
+    disk: PyReadonlyArray1<'py, i64>,
+    pending: PyReadonlyArray1<'py, i64>,
+}
+
+impl Columns<'_> {
+    fn rows(&self) -> PyResult<PeerRows<'_>> {
+        if self.load.shape()[1] != LOAD_WIDTH {
+            return Err(PyValueError::new_err(format!(
+                "load must have {LOAD_WIDTH} columns, it has {}",
+                self.load.shape()[1]
+            )));
+        }
+        Ok(PeerRows {
+            load: self.load.as_slice().map_err(|_| {
+                PyValueError::new_err("load must be a C-contiguous (rows, 5) float64 array")
+            })?,
+            capacity: slice("capacity", &self.capacity)?,
+            gpu: slice("gpu_blocks", &self.gpu)?,
+            cpu: slice("cpu_blocks", &self.cpu)?,
+            disk: slice("disk_blocks", &self.disk)?,
+            pending: slice("pending_blocks", &self.pending)?,
+        })
+    }
+}
+
+/// `DynamoKvCost.logits` per row, bit for bit.
+#[pyfunction]
+#[pyo3(signature = (
+    load, capacity, gpu, cpu, disk, pending, full_blocks, prompt_tokens, block_size, *,
+    overlap_score_credit, host_cache_hit_weight, disk_cache_hit_weight, prefill_load_scale,
+    overlap_score_credit_decay, active_request_weight
+))]
+#[allow(clippy::too_many_arguments)]
+fn dynamo_costs<'py>(
+    py: Python<'py>,
+    load: PyReadonlyArray2<'py, f64>,
+    capacity: PyReadonlyArray1<'py, f64>,
+    gpu: PyReadonlyArray1<'py, i64>,
+    cpu: PyReadonlyArray1<'py, i64>,
+    disk: PyReadonlyArray1<'py, i64>,
+    pending: PyReadonlyArray1<'py, i64>,
+    full_blocks: i64,
+    prompt_tokens: i64,
+    block_size: i64,
+    overlap_score_credit: f64,
+    host_cache_hit_weight: f64,
+    disk_cache_hit_weight: f64,
+    prefill_load_scale: f64,
+    overlap_score_credit_decay: f64,
+    active_request_weight: f64,
+) -> PyResult<Bound<'py, PyArray1<f64>>> {
+    let columns = Columns {
+        load,
+        capacity,
+        gpu,
+        cpu,
+        disk,
+        pending,
+    };
+    let knobs = DynamoKnobs {
+        overlap_score_credit,
+        host_cache_hit_weight,
+        disk_cache_hit_weight,
+        prefill_load_scale,
+        overlap_score_credit_decay,
+        active_request_weight,
+    };
+    let costs = anchor_scores::dynamo_costs(
+        &columns.rows()?,
+        &knobs,
+        full_blocks,
+        prompt_tokens,
+        block_size,
+    )
+    .map_err(rows_error)?;
+    Ok(PyArray1::from_vec(py, costs))
+}
+
+/// `llmd_scores` per row, bit for bit.
+#[pyfunction]
+#[pyo3(signature = (
+    load, capacity, gpu, cpu, disk, pending, *, prefix_weight, queue_weight, kv_weight,
+    gpu_tier_weight, cpu_tier_weight
+))]
+#[allow(clippy::too_many_arguments)]
+fn llmd_scores<'py>(
+    py: Python<'py>,
+    load: PyReadonlyArray2<'py, f64>,
+    capacity: PyReadonlyArray1<'py, f64>,
+    gpu: PyReadonlyArray1<'py, i64>,
+    cpu: PyReadonlyArray1<'py, i64>,
+    disk: PyReadonlyArray1<'py, i64>,
+    pending: PyReadonlyArray1<'py, i64>,
+    prefix_weight: f64,
+    queue_weight: f64,
+    kv_weight: f64,
+    gpu_tier_weight: f64,
+    cpu_tier_weight: f64,
+) -> PyResult<Bound<'py, PyArray1<f64>>> {
+    let columns = Columns {
+        load,
+        capacity,
+        gpu,
+        cpu,
+        disk,
+        pending,
+    };
+    let knobs = LlmdKnobs {
+        prefix_weight,
+        queue_weight,
+        kv_weight,
+        gpu_tier_weight,
+        cpu_tier_weight,
+    };
+    let scores = anchor_scores::llmd_scores(&columns.rows()?, &knobs).map_err(rows_error)?;
+    Ok(PyArray1::from_vec(py, scores))
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(dynamo_costs, m)?)?;
+    m.add_function(wrap_pyfunction!(llmd_scores, m)?)
+}
