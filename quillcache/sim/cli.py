@@ -88,6 +88,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="router parameter, e.g. mooncake.ttft_slo_s=2",
     )
     cl.add_argument("--no-speculative", action="store_true", help="no speculative residency")
+    cl.add_argument(
+        "--dp-ranks",
+        type=int,
+        default=1,
+        help="data-parallel ranks per worker, each a full engine with its own KV cache",
+    )
+    cl.add_argument(
+        "--dp-placement",
+        default="gateway",
+        help="who picks the rank: 'gateway' (the decision's rank, sent as "
+        "X-data-parallel-rank) or 'engine' (vLLM's own DP load balancer)",
+    )
 
     rp = p.add_argument_group("gateway replicas (docs/simulator.md, 'Several replicas')")
     rp.add_argument(
@@ -240,6 +252,8 @@ def _run_point(point: Point) -> dict[str, Any]:
         timing=s["timing"],
         seed=s["seed"],
         speculative=s["speculative"],
+        dp_ranks=s["dp_ranks"],
+        dp_placement=s["dp_placement"],
     )
     res = run(
         s["workload"],
@@ -286,6 +300,7 @@ def _run(args: argparse.Namespace, err: Any) -> int:
     from quillcache.index import backend_status
     from quillcache.routing import BUILTIN_ORDER, available_routers, create_router
     from quillcache.routing.registry import import_router
+    from quillcache.sim.dp import check as check_dp
 
     if args.list_routers:
         for name in available_routers():
@@ -357,7 +372,12 @@ def _run(args: argparse.Namespace, err: Any) -> int:
     else:
         capacities = [0]  # from the cost model
     replicas_list, states, lb, scrape_s = _replica_options(args)
+    check_dp(args.dp_ranks, args.dp_placement)
+    if args.dp_ranks > 1 and replicas_list != [0]:
+        raise ConfigError("--dp-ranks > 1 is simulated behind one gateway only (no --replicas)")
     _SHARED.update(
+        dp_ranks=args.dp_ranks,
+        dp_placement=args.dp_placement,
         lb=lb,
         scrape_interval_s=scrape_s,
         workload=workload,
@@ -386,6 +406,8 @@ def _run(args: argparse.Namespace, err: Any) -> int:
         "seed": args.seed,
         "cost_model": config.model_dump(),
     }
+    if args.dp_ranks > 1:
+        meta["dp"] = {"ranks": args.dp_ranks, "placement": args.dp_placement}
     if replicas_list != [0]:
         meta["replicas"] = {"lb": lb, "scrape_interval_s": scrape_s}
     warnings = _capacity_warnings(results, cost, bs, args.timing)

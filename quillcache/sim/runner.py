@@ -28,6 +28,8 @@ from quillcache.costmodel import CostModel
 from quillcache.errors import ConfigError
 from quillcache.index import ApplyStats, IndexBackend
 from quillcache.routing import Action, Decision, Request, Router, create_router
+from quillcache.sim.dp import EnginePlacement, Placement, RankLoad
+from quillcache.sim.dp import check as check_dp
 from quillcache.sim.engine import EngineModel, Running
 from quillcache.sim.metrics import Record, RunResult
 from quillcache.sim.workload import Workload
@@ -78,10 +80,15 @@ class SimConfig:
     # worker -> time (s): it registers with the gateway at the first arrival at or after
     # that time, with an empty cache (an engine joining mid-run); before, nothing routes to it
     join_at_s: dict[int, float] = field(default_factory=dict)
+    # data-parallel ranks per worker, each its own engine (`quillcache.sim.dp`), and who
+    # places a request on a rank: the gateway's decision or the engine's own balancer
+    dp_ranks: int = 1
+    dp_placement: Placement = "gateway"
 
     def check(self) -> None:
         if self.workers <= 0:
             raise ConfigError(f"workers must be positive, got {self.workers}")
+        check_dp(self.dp_ranks, self.dp_placement)
         for what, table in (("slow worker", self.slow_workers), ("joining worker", self.join_at_s)):
             for w in table:
                 if not 0 <= w < self.workers:
@@ -142,8 +149,10 @@ def run(
             block_size=bs,
             cost=_slowed(cost, config.slow_workers.get(w, 1.0)),
             cpu_blocks=config.cpu_blocks,
+            dp_rank=k,
         )
         for w in range(config.workers)
+        for k in range(config.dp_ranks)
     ]
     cp: Plane
     add_worker: Callable[..., Any]
@@ -187,26 +196,36 @@ def run(
         add_worker = fleet.add_worker
     if config.join_at_s and fleet is not None:
         raise ConfigError("an engine joining mid-run is simulated behind one gateway only")
+    if config.dp_ranks > 1 and fleet is not None:
+        raise ConfigError("data-parallel ranks are simulated behind one gateway only")
+    ranks = _Ranks(cp, config)
 
     def join(w: int, now: float) -> None:
-        add_worker(w, capacity_blocks=capacity, model=workload.model)
-        eng = engines[w]
-        for pre in workload.pinned:
-            eng.pin(pre)
-        payload = eng.drain_events(now)
-        if payload:
-            cp.ingest(w, [payload])
+        if config.dp_ranks == 1:
+            add_worker(w, capacity_blocks=capacity, model=workload.model)
+        else:
+            assert isinstance(cp, ControlPlane)  # ranks: one gateway (checked above)
+            cp.add_worker(
+                w, capacity_blocks=capacity, model=workload.model, dp_ranks=config.dp_ranks
+            )
+        for slot in ranks.slots(w):
+            eng = engines[slot]
+            for pre in workload.pinned:
+                eng.pin(pre)
+            payload = eng.drain_events(now)
+            if payload:
+                ranks.ingest(slot, payload)
 
-    for w in range(len(engines)):
+    for w in range(config.workers):
         if w not in config.join_at_s:
             join(w, 0.0)
     joins = _Joins(sorted((t, w) for w, t in config.join_at_s.items()), join)
     t0 = time.perf_counter()
     try:
         if config.timing == "none":
-            records = _order_only(workload, cp, engines, config, progress, joins)
+            records = _order_only(workload, cp, ranks, engines, config, progress, joins)
         elif config.timing == "full":
-            records = _timed(workload, cp, engines, progress, joins)
+            records = _timed(workload, cp, ranks, engines, progress, joins)
         else:
             raise ConfigError(f"timing must be 'full' or 'none', got {config.timing!r}")
         wall = time.perf_counter() - t0
@@ -257,6 +276,50 @@ def _slowed(cost: CostModel, factor: float) -> CostModel:
     )
 
 
+class _Ranks:
+    """Engines are slots `worker * K + rank`; this maps a decision to its slot and
+    reports a slot's events and load under its (worker, rank). With one rank per
+    worker the calls are exactly the single-engine ones."""
+
+    def __init__(self, cp: Plane, config: SimConfig) -> None:
+        self.k = config.dp_ranks
+        self._cp = cp
+        self._plane = cp if isinstance(cp, ControlPlane) else None
+        self._engine = (
+            EnginePlacement(config.workers, self.k) if config.dp_placement == "engine" else None
+        )
+
+    def slots(self, worker: int) -> range:
+        return range(worker * self.k, (worker + 1) * self.k)
+
+    def slot(self, decision: Decision, loads: Callable[[int], RankLoad]) -> int:
+        """The engine serving a routed decision; `loads(slot)` is what vLLM's balancer
+        sees of a rank."""
+        w = decision.worker
+        assert w is not None
+        if self.k == 1:
+            return w
+        if self._engine is not None:
+            return w * self.k + self._engine.choose(w, [loads(s) for s in self.slots(w)])
+        return w * self.k + (decision.dp_rank or 0)
+
+    def ingest(self, slot: int, payload: bytes) -> None:
+        if self.k == 1:
+            self._cp.ingest(slot, [payload])
+            return
+        assert self._plane is not None
+        w, rank = divmod(slot, self.k)
+        self._plane.ingest(w, [payload], rank)
+
+    def report(self, slot: int, **load: float) -> None:
+        if self.k == 1:
+            self._cp.update_load(slot, **load)
+            return
+        assert self._plane is not None
+        w, rank = divmod(slot, self.k)
+        self._plane.update_rank_load(w, rank, **load)
+
+
 class _Joins:
     """Workers waiting to join, in time order; `due(now)` registers those whose time
     has come (called before each arrival is routed)."""
@@ -285,12 +348,13 @@ def _request(r: Any) -> Request:
 def _order_only(
     workload: Workload,
     cp: Plane,
+    ranks: _Ranks,
     engines: list[EngineModel],
     config: SimConfig,
     progress: Progress | None,
     joins: _Joins,
 ) -> list[Record]:
-    window = config.load_window or 4 * len(engines)
+    window = config.load_window or 4 * config.workers
     recent: deque[tuple[int, int]] = deque()
     in_flight = [0] * len(engines)
     queued = [0] * len(engines)
@@ -305,27 +369,37 @@ def _order_only(
         if w is None:
             rec.rejected = decision.reason or "rejected"
             continue
-        run, payload = engines[w].serve_instantly(r, _peer_end(decision))
+        # the load proxy stands for the requests running on a rank
+        s = ranks.slot(decision, lambda x: RankLoad(0, in_flight[x], engines[x].kv_usage))
+        run, payload = engines[s].serve_instantly(r, _peer_end(decision))
         if payload:
-            cp.ingest(w, [payload])
+            ranks.ingest(s, payload)
         rec.worker = w
         _explained(rec, decision)
         rec.hit_blocks = run.hit_blocks
         rec.first_token_s = rec.finish_s = r.arrival_s
         # load proxy: what each worker received among the last `window` requests
         work = max(r.prompt_tokens - run.hit_blocks * bs, 1)
-        recent.append((w, work))
-        in_flight[w] += 1
-        queued[w] += work
-        cp.update_load(w, in_flight=in_flight[w], queued_prefill_tokens=queued[w])
+        recent.append((s, work))
+        in_flight[s] += 1
+        queued[s] += work
+        ranks.report(s, in_flight=in_flight[s], queued_prefill_tokens=queued[s])
         if len(recent) > window:
-            ow, owork = recent.popleft()
-            in_flight[ow] -= 1
-            queued[ow] -= owork
-            cp.update_load(ow, in_flight=in_flight[ow], queued_prefill_tokens=queued[ow])
+            os, owork = recent.popleft()
+            in_flight[os] -= 1
+            queued[os] -= owork
+            ranks.report(os, in_flight=in_flight[os], queued_prefill_tokens=queued[os])
         if progress is not None and n % 256 == 0:
             progress(n)
     return records
+
+
+def _vllm_load(engines: list[EngineModel]) -> Callable[[int], RankLoad]:
+    def load(slot: int) -> RankLoad:
+        eng = engines[slot]
+        return RankLoad(len(eng.waiting), len(eng.running), eng.kv_usage)
+
+    return load
 
 
 @dataclass(slots=True)
@@ -341,6 +415,7 @@ class _Step:
 def _timed(
     workload: Workload,
     cp: Plane,
+    ranks: _Ranks,
     engines: list[EngineModel],
     progress: Progress | None,
     joins: _Joins,
@@ -365,12 +440,12 @@ def _timed(
         # Admission may have taken cached blocks / loaded tiers: publish now.
         payload = eng.drain_events(now)
         if payload:
-            cp.ingest(w, [payload])
+            ranks.ingest(w, payload)
         versions[w] += 1
         steps[w] = _Step(now, step_s, k, chunks, decoders, versions[w])
         seq += 1
         heapq.heappush(heap, (now + step_s * k, seq, w, versions[w]))
-        cp.update_load(w, **eng.load())
+        ranks.report(w, **eng.load())
 
     def end_step(w: int, end: float, k: int) -> None:
         st = steps[w]
@@ -379,7 +454,7 @@ def _timed(
         finished = eng.apply_step(end, k, st.chunks, st.decoders, st.step_s)
         payload = eng.drain_events(end)
         if payload:
-            cp.ingest(w, [payload])
+            ranks.ingest(w, payload)
         for run, _ in st.chunks:
             if run.first_token_s >= 0:
                 cp.prefill_done(run.req.rid)
@@ -415,19 +490,20 @@ def _timed(
         order.append(rec)
         joins.due(now)
         decision = cp.route(_request(r), now)
-        w = decision.worker
-        if w is None:
+        worker = decision.worker
+        if worker is None:
             rec.rejected = decision.reason or "rejected"
             continue
+        w = ranks.slot(decision, _vllm_load(engines))  # the engine slot from here on
         eng = engines[w]
         if not eng.fits_ever(r):
             rec.rejected = "prompt + output exceed the worker's KV capacity"
             cp.finish(r.rid)
             continue
-        rec.worker = w
+        rec.worker = worker
         _explained(rec, decision)
         eng.enqueue(r, _peer_end(decision))
-        cp.update_load(w, **eng.load())
+        ranks.report(w, **eng.load())
         st = steps[w]
         if st is None:
             start_step(w, now)
