@@ -130,7 +130,13 @@ class _EngineCollector:
             ],
         )
         info.add_metric(
-            [str(e.config.block_size), str(e.config.num_gpu_blocks), "True", "xxh3_64_sim"], 1
+            [
+                str(e.config.block_size),
+                str(e.config.num_gpu_blocks),
+                "True",
+                e.config.prefix_caching_hash_algo,
+            ],
+            1,
         )
         yield info
 

@@ -85,6 +85,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--lmcache-chunk-size", type=int, default=256, help="LMCache's chunk size in tokens")
     a("--lmcache-cpu-chunks", type=int, default=1024, help="LMCache's CPU tier size, in chunks")
+    a(
+        "--prefix-caching-hash-algo",
+        choices=["xxh3_64_sim", "sha256_cbor", "sha256"],
+        default="xxh3_64_sim",
+        help="block hashes the KV events carry, stated in vllm:cache_config_info: the "
+        "simulator's own (xxh3_64_sim), or vLLM's sha256_cbor / sha256 (pickle) chain",
+    )
+    a(
+        "--hash-seed",
+        default=None,
+        metavar="SEED",
+        help="vLLM's PYTHONHASHSEED: NONE_HASH is the hash of this string (unset: "
+        "'vllm-none-hash'); with sha256_cbor / sha256 only",
+    )
     a("--ready-file", default=None, help="write the resolved addresses here as JSON when up")
     a("--log-level", default="warning", help="uvicorn's log level")
 
@@ -120,6 +134,14 @@ def _sglang_release(flavor: str, release: str | None) -> str | None:
     except ValueError as exc:
         raise ConfigError(f"--sglang-version: {exc}") from None
     return release
+
+
+def _check_hashing(args: argparse.Namespace) -> None:
+    """vLLM's hash algorithms are for vLLM engines; a seed needs one of them."""
+    if args.prefix_caching_hash_algo != "xxh3_64_sim" and args.flavor != "vllm":
+        raise ConfigError("--prefix-caching-hash-algo is vLLM's; it needs --flavor vllm")
+    if args.hash_seed is not None and args.prefix_caching_hash_algo == "xxh3_64_sim":
+        raise ConfigError("--hash-seed needs --prefix-caching-hash-algo sha256_cbor or sha256")
 
 
 def _check_lmcache(args: argparse.Namespace) -> None:
@@ -173,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
                     fleet.offset_endpoint(kv[key], n * dp - 1)
         sglang_release = _sglang_release(args.flavor, args.sglang_version)
         _check_lmcache(args)
+        _check_hashing(args)
         sockets = fleet.listen(args.host, args.port, n) if n > 1 else None
     except ConfigError as exc:
         print(f"engine-sim: {exc}", file=sys.stderr)
@@ -191,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
         lmcache=args.lmcache,
         lmcache_chunk_size=args.lmcache_chunk_size,
         lmcache_cpu_chunks=args.lmcache_cpu_chunks,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        hash_seed=args.hash_seed,
     )
     replay_layout: dict[str, bool] = {"legacy_replay": args.legacy_replay}
     if sglang_release is not None:

@@ -28,6 +28,7 @@ import xxhash
 from quillcache.costmodel import CostModel, CostModelConfig
 from quillcache.enginesim.lmcache import LmcacheCpuTier
 from quillcache.enginesim.sglang import sglang_batch
+from quillcache.enginesim.vllm_hashes import HASH_ALGORITHMS, VllmHasher
 from quillcache.events.encode import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 from quillcache.events.sglang import wire_of as sglang_wire_of
 from quillcache.identity import content_keys, namespace
@@ -78,6 +79,11 @@ class EngineConfig:
     lmcache: str | None = None
     lmcache_chunk_size: int = 256
     lmcache_cpu_chunks: int = 1024
+    # `--prefix-caching-hash-algo`: whose block hashes the events carry ("xxh3_64_sim":
+    # the model's own; "sha256_cbor" / "sha256": vLLM's), see `vllm_hashes`
+    prefix_caching_hash_algo: str = "xxh3_64_sim"
+    # `--hash-seed`: vLLM's PYTHONHASHSEED, NONE_HASH's seed (None: unset)
+    hash_seed: str | None = None
 
 
 @dataclass
@@ -115,6 +121,13 @@ class SimEngine:
                 config.block_size,
             )
             if config.lmcache
+            else None
+        )
+        if config.prefix_caching_hash_algo != HASH_ALGORITHMS[0] and config.sglang_release:
+            raise ValueError("--prefix-caching-hash-algo is vLLM's; SGLang hashes its own way")
+        self._vllm_hashes = (
+            VllmHasher(config.prefix_caching_hash_algo, config.hash_seed, 4 * config.num_gpu_blocks)
+            if config.prefix_caching_hash_algo != HASH_ALGORITHMS[0]
             else None
         )
         self._offloaded: set[int] = set()  # requests whose prompt LMCache has stored
@@ -360,7 +373,17 @@ class SimEngine:
         LoRA / salt tags, or in the configured SGLang release's format."""
         if self._sglang is not None:
             return sglang_batch(payload, self._sglang, self._tags)
+        if self._vllm_hashes is not None:
+            return self._rehash(payload)
         return self._tag(payload) if self._tags else payload
+
+    def _rehash(self, payload: bytes) -> bytes:
+        """Tag the batch (`_tag`), then give its blocks vLLM's hashes (`--prefix-caching-
+        hash-algo`); the tags are looked up by the model's hashes, before the rewrite."""
+        assert self._vllm_hashes is not None
+        ts, raw_events, rank = msgpack.unpackb(self._tag(payload) if self._tags else payload)
+        self._vllm_hashes.rewrite(raw_events, self._tags)
+        return encode_batch(_events_of(raw_events), ts=ts, dp_rank=rank)
 
     def _tag(self, payload: bytes) -> bytes:
         """Add what vLLM's BlockStored carries for LoRA / salted requests: `lora_name`, and

@@ -62,3 +62,76 @@ def test_a_worker_added_with_a_hash_seed_keeps_it(stack: Stack) -> None:
         what="the parity check of the added worker",
     )
     assert _workers(stack)[0]["engine_hashes"]["seed"] == "1234"
+
+
+def _checked(stack: Stack, seed: str | None) -> dict[str, Any]:
+    """Add the last engine as a worker (with `hash_seed` when given) to a gateway with no
+    workers, and return its row once the check has run."""
+    body: dict[str, Any] = {"url": stack.engines[-1].url}
+    if seed is not None:
+        body["hash_seed"] = seed
+    with stack.admin() as admin:
+        r = admin.post("/admin/workers", json=body)
+        assert r.status_code in (200, 201), r.text
+    wait_for(
+        lambda: _workers(stack)[0]["hash_parity"] != "unchecked",
+        timeout=30,
+        what="the parity check",
+    )
+    return _workers(stack)[0]
+
+
+def test_sha256_cbor_simulator_with_the_right_seed_is_ok(stack: Stack) -> None:
+    stack.start_gateway({"tokenizer": "engine", "parity_check": True})
+    stack.engine(extra=["--prefix-caching-hash-algo", "sha256_cbor", "--hash-seed", "42"])
+    w = _checked(stack, "42")
+    hashes = w["engine_hashes"]
+    assert w["hash_parity"] == "ok", w["hash_parity"]
+    assert hashes["algorithm"] == "sha256_cbor" and hashes["seed"] == "42"
+    assert hashes["published"] and hashes["published"] == hashes["predicted"]
+    assert w["parity"] == "ok"  # the index keys by content, whatever the engine's hashes
+    text = http_get(stack.gateway.url + "/metrics").text  # type: ignore[union-attr]
+    assert 'quillcache_worker_hash_parity{state="ok",worker="0"} 1.0' in text
+
+
+def test_sha256_cbor_simulator_with_the_default_seed_is_ok_without_a_hash_seed(
+    stack: Stack,
+) -> None:
+    stack.start_gateway({"tokenizer": "engine", "parity_check": True})
+    stack.engine(extra=["--prefix-caching-hash-algo", "sha256_cbor"])
+    w = _checked(stack, None)
+    assert w["hash_parity"] == "ok", w["hash_parity"]
+    assert w["engine_hashes"]["seed"] == "vllm-none-hash"
+
+
+def test_sha256_cbor_simulator_with_another_seed_is_a_seed_mismatch(stack: Stack) -> None:
+    stack.start_gateway({"tokenizer": "engine", "parity_check": True})
+    stack.engine(extra=["--prefix-caching-hash-algo", "sha256_cbor", "--hash-seed", "42"])
+    w = _checked(stack, "43")
+    assert w["hash_parity"].startswith("mismatch: seed: "), w["hash_parity"]
+    hashes = w["engine_hashes"]
+    assert hashes["published"] and hashes["published"] != hashes["predicted"]
+    assert w["parity"].startswith("mismatch: engine hashes: seed: ")  # the overall verdict
+    text = http_get(stack.gateway.url + "/metrics").text  # type: ignore[union-attr]
+    assert 'quillcache_worker_hash_parity{state="mismatch",worker="0"} 1.0' in text
+
+
+def test_sha256_cbor_engine_on_the_default_seed_names_it_when_the_gateway_has_another(
+    stack: Stack,
+) -> None:
+    stack.start_gateway({"tokenizer": "engine", "parity_check": True})
+    stack.engine(extra=["--prefix-caching-hash-algo", "sha256_cbor"])
+    w = _checked(stack, "43")
+    assert w["hash_parity"].startswith("mismatch: seed: "), w["hash_parity"]
+    assert "'vllm-none-hash'" in w["hash_parity"] and "'43'" in w["hash_parity"]
+
+
+def test_sha256_pickle_simulator_is_not_predictable(stack: Stack) -> None:
+    stack.start_gateway({"tokenizer": "engine", "parity_check": True})
+    stack.engine(extra=["--prefix-caching-hash-algo", "sha256"])
+    w = _checked(stack, None)
+    assert w["hash_parity"].startswith("not predictable: "), w["hash_parity"]
+    assert "'sha256'" in w["hash_parity"] and "sha256_cbor" in w["hash_parity"]
+    hashes = w["engine_hashes"]
+    assert hashes["algorithm"] == "sha256" and len(hashes["published"]) >= 1
+    assert w["parity"] == "ok"
