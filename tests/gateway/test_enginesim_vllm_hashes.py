@@ -63,12 +63,13 @@ def test_sha256_cbor_hashes_are_vllm_event_hashes(
     """Prompts sharing a prefix: the later ones' blocks chain from cached parents."""
     prompts = [shared + tail for tail in tails]
     events = _published(_config("sha256_cbor", seed), prompts)
-    kw = {} if seed is None else {"seed": seed}
     stored = [e for e in events if isinstance(e, BlockStored)]
     known = {h for e in stored for h in e.block_hashes}
     for prompt in prompts:
         n = len(prompt) // BS
-        predicted = vllm_event_hashes(prompt[: n * BS], BS, **kw).tolist()
+        predicted = vllm_event_hashes(
+            prompt[: n * BS], BS, seed="vllm-none-hash" if seed is None else seed
+        ).tolist()
         assert set(predicted) <= known  # every full prompt block, cached or stored now
         chain = find_chain(events, prompt)
         assert chain is not None and chain.hashes == predicted[: len(chain.hashes)]
@@ -85,8 +86,8 @@ def test_sha256_cbor_folds_the_salt_and_the_lora_adapter_as_vllm_does() -> None:
     assert salted.hashes != vllm_event_hashes(prompt, BS, seed="7").tolist()
     lora = find_chain(_published(_config("sha256_cbor", None), [prompt], lora="adapter-a"), prompt)
     assert lora is not None and lora.lora_name == "adapter-a"
-    keys = [[("lora", "adapter-a", "adapter-a")]] * 3
-    assert lora.hashes == vllm_event_hashes(prompt, BS, extra_keys=keys).tolist()
+    lora_keys: list[list[tuple[str, ...]] | None] = [[("lora", "adapter-a", "adapter-a")]] * 3
+    assert lora.hashes == vllm_event_hashes(prompt, BS, extra_keys=lora_keys).tolist()
 
 
 def test_sha256_hashes_are_the_pickled_chain() -> None:
