@@ -113,3 +113,21 @@ def test_the_default_publishes_the_models_own_hashes() -> None:
     chain = find_chain(_published(_config("xxh3_64_sim", None), [prompt]), prompt)
     assert chain is not None and len(chain.hashes) == 3
     assert chain.hashes != vllm_event_hashes(prompt, BS).tolist()
+
+
+def test_bad_hashing_flags_exit_2() -> None:
+    import subprocess
+    import sys
+
+    for extra in (
+        ["--hash-seed", "1"],  # a seed without a vLLM algorithm
+        ["--prefix-caching-hash-algo", "sha256_cbor", "--flavor", "sglang"],
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "quillcache", "engine-sim", "--port", "0", *extra],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 2, r.stderr
+        assert "engine-sim: " in r.stderr and "hash" in r.stderr
