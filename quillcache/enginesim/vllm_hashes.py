@@ -9,7 +9,8 @@ its extra keys), block 0's parent being NONE_HASH, the digest of the seed
 (PYTHONHASHSEED, else "vllm-none-hash"); events carry each digest's last 8 bytes
 big-endian. `sha256_cbor` is SHA-256 over canonical CBOR (`quillcache._native`);
 `sha256` is vLLM's default, SHA-256 over `pickle.dumps(..., HIGHEST_PROTOCOL)` of the
-same tuple (`vllm/utils/hashing.py`), which is cheap to reproduce in Python.
+same tuple (`vllm/utils/hashing.py`), which is cheap to reproduce in Python (checked
+against vLLM 0.32's own `hash_block_tokens` for plain blocks).
 
 Extra keys as vLLM folds them: the LoRA adapter (`("lora", name, path)`; the simulator
 serves adapters by name, so the path is the name) on every block of a LoRA request, then
@@ -79,14 +80,9 @@ class VllmHasher:
                 extra_keys=[extra] if extra else None,
                 parent=parent,
             )[0]
-        # vLLM's pickle path hashes (BlockHash bytes, tuple of ints, tuple of keys | None);
-        # a LoRA block's key here is the adapter's name (not checked against vLLM).
-        pickled: list[Any] = []
-        if tag is not None and tag[0]:
-            pickled.append(tag[0])
-        if tag is not None and tag[1] and tag[2]:
-            pickled.append(tag[1])
-        return _pickle_sha256((parent, tuple(tokens), tuple(pickled) if pickled else None))
+        # vLLM's pickle path hashes (BlockHash bytes, tuple of ints, tuple of keys | None),
+        # the keys those of the CBOR path (`generate_block_hash_extra_keys`)
+        return _pickle_sha256((parent, tuple(tokens), tuple(extra) if extra else None))
 
     def rewrite(self, raw_events: list[dict[str, Any]], tags: dict[int, Tag]) -> None:
         """Replace, in place, the model's hashes in raw (dict) vLLM events with vLLM's."""
