@@ -9,16 +9,7 @@
 //! `maximum` propagates NaN, and integers enter float arithmetic where numpy promotes
 //! them.
 
-use crate::scoring::{RowsError, IN_FLIGHT, LOAD_WIDTH, QUEUED_PREFILL_TOKENS};
-
-/// `np.maximum` on floats: NaN wins.
-fn maximum(a: f64, b: f64) -> f64 {
-    if a >= b || a.is_nan() {
-        a
-    } else {
-        b
-    }
-}
+use crate::scoring::{maximum, RowsError, IN_FLIGHT, LOAD_WIDTH, QUEUED_PREFILL_TOKENS};
 
 /// The load matrix's column of KV usage (`LOAD_FIELDS`).
 const KV_USAGE: usize = 3;

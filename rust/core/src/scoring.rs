@@ -136,7 +136,7 @@ pub struct QuillKnobs {
 }
 
 /// `np.maximum` on floats: NaN wins.
-fn maximum(a: f64, b: f64) -> f64 {
+pub(crate) fn maximum(a: f64, b: f64) -> f64 {
     if a >= b || a.is_nan() {
         a
     } else {

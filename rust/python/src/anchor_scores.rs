@@ -5,20 +5,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use quillcache_core::anchor_scores::{self, DynamoKnobs, LlmdKnobs, PeerRows};
-use quillcache_core::scoring::{RowsError, LOAD_WIDTH};
+use quillcache_core::scoring::LOAD_WIDTH;
 
-fn slice<'a, T: numpy::Element>(
-    what: &str,
-    array: &'a PyReadonlyArray1<'_, T>,
-) -> PyResult<&'a [T]> {
-    array
-        .as_slice()
-        .map_err(|_| PyValueError::new_err(format!("{what} must be a contiguous 1-D array")))
-}
-
-fn rows_error(e: RowsError) -> PyErr {
-    PyValueError::new_err(e.to_string())
-}
+use crate::scoring::{rows_error, slice};
 
 /// The view's columns the peer routers read, borrowed for one call.
 struct Columns<'py> {

@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use crate::load_order::LoadOrder;
 use quillcache_core::scoring::{self, Ask, CostParams, QuillKnobs, Rows, RowsError};
 
-fn slice<'a, T: numpy::Element>(
+pub(crate) fn slice<'a, T: numpy::Element>(
     what: &str,
     array: &'a PyReadonlyArray1<'_, T>,
 ) -> PyResult<&'a [T]> {
@@ -40,7 +40,7 @@ fn walk_args<'a>(
     Ok((special, by_queue))
 }
 
-fn rows_error(e: RowsError) -> PyErr {
+pub(crate) fn rows_error(e: RowsError) -> PyErr {
     PyValueError::new_err(e.to_string())
 }
 
