@@ -3,14 +3,21 @@
 The connector only moves raw msgpack batches; decoding and apply happen behind
 `ingest` (in Rust for the native index). `ControlPlane` implements this shape; an
 `IndexSink` wraps a bare `IndexBackend` for tools and tests that need no routing.
+
+Both sinks pass each source's batches through a `GroupFolder` first: a source whose
+events name KV-cache groups (hybrid models) is applied as one group, a block counting
+only where every group holds it (`quillcache.events.groups`, docs/kv-events.md); any
+other source's payloads reach the index as they came.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from quillcache.errors import EventDecodeError
+from quillcache.events.groups import GroupFolder, fold_payloads
 from quillcache.index.protocol import IndexBackend
 from quillcache.index.types import ApplyStats
 
@@ -44,11 +51,27 @@ class IngestSink(Protocol):
         ...
 
 
+def _apply_folded(
+    apply: Callable[[list[bytes], Sequence[int] | None], ApplyStats],
+    folded: list[bytes],
+    refused: EventDecodeError | None,
+    seqs: Sequence[int] | None,
+) -> ApplyStats:
+    """Apply the folded payloads; then raise the folder's refusal, if any, as the index
+    raises a batch that does not decode (`payload_index`, and `stats` of those before)."""
+    if refused is None:
+        return apply(folded, seqs)
+    stats = apply(folded, None if seqs is None else seqs[: len(folded)]) if folded else ApplyStats()
+    refused.stats = stats
+    raise refused
+
+
 class IndexSink:
     """An `IngestSink` over one `IndexBackend`, remembering which sources are stale."""
 
     def __init__(self, index: IndexBackend) -> None:
         self.index = index
+        self.groups = GroupFolder()
         self._lock = threading.Lock()
         self.stale: set[tuple[int, int]] = set()
 
@@ -59,9 +82,13 @@ class IndexSink:
         dp_rank: int = 0,
         seqs: Sequence[int] | None = None,
     ) -> ApplyStats:
-        return self.index.apply(worker, payloads, dp_rank, seqs=seqs)
+        folded, refused = fold_payloads(self.groups, worker, payloads, dp_rank)
+        return _apply_folded(
+            lambda p, s: self.index.apply(worker, p, dp_rank, seqs=s), folded, refused, seqs
+        )
 
     def clear_source(self, worker: int, dp_rank: int = 0) -> int:
+        self.groups.clear(worker, dp_rank)
         return self.index.clear_source(worker, dp_rank)
 
     def set_stale(self, worker: int, dp_rank: int, stale: bool) -> None:
@@ -82,6 +109,7 @@ class ControlPlaneSink:
 
     def __init__(self, plane: ControlPlane) -> None:
         self.plane = plane
+        self.groups = GroupFolder()
         self._lock = threading.Lock()
         self.stale: set[tuple[int, int]] = set()
 
@@ -92,13 +120,20 @@ class ControlPlaneSink:
         dp_rank: int = 0,
         seqs: Sequence[int] | None = None,
     ) -> ApplyStats:
-        return self.plane.ingest(worker, payloads, dp_rank, seqs=seqs)
+        # The worker's state object names its registration: a worker removed and added
+        # again gets a new one, and the folder drops what it kept for the old.
+        owner = self.plane.worker(worker)
+        folded, refused = fold_payloads(self.groups, worker, payloads, dp_rank, owner)
+        return _apply_folded(
+            lambda p, s: self.plane.ingest(worker, p, dp_rank, seqs=s), folded, refused, seqs
+        )
 
     def last_seqs(self) -> dict[tuple[int, int], int]:
         """(worker, dp_rank) -> last applied seq, as the index keeps it across restarts."""
         return {(s.worker, s.dp_rank): q for s, q in self.plane.index.last_seqs().items()}
 
     def clear_source(self, worker: int, dp_rank: int = 0) -> int:
+        self.groups.clear(worker, dp_rank)
         return self.plane.clear(worker, dp_rank)
 
     def set_stale(self, worker: int, dp_rank: int, stale: bool) -> None:
