@@ -86,6 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--lmcache-chunk-size", type=int, default=256, help="LMCache's chunk size in tokens")
     a("--lmcache-cpu-chunks", type=int, default=1024, help="LMCache's CPU tier size, in chunks")
     a(
+        "--kv-groups",
+        type=int,
+        default=1,
+        help="KV-cache groups to publish, as vLLM does for a hybrid model: each store and "
+        "removal once per group (group 0 full attention, the others sliding window), every "
+        "group mirroring the one cache; 1 (default) names none; --flavor vllm only",
+    )
+    a(
         "--prefix-caching-hash-algo",
         choices=["xxh3_64_sim", "sha256_cbor", "sha256"],
         default="xxh3_64_sim",
@@ -144,6 +152,16 @@ def _check_hashing(args: argparse.Namespace) -> None:
         raise ConfigError("--hash-seed needs --prefix-caching-hash-algo sha256_cbor or sha256")
 
 
+def _check_kv_groups(args: argparse.Namespace) -> None:
+    """`--kv-groups` is vLLM's wire format, for the engine's own GPU cache."""
+    if args.kv_groups == 1:
+        return
+    if not 1 <= args.kv_groups <= 32:
+        raise ConfigError("--kv-groups must be in 1..32")
+    if args.flavor != "vllm" or args.lmcache is not None:
+        raise ConfigError("--kv-groups is modelled for --flavor vllm without --lmcache")
+
+
 def _check_lmcache(args: argparse.Namespace) -> None:
     """`--lmcache` needs a vLLM engine, and a chunk size LMCache's connector accepts."""
     if args.lmcache is None:
@@ -196,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
         sglang_release = _sglang_release(args.flavor, args.sglang_version)
         _check_lmcache(args)
         _check_hashing(args)
+        _check_kv_groups(args)
         sockets = fleet.listen(args.host, args.port, n) if n > 1 else None
     except ConfigError as exc:
         print(f"engine-sim: {exc}", file=sys.stderr)
@@ -216,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
         lmcache_cpu_chunks=args.lmcache_cpu_chunks,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         hash_seed=args.hash_seed,
+        kv_groups=args.kv_groups,
     )
     replay_layout: dict[str, bool] = {"legacy_replay": args.legacy_replay}
     if sglang_release is not None:

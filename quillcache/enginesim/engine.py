@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -79,6 +80,11 @@ class EngineConfig:
     lmcache: str | None = None
     lmcache_chunk_size: int = 256
     lmcache_cpu_chunks: int = 1024
+    # `--kv-groups`: KV-cache groups the engine publishes, as vLLM does for a hybrid model
+    # (group 0 full attention, the others sliding window of `kv_group_window` tokens);
+    # every group mirrors the one cache (dense, evicted together). 1: no group named.
+    kv_groups: int = 1
+    kv_group_window: int = 4096
     # `--prefix-caching-hash-algo`: whose block hashes the events carry ("xxh3_64_sim":
     # the model's own; "sha256_cbor" / "sha256": vLLM's), see `vllm_hashes`
     prefix_caching_hash_algo: str = "xxh3_64_sim"
@@ -374,8 +380,35 @@ class SimEngine:
         if self._sglang is not None:
             return sglang_batch(payload, self._sglang, self._tags)
         if self._vllm_hashes is not None:
-            return self._rehash(payload)
-        return self._tag(payload) if self._tags else payload
+            out = self._rehash(payload)
+        else:
+            out = self._tag(payload) if self._tags else payload
+        return self._per_group(out) if self.config.kv_groups > 1 else out
+
+    def _per_group(self, payload: bytes) -> bytes:
+        """Each store and removal once per KV-cache group, as vLLM 0.34 publishes a
+        hybrid model's (`BlockPool.cache_full_blocks` per group, the spec kind and window
+        added by `KVCacheManager.take_events`; removals name their group only)."""
+        ts, raw_events, rank = msgpack.unpackb(payload)
+        out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+        for ev in _events_of(raw_events):
+            if isinstance(ev, AllBlocksCleared):
+                out.append(ev)
+                continue
+            for g in range(self.config.kv_groups):
+                if isinstance(ev, BlockRemoved):
+                    out.append(dataclasses.replace(ev, group_idx=g))
+                    continue
+                swa = g > 0
+                out.append(
+                    dataclasses.replace(
+                        ev,
+                        group_idx=g,
+                        kv_cache_spec_kind="sliding_window" if swa else "full_attention",
+                        kv_cache_spec_sliding_window=self.config.kv_group_window if swa else None,
+                    )
+                )
+        return encode_batch(out, ts=ts, dp_rank=rank)
 
     def _rehash(self, payload: bytes) -> bytes:
         """Tag the batch (`_tag`), then give its blocks vLLM's hashes (`--prefix-caching-
