@@ -20,16 +20,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
 
 from quillcache._native import EventDecodeError, decode_batch
-from quillcache.events.encode import encode_batch
 from quillcache.events.types import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    Event,
     EventBatch,
     ExtraKey,
+    MmKey,
+    RawKey,
     normalize_medium,
 )
 
@@ -95,14 +98,14 @@ def _positional_group_field(payload: bytes) -> bool:
 SourceKey = tuple[int, int]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Block:
     """What a BlockStored said about one block: enough to store it again in group 0."""
 
     parent: int | None
-    tokens: tuple[int, ...]
+    tokens: Sequence[int]
     block_size: int
-    extra_keys: tuple[ExtraKey, ...] | None
+    extra_keys: list[Any] | None  # as written on the wire
     lora_id: int | None
     lora_name: str | None
     cache_salt: str | None
@@ -149,6 +152,58 @@ def _names_group(batch: EventBatch) -> bool:
     )
 
 
+_CLEARED: dict[str, Any] = {"type": "AllBlocksCleared"}
+
+
+def _wire_key(key: ExtraKey) -> Any:
+    """An extra-key item as the engine wrote it (the decoder's classes undone)."""
+    if isinstance(key, MmKey):
+        return [key.hash, key.offset]
+    if isinstance(key, RawKey):
+        return msgpack.unpackb(key.msgpack)
+    return key
+
+
+def _removed(h: int, medium: str) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": [h], "medium": medium, "group_idx": 0}
+
+
+def _append_stored(out: list[dict[str, Any]], h: int, b: _Block, medium: str) -> None:
+    """A group-0 BlockStored of block `h`, appended to the previous event when that one
+    ends with `h`'s parent and says the same of its blocks (one event per chain)."""
+    last = out[-1] if out else None
+    if (
+        last is not None
+        and last["type"] == "BlockStored"
+        and b.parent is not None
+        and last["block_hashes"][-1] == b.parent
+        and last["medium"] == medium
+        and last["block_size"] == b.block_size
+        and last["lora_id"] == b.lora_id
+        and last["lora_name"] == b.lora_name
+        and last["cache_salt"] == b.cache_salt
+    ):
+        last["block_hashes"].append(h)
+        last["token_ids"].extend(b.tokens)
+        last["extra_keys"].append(b.extra_keys)
+        return
+    out.append(
+        {
+            "type": "BlockStored",
+            "block_hashes": [h],
+            "parent_block_hash": b.parent,
+            "token_ids": list(b.tokens),
+            "block_size": b.block_size,
+            "lora_id": b.lora_id,
+            "medium": medium,
+            "lora_name": b.lora_name,
+            "extra_keys": [b.extra_keys],
+            "group_idx": 0,
+            "cache_salt": b.cache_salt,
+        }
+    )
+
+
 class GroupFolder:
     """Per source, the residency of every KV-cache group, and the group-0 view of it."""
 
@@ -184,12 +239,12 @@ class GroupFolder:
             src = None
         if src is None and not _names_group(batch):
             return payload
-        out: list[Event] = []
+        out: list[dict[str, Any]] = []
         if src is None:
             # What the index holds for this source was applied without the other
             # groups' view: start again from nothing (a missed hit, never a false one).
             src = _Source(owner=owner)
-            out.append(AllBlocksCleared())
+            out.append(_CLEARED)
             self._sources[key] = src
             self._grouped_workers[worker] = self._grouped_workers.get(worker, 0) + 1
             self.stats.grouped_sources += 1
@@ -229,9 +284,10 @@ class GroupFolder:
                 self._remove(src, ev, out)
             else:
                 self._clear_blocks(src)
-                out.append(ev)
+                out.append(_CLEARED)
         self.stats.folded_batches += 1
-        return encode_batch(out, batch.ts, batch.dp_rank)
+        wire = [batch.ts, out] if batch.dp_rank is None else [batch.ts, out, batch.dp_rank]
+        return bytes(msgpack.packb(wire, use_bin_type=True))
 
     def clear(self, worker: int, dp_rank: int = 0) -> None:
         """Forget a source (the engine restarted, or its residency was dropped): its
@@ -250,84 +306,82 @@ class GroupFolder:
 
     # --- folding -------------------------------------------------------------------
 
-    def _announce(self, src: _Source, group: int, out: list[Event]) -> None:
+    def _announce(self, src: _Source, group: int, out: list[dict[str, Any]]) -> None:
         """A new group: what it does not hold is no longer usable."""
         src.announced.add(group)
         for medium, folded in src.folded.items():
             held = src.held.get((medium, group), {})
             for h in [h for h in folded if h not in held]:
                 folded.discard(h)
-                out.append(BlockRemoved(block_hashes=[h], medium=medium, group_idx=0))
+                out.append(_removed(h, medium))
 
-    def _usable(self, src: _Source, medium: str, h: int) -> bool:
-        return all(h in src.held.get((medium, g), ()) for g in src.announced)
-
-    def _store(self, src: _Source, ev: BlockStored, out: list[Event]) -> None:
+    def _store(self, src: _Source, ev: BlockStored, out: list[dict[str, Any]]) -> None:
         medium = normalize_medium(ev.medium)
         group = ev.group_idx or 0
         hashes = [int(h) for h in ev.block_hashes]
         bs = ev.block_size
-        if ev.token_ids:
-            if bs <= 0 or len(ev.token_ids) != len(hashes) * bs:
+        tokens = ev.token_ids
+        if tokens:
+            if bs <= 0 or len(tokens) != len(hashes) * bs:
                 # vLLM skips masked and null blocks of a sparse group (sliding window,
                 # Mamba) but sends the tokens of the whole range: which hash is which
                 # block is not said, so none of them is placed (docs/kv-events.md).
                 self.stats.unplaced_blocks += len(hashes)
                 return
-            extra = list(ev.extra_keys or ())
+            extra = ev.extra_keys or ()
             parent = None if ev.parent_block_hash is None else int(ev.parent_block_hash)
+            blocks, children = src.blocks, src.children
             for i, h in enumerate(hashes):
-                if h not in src.blocks:
+                if h not in blocks:
                     keys = extra[i] if i < len(extra) else None
-                    src.blocks[h] = _Block(
-                        parent=parent,
-                        tokens=tuple(ev.token_ids[i * bs : (i + 1) * bs]),
-                        block_size=bs,
-                        extra_keys=None if keys is None else tuple(keys),
-                        lora_id=ev.lora_id,
-                        lora_name=ev.lora_name,
-                        cache_salt=ev.cache_salt,
+                    blocks[h] = _Block(
+                        parent,
+                        tokens[i * bs : (i + 1) * bs],
+                        bs,
+                        None if keys is None else [_wire_key(k) for k in keys],
+                        ev.lora_id,
+                        ev.lora_name,
+                        ev.cache_salt,
                     )
                     if parent is not None:
-                        src.children.setdefault(parent, set()).add(h)
+                        children.setdefault(parent, set()).add(h)
                 parent = h
         held = src.held.setdefault((medium, group), {})
-        for h in hashes:
-            if h not in src.blocks:  # a token-less store of a block never described
-                continue
+        known = [h for h in hashes if h in src.blocks]  # token-less: blocks described before
+        for h in known:
             held[h] = held.get(h, 0) + 1
-            self._fold_from(src, medium, h, out)
+        self._fold_from(src, medium, known, out)
 
-    def _fold_from(self, src: _Source, medium: str, h: int, out: list[Event]) -> None:
-        """Store `h` in group 0 if every group holds it and its parent is stored there,
-        then the children this makes storable, depth first."""
+    def _fold_from(
+        self, src: _Source, medium: str, hashes: list[int], out: list[dict[str, Any]]
+    ) -> None:
+        """Store in group 0 each of `hashes` that every group holds and whose parent is
+        stored there, and the children this makes storable, depth first."""
         folded = src.folded.setdefault(medium, set())
-        stack = [h]
+        helds = [src.held.get((medium, g), {}) for g in src.announced]
+        blocks, children = src.blocks, src.children
+        stack = hashes[::-1]  # in chain order, so that one event takes a whole chain
         while stack:
             x = stack.pop()
-            if x in folded or not self._usable(src, medium, x):
+            if x in folded:
                 continue
-            b = src.blocks[x]
+            usable = True
+            for held in helds:
+                if x not in held:
+                    usable = False
+                    break
+            if not usable:
+                continue
+            b = blocks[x]
             if b.parent is not None and b.parent not in folded:
                 continue
             folded.add(x)
-            out.append(
-                BlockStored(
-                    block_hashes=[x],
-                    parent_block_hash=b.parent,
-                    token_ids=b.tokens,
-                    block_size=b.block_size,
-                    lora_id=b.lora_id,
-                    medium=medium,
-                    lora_name=b.lora_name,
-                    extra_keys=None if b.extra_keys is None else [b.extra_keys],
-                    group_idx=0,
-                    cache_salt=b.cache_salt,
-                )
-            )
-            stack.extend(src.children.get(x, ()))
+            _append_stored(out, x, b, medium)
+            kids = children.get(x)
+            if kids:
+                stack.extend(kids)
 
-    def _remove(self, src: _Source, ev: BlockRemoved, out: list[Event]) -> None:
+    def _remove(self, src: _Source, ev: BlockRemoved, out: list[dict[str, Any]]) -> None:
         medium = normalize_medium(ev.medium)
         held = src.held.get((medium, ev.group_idx or 0))
         if held is None:
@@ -343,7 +397,7 @@ class GroupFolder:
             folded = src.folded.get(medium)
             if folded is not None and h in folded:
                 folded.discard(h)
-                out.append(BlockRemoved(block_hashes=[h], medium=medium, group_idx=0))
+                out.append(_removed(h, medium))
             self._drop_unheld(src, h)
 
     def _drop_unheld(self, src: _Source, h: int) -> None:

@@ -18,6 +18,7 @@ from quillcache.controlplane import ControlPlane
 from quillcache.errors import EventDecodeError
 from quillcache.events import encode as enc
 from quillcache.events.groups import MAX_GROUPS_PER_SOURCE, GroupFolder, may_name_group
+from quillcache.events.types import ExtraKey
 from quillcache.hashing.reference import content_keys, namespace_id
 from quillcache.index import IndexBackend, create_backend
 
@@ -365,3 +366,32 @@ def test_folded_residency_is_the_longest_prefix_every_group_holds(
             got = hit(index, keys)
             assert got == ref
             assert got <= vllm_hit(sets, hashes)  # never a hit vLLM would not give
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_folding_keeps_every_blocks_content_key(backend: str) -> None:
+    # LoRA name, the salt in block 0's extra keys, a multimodal item in block 1: the
+    # namespace and the keys the index derives from them are those of the same blocks
+    # published by a single-group engine.
+    extra: list[Sequence[ExtraKey] | None] = [
+        ["my-lora", "salt"],
+        ["my-lora", enc.MmKey("img", 2)],
+        ["my-lora"],
+    ]
+
+    def ev(group: int | None) -> enc.BlockStored:
+        return enc.BlockStored(
+            HASHES[:3],
+            None,
+            TOKENS[: 3 * BS],
+            BS,
+            lora_name="my-lora",
+            extra_keys=extra,
+            group_idx=group,
+        )
+
+    plain, folded = create_backend(backend), create_backend(backend)
+    plain.apply(1, [batch(ev(None))])
+    IndexSink(folded).ingest(1, [batch(ev(FULL), ev(SWA))])
+    assert sorted(e.key for e in folded.entries()) == sorted(e.key for e in plain.entries())
+    assert len(list(folded.entries())) == 3
