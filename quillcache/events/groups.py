@@ -205,7 +205,10 @@ def _append_stored(out: list[dict[str, Any]], h: int, b: _Block, medium: str) ->
 
 
 class GroupFolder:
-    """Per source, the residency of every KV-cache group, and the group-0 view of it."""
+    """Per source, the residency of every KV-cache group, and the group-0 view of it.
+
+    Not thread-safe: the sinks call it from the ingestor's one applier thread, as they
+    apply; a caller with several threads serialises `fold` and `clear`."""
 
     def __init__(self) -> None:
         self._sources: dict[SourceKey, _Source] = {}
