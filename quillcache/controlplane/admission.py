@@ -9,11 +9,59 @@ the request is rejected, with the reason, when it misses its own SLO (`Request.s
 or, for a bound the request leaves unset, the router's default (`ttft_slo_s` /
 `tbt_slo_s`, options every router takes by name: `quillcache.routing.default_slo`).
 Without any bound nothing is estimated and the decision passes unchanged.
+
+Whoever answers the client reads what a rejection missed with `missed` (the bound, the
+estimate, the SLO and how long to wait before retrying), from the same comparison.
 """
 
 from __future__ import annotations
 
-from quillcache.routing import SLO, Decision, Request, View, plan_and_estimate
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from quillcache.routing import SLO, Decision, Estimate, Request, View, plan_and_estimate
+
+
+@dataclass(frozen=True, slots=True)
+class SloMiss:
+    """Which bound an estimate misses: the estimate and the SLO (seconds), and when a
+    retry could meet it (`retry_after_s`, whole seconds, at least 1)."""
+
+    bound: Literal["ttft", "tbt"]
+    estimate_s: float
+    slo_s: float
+    retry_after_s: int
+    # False when the estimate misses even with the queue drained (a TTFT miss whose
+    # prefill and transfer alone exceed the SLO): waiting does not help
+    waiting_helps: bool = True
+
+
+def slo_miss(slo: SLO, est: Estimate) -> SloMiss | None:
+    """The first bound of `slo` that `est` misses (TTFT before TBT), or None.
+
+    Retry-After for a TTFT miss is the excess: the engine's queue drains in real time,
+    so once that much of it is gone the same request would meet its SLO (the estimate's
+    other parts, prefill and transfer, do not shrink with waiting; when they alone miss
+    the SLO no wait helps: `waiting_helps` is False). A TBT miss depends on when running
+    decodes end, which the estimate does not know: the least wait, 1 s."""
+    if slo.ttft_s is not None and est.ttft_s > slo.ttft_s:
+        excess = est.ttft_s - slo.ttft_s
+        helps = est.ttft_s - est.queue_s <= slo.ttft_s
+        return SloMiss("ttft", est.ttft_s, slo.ttft_s, max(1, math.ceil(excess)), helps)
+    if slo.tbt_s is not None and est.tbt_s > slo.tbt_s:
+        return SloMiss("tbt", est.tbt_s, slo.tbt_s, 1)
+    return None
+
+
+def missed(request: Request, decision: Decision, default: SLO | None) -> SloMiss | None:
+    """What `decision` (a rejection) missed of the request's SLO, when the admission
+    stage rejected it; None for a router's own rejection (no estimate, or one within
+    the SLO)."""
+    slo = effective_slo(request, default)
+    if not decision.rejected or decision.estimate is None or slo is None:
+        return None
+    return slo_miss(slo, decision.estimate)
 
 
 def effective_slo(request: Request, default: SLO | None) -> SLO | None:
@@ -41,13 +89,12 @@ def admit(request: Request, view: View, decision: Decision, default: SLO | None)
         return decision
     chosen = view.by_id(decision.worker, decision.dp_rank or 0)
     _, est = plan_and_estimate(request, view, chosen)
+    miss = slo_miss(slo, est)
+    if miss is None:
+        return decision
     where = f"worker {decision.worker}" + (f" rank {decision.dp_rank}" if decision.dp_rank else "")
-    if slo.ttft_s is not None and est.ttft_s > slo.ttft_s:
-        return Decision.reject(
-            f"estimated TTFT {est.ttft_s:.3f}s on {where} exceeds the SLO {slo.ttft_s:.3f}s", est
-        )
-    if slo.tbt_s is not None and est.tbt_s > slo.tbt_s:
-        return Decision.reject(
-            f"estimated TBT {est.tbt_s:.3f}s on {where} exceeds the SLO {slo.tbt_s:.3f}s", est
-        )
-    return decision
+    return Decision.reject(
+        f"estimated {miss.bound.upper()} {miss.estimate_s:.3f}s on {where} exceeds the SLO "
+        f"{miss.slo_s:.3f}s",
+        est,
+    )

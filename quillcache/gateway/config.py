@@ -236,6 +236,25 @@ class GatewayConfig(BaseModel):
         "advertises it while ready); None: http://host:port when host is one address",
     )
 
+    slo_hints: Literal["tighten", "honour", "ignore"] = Field(
+        default="tighten",
+        description="what a client's SLO hint (x-slo-ttft-ms / x-slo-tbt-ms, or the body's "
+        "quillcache.slo) does: 'tighten' may only lower the default SLO's bounds "
+        "(router_options ttft_slo_s / tbt_slo_s; slo_trusted_tenants set theirs as given), "
+        "'honour' takes it as given, 'ignore' checks then drops it (docs/gateway.md, SLOs)",
+    )
+    slo_trusted_tenants: list[str] = Field(
+        default_factory=list,
+        description="authenticated tenants whose SLO hints are taken as given under "
+        "slo_hints: tighten (they may loosen the default)",
+    )
+    slo_max_ms: float = Field(
+        default=600_000.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="the largest SLO hint accepted, in milliseconds; above it: a 400",
+    )
+
     @field_validator("state")
     @classmethod
     def _state(cls, v: str) -> str:

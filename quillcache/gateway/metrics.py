@@ -109,6 +109,17 @@ class GatewayMetrics:
             "quillcache_peer_snapshot_bytes_served", "Bytes of peer snapshots sent.", registry=r
         )
 
+        self.slo_rejections = Counter(
+            "quillcache_slo_rejections",
+            "Requests answered 429 by the SLO admission stage, by the bound the chosen "
+            "engine's estimate missed (ttft, tbt).",
+            ["bound"],
+            registry=r,
+        )
+
+    def slo_rejected(self, bound: str) -> None:
+        self._child(self.slo_rejections, bound).inc()
+
     def enable_shared_state(self) -> None:
         """The booking metrics of `--state redis` (absent with local state)."""
         r = self.registry

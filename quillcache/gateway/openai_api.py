@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from quillcache.controlplane import ControlPlane, RouterContractError
+from quillcache.controlplane.admission import missed
 from quillcache.errors import QuillCacheError
 from quillcache.gateway import proxy
 from quillcache.gateway.config import GatewayConfig
@@ -35,9 +36,10 @@ from quillcache.gateway.httpio import (
 from quillcache.gateway.identify import RequestIdentifier
 from quillcache.gateway.outcomes import RequestOutcomes
 from quillcache.gateway.shared_routing import SharedRouting
+from quillcache.gateway.slo import EXTENSION, SloPolicy, SloRejected, read_hints
 from quillcache.gateway.tenancy import Identity, TenantPolicy
 from quillcache.gateway.workers import Worker, WorkerPool
-from quillcache.routing import Action
+from quillcache.routing import SLO, Action, default_slo
 from quillcache.routing import Request as RouteRequest
 from quillcache.tokenization.request import EngineUnreachable, TokenizationError
 
@@ -113,6 +115,13 @@ class OpenAIEndpoints:
         self.peer_of = peer_of
         # `--state redis`: every decision is booked in the fleet's shared state (None: local)
         self.shared: SharedRouting | None = None
+        # clients' SLO hints against the default SLO of the plane's router (gateway/slo.py)
+        self.slo = SloPolicy(
+            config.slo_hints,
+            frozenset(config.slo_trusted_tenants),
+            default_slo(plane.router),
+            config.slo_max_ms,
+        )
 
     async def completions(self, request: Request) -> Response:
         return await self._counted(request, COMPLETIONS, chat=False)
@@ -155,7 +164,7 @@ class OpenAIEndpoints:
         """Check the body (`tenant` authenticated already), then tokenize and hash it for
         routing. Shared by both data paths (this ASGI app's and the native relay's)."""
         size = len(raw)
-        body, raw, candidates, identity = self._checked(raw, chat, tenant)
+        body, raw, candidates, identity, slo = self._checked(headers, raw, chat, tenant)
         check_prompt_bytes(body, chat, size, self.config.max_prompt_bytes)
         routing_started = time.perf_counter()  # tokenize + hash + route, for /admin/index
         with _tokenize_errors():
@@ -163,6 +172,7 @@ class OpenAIEndpoints:
                 body, chat, headers, identity, candidates
             )
         check_context(prompt_tokens, self.pool.context_limit(candidates))
+        route_request.slo = slo
         return Prepared(raw, route_request, prompt_tokens, candidates, routing_started)
 
     def prepare_now(
@@ -173,22 +183,26 @@ class OpenAIEndpoints:
         if not self.identifier.tokenizes_locally:
             return None
         size = len(raw)
-        body, raw, candidates, identity = self._checked(raw, chat, tenant)
+        body, raw, candidates, identity, slo = self._checked(headers, raw, chat, tenant)
         check_prompt_bytes(body, chat, size, self.config.max_prompt_bytes)
         routing_started = time.perf_counter()
         with _tokenize_errors():
             identified = self.identifier.identify_now(body, chat, headers, identity)
         assert identified is not None
         check_context(identified[1], self.pool.context_limit(candidates))
+        identified[0].slo = slo
         return Prepared(raw, *identified, candidates, routing_started)
 
     def _checked(
-        self, raw: bytes, chat: bool, tenant: str
-    ) -> tuple[dict[str, Any], bytes, frozenset[int] | None, Identity]:
-        """The body as an object, its raw form to forward (with the derived salt), the
-        engines serving it, and its namespace identity."""
+        self, headers: Mapping[str, str], raw: bytes, chat: bool, tenant: str
+    ) -> tuple[dict[str, Any], bytes, frozenset[int] | None, Identity, SLO | None]:
+        """The body as an object, its raw form to forward (with the derived salt, without
+        the SLO extension), the engines serving it, its namespace identity and its own
+        SLO (`Request.slo`: the client's hints as `slo_hints` lets them count)."""
         body = parse_object(raw)
         validate_completion(body, chat)
+        extended = EXTENSION in body
+        slo = self.slo.apply(read_hints(headers, body, self.slo.max_ms), tenant)
         identity = self.tenancy.identity(tenant, body.get("cache_salt"))
         model = body.get("model")
         candidates = self.pool.serving(model)  # only engines serving the model (or adapter)
@@ -208,7 +222,9 @@ class OpenAIEndpoints:
         elif "cache_salt" in body:  # an empty or null salt: no salt at all
             del body["cache_salt"]
             raw = json.dumps(body).encode()
-        return body, raw, candidates, identity
+        elif extended:  # the gateway's own field, not the engine's
+            raw = json.dumps(body).encode()
+        return body, raw, candidates, identity, slo
 
     async def _proxy(self, request: Request, path: str, *, chat: bool) -> Response:
         started = time.perf_counter()
@@ -318,6 +334,20 @@ class OpenAIEndpoints:
         routed_s = time.perf_counter() - prepared.routing_started
         if decision.rejected or decision.worker is None:
             reason = decision.reason or "rejected"
+            miss = missed(route_request, decision, self.slo.default)
+            if miss is not None:
+                # a fixed label: the reason's figures would make a series per request
+                self.outcomes.not_routed(
+                    rid, f"slo: {miss.bound} estimate over", routed_s, decision.explanation
+                )
+                self.outcomes.metrics.slo_rejected(miss.bound)
+                log.info(
+                    "gateway: request %s not admitted (429, Retry-After %d s): %s",
+                    rid,
+                    miss.retry_after_s,
+                    reason,
+                )
+                raise SloRejected(miss, reason)
             self.outcomes.not_routed(rid, reason, routed_s, decision.explanation)
             if "no routable worker" in reason:
                 raise ApiError(503, f"request not routed: {reason}", "ServiceUnavailableError")

@@ -1,0 +1,175 @@
+"""Per-request SLO hints: read, checked against their limits, and held to the gateway's trust.
+
+A client states its TTFT / TBT target in milliseconds, as a header or as a body
+extension (both: they must agree, else 400):
+
+    x-slo-ttft-ms: 800                      x-slo-tbt-ms: 60
+    {"quillcache": {"slo": {"ttft_ms": 800, "tbt_ms": 60}}, ...}
+
+The extension is the gateway's own and is taken out of the body before it is forwarded
+(an engine would not know it). Dynamo's frontend takes the same targets as
+`nvext.router.ttft_target` / `itl_target` (milliseconds); `nvext` carries Dynamo's
+other routing fields too (instance ids, ranks) that mean nothing here, so it is not
+read: a Dynamo client moves its two numbers.
+
+A hint must be a finite number > 0 and at most `slo_max_ms`; anything else is a 400
+naming the field and the limit. What a valid hint does follows `slo_hints`:
+- "tighten" (default): a hint may only lower a bound the gateway's default SLO sets
+  (`router_options.ttft_slo_s` / `tbt_slo_s`), so no client can loosen its way past
+  admission; a bound without a default is the client's to set. Tenants listed in
+  `slo_trusted_tenants` (authenticated, `tenancy`) set their bounds as given.
+- "honour": every hint is taken as given (a gateway behind a trusted front end).
+- "ignore": hints are checked, then dropped: the default SLO alone applies.
+
+The request so marked goes through the control plane's admission stage
+(`quillcache.controlplane.admission`), after whichever router; a rejection is a 429
+with `Retry-After` (`SloRejected`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from quillcache.controlplane.admission import SloMiss
+from quillcache.gateway.httpio import ApiError
+from quillcache.routing import SLO
+
+TTFT_HEADER = "x-slo-ttft-ms"
+TBT_HEADER = "x-slo-tbt-ms"
+EXTENSION = "quillcache"
+# body field -> header, per bound
+_FIELDS = (("ttft_ms", TTFT_HEADER), ("tbt_ms", TBT_HEADER))
+
+
+class SloRejected(ApiError):
+    """429: the admission stage's estimate on the chosen engine misses the request's
+    SLO. `Retry-After` is `SloMiss.retry_after_s`; the body names the estimate and the
+    SLO (OpenAI's error shape, `code` "slo_unattainable")."""
+
+    def __init__(self, miss: SloMiss, reason: str) -> None:
+        # `reason` (the admission stage's) names the engine, the estimate and the SLO
+        then = (
+            f"retry after {miss.retry_after_s} s"
+            if miss.waiting_helps
+            else "even with its queue empty the engine would miss it: no wait helps"
+        )
+        super().__init__(
+            429,
+            f"request not admitted: {reason}; {then}",
+            "RateLimitError",
+            code="slo_unattainable",
+            param=f"{miss.bound}_ms",
+        )
+        self.miss = miss
+
+    def response(self) -> JSONResponse:
+        response = super().response()
+        response.headers["retry-after"] = str(self.miss.retry_after_s)
+        return response
+
+
+def _value(raw: Any, name: str, limit_ms: float) -> float:
+    """One hint in milliseconds (a header's text, a body's JSON number) -> seconds, or a
+    400 naming `name` and the limit."""
+    number: float | None = None
+    if name.startswith("x-") and isinstance(raw, str):
+        try:
+            number = float(raw.strip())
+        except ValueError:
+            number = None
+    elif isinstance(raw, int | float) and not isinstance(raw, bool):
+        number = float(raw)
+    if number is None or not math.isfinite(number) or not 0 < number <= limit_ms:
+        raise ApiError(
+            400,
+            f"{name} must be a number of milliseconds > 0 and <= {limit_ms:g} (slo_max_ms), "
+            f"got {raw!r}",
+            code="invalid_slo",
+            param=name,
+        )
+    return number / 1000.0
+
+
+def _body_hints(body: dict[str, Any]) -> Mapping[str, Any]:
+    ext = body.get(EXTENSION)
+    if ext is None:
+        return {}
+    slo = ext.get("slo") if isinstance(ext, dict) else None
+    if not isinstance(ext, dict) or not isinstance(slo, dict) or set(ext) != {"slo"}:
+        raise ApiError(
+            400,
+            f"'{EXTENSION}' must be an object holding only 'slo': "
+            '{"slo": {"ttft_ms": <ms>, "tbt_ms": <ms>}}',
+            code="invalid_slo",
+            param=EXTENSION,
+        )
+    unknown = set(slo) - {f for f, _ in _FIELDS}
+    if unknown:
+        raise ApiError(
+            400,
+            f"'{EXTENSION}.slo' takes only ttft_ms and tbt_ms, got {sorted(unknown)}",
+            code="invalid_slo",
+            param=f"{EXTENSION}.slo",
+        )
+    return slo
+
+
+def read_hints(headers: Mapping[str, str], body: dict[str, Any], limit_ms: float) -> SLO | None:
+    """The client's SLO from the headers and the body extension (which this removes from
+    `body`), each checked; None when it gave none. A 400 for a bad value or when a
+    header and the body give different values for the same bound."""
+    from_body = _body_hints(body)
+    body.pop(EXTENSION, None)
+    bounds: dict[str, float | None] = {}
+    for field, header in _FIELDS:
+        in_header = headers.get(header)
+        in_body = from_body.get(field)
+        h = _value(in_header, header, limit_ms) if in_header is not None else None
+        b = _value(in_body, f"{EXTENSION}.slo.{field}", limit_ms) if in_body is not None else None
+        if h is not None and b is not None and h != b:
+            raise ApiError(
+                400,
+                f"the {header} header ({in_header}) and {EXTENSION}.slo.{field} ({in_body}) "
+                "disagree: give one",
+                code="invalid_slo",
+                param=f"{EXTENSION}.slo.{field}",
+            )
+        bounds[field] = h if h is not None else b
+    if bounds["ttft_ms"] is None and bounds["tbt_ms"] is None:
+        return None
+    return SLO(ttft_s=bounds["ttft_ms"], tbt_s=bounds["tbt_ms"])
+
+
+class SloPolicy:
+    """What a valid hint becomes (`slo_hints`, `slo_trusted_tenants`), against the
+    default SLO the admission stage applies to bounds a request leaves unset."""
+
+    def __init__(
+        self, mode: str, trusted_tenants: frozenset[str], default: SLO | None, max_ms: float
+    ) -> None:
+        self.mode = mode
+        self.trusted_tenants = trusted_tenants
+        self.default = default
+        self.max_ms = max_ms
+
+    def apply(self, hint: SLO | None, tenant: str) -> SLO | None:
+        """The request's own SLO (`Request.slo`) from its checked hint; None leaves every
+        bound to the default."""
+        if hint is None or self.mode == "ignore":
+            return None
+        if self.mode == "honour" or tenant in self.trusted_tenants:
+            return hint
+        default = self.default or SLO()
+        return SLO(
+            ttft_s=_tighter(hint.ttft_s, default.ttft_s), tbt_s=_tighter(hint.tbt_s, default.tbt_s)
+        )
+
+
+def _tighter(hint: float | None, default: float | None) -> float | None:
+    if hint is None or default is None:
+        return hint if default is None else default
+    return min(hint, default)

@@ -1,0 +1,186 @@
+"""Per-request SLOs end to end: engine simulators and the gateway as processes, the
+official `openai` client, on both data paths.
+
+What must hold: a request whose TTFT target the chosen engine can meet is served; one
+it cannot meet (an engine with a long prefill queue, or a prompt whose prefill alone
+takes longer) is a 429 with `Retry-After` derived from the estimate and an OpenAI error
+naming the estimate and the SLO, counted in `quillcache_slo_rejections`; a hint
+outside its limits is a 400 naming the field and the limit; a client may tighten the
+gateway's default SLO but not loosen it unless its tenant is trusted.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from quillcache.gateway.tenancy import hash_key
+from tests.online.conftest import Stack, make_stack, metric
+
+# builtin tokenizer: one token per byte. A 6,000-token prefill alone is estimated at
+# about 0.6 s by the default cost model the engine simulator also runs.
+LONG = 6000
+KEYS = {"k-gold": "gold", "k-basic": "basic"}
+
+
+@pytest.fixture(params=["native", "python"])
+def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stack]:
+    yield from make_stack(tmp_path, relay=request.param)
+
+
+def client(url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def prompt(tag: str, tokens: int) -> str:
+    text = (f"{tag} " + "quillcache slo prompt " * (tokens // 10 + 1))[:tokens]
+    assert len(text.encode()) == tokens
+    return text
+
+
+def complete(c: openai.OpenAI, text: str, **kw: object) -> str:
+    out = c.completions.create(model="sim-model", prompt=text, max_tokens=2, **kw)  # type: ignore[call-overload]
+    return str(out.choices[0].text)
+
+
+def test_slo_hints_admit_reject_and_limits(stack: Stack) -> None:
+    stack.engine()
+    gw = stack.start_gateway({"router": "quillcache"})
+    c = client(gw.url)
+
+    # attainable: a short prompt on an idle engine, by header and by body extension
+    complete(c, prompt("a", 64), extra_headers={"x-slo-ttft-ms": "5000"})
+    complete(c, prompt("b", 64), extra_body={"quillcache": {"slo": {"ttft_ms": 5000}}})
+    # the same value both ways is one hint
+    complete(
+        c,
+        prompt("c", 64),
+        extra_headers={"x-slo-ttft-ms": "5000"},
+        extra_body={"quillcache": {"slo": {"ttft_ms": 5000}}},
+    )
+
+    # unattainable: the prompt's prefill alone is estimated above a 100 ms target
+    with pytest.raises(openai.RateLimitError) as rejected:
+        complete(c, prompt("d", LONG), extra_headers={"x-slo-ttft-ms": "100"})
+    err = rejected.value
+    assert err.code == "slo_unattainable"
+    assert "exceeds the SLO 0.100s" in err.message
+    estimate_s = float(re.search(r"estimated TTFT ([\d.]+)s", err.message).group(1))  # type: ignore[union-attr]
+    assert estimate_s > 0.1
+    assert "no wait helps" in err.message  # an idle engine: the prefill alone misses
+    retry_after = int(err.response.headers["retry-after"])
+    # the message rounds the estimate to the millisecond
+    expected = {max(1, math.ceil(estimate_s - 0.1 + d)) for d in (-0.0005, 0.0005)}
+    assert retry_after in expected, err.message
+
+    # the same prompt with room for its prefill is served
+    complete(c, prompt("d", LONG), extra_headers={"x-slo-ttft-ms": "30000"})
+
+    # bad values: a 400 naming the field and the limit, never routed
+    bad: list[dict[str, object]] = [
+        {"extra_headers": {"x-slo-ttft-ms": "-5"}},
+        {"extra_headers": {"x-slo-ttft-ms": "0"}},
+        {"extra_headers": {"x-slo-ttft-ms": "inf"}},
+        {"extra_headers": {"x-slo-ttft-ms": "nan"}},
+        {"extra_headers": {"x-slo-ttft-ms": "soon"}},
+        {"extra_headers": {"x-slo-tbt-ms": str(365 * 86400 * 1000)}},
+        {"extra_body": {"quillcache": {"slo": {"ttft_ms": -1}}}},
+        {"extra_body": {"quillcache": {"slo": {"ttft_ms": "500"}}}},
+        {"extra_body": {"quillcache": {"slo": {"tbt_ms": True}}}},
+        {"extra_body": {"quillcache": {"slo": {"ttft_ms": 1e12}}}},
+    ]
+    for kw in bad:
+        with pytest.raises(openai.BadRequestError) as refused:
+            complete(c, prompt("e", 64), **kw)
+        assert refused.value.code == "invalid_slo", kw
+        assert "> 0 and <= 600000" in refused.value.message, kw
+        assert "slo_max_ms" in refused.value.message, kw
+    shapes: list[tuple[dict[str, object], str]] = [
+        ({"extra_body": {"quillcache": {"slo": {"ttft": 5}}}}, "quillcache.slo"),
+        ({"extra_body": {"quillcache": {"ttl": 5}}}, "quillcache"),
+        ({"extra_body": {"quillcache": [1]}}, "quillcache"),
+        (
+            {
+                "extra_headers": {"x-slo-ttft-ms": "400"},
+                "extra_body": {"quillcache": {"slo": {"ttft_ms": 500}}},
+            },
+            "disagree",
+        ),
+    ]
+    for kw, where in shapes:
+        with pytest.raises(openai.BadRequestError) as refused:
+            complete(c, prompt("f", 64), **kw)
+        assert where in refused.value.message, kw
+
+    page = httpx.get(gw.url + "/metrics", timeout=10).text
+    assert metric(page, 'quillcache_slo_rejections_total{bound="ttft"}') == 1
+
+
+def test_overloaded_engine_rejects_tight_slo_with_retry_after(stack: Stack) -> None:
+    """Many long prefills queued on the only engine: a short request with a tight
+    target is refused with a Retry-After of seconds, one with a loose target is
+    served, and load without a target is never refused."""
+    stack.engine()
+    # the queued answers come after seconds: not a hung engine
+    gw = stack.start_gateway({"router": "quillcache", "first_byte_timeout_s": 120})
+    c = client(gw.url)
+    complete(c, prompt("warm", 64))
+    errors: list[BaseException] = []
+
+    def load(i: int) -> None:
+        try:
+            complete(c, prompt(f"load{i:03d}", LONG))
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # all routed and queued: about 16 x 0.6 s of prefill booked
+    try:
+        # another client (its own connection), as the load's would be
+        other = client(gw.url)
+        with pytest.raises(openai.RateLimitError) as rejected:
+            complete(other, prompt("tight", 64), extra_headers={"x-slo-ttft-ms": "1000"})
+        retry_after = int(rejected.value.response.headers["retry-after"])
+        assert retry_after >= 2, rejected.value.message
+        assert f"retry after {retry_after} s" in rejected.value.message
+        complete(other, prompt("loose", 64), extra_headers={"x-slo-ttft-ms": "120000"})
+    finally:
+        for t in threads:
+            t.join(timeout=120)
+    assert not errors, errors
+
+
+def test_untrusted_client_cannot_loosen_the_default_slo(stack: Stack) -> None:
+    stack.engine()
+    gw = stack.start_gateway(
+        {
+            "router": "quillcache",
+            "router_options": {"ttft_slo_s": 0.2},
+            "api_keys": [{"sha256": hash_key(k), "tenant": t} for k, t in KEYS.items()],
+            "slo_trusted_tenants": ["gold"],
+        }
+    )
+    basic, gold = client(gw.url, "k-basic"), client(gw.url, "k-gold")
+    # the default (200 ms) refuses a prefill estimated at ~600 ms ...
+    with pytest.raises(openai.RateLimitError):
+        complete(basic, prompt("g", LONG))
+    # ... and an untrusted tenant's looser hint does not lift it
+    with pytest.raises(openai.RateLimitError, match=r"SLO 0\.200s"):
+        complete(basic, prompt("g", LONG), extra_headers={"x-slo-ttft-ms": "60000"})
+    # a tighter one applies
+    with pytest.raises(openai.RateLimitError, match=r"SLO 0\.050s"):
+        complete(basic, prompt("h", 2000), extra_headers={"x-slo-ttft-ms": "50"})
+    # a trusted tenant sets its own bound
+    complete(gold, prompt("g", LONG), extra_headers={"x-slo-ttft-ms": "60000"})
+    # short prompts meet the default either way
+    complete(basic, prompt("i", 64))
