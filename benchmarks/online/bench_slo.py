@@ -1,14 +1,18 @@
 """SLO admission under overload (issue 19 §3), side by side in one run:
 
     python -m benchmarks.online.bench_slo [--engines 2] [--prompt-tokens 2000] \\
-        [--overload 2.0] [--duration 30] [--slo-ms 1000] [--seed 0] [--json out.json]
+        [--overload 2.0] [--duration 30] [--slo-ms 1000] [--seed 0] [--json out.json] \\
+        [--modes admission,none] [--router quillcache]
 
 The same open-loop load (Poisson arrivals at `--overload` times the fleet's prefill
 capacity, every prompt distinct so no cache hit lightens it) goes through a fresh
 gateway in front of fresh engine simulators twice:
 - "admission": every request carries `x-slo-ttft-ms: --slo-ms`; the control plane's
   admission stage refuses (429 + Retry-After) what the chosen engine cannot meet;
-- "none": the same requests without the header (no default SLO): all are served.
+- "none": the same requests without the header (no default SLO): all are served;
+- "queue" (with `--modes`): as "admission", with `slo_admission: queue`; every other
+  request carries vLLM's `priority: 1` (the others 0: sooner), and the report splits
+  by priority.
 TTFT is measured at the client: the first streamed chunk of the official `openai`
 client's completion. Reported per run: requests sent, served, refused, the share of
 served requests that met the SLO (target with admission: >= 95 %), TTFT p50/p99 of the
@@ -44,6 +48,7 @@ from quillcache.up import stack
 @dataclass
 class Outcome:
     sent_s: float
+    priority: int = 0
     ttft_s: float | None = None  # None: not served
     status: int = 200
     retry_after_s: int | None = None
@@ -80,10 +85,11 @@ async def _one(
     start: float,
     headers: dict[str, str],
     max_tokens: int,
+    priority: int | None,
 ) -> Outcome:
     await asyncio.sleep(max(0.0, start + at_s - time.perf_counter()))
     sent = time.perf_counter()
-    out = Outcome(sent_s=sent - start)
+    out = Outcome(sent_s=sent - start, priority=priority or 0)
     try:
         stream = await client.completions.create(
             model="sim-model",
@@ -91,6 +97,7 @@ async def _one(
             max_tokens=max_tokens,
             stream=True,
             extra_headers=headers,
+            extra_body={} if priority is None else {"priority": priority},
         )
         async for chunk in stream:
             if out.ttft_s is None and chunk.choices:
@@ -110,15 +117,20 @@ async def _one(
 
 
 async def _load(
-    url: str, arrivals: list[float], prompts: list[str], headers: dict[str, str], max_tokens: int
+    url: str,
+    arrivals: list[float],
+    prompts: list[str],
+    headers: dict[str, str],
+    max_tokens: int,
+    priorities: bool,
 ) -> list[Outcome]:
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600.0)
     start = time.perf_counter()
     try:
         return await asyncio.gather(
             *(
-                _one(client, p, t, start, headers, max_tokens)
-                for t, p in zip(arrivals, prompts, strict=True)
+                _one(client, p, t, start, headers, max_tokens, i % 2 if priorities else None)
+                for i, (t, p) in enumerate(zip(arrivals, prompts, strict=True))
             )
         )
     finally:
@@ -166,16 +178,33 @@ def _run(
                     # queued answers come late under overload: not hung engines
                     "first_byte_timeout_s": 600,
                     "stall_timeout_s": 600,
+                    "slo_admission": "queue" if mode == "queue" else "reject",
+                    "slo_queue_tick_s": args.queue_tick_ms / 1000.0,
                 }
             )
         )
-        headers = {"x-slo-ttft-ms": str(args.slo_ms)} if mode == "admission" else {}
+        headers = {"x-slo-ttft-ms": str(args.slo_ms)} if mode != "none" else {}
         with stack(args.engines, workdir=Path(tmp), gateway_extra=["--config", str(config)]) as (
             _,
             gateway,
         ):
-            outcomes = asyncio.run(_load(gateway.url, arrivals, prompts, headers, args.max_tokens))
-    return _report(mode, outcomes, args.slo_ms / 1000.0, args.duration)
+            outcomes = asyncio.run(
+                _load(gateway.url, arrivals, prompts, headers, args.max_tokens, mode == "queue")
+            )
+    report = _report(mode, outcomes, args.slo_ms / 1000.0, args.duration)
+    if mode == "queue":
+        report.extra["by_priority"] = {
+            p: asdict(
+                _report(
+                    f"queue p{p}",
+                    [o for o in outcomes if o.priority == p],
+                    args.slo_ms / 1000.0,
+                    args.duration,
+                )
+            )
+            for p in (0, 1)
+        }
+    return report
 
 
 def main() -> None:
@@ -189,6 +218,8 @@ def main() -> None:
     ap.add_argument("--router", default="quillcache")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--modes", default="admission,none", help="of admission, queue, none")
+    ap.add_argument("--queue-tick-ms", type=float, default=10.0, help="slo_queue_tick_s, in ms")
     args = ap.parse_args()
 
     prefill_s = CostModel().prefill_time(args.prompt_tokens, 0)
@@ -208,7 +239,7 @@ def main() -> None:
         f"capacity {capacity:.1f} req/s, offered {rate:.1f} req/s ({args.overload:g}x) for "
         f"{args.duration:g} s = {len(arrivals)} requests; TTFT SLO {args.slo_ms:g} ms"
     )
-    reports = [_run(mode, args, arrivals, prompts) for mode in ("admission", "none")]
+    reports = [_run(mode, args, arrivals, prompts) for mode in args.modes.split(",")]
     for r in reports:
         print(
             f"{r.mode:>9}: sent {r.sent}, served {r.served}, refused {r.refused}, failed "
@@ -219,6 +250,12 @@ def main() -> None:
         )
         for what, n in r.extra["failures"].items():
             print(f"{'':>11}{n} failed: {what}")
+        for p, sub in r.extra.get("by_priority", {}).items():
+            print(
+                f"{'':>11}priority {p}: sent {sub['sent']}, served {sub['served']}, refused "
+                f"{sub['refused']}; meeting SLO {sub['met_slo']}/{sub['served']}; goodput "
+                f"{sub['goodput_rps']:.2f} req/s; TTFT p99 {sub['ttft_p99_s']:.3f} s"
+            )
     if args.json:
         args.json.write_text(
             json.dumps(

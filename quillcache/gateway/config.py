@@ -255,6 +255,22 @@ class GatewayConfig(BaseModel):
         description="the largest SLO hint accepted, in milliseconds; above it: a 400",
     )
 
+    slo_admission: Literal["reject", "queue"] = Field(
+        default="reject",
+        description="a request whose SLO the chosen engine's queue makes it miss: 'reject' "
+        "(429 + Retry-After at once) or 'queue' (it waits, in `priority` order, while "
+        "what is left of its SLO can still be met; then 429)",
+    )
+    slo_queue_max: int = Field(
+        default=1024, ge=1, description="requests waiting in the SLO queue at most; beyond: 429"
+    )
+    slo_queue_tick_s: float = Field(
+        default=0.01,
+        gt=0,
+        le=1.0,
+        description="how often waiting requests are retried, in priority order",
+    )
+
     @field_validator("state")
     @classmethod
     def _state(cls, v: str) -> str:

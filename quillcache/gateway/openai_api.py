@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from quillcache.controlplane import ControlPlane, RouterContractError
-from quillcache.controlplane.admission import missed
+from quillcache.controlplane.admission import effective_slo, missed
 from quillcache.errors import QuillCacheError
 from quillcache.gateway import proxy
 from quillcache.gateway.config import GatewayConfig
@@ -36,7 +36,8 @@ from quillcache.gateway.httpio import (
 from quillcache.gateway.identify import RequestIdentifier
 from quillcache.gateway.outcomes import RequestOutcomes
 from quillcache.gateway.shared_routing import SharedRouting
-from quillcache.gateway.slo import EXTENSION, SloPolicy, SloRejected, read_hints
+from quillcache.gateway.slo import EXTENSION, SloPolicy, SloRejected, read_hints, read_priority
+from quillcache.gateway.slo_queue import SloQueue
 from quillcache.gateway.tenancy import Identity, TenantPolicy
 from quillcache.gateway.workers import Worker, WorkerPool
 from quillcache.routing import SLO, Action, default_slo
@@ -75,6 +76,7 @@ class Prepared:
     prompt_tokens: int
     candidates: frozenset[int] | None  # engines serving its model; None = any
     routing_started: float  # perf_counter() when tokenizing began
+    priority: int = 0  # its place in the SLO queue (`slo_admission: queue`), lower first
 
 
 @contextlib.contextmanager
@@ -121,6 +123,12 @@ class OpenAIEndpoints:
             frozenset(config.slo_trusted_tenants),
             default_slo(plane.router),
             config.slo_max_ms,
+        )
+        # `slo_admission: queue`: requests the admission stage refuses wait here
+        self.slo_queue: SloQueue[tuple[Worker, int, float]] | None = (
+            SloQueue(config.slo_queue_max, config.slo_queue_tick_s)
+            if config.slo_admission == "queue"
+            else None
         )
 
     async def completions(self, request: Request) -> Response:
@@ -173,7 +181,14 @@ class OpenAIEndpoints:
             )
         check_context(prompt_tokens, self.pool.context_limit(candidates))
         route_request.slo = slo
-        return Prepared(raw, route_request, prompt_tokens, candidates, routing_started)
+        return Prepared(
+            raw,
+            route_request,
+            prompt_tokens,
+            candidates,
+            routing_started,
+            self._priority(body, tenant),
+        )
 
     def prepare_now(
         self, headers: Mapping[str, str], raw: bytes, chat: bool, tenant: str
@@ -191,7 +206,14 @@ class OpenAIEndpoints:
         assert identified is not None
         check_context(identified[1], self.pool.context_limit(candidates))
         identified[0].slo = slo
-        return Prepared(raw, *identified, candidates, routing_started)
+        return Prepared(raw, *identified, candidates, routing_started, self._priority(body, tenant))
+
+    def _priority(self, body: dict[str, Any], tenant: str) -> int:
+        """The request's place in the SLO queue: the body's `priority` (vLLM's field, kept
+        for the engine) as the trust policy lets it count; 0 without a queue."""
+        if self.slo_queue is None:
+            return 0
+        return self.slo.priority(read_priority(body), tenant)
 
     def _checked(
         self, headers: Mapping[str, str], raw: bytes, chat: bool, tenant: str
@@ -309,11 +331,14 @@ class OpenAIEndpoints:
             )
         raise AssertionError("unreachable")
 
-    def route(self, prepared: Prepared) -> tuple[Worker, int, float]:
+    def route(
+        self, prepared: Prepared, *, count_slo_miss: bool = True
+    ) -> tuple[Worker, int, float]:
         """Route one request among its candidates (None: any worker; raises the 503/429
         of a rejection) and count the decision. Returns the worker, its dp rank that
         serves the request and how long it may take to send the first byte
-        (`first_byte_limit`)."""
+        (`first_byte_limit`). `count_slo_miss=False`: an SLO miss is raised uncounted
+        (the SLO queue retries it, and counts only the final refusal)."""
         route_request = prepared.route_request
         candidates, prompt_tokens = prepared.candidates, prepared.prompt_tokens
         rid = route_request.request_id
@@ -336,18 +361,10 @@ class OpenAIEndpoints:
             reason = decision.reason or "rejected"
             miss = missed(route_request, decision, self.slo.default)
             if miss is not None:
-                # a fixed label: the reason's figures would make a series per request
-                self.outcomes.not_routed(
-                    rid, f"slo: {miss.bound} estimate over", routed_s, decision.explanation
-                )
-                self.outcomes.metrics.slo_rejected(miss.bound)
-                log.info(
-                    "gateway: request %s not admitted (429, Retry-After %d s): %s",
-                    rid,
-                    miss.retry_after_s,
-                    reason,
-                )
-                raise SloRejected(miss, reason)
+                refused = SloRejected(miss, reason)
+                if count_slo_miss:
+                    self.slo_refused(rid, refused, routed_s)
+                raise refused
             self.outcomes.not_routed(rid, reason, routed_s, decision.explanation)
             if "no routable worker" in reason:
                 raise ApiError(503, f"request not routed: {reason}", "ServiceUnavailableError")
@@ -368,13 +385,61 @@ class OpenAIEndpoints:
         dp_rank = decision.dp_rank if decision.dp_rank is not None else 0
         return worker, dp_rank, self.first_byte_limit(route_request, cached_tokens)
 
+    def slo_refused(self, rid: int | str, refused: SloRejected, routed_s: float) -> None:
+        """Count and log a 429 of the admission stage."""
+        miss = refused.miss
+        # a fixed label: the reason's figures would make a series per request
+        self.outcomes.not_routed(rid, f"slo: {miss.bound} estimate over", routed_s)
+        self.outcomes.metrics.slo_rejected(miss.bound)
+        log.info(
+            "gateway: request %s not admitted (429, Retry-After %d s): %s",
+            rid,
+            miss.retry_after_s,
+            refused.reason,
+        )
+
+    async def admitted(self, prepared: Prepared) -> tuple[Worker, int, float]:
+        """`route`, and with the SLO queue, a request refused while waiting could help
+        waits there (`slo_queue`) against what is left of its SLO."""
+        queue = self.slo_queue
+        if queue is None:
+            return self.route(prepared)
+        rr = prepared.route_request
+        try:
+            return self.route(prepared, count_slo_miss=False)
+        except SloRejected as first:
+            if not first.miss.waiting_helps or queue.full():
+                routed_s = time.perf_counter() - prepared.routing_started
+                self.slo_refused(rr.request_id, first, routed_s)
+                raise
+        slo = effective_slo(rr, self.slo.default)
+        assert slo is not None and slo.ttft_s is not None  # only TTFT misses can wait
+        ttft_s = slo.ttft_s
+
+        def attempt() -> tuple[Worker, int, float] | None:
+            waited = time.perf_counter() - prepared.routing_started
+            rr.slo = SLO(ttft_s=ttft_s - waited, tbt_s=slo.tbt_s)
+            try:
+                return self.route(prepared, count_slo_miss=False)
+            except SloRejected as exc:
+                if exc.miss.waiting_helps:
+                    return None
+                final = SloRejected(
+                    exc.miss, f"{exc.reason} (left of its SLO after {waited:.3f}s queued)"
+                )
+                self.slo_refused(rr.request_id, final, waited)
+                raise final from None
+
+        return await queue.wait(prepared.priority, attempt)
+
     async def route_booked(
         self, prepared: Prepared, *, cancellable: bool = True
     ) -> tuple[Worker, int, float]:
-        """`route`, then with shared state the booking in Redis, which may move the
-        request to another candidate of the router's shortlist (`shared_routing`).
-        `cancellable=False`: the caller's task is never cancelled (the native relay)."""
-        worker, dp_rank, first_byte_s = self.route(prepared)
+        """`route` (through the SLO queue when there is one: `admitted`), then with
+        shared state the booking in Redis, which may move the request to another
+        candidate of the router's shortlist (`shared_routing`). `cancellable=False`:
+        the caller's task is never cancelled (the native relay)."""
+        worker, dp_rank, first_byte_s = await self.admitted(prepared)
         shared = self.shared
         if shared is None:
             return worker, dp_rank, first_byte_s

@@ -157,7 +157,8 @@ class RelayHost:
             self._answer_failure(rid, flight.path, exc)
 
     def _route_and_forward(self, rid: int, flight: Flight, started: float | None) -> None:
-        if self.endpoints.shared is not None:  # the booking in Redis: a round trip
+        # the booking in Redis (a round trip), or the SLO queue's wait: in a task
+        if self.endpoints.shared is not None or self.endpoints.slo_queue is not None:
             task = asyncio.ensure_future(self._book_and_forward(rid, flight, started))
             self._deciding.add(task)
             task.add_done_callback(self._deciding.discard)

@@ -65,6 +65,7 @@ class SloRejected(ApiError):
             param=f"{miss.bound}_ms",
         )
         self.miss = miss
+        self.reason = reason
 
     def response(self) -> JSONResponse:
         response = super().response()
@@ -144,6 +145,24 @@ def read_hints(headers: Mapping[str, str], body: dict[str, Any], limit_ms: float
     return SLO(ttft_s=bounds["ttft_ms"], tbt_s=bounds["tbt_ms"])
 
 
+#: vLLM's `priority` is a Python int; the gateway takes the 32-bit range.
+PRIORITY_LIMIT = 2**31
+
+
+def read_priority(body: dict[str, Any]) -> int:
+    """The body's `priority` (vLLM's field: lower is sooner; absent: 0), or a 400."""
+    value = body.get("priority", 0)
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or abs(value) >= PRIORITY_LIMIT:
+        raise ApiError(
+            400,
+            f"priority must be an integer with |priority| < 2**31, got {value!r}",
+            param="priority",
+        )
+    return value
+
+
 class SloPolicy:
     """What a valid hint becomes (`slo_hints`, `slo_trusted_tenants`), against the
     default SLO the admission stage applies to bounds a request leaves unset."""
@@ -167,6 +186,16 @@ class SloPolicy:
         return SLO(
             ttft_s=_tighter(hint.ttft_s, default.ttft_s), tbt_s=_tighter(hint.tbt_s, default.tbt_s)
         )
+
+    def priority(self, priority: int, tenant: str) -> int:
+        """A request's place in the SLO queue: as given where hints are honoured (or
+        its tenant trusted); else never ahead of the default 0 (a client may only put
+        itself behind others: `tighten`), and 0 when hints are ignored."""
+        if self.mode == "ignore":
+            return 0
+        if self.mode == "honour" or tenant in self.trusted_tenants:
+            return priority
+        return max(priority, 0)
 
 
 def _tighter(hint: float | None, default: float | None) -> float | None:

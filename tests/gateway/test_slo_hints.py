@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from quillcache.controlplane.admission import effective_slo
 from quillcache.gateway.httpio import ApiError
-from quillcache.gateway.slo import SloPolicy, read_hints
+from quillcache.gateway.slo import SloPolicy, read_hints, read_priority
 from quillcache.routing import SLO, Request
 
 LIMIT_MS = 600_000.0
@@ -98,3 +98,26 @@ def test_policy_matches_the_documented_rules(
         for g, dv in ((got.ttft_s, default.ttft_s), (got.tbt_s, default.tbt_s)):
             if dv is not None:
                 assert g is not None and g <= dv
+
+
+@given(value=st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=3)))
+def test_priority_is_a_32_bit_integer(value: object) -> None:
+    body: dict[str, object] = {} if value is None else {"priority": value}
+    ok = value is None or (
+        isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**31
+    )
+    if ok:
+        assert read_priority(body) == (value or 0)
+    else:
+        with pytest.raises(ApiError) as refused:
+            read_priority(body)
+        assert refused.value.status == 400 and "2**31" in refused.value.message
+
+
+@given(priority=st.integers(-(2**31) + 1, 2**31 - 1), trusted=st.booleans())
+def test_untrusted_priority_never_goes_ahead_of_the_default(priority: int, trusted: bool) -> None:
+    policy = SloPolicy("tighten", frozenset({"gold"}), None, LIMIT_MS)
+    got = policy.priority(priority, "gold" if trusted else "basic")
+    assert got == (priority if trusted else max(priority, 0))
+    assert SloPolicy("ignore", frozenset(), None, LIMIT_MS).priority(priority, "x") == 0
+    assert SloPolicy("honour", frozenset(), None, LIMIT_MS).priority(priority, "x") == priority

@@ -11,6 +11,7 @@ gateway's default SLO but not loosen it unless its tenant is trusted.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import threading
@@ -184,3 +185,69 @@ def test_untrusted_client_cannot_loosen_the_default_slo(stack: Stack) -> None:
     complete(gold, prompt("g", LONG), extra_headers={"x-slo-ttft-ms": "60000"})
     # short prompts meet the default either way
     complete(basic, prompt("i", 64))
+
+
+@pytest.mark.parametrize(
+    ("admission", "relay"), [("queue", "native"), ("queue", "python"), ("reject", "native")]
+)
+def test_queue_mode_waits_while_the_slo_can_still_be_met(
+    tmp_path: Path, admission: str, relay: str
+) -> None:
+    """`slo_admission: queue`: behind four long prefills (about 2.5 s of work, estimated
+    at 3.1 s) a request with a 3 s target waits and is served within it; one with a 1 s
+    target waits until no wait can help, then gets its 429; one whose own prefill
+    misses its target is refused at once. With `reject` the first is a 429 too."""
+    with contextlib.contextmanager(make_stack)(tmp_path, relay) as s:
+        s.engine()
+        gw = s.start_gateway(
+            {"router": "quillcache", "first_byte_timeout_s": 120, "slo_admission": admission}
+        )
+        c = client(gw.url)
+        complete(c, prompt("warm", 64))
+        errors: list[BaseException] = []
+
+        def load(i: int) -> None:
+            try:
+                complete(c, prompt(f"queue{i}", LONG))
+            except BaseException as exc:  # reported by the test
+                errors.append(exc)
+
+        threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # routed and booked on the engine
+        other = client(gw.url)
+        try:
+            started = time.perf_counter()
+            if admission == "queue":
+                complete(other, prompt("waits", 64), extra_headers={"x-slo-ttft-ms": "3000"})
+                assert time.perf_counter() - started <= 3.5
+            else:
+                with pytest.raises(openai.RateLimitError):
+                    complete(other, prompt("waits", 64), extra_headers={"x-slo-ttft-ms": "3000"})
+                assert time.perf_counter() - started < 0.5
+            for t in threads:
+                t.join(timeout=120)
+            # again: four long prefills queued
+            threads = [threading.Thread(target=load, args=(i,)) for i in range(4, 8)]
+            for t in threads:
+                t.start()
+            time.sleep(0.3)
+            started = time.perf_counter()
+            with pytest.raises(openai.RateLimitError) as refused:
+                complete(other, prompt("late", 64), extra_headers={"x-slo-ttft-ms": "1000"})
+            waited = time.perf_counter() - started
+            if admission == "queue":
+                assert 0.8 <= waited <= 2.0, waited
+                assert "queued" in refused.value.message
+            else:
+                assert waited < 0.5
+            # its own prefill (~0.6 s) misses 100 ms: refused at once in either mode
+            started = time.perf_counter()
+            with pytest.raises(openai.RateLimitError, match="no wait helps"):
+                complete(other, prompt("never", LONG), extra_headers={"x-slo-ttft-ms": "100"})
+            assert time.perf_counter() - started < 0.5
+        finally:
+            for t in threads:
+                t.join(timeout=120)
+        assert not errors, errors
