@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -77,6 +77,12 @@ class Prepared:
     candidates: frozenset[int] | None  # engines serving its model; None = any
     routing_started: float  # perf_counter() when tokenizing began
     priority: int = 0  # its place in the SLO queue (`slo_admission: queue`), lower first
+    # the request's own SLO as prepared: the SLO queue narrows `route_request.slo` while
+    # it waits, and a retry elsewhere starts again from this
+    own_slo: SLO | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.own_slo = self.route_request.slo
 
 
 @contextlib.contextmanager
@@ -405,6 +411,7 @@ class OpenAIEndpoints:
         if queue is None:
             return self.route(prepared)
         rr = prepared.route_request
+        rr.slo = prepared.own_slo
         try:
             return self.route(prepared, count_slo_miss=False)
         except SloRejected as first:
