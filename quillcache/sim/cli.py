@@ -62,6 +62,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     wl.add_argument(
         "--time-scale", type=float, default=1.0, help="multiply arrival times (<1: faster)"
     )
+    wl.add_argument(
+        "--open-loop",
+        action="store_true",
+        help="send every request at its timestamp, not when its parents finished "
+        "(multi-turn, agent-fanout, traces with wait_for)",
+    )
+    wl.add_argument(
+        "--no-session-ids",
+        action="store_true",
+        help="route without the requests' session ids (what a session hint is worth)",
+    )
 
     cl = p.add_argument_group("cluster")
     cl.add_argument("--workers", default="4", help="workers, or a sweep: 2,4,8")
@@ -299,11 +310,15 @@ def _run(args: argparse.Namespace, err: Any) -> int:
     from quillcache.errors import ConfigError
     from quillcache.index import backend_status
     from quillcache.routing import BUILTIN_ORDER, available_routers, create_router
-    from quillcache.routing.registry import import_router
+    from quillcache.routing.registry import import_router, router_aliases
     from quillcache.sim.dp import check as check_dp
 
     if args.list_routers:
+        aliases = router_aliases()
         for name in available_routers():
+            if name in aliases:
+                print(f"{name:20s} alias of {aliases[name]} (the same policy)")
+                continue
             listed = create_router(name)
             print(f"{name:20s} {listed.summary}  [{listed.source}]")
         return 0
@@ -349,6 +364,10 @@ def _run(args: argparse.Namespace, err: Any) -> int:
     workload = _workload(args)
     if not workload.requests:
         raise ConfigError("the workload has no requests")
+    if args.open_loop:
+        workload = workload.open_loop()
+    if args.no_session_ids:
+        workload = workload.without_sessions()
     if args.time_scale != 1.0:
         if args.time_scale <= 0:
             raise ConfigError(f"--time-scale must be positive, got {args.time_scale}")

@@ -10,14 +10,18 @@
 - `agent_fanout`: agent tasks: a planner call, N parallel tool/sub-agent calls sharing
   the planner's context, then a join call over everything.
 
-Arrivals are Poisson at `rate` requests/s (sessions and tasks start Poisson; later turns
-and fan-out calls follow with think / step delays).
+Arrivals are Poisson at `rate` requests/s. Sessions and tasks start Poisson; by
+default (`closed_loop=True`) a later turn is sent when the previous one has finished
+plus a think time, a fan-out call when the planner has finished plus the step delay,
+the join when every call has finished plus the step delay, as real clients do
+(`quillcache.sim.release`). `closed_loop=False` replays the same requests open loop, at
+the start plus the delays, as earlier versions did.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -39,21 +43,48 @@ def _poisson_arrivals(rng: np.random.Generator, n: int, rate: float) -> npt.NDAr
     return np.cumsum(rng.exponential(1.0 / rate, size=n))
 
 
+class _Item(NamedTuple):
+    """A request before sorting: its open-loop arrival, and for closed loop the items
+    (indices into the item list) it waits for and its wait after them."""
+
+    t: float
+    tokens: Tokens
+    output: int
+    session: str | None
+    parents: tuple[int, ...] = ()
+    wait_s: float = 0.0
+
+
 def _finish(
     name: str,
-    items: list[tuple[float, Tokens, int, str | None]],
+    items: list[_Item],
     block_size: int,
     model: str,
     params: dict[str, Any],
+    *,
+    closed_loop: bool = False,
 ) -> Workload:
-    """Sort (arrival, tokens, output, session) by arrival (stable) and build requests."""
+    """Sort items by open-loop arrival (stable), build requests, and with `closed_loop`
+    keep their parents (as request ids)."""
     ns = sim_namespace(block_size, model)
-    order = sorted(range(len(items)), key=lambda i: items[i][0])
+    order = sorted(range(len(items)), key=lambda i: items[i].t)
+    rid_of = {i: rid for rid, i in enumerate(order)}
     reqs: list[SimRequest] = []
     for rid, i in enumerate(order):
-        t, toks, out, session = items[i]
+        it = items[i]
+        parents = tuple(rid_of[p] for p in it.parents) if closed_loop else ()
         reqs.append(
-            make_request(rid, float(t), out, block_size, ns, tokens=toks, session_id=session)
+            make_request(
+                rid,
+                float(it.t),
+                it.output,
+                block_size,
+                ns,
+                tokens=it.tokens,
+                session_id=it.session,
+                parents=parents,
+                wait_s=it.wait_s if parents else 0.0,
+            )
         )
     return Workload(name=name, requests=reqs, block_size=block_size, model=model, params=params)
 
@@ -65,12 +96,12 @@ def _group_items(
     arrivals: npt.NDArray[np.float64],
     suffix_len: int,
     output_tokens: int,
-) -> list[tuple[float, Tokens, int, str | None]]:
+) -> list[_Item]:
     """Request i: the prefix of group `groups[i]` + `suffix_len` tokens of its own,
     arriving at `arrivals[i]`, with the group as its session (the shape shared by the
     shared-prefix and SGLang generated-shared-prefix workloads)."""
     return [
-        (
+        _Item(
             float(arrivals[i]),
             np.concatenate([prefixes[g], _tokens(rng, suffix_len)]),
             output_tokens,
@@ -175,22 +206,27 @@ def multi_turn(
     rate: float = 4.0,
     seed: int = 0,
     model: str = DEFAULT_MODEL,
+    closed_loop: bool = True,
 ) -> Workload:
     """Chat sessions: turn k's prompt = system + (user, answer) x k + user. Sessions share
-    one system prompt; session starts are Poisson at `rate`, turns follow after an
-    exponential think time."""
+    one system prompt; session starts are Poisson at `rate`; each next turn comes an
+    exponential think time after the previous one finished (closed loop) or, open
+    loop, after the previous one's arrival."""
     rng = np.random.default_rng(seed)
     system = _tokens(rng, system_prompt_len)
     starts = _poisson_arrivals(rng, sessions, rate)
-    items: list[tuple[float, Tokens, int, str | None]] = []
+    items: list[_Item] = []
     for s in range(sessions):
         t = float(starts[s])
         history = system
-        for _ in range(turns):
+        think = 0.0
+        for k in range(turns):
             history = np.concatenate([history, _tokens(rng, user_len)])
-            items.append((t, history, output_len, f"session-{s}"))
+            previous = (len(items) - 1,) if k else ()
+            items.append(_Item(t, history, output_len, f"session-{s}", previous, think))
             history = np.concatenate([history, _tokens(rng, output_len)])
-            t += float(rng.exponential(think_time_s))
+            think = float(rng.exponential(think_time_s))
+            t += think
     params = dict(
         sessions=sessions,
         turns=turns,
@@ -201,8 +237,9 @@ def multi_turn(
         block_size=block_size,
         rate=rate,
         seed=seed,
+        closed_loop=closed_loop,
     )
-    return _finish("multi-turn", items, block_size, model, params)
+    return _finish("multi-turn", items, block_size, model, params, closed_loop=closed_loop)
 
 
 def agent_fanout(
@@ -217,25 +254,35 @@ def agent_fanout(
     rate: float = 2.0,
     seed: int = 0,
     model: str = DEFAULT_MODEL,
+    closed_loop: bool = True,
 ) -> Workload:
     """Agent DAGs: planner(context) -> `fanout` calls (context + plan + own instruction)
-    -> join(context + plan + every call's result)."""
+    -> join(context + plan + every call's result). Closed loop, the calls are sent
+    `step_delay_s` after the planner finished and the join `step_delay_s` after the
+    last call finished (tool / orchestration time); open loop, at the task's start
+    plus one and two step delays."""
     rng = np.random.default_rng(seed)
     tool_prompt = _tokens(rng, 512)  # the same tool definitions for every task
     starts = _poisson_arrivals(rng, tasks, rate)
-    items: list[tuple[float, Tokens, int, str | None]] = []
+    items: list[_Item] = []
     for k in range(tasks):
         t = float(starts[k])
         context = np.concatenate([tool_prompt, _tokens(rng, context_len)])
-        items.append((t, context, output_len, f"task-{k}"))
+        planner = len(items)
+        items.append(_Item(t, context, output_len, f"task-{k}"))
         plan = np.concatenate([context, _tokens(rng, output_len)])
         results = []
         for _ in range(fanout):
             call = np.concatenate([plan, _tokens(rng, step_len)])
-            items.append((t + step_delay_s, call, output_len, f"task-{k}"))
+            items.append(
+                _Item(t + step_delay_s, call, output_len, f"task-{k}", (planner,), step_delay_s)
+            )
             results.append(_tokens(rng, output_len))
         join = np.concatenate([plan, *results, _tokens(rng, step_len)])
-        items.append((t + 2 * step_delay_s, join, output_len, f"task-{k}"))
+        calls = tuple(range(planner + 1, planner + 1 + fanout))
+        items.append(
+            _Item(t + 2 * step_delay_s, join, output_len, f"task-{k}", calls, step_delay_s)
+        )
     params = dict(
         tasks=tasks,
         fanout=fanout,
@@ -246,8 +293,9 @@ def agent_fanout(
         block_size=block_size,
         rate=rate,
         seed=seed,
+        closed_loop=closed_loop,
     )
-    return _finish("agent-fanout", items, block_size, model, params)
+    return _finish("agent-fanout", items, block_size, model, params, closed_loop=closed_loop)
 
 
 GENERATORS: dict[str, Callable[..., Workload]] = {

@@ -157,6 +157,11 @@ class SimRequest:
     keys_list: list[int] = field(default_factory=list)  # keys as Python ints (engine side)
     # `synthetic_layout(block_ids)`, computed once (for a whole trace at load)
     layout: tuple[npt.NDArray[np.intp], npt.NDArray[np.uint8]] | None = None
+    # closed loop (`quillcache.sim.release`): the requests (rids) whose completion this
+    # one waits for, and the think / tool time after the last of them; `arrival_s` is
+    # then the open-loop time, used only when the workload is replayed open loop
+    parents: tuple[int, ...] = ()
+    wait_s: float = 0.0
 
     @property
     def full_blocks(self) -> int:
@@ -270,6 +275,8 @@ def make_request(
     prompt_tokens: int | None = None,
     chainer: KeyChainer | None = None,
     session_id: str | None = None,
+    parents: tuple[int, ...] = (),
+    wait_s: float = 0.0,
 ) -> SimRequest:
     """Build a request from token ids, or from block ids (+ prompt length) and a chainer."""
     if tokens is not None:
@@ -293,4 +300,6 @@ def make_request(
         tokens=toks,
         block_ids=block_ids,
         keys_list=keys,
+        parents=parents,
+        wait_s=wait_s,
     )

@@ -11,6 +11,9 @@ wire-format event batches through `ControlPlane.ingest`.
   `load_window` requests.
 - `timing="full"`: a discrete-event simulation of every engine's continuous batching
   with the cost model's step times; requests wait, prefill in chunks, decode.
+
+In both, a request with parents (closed loop, `quillcache.sim.release`) arrives when
+its last parent has finished plus its think / tool time; the others at their time.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from quillcache.sim.dp import EnginePlacement, Placement, RankLoad
 from quillcache.sim.dp import check as check_dp
 from quillcache.sim.engine import EngineModel, Running
 from quillcache.sim.metrics import Record, RunResult
+from quillcache.sim.release import Arrivals
 from quillcache.sim.workload import Workload
 
 if TYPE_CHECKING:
@@ -360,9 +364,15 @@ def _order_only(
     queued = [0] * len(engines)
     records: list[Record] = []
     bs = workload.block_size
-    for n, r in enumerate(workload.requests):
+    arrivals = Arrivals(workload.requests)
+    n = -1
+    while arrivals:
+        r = arrivals.pop()
+        n += 1
         rec = Record(r.rid, -1, r.arrival_s, r.prompt_tokens, r.prompt_blocks, r.output_tokens)
         records.append(rec)
+        # order-only: a request is served, hence finished, the moment it arrives
+        arrivals.finished(r.rid, r.arrival_s, r.arrival_s)
         joins.due(r.arrival_s)
         decision = cp.route(_request(r), r.arrival_s)
         w = decision.worker
@@ -467,13 +477,13 @@ def _timed(
                 own = run.req.output_tokens - (run.output_done - k)
                 rec.finish_s = st.start_s + st.step_s * min(own, k)
             cp.finish(run.req.rid)
+            arrivals.finished(run.req.rid, rec.finish_s, end)
         start_step(w, end)
 
-    reqs = workload.requests
+    arrivals = Arrivals(workload.requests)
     i = 0
-    n = len(reqs)
-    while i < n or heap:
-        next_arrival = reqs[i].arrival_s if i < n else math.inf
+    while arrivals or heap:
+        next_arrival = arrivals.next_s()
         if heap and heap[0][0] <= next_arrival:
             end, _, done_w, ver = heapq.heappop(heap)
             if ver != versions[done_w]:
@@ -482,7 +492,7 @@ def _timed(
             assert st is not None
             end_step(done_w, end, st.steps)
             continue
-        r = reqs[i]
+        r = arrivals.pop()
         i += 1
         now = r.arrival_s
         rec = Record(r.rid, -1, now, r.prompt_tokens, r.prompt_blocks, r.output_tokens)
@@ -493,12 +503,14 @@ def _timed(
         worker = decision.worker
         if worker is None:
             rec.rejected = decision.reason or "rejected"
+            arrivals.finished(r.rid, now, now)
             continue
         w = ranks.slot(decision, _vllm_load(engines))  # the engine slot from here on
         eng = engines[w]
         if not eng.fits_ever(r):
             rec.rejected = "prompt + output exceed the worker's KV capacity"
             cp.finish(r.rid)
+            arrivals.finished(r.rid, now, now)
             continue
         rec.worker = worker
         _explained(rec, decision)

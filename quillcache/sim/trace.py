@@ -4,6 +4,10 @@ content alone). The trace declares its block size (Mooncake: 512 tokens).
 
 Blocks carry no tokens in such traces; `requests.synthetic_block_tokens` gives each id
 deterministic tokens so that content keys and BlockStored token_ids are real.
+
+Rows may carry Dynamo's agentic fields (`request_id`, `wait_for`, `branches`, `delay`,
+`tool_wait_ms`, `prefix_reset`, `session_id`; `quillcache.sim.agentic`): a row that waits
+for others is then sent closed loop, when they have finished plus its wait.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 from pathlib import Path
 
 from quillcache.errors import ConfigError
+from quillcache.sim.agentic import Dependencies, agentic_row
 from quillcache.sim.requests import KeyChainer, SimRequest, attach_layouts, make_request
 from quillcache.sim.workload import DEFAULT_MODEL, Workload, sim_namespace
 
@@ -44,15 +49,20 @@ def load_trace(
     chainer = KeyChainer(ns, block_size, chained=chained)
     parent_of: dict[int, int] = {}
     reqs: list[SimRequest] = []
+    deps = Dependencies(p)
+    truncated = False
     with fh:
         for lineno, line in enumerate(fh, 1):
             if limit is not None and len(reqs) >= limit:
+                truncated = True
                 break
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
-                ts = float(rec["timestamp"]) / 1000.0
+                if not isinstance(rec, dict):
+                    raise TypeError(f"a JSON object, got {type(rec).__name__}")
+                ts = None if "timestamp" not in rec else float(rec["timestamp"]) / 1000.0
                 n_in = int(rec["input_length"])
                 n_out = int(rec["output_length"])
                 ids = [int(h) for h in rec["hash_ids"]]
@@ -61,6 +71,8 @@ def load_trace(
                     f"{p}:{lineno}: not a Mooncake trace record "
                     f"(need timestamp, input_length, output_length, hash_ids): {exc}"
                 ) from None
+            row = agentic_row(rec, p, lineno)
+            parents, ts = deps.add(lineno, row, ts)
             if n_in <= 0 or n_out < 0 or len(ids) < n_in // block_size:
                 raise ConfigError(
                     f"{p}:{lineno}: {len(ids)} hash_ids cannot cover input_length {n_in} "
@@ -84,8 +96,11 @@ def load_trace(
                     block_ids=ids,
                     prompt_tokens=n_in,
                     chainer=chainer,
+                    session_id=row.session_id,
+                    parents=parents,
                 )
             )
+    deps.finish(reqs, truncated=truncated)
     if reqs and any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(reqs)):
         reqs.sort(key=lambda r: r.arrival_s)  # stable: ties keep file order
     attach_layouts(reqs, block_size)
@@ -94,6 +109,11 @@ def load_trace(
         requests=reqs,
         block_size=block_size,
         model=model,
-        params={"trace": p.name, "chained": chained, "block_size": block_size},
+        params={
+            "trace": p.name,
+            "chained": chained,
+            "block_size": block_size,
+            **({"closed_loop": True, "prefix_resets": deps.prefix_resets} if deps.any else {}),
+        },
         chained_ids=chained,
     )

@@ -31,11 +31,52 @@ class Workload:
     def duration_s(self) -> float:
         return self.requests[-1].arrival_s - self.requests[0].arrival_s if self.requests else 0.0
 
+    @property
+    def closed_loop(self) -> bool:
+        """Whether some request waits for others to finish (`quillcache.sim.release`)."""
+        return any(r.parents for r in self.requests)
+
+    def open_loop(self) -> Workload:
+        """The same requests at their open-loop times: nobody waits for a parent (how
+        the multi-turn and agent generators were replayed before closed loop)."""
+        if not self.closed_loop:
+            return self
+        reqs = [replace(r, parents=(), wait_s=0.0) for r in self.requests]
+        return Workload(
+            self.name,
+            reqs,
+            self.block_size,
+            self.model,
+            self.pinned,
+            {**self.params, "closed_loop": False},
+            self.chained_ids,
+        )
+
+    def without_sessions(self) -> Workload:
+        """The same requests with no session id: what a router sees from clients that
+        send no session hint (to measure what the hint is worth)."""
+        if all(r.session_id is None for r in self.requests):
+            return self
+        reqs = [replace(r, session_id=None) for r in self.requests]
+        return Workload(
+            self.name,
+            reqs,
+            self.block_size,
+            self.model,
+            self.pinned,
+            {**self.params, "session_ids": False},
+            self.chained_ids,
+        )
+
     def scaled(self, time_scale: float) -> Workload:
-        """Arrivals multiplied by `time_scale` (< 1 compresses: a higher request rate)."""
+        """Arrivals multiplied by `time_scale` (< 1 compresses: a higher request rate),
+        and so are closed-loop think / tool times: the client runs that much faster."""
         if time_scale == 1.0:
             return self
-        reqs = [replace(r, arrival_s=r.arrival_s * time_scale) for r in self.requests]
+        reqs = [
+            replace(r, arrival_s=r.arrival_s * time_scale, wait_s=r.wait_s * time_scale)
+            for r in self.requests
+        ]
         return Workload(
             self.name,
             reqs,
@@ -88,6 +129,8 @@ class Workload:
                 prompt_tokens=r.prompt_tokens,
                 chainer=chainer if fine_ids is not None else None,
                 session_id=r.session_id,
+                parents=r.parents,
+                wait_s=r.wait_s,
             )
 
         reqs = [refine(r) for r in self.requests]
