@@ -13,7 +13,7 @@ keeps its matrix in those rows so that the plane reads a fleet's load with one s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import numpy as np
@@ -41,8 +41,9 @@ class LoadStore(Protocol):
         """A worker took `row`: its load starts at zero."""
         ...
 
-    def report(self, row: int, column: int, value: float) -> None:
-        """An engine-reported value (or the driver's own figure) replaces the field."""
+    def report(self, row: int, values: Mapping[int, float]) -> None:
+        """Engine-reported values (or the driver's own figures), by column, replace
+        those fields of the row: one change, however many fields."""
         ...
 
     def book(self, row: int, prefill_tokens: float) -> None:
@@ -91,8 +92,10 @@ class LocalLoadStore:
         self._m[row] = 0.0
         self._changed(row)
 
-    def report(self, row: int, column: int, value: float) -> None:
-        self._m[row, column] = value
+    def report(self, row: int, values: Mapping[int, float]) -> None:
+        r = self._m[row]
+        for column, value in values.items():
+            r[column] = value
         self._changed(row)
 
     def book(self, row: int, prefill_tokens: float) -> None:

@@ -454,29 +454,32 @@ class ControlPlane:
         them (what each was booked is kept) and KV usage and mean context apply to
         every rank; `update_rank_load` sets one rank's."""
         state = self._state(worker)
-        columns = [(load_column(name), _load_value(name, value)) for name, value in load.items()]
+        columns = {load_column(name): _load_value(name, value) for name, value in load.items()}
         if len(state.rows) == 1:
-            for column, value in columns:
-                self.load.report(state.rows[0], column, value)
+            self.load.report(state.rows[0], columns)
             return
-        for column, value in columns:
+        per_row: list[dict[int, float]] = [{} for _ in state.rows]
+        for column, value in columns.items():
             if column not in (IN_FLIGHT, QUEUED, DECODES):
-                for row in state.rows:
-                    self.load.report(row, column, value)
+                for values in per_row:
+                    values[column] = value
                 continue
             now = [self.load.value(row, column) for row in state.rows]
             step = (value - sum(now)) / len(now)
             spread = [v + step for v in now]
             if min(spread) < 0:  # cannot keep the shape: an even split
                 spread = [value / len(now)] * len(now)
-            for row, v in zip(state.rows, spread, strict=True):
-                self.load.report(row, column, v)
+            for values, v in zip(per_row, spread, strict=True):
+                values[column] = v
+        for row, values in zip(state.rows, per_row, strict=True):
+            self.load.report(row, values)
 
     def update_rank_load(self, worker: int, dp_rank: int, **load: float) -> None:
         """`update_load` for one dp rank of the worker."""
         row = self._rank_row(self._state(worker), dp_rank)
-        for name, value in load.items():
-            self.load.report(row, load_column(name), _load_value(name, value))
+        self.load.report(
+            row, {load_column(name): _load_value(name, value) for name, value in load.items()}
+        )
 
     def _rank_row(self, state: WorkerState, dp_rank: int) -> int:
         if not 0 <= dp_rank < len(state.rows):

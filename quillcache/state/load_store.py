@@ -76,8 +76,10 @@ class SharedLoadStore:
         self._booked[row] = 0.0
         self._changed(row)
 
-    def report(self, row: int, column: int, value: float) -> None:
-        self._m[row, column] = value
+    def report(self, row: int, values: Mapping[int, float]) -> None:
+        r = self._m[row]
+        for column, value in values.items():
+            r[column] = value
         self._changed(row)
 
     def book(self, row: int, prefill_tokens: float) -> None:

@@ -118,6 +118,19 @@ def test_workers_drain_and_remove(cp: ControlPlane) -> None:
         cp.update_load(0, bogus=1)
 
 
+@pytest.mark.parametrize("bad", [{"bogus": 1.0}, {"running_decodes": -1.0}])
+def test_a_load_report_with_a_bad_field_changes_no_field(
+    cp: ControlPlane, bad: dict[str, float]
+) -> None:
+    """The report is checked whole before any field is set: a bad field after good
+    ones leaves the row as it was (a partial report would mix two moments)."""
+    cp.update_load(0, queued_prefill_tokens=7.0, running_decodes=2.0)
+    with pytest.raises(ConfigError):
+        cp.update_load(0, queued_prefill_tokens=99.0, kv_usage=0.5, **bad)
+    s = cp.worker(0)
+    assert (s.queued_prefill_tokens, s.running_decodes, s.kv_usage) == (7.0, 2.0, 0.0)
+
+
 def test_all_draining_is_a_rejection(cp: ControlPlane) -> None:
     for w in range(3):
         cp.set_draining(w)

@@ -73,7 +73,7 @@ def test_the_store_keeps_the_engines_gauges_above_the_booked_load() -> None:
         store.add(r)
     store.own_booked(EngineKey(5, 0), 100)
     assert store.value(0, IN_FLIGHT) == 1 and store.value(0, QUEUED) == 100
-    store.report(0, IN_FLIGHT, 3.0)  # the scrape merge put the engine's count on top
+    store.report(0, {IN_FLIGHT: 3.0})  # the scrape merge put the engine's count on top
     store.apply_snapshot({EngineKey(5, 0): SharedLoad(4, 400, 0, 0)})  # the fleet's
     assert store.value(0, IN_FLIGHT) == 6  # moved by the booked difference (1 -> 4)
     assert store.booked(EngineKey(5, 0)) == SharedLoad(4, 400, 0, 0)
