@@ -36,6 +36,7 @@ from typing import Any
 
 from quillcache.routing import Decision, Router, View
 from quillcache.routing import Request as RouteRequest
+from quillcache.routing.shortlist import ShortlistContractError, check_preferences
 from quillcache.state import Booked, Candidate, EngineKey, LocalFallback, RedisFleetState
 from quillcache.state.load_store import SharedLoadStore
 from quillcache.state.shortlist import (
@@ -44,6 +45,7 @@ from quillcache.state.shortlist import (
     anchors,
     build_shortlist,
     prefill_tokens,
+    shortlist_of,
 )
 
 log = logging.getLogger(__name__)
@@ -149,6 +151,7 @@ class SharedRouting:
         self.on_booked = on_booked
         self._bookings: dict[int | str, _Booking] = {}  # by the plane's request id
         self.moved = 0  # bookings that took another candidate than the router's
+        self.bad_shortlists = 0  # router shortlists replaced by the derived one
 
     async def book(
         self, request: RouteRequest, worker: int, rank: int, *, cancellable: bool = True
@@ -158,9 +161,8 @@ class SharedRouting:
         cancelled only at shutdown (the native relay's), when this replica's whole share
         leaves Redis anyway, so the booking needs no shield."""
         view = self.capture.take()
-        blocks = len(request.content_keys)
         if view is not None:
-            short = build_shortlist(view, worker, rank, blocks, self.policy)
+            short = self._shortlist(request, view, worker, rank)
         else:  # a decision without a view (not with the plane): book it alone
             short = Shortlist([Candidate(EngineKey(worker, rank))], [0])
         to_fleet = self.ids.to_fleet
@@ -170,14 +172,14 @@ class SharedRouting:
             fid = to_fleet.get(c.engine.engine)
             if fid is not None:
                 key = EngineKey(fid, c.engine.rank)
-                cands.append(Candidate(key, c.ceiling))
+                cands.append(Candidate(key, c.ceiling, c.credit, b))
                 cached[key] = b
         if not cands:  # the chosen worker left between the decision and now
             return BookedRoute(worker, rank, 0, False, False)
         self.release(request.request_id)  # a retry: the earlier attempt's booking goes
         bid = self.state.new_request_id()
-        # booked with the first candidate's prefill: the script books before the replica
-        # knows which candidate it takes, and a release takes back what was booked
+        # the script books the prefill of the candidate it takes (the prompt beyond what
+        # that engine holds or is computing of it), this one only if it cannot tell
         prefill = prefill_tokens(request.prompt_tokens, short.cached_blocks[0], self.block_size)
         started = time.perf_counter()
         booking = self.state.book(
@@ -190,6 +192,8 @@ class SharedRouting:
             session_ttl_s=self.session_ttl_s,
             anchors=anchors(request.content_keys),
             spec_ttl_s=self.spec_ttl_s,
+            prompt_tokens=request.prompt_tokens,
+            block_size=self.block_size,
         )
         if not cancellable:
             out = await booking
@@ -210,12 +214,51 @@ class SharedRouting:
             self.on_booked(time.perf_counter() - started, "shared" if shared else "fallback")
         if isinstance(out, Booked) and out.loads:
             self.store.apply_some(zip((c.engine for c in cands), out.loads, strict=True))
-        self._bookings[request.request_id] = _Booking(bid, key, prefill, request.prompt_tokens)
-        self.store.own_booked(key, prefill)
+        booked_prefill = out.prefill_tokens
+        self._bookings[request.request_id] = _Booking(
+            bid, key, booked_prefill, request.prompt_tokens
+        )
+        self.store.own_booked(key, booked_prefill)
         booked_worker = self.ids.to_worker.get(key.engine, worker)
         moved = (booked_worker, key.rank) != (worker, rank)
         self.moved += moved
         return BookedRoute(booked_worker, key.rank, cached.get(key, 0), moved, shared)
+
+    def _shortlist(self, request: RouteRequest, view: View, worker: int, rank: int) -> Shortlist:
+        """The router's own shortlist (`Router.shortlist`) in load units, or, when it
+        gives none, the one derived from its decision and the view. A router's
+        shortlist that breaks the contract is logged and replaced by the derived one:
+        the request is still booked."""
+        blocks = len(request.content_keys)
+        policy = self.policy
+        try:
+            position = view.position(worker, rank)
+        except KeyError:  # routed outside the columns it read: nothing to rank it by
+            position = -1
+        if position >= 0:
+            router = self.capture.inner
+            preferences = router.shortlist(request, view, position, policy.size)
+            if preferences is not None:
+                try:
+                    check_preferences(preferences, len(view), position, policy.size)
+                except ShortlistContractError as exc:
+                    self.bad_shortlists += 1
+                    log.error(
+                        "router %r gave a shortlist the booking cannot use (%s); "
+                        "booking with the derived one",
+                        self.capture.name,
+                        exc,
+                    )
+                else:
+                    return shortlist_of(
+                        view,
+                        preferences,
+                        blocks,
+                        request.prompt_tokens,
+                        self.block_size,
+                        policy.weights,
+                    )
+        return build_shortlist(view, worker, rank, blocks, policy)
 
     def _orphan(self, task: asyncio.Task[Booked | LocalFallback], bid: str) -> None:
         """A booking whose request was cancelled while it was in flight: release it."""

@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from quillcache.errors import ConfigError
+from quillcache.routing.shortlist import Preference
 from quillcache.routing.types import (
     Action,
     Decision,
@@ -54,6 +55,17 @@ class Router:
 
     def route(self, request: Request, view: View) -> Decision:
         raise NotImplementedError
+
+    def shortlist(
+        self, request: Request, view: View, position: int, size: int
+    ) -> list[Preference] | None:
+        """For several gateways on shared state: up to `size` rows of `view` in the
+        order this router prefers them, its decision's row (`position`) first, each
+        with how many requests like this one it stays preferred for
+        (`quillcache.routing.shortlist`). Called right after `route`, with the same
+        request and view. None (this default): the booking step derives the shortlist
+        from the decision and the view (`quillcache.state.shortlist`)."""
+        return None
 
     def no_workers(self) -> Decision:
         return Decision.reject("no routable worker (all removed or draining)")

@@ -42,6 +42,7 @@ import numpy.typing as npt
 
 from quillcache.errors import ConfigError
 from quillcache.routing.base import Router, covered_array, first_min, kernel_rows
+from quillcache.routing.shortlist import Preference, cost_preferences
 from quillcache.routing.types import Decision, Request, View, WorkerView
 
 
@@ -317,6 +318,37 @@ class QuillCacheRouter(Router):
         if self.speculative and best.pending_blocks > best.gpu_blocks:
             best = replace(best, gpu_blocks=best.pending_blocks)
         return self.decide(request, view, best)
+
+    def shortlist(
+        self, request: Request, view: View, position: int, size: int
+    ) -> list[Preference] | None:
+        """The rows by this router's score (the state `route` left for this request),
+        each preferred while its score with the queue that requests like this one add
+        stays within the best other row's, and for more where the request's prefix is
+        being computed (with speculation). Order-only views have no time to trade: the
+        default shortlist."""
+        if view.order_only or not len(view):
+            return None
+        scores = self.scored(request, view)[1]
+        held = None
+        if self.speculative:
+            # every row as if the request's whole prefix were being computed there: a
+            # row's score depends on its own columns and the fleet-wide terms `route`
+            # set, not on the other rows' residency
+            c = view.columns
+            whole = np.full(len(c.worker), len(request.content_keys), dtype=np.int64)
+            held = self.scored(
+                request,
+                View(
+                    None,
+                    view.block_size,
+                    view.cost,
+                    view.now_s,
+                    view.order_only,
+                    columns=replace(c, pending_blocks=np.maximum(c.pending_blocks, whole)),
+                ),
+            )[1]
+        return cost_preferences(request, view, scores, position, size, scores_if_held=held)
 
     def _cache_choice(self, request: Request, view: View) -> WorkerView:
         """Order-only: most reused tokens, least recent cache pressure."""

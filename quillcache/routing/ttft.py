@@ -8,7 +8,8 @@ SLO, so it is registered as an alias of this one (`quillcache.routing`).
 
 from __future__ import annotations
 
-from quillcache.routing.base import Router, kernel_rows
+from quillcache.routing.base import Router, estimate_ttft_s_array, kernel_rows
+from quillcache.routing.shortlist import Preference, cost_preferences
 from quillcache.routing.types import Decision, Request, View
 
 #: Views from this many rows on are walked (`CostKernel.ttft_lowest`) rather than scored
@@ -59,3 +60,9 @@ class MooncakeConductor(Router):
         if not len(view):
             return self.no_workers()
         return self.decide(request, view, view.worker_at(lowest_ttft_at(request, view)))
+
+    def shortlist(self, request: Request, view: View, position: int, size: int) -> list[Preference]:
+        """The rows by estimated TTFT, each preferred while its estimate with the queue
+        that requests like this one add stays within the best other row's. It counts
+        no prefix being computed as reusable, so such a prefix earns no credit."""
+        return cost_preferences(request, view, estimate_ttft_s_array(request, view), position, size)

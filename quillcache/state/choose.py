@@ -4,8 +4,10 @@ local fallback (with the replica's last known loads) and for tests.
 Among the shortlist (the router's order), in this order of precedence:
 
 1. the session's bound engine, if it is in the shortlist and under its ceiling;
-2. the candidate under its ceiling with the longest prefix being computed there now
-   (a speculative placement of one of the request's anchors), ties to the shortlist order;
+2. the candidate with the longest prefix being computed there now (a speculative
+   placement of one of the request's anchors) that is under its ceiling raised by its
+   credit for that prefix (`Candidate.credit` times the part of the request's
+   `request_blocks` being computed), ties to the shortlist order;
 3. the first candidate under its ceiling;
 4. every candidate at or above its ceiling: the one with the least overshoot
    (load - ceiling), ties to the shortlist order.
@@ -29,6 +31,7 @@ def choose(
     *,
     session_engine: EngineKey | None = None,
     pending_blocks: Mapping[EngineKey, int] | None = None,
+    request_blocks: int = 0,
 ) -> tuple[int, str]:
     """(position in the shortlist, reason) of the candidate the booking step takes."""
     if not shortlist:
@@ -43,7 +46,10 @@ def choose(
         best, best_blocks = -1, 0
         for i, c in enumerate(shortlist):
             b = pending_blocks.get(c.engine, 0)
-            if under[i] and b > best_blocks:
+            if b <= best_blocks:
+                continue
+            credit = c.credit * min(b / request_blocks, 1.0) if request_blocks > 0 else 0.0
+            if scores[i] < c.ceiling + credit:
                 best, best_blocks = i, b
         if best >= 0:
             return best, "pending"

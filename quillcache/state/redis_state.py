@@ -61,6 +61,19 @@ log = logging.getLogger(__name__)
 DEFAULT_WEIGHTS = LoadWeights()
 _CEILING_MAX = 1e300  # what an infinite ceiling is sent as (Lua's tonumber has no "inf")
 _FIELDS = {"n": 0, "q": 1, "d": 2, "c": 3}
+
+
+def _candidate_arg(c: Candidate) -> str:
+    """'engine:rank=ceiling[~credit[~held blocks]]', as the booking script reads a
+    shortlist entry."""
+    out = f"{c.engine.engine}:{c.engine.rank}={min(c.ceiling, _CEILING_MAX)!r}"
+    if c.credit > 0 or c.cached_blocks is not None:
+        out += f"~{min(c.credit, _CEILING_MAX)!r}"
+    if c.cached_blocks is not None:
+        out += f"~{int(c.cached_blocks)}"
+    return out
+
+
 # what the settle codes (scripts.settle) say, per op
 _SETTLED = {"o": "ok", "n": "none", "-": "noop"}
 
@@ -319,17 +332,31 @@ class RedisFleetState:
         session_ttl_s: float = 600.0,
         anchors: Sequence[tuple[int, int]] = (),
         spec_ttl_s: float = 10.0,
+        prompt_tokens: int = 0,
+        block_size: int = 0,
     ) -> Booked | LocalFallback:
         """The anti-herding step, one round trip: read the shortlist's shared load, take
         a candidate (`choose`), book the request on it under this replica's lease, bind
         the session to it and record its speculative placement (`anchors`: the request's
         prefix keys with their lengths in blocks). A request id already booked returns
-        its engine again (reason "retry") without booking twice."""
+        its engine again (reason "retry") without booking twice.
+
+        The prefill booked is `prefill_tokens`, or, given `prompt_tokens` and
+        `block_size`, for a candidate whose `cached_blocks` is known, the prompt beyond
+        the longer of those and of the request's prefix being computed there (what the
+        engine will really queue: a request that joins a prefix another replica's
+        request is computing queues only the rest). `Booked.prefill_tokens` says which."""
         if not shortlist:
             raise StateError("book() needs a non-empty shortlist")
         old = self._book.get(request_id)
         if old is not None:
-            return Booked(old.engine, _position(shortlist, old.engine), "retry", ())
+            return Booked(
+                old.engine, _position(shortlist, old.engine), "retry", (), old.prefill_tokens
+            )
+        if prompt_tokens < 0 or block_size < 0:
+            raise StateError(
+                f"prompt_tokens and block_size must be >= 0, got {prompt_tokens}, {block_size}"
+            )
         ends = self._take_ends()
         args = self._head()
         args += [
@@ -337,11 +364,9 @@ class RedisFleetState:
             f"{int(prefill_tokens)}|{int(context_tokens)}|{weights.in_flight!r}|"
             f"{weights.queued_tokens!r}|{weights.decodes!r}|"
             f"{session_key(session) if session else ''}|"
-            f"{max(int(session_ttl_s * 1000), 1)}|{max(int(spec_ttl_s * 1000), 1)}",
-            ",".join(
-                f"{c.engine.engine}:{c.engine.rank}={min(c.ceiling, _CEILING_MAX)!r}"
-                for c in shortlist
-            ),
+            f"{max(int(session_ttl_s * 1000), 1)}|{max(int(spec_ttl_s * 1000), 1)}|"
+            f"{int(prompt_tokens)}|{int(block_size)}",
+            ",".join(_candidate_arg(c) for c in shortlist),
             ",".join(f"{_hex(k)}={int(b)}" for k, b in anchors),
             *ends,
         ]
@@ -352,7 +377,8 @@ class RedisFleetState:
             self._end_batch(ends, codes)
         if status == "ok":
             i = int(reply[1]) - 1
-            v = reply[4:]  # integers already (hiredis, or redis-py's RESP parser)
+            booked_prefill = int(reply[4])
+            v = reply[5:]  # integers already (hiredis, or redis-py's RESP parser)
             loads = tuple(
                 SharedLoad(v[j], v[j + 1], v[j + 2], v[j + 3])
                 for j in range(0, 4 * len(shortlist), 4)
@@ -360,13 +386,13 @@ class RedisFleetState:
             engine = shortlist[i].engine
             for c, ld in zip(shortlist, loads, strict=True):
                 self._known[c.engine] = ld
-            self._note(request_id, engine, prefill_tokens, context_tokens, session)
+            self._note(request_id, engine, booked_prefill, context_tokens, session)
             self.stats.booked += 1
-            return Booked(engine, i, str(reply[2]), loads)
+            return Booked(engine, i, str(reply[2]), loads, booked_prefill)
         if status == "dup":  # a booking that reached Redis from an earlier attempt
             engine = EngineKey.decode(reply[1])
             self._note(request_id, engine, prefill_tokens, context_tokens, session)
-            return Booked(engine, _position(shortlist, engine), "retry", ())
+            return Booked(engine, _position(shortlist, engine), "retry", (), int(prefill_tokens))
         reason = self._lost("book") if status == "lost" else self._why()
         i, _ = choose(
             shortlist,
@@ -375,9 +401,15 @@ class RedisFleetState:
             session_engine=self._sessions.get(session) if session else None,
         )
         engine = shortlist[i].engine
-        self._note(request_id, engine, prefill_tokens, context_tokens, session)
+        held = shortlist[i].cached_blocks
+        local_prefill = (
+            max(prompt_tokens - held * block_size, 1)
+            if prompt_tokens > 0 and block_size > 0 and held is not None
+            else int(prefill_tokens)
+        )
+        self._note(request_id, engine, local_prefill, context_tokens, session)
         self.stats.fell_back_bookings += 1
-        return LocalFallback(reason, engine)
+        return LocalFallback(reason, engine, local_prefill)
 
     def prefill_done_soon(self, request_id: str) -> bool:
         """The request's prompt is computed: its queued prefill turns into a decode, in

@@ -128,15 +128,18 @@ local function settle(from)
 end
 """
 
-# ARGV[5] request id, [6] 'prefill|context|wn|wq|wd|session|session ttl ms|spec ttl ms'
-# (session: a key name suffix or empty), [7] the shortlist 'engine=ceiling,...' in the
-# router's order, [8] the request's anchors 'key=blocks,...' (may be empty), [9..] this
-# replica's request ends queued since its last call (`settle`), applied first: they
+# ARGV[5] request id, [6] 'prefill|context|wn|wq|wd|session|session ttl ms|spec ttl ms
+# [|prompt|block size]' (session: a key name suffix or empty), [7] the shortlist
+# 'engine=ceiling[~credit[~held blocks]],...' in the router's order (`Candidate.credit`
+# and `cached_blocks`; with the prompt and block size, the chosen engine is booked with
+# the prompt beyond what it holds or computes, else with `prefill`), [8] the request's
+# anchors 'key=blocks,...' (may be empty), [9..] this replica's request ends queued
+# since its last call (`settle`), applied first: they
 # ride on the booking instead of a round trip of their own. Few arguments for the
 # booking itself: redis-py packs each argument in Python, and these string.gmatch loops
 # cost less here than a long ARGV costs there.
 # Returns {'lost'} | {'dup', engine, settle codes}
-#       | {'ok', index (1-based), reason, settle codes, n1, q1, d1, c1, ...}
+#       | {'ok', index (1-based), reason, settle codes, booked prefill, n1, q1, d1, c1, ...}
 BOOK = (
     PRELUDE
     + r"""
@@ -149,25 +152,31 @@ if prev then
   local e = parse(prev)
   return {'dup', e, settled}
 end
-local q, c, wn, wq, wd, sess, sess_ttl, spec_ttl = string.match(ARGV[6],
-  '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+local q, c, wn, wq, wd, sess, sess_ttl, spec_ttl, prompt, bsz = string.match(ARGV[6],
+  '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|?([^|]*)|?([^|]*)$')
 q, c, wn, wq, wd = tonumber(q), tonumber(c), tonumber(wn), tonumber(wq), tonumber(wd)
 sess_ttl, spec_ttl = tonumber(sess_ttl), tonumber(spec_ttl)
-local engs, ceils, fields = {}, {}, {}
+prompt, bsz = tonumber(prompt) or 0, tonumber(bsz) or 0
+local engs, ceils, credits, helds, fields = {}, {}, {}, {}, {}
 local n = 0
-for e, ceil in string.gmatch(ARGV[7], '([^=,]+)=([^,]+)') do
+for e, rest in string.gmatch(ARGV[7], '([^=,]+)=([^,]+)') do
+  local ceil, credit, held = string.match(rest, '^([^~]*)~?([^~]*)~?([^~]*)$')
   n = n + 1
   engs[n] = e
   ceils[n] = tonumber(ceil)
+  credits[n] = tonumber(credit) or 0
+  helds[n] = tonumber(held)
   fields[#fields + 1] = e .. '|n'
   fields[#fields + 1] = e .. '|q'
   fields[#fields + 1] = e .. '|d'
   fields[#fields + 1] = e .. '|c'
 end
 local akeys, ablocks = {}, {}
+local whole = 0  -- the request's blocks: its longest anchor
 for k, b in string.gmatch(ARGV[8], '([^=,]+)=([^,]+)') do
   akeys[#akeys + 1] = k
   ablocks[#ablocks + 1] = tonumber(b)
+  if ablocks[#ablocks] > whole then whole = ablocks[#ablocks] end
 end
 local m = #akeys
 local vals = redis.call('HMGET', LOAD, unpack(fields))
@@ -179,6 +188,20 @@ for i = 1, n do
   score[i] = wn * ln + wq * lq + wd * ld
   under[i] = score[i] < ceils[i]
 end
+-- per candidate, the longest of the request's anchors being computed there
+local blocks = {}
+if m > 0 then
+  local pos = {}
+  for i = 1, n do pos[engs[i]] = i end
+  for j = 1, m do
+    local members = redis.call('ZRANGEBYSCORE', B .. 'spec:' .. akeys[j], '(' .. now, '+inf')
+    local b = ablocks[j]
+    for _, e in ipairs(members) do
+      local i = pos[e]
+      if i and b > (blocks[i] or 0) then blocks[i] = b end
+    end
+  end
+end
 local chosen, reason = nil, nil
 if sess ~= '' then
   local bound = redis.call('GET', B .. 'sess:' .. sess)
@@ -189,20 +212,13 @@ if sess ~= '' then
   end
 end
 if not chosen and m > 0 then
-  local pos = {}
-  for i = 1, n do pos[engs[i]] = i end
-  local blocks = {}
-  for j = 1, m do
-    local members = redis.call('ZRANGEBYSCORE', B .. 'spec:' .. akeys[j], '(' .. now, '+inf')
-    local b = ablocks[j]
-    for _, e in ipairs(members) do
-      local i = pos[e]
-      if i and under[i] and b > (blocks[i] or 0) then blocks[i] = b end
-    end
-  end
+  -- under its ceiling raised by its credit for the part being computed there
   local best = 0
   for i = 1, n do
-    if (blocks[i] or 0) > best then chosen, reason, best = i, 'pending', blocks[i] end
+    local b = blocks[i] or 0
+    if b > best and score[i] < ceils[i] + credits[i] * math.min(b / whole, 1) then
+      chosen, reason, best = i, 'pending', b
+    end
   end
 end
 if not chosen then
@@ -217,6 +233,12 @@ if not chosen then
   end
 end
 local e = engs[chosen]
+-- its prefill there: the prompt beyond what the engine holds or is computing of it
+-- (when the replica sent the prompt and what the candidate holds), else the replica's
+if prompt > 0 and bsz > 0 and helds[chosen] then
+  local held = math.max(helds[chosen], blocks[chosen] or 0)
+  q = math.max(prompt - held * bsz, 1)
+end
 apply(SHARE, e, q, c, '0', 1)
 redis.call('HSET', BK, rid, e .. '|' .. q .. '|' .. c .. '|0')
 if sess ~= '' then redis.call('SET', B .. 'sess:' .. sess, e, 'PX', sess_ttl) end
@@ -227,7 +249,7 @@ for j = 1, m do
   redis.call('ZADD', k, 'GT', now + spec_ttl, e)
   redis.call('PEXPIRE', k, spec_ttl)
 end
-local out = {'ok', chosen, reason, settled}
+local out = {'ok', chosen, reason, settled, q}
 for i = 1, 4 * n do out[#out + 1] = tonumber(vals[i]) or 0 end
 return out
 """

@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from quillcache.errors import ConfigError
+from quillcache.routing.shortlist import Preference
 from quillcache.routing.types import View
 from quillcache.state.types import Candidate, EngineKey, LoadWeights
 
@@ -124,6 +125,45 @@ def build_shortlist(
         ceiling = seen + 1.0 + policy.cache_slack * min(b / denom, 1.0)
         out.append(Candidate(EngineKey(int(workers[r]), int(ranks[r])), ceiling))
         blocks.append(b)
+    return Shortlist(out, blocks)
+
+
+def shortlist_of(
+    view: View,
+    preferences: list[Preference],
+    request_blocks: int,
+    prompt_tokens: int,
+    block_size: int,
+    weights: LoadWeights,
+) -> Shortlist:
+    """A router's own shortlist (`Router.shortlist`, checked) in load units: a row's
+    ceiling is its load in the view plus its `requests` times the load one request like
+    this one adds there (`LoadWeights` of one request in flight with its prefill
+    queued), its credit `pending_requests` times the load of one whose prefix is
+    computed."""
+    c = view.columns
+    rows = [p.position for p in preferences]
+    load = c.load[rows, :3].tolist()
+    held = np.maximum(c.local_blocks[rows], c.pending_blocks[rows]).tolist()
+    workers, ranks = c.worker[rows].tolist(), c.dp_rank[rows].tolist()
+    whole = prefill_tokens(prompt_tokens, request_blocks, block_size)
+    hit_unit = weights.in_flight + weights.queued_tokens * whole
+    out: list[Candidate] = []
+    blocks: list[int] = []
+    for p, (a, b, d), h, worker, rank in zip(preferences, load, held, workers, ranks, strict=True):
+        seen = weights.in_flight * a + weights.queued_tokens * b + weights.decodes * d
+        cached = min(int(h), request_blocks)
+        unit = weights.in_flight + weights.queued_tokens * prefill_tokens(
+            prompt_tokens, cached, block_size
+        )
+        out.append(
+            Candidate(
+                EngineKey(int(worker), int(rank)),
+                seen + p.requests * unit,
+                p.pending_requests * hit_unit,
+            )
+        )
+        blocks.append(int(h))
     return Shortlist(out, blocks)
 
 

@@ -41,10 +41,17 @@ class EngineKey(NamedTuple):
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """A shortlist entry: the engine, and the load (in `LoadWeights` units) at or above
-    which it stops being preferred. `math.inf`: never too loaded."""
+    which it stops being preferred. `math.inf`: never too loaded. `credit`: the load it
+    is worth more when the booking finds the request's prefix being computed there
+    (all of it; in proportion to the part), so a prefix one replica started is reused
+    by the others' requests as far as the router would."""
 
     engine: EngineKey
     ceiling: float = math.inf
+    credit: float = 0.0
+    # the request's leading blocks it holds, when known: the booking then books its
+    # prefill there as the prompt beyond them (or beyond what it is computing of it)
+    cached_blocks: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +103,7 @@ class Booked:
     index: int  # position of `engine` in the shortlist
     reason: str  # "session", "pending", "under" (first under its ceiling), "over", "retry"
     loads: tuple[SharedLoad, ...]  # the shortlist's shared load before this booking
+    prefill_tokens: int = 0  # the prefill booked there (queued prefill tokens it adds)
     shared: bool = True
 
 
@@ -115,6 +123,7 @@ class LocalFallback:
 
     reason: str
     engine: EngineKey | None = None
+    prefill_tokens: int = 0  # a booking's: the prefill booked locally
     shared: bool = False
 
 

@@ -154,17 +154,20 @@ def _route_a_workload(fleet: Fleet) -> None:
     wait_for(lambda: fleet.in_flight() == 0, 5.0, "the fleet's load back to zero")
 
 
-def burst(fleet: Fleet, gateways: list[Proc], tag: str, n: int = 64) -> list[int]:
-    """`n` requests sharing a new 8-block prefix (each with 8 blocks of its own) spread
-    over `gateways`, released together; the per-engine counts, largest first."""
+def burst(
+    fleet: Fleet, gateways: list[Proc], tag: str, n: int = 64, shared: int = 8, own: int = 8
+) -> list[int]:
+    """`n` requests sharing a new `shared`-block prefix (each with `own` blocks of its
+    own) spread over `gateways`, released together; the per-engine counts, largest
+    first."""
     names = [fleet.urls_by_id(g) for g in gateways]
     clients = [client(g.url, timeout=60.0) for g in gateways]
     gate = threading.Barrier(n)
-    text = prompt(tag, blocks=8)
+    text = prompt(tag, blocks=shared)
 
     def one(i: int) -> str:
         oa = clients[i % len(clients)]
-        body = text + (f"<{i:04d}>" * 32)[:128]
+        body = text + (f"<{i:04d}>" * 4 * own)[: 16 * own]
         gate.wait()
         raw = oa.completions.with_raw_response.create(model="sim-model", prompt=body, max_tokens=16)
         return names[i % len(clients)][raw.headers["x-quillcache-worker"]]
@@ -192,6 +195,29 @@ def test_a_burst_through_four_replicas_spreads_as_one_gateway_does(fleet: Fleet)
     alone = burst(fleet, [one], f"burst-alone-{router}")
     assert sum(spread) == sum(alone) == 64
     assert all(abs(a - b) <= 1 for a, b in zip(spread, alone, strict=True)), (spread, alone)
+
+
+def test_a_burst_sharing_a_new_prefix_lands_through_four_replicas_as_through_one(
+    fleet: Fleet,
+) -> None:
+    """The `quillcache` router counts a prefix being computed as reusable, so one
+    gateway sends a burst sharing a new 40-block prefix (one block of its own each) to
+    the engine computing it. It gives the booking step its own shortlist
+    (`Router.shortlist`): ceilings from its cost model and a credit for the prefix
+    being computed, and the script books each request's prefill as the prompt beyond
+    that prefix, so four replicas that all saw the same cold engines place the burst
+    as one gateway does (each engine's count within 2), instead of spreading it by
+    load (docs/state.md, "Ceilings from the router")."""
+    router = "quillcache"
+    for _ in range(4):
+        fleet.stack.engine(time_scale=5.0)  # the burst's requests overlap
+    replicas = [fleet.replica(router=router) for _ in range(4)]
+    spread = burst(fleet, replicas, f"affinity-fleet-{router}", shared=40, own=1)
+    wait_for(lambda: fleet.in_flight() == 0, 10.0, "the burst's bookings released")
+    one = fleet.stack.start_gateway({"router": router})  # local state, on its own
+    alone = burst(fleet, [one], f"affinity-alone-{router}", shared=40, own=1)
+    assert sum(spread) == sum(alone) == 64
+    assert all(abs(a - b) <= 2 for a, b in zip(spread, alone, strict=True)), (spread, alone)
 
 
 def stream_tokens(url: str, tag: str, max_tokens: int, started: threading.Event) -> int:

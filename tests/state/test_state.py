@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import pytest
@@ -124,6 +125,123 @@ def test_choice_rule_matches_python(redis_server: RedisServer) -> None:
                     await s.prefill_done(rid)
                 if k % 7 == 0:
                     await s.release(rid)
+        finally:
+            await s.close()
+
+    run(main())
+
+
+def test_a_prefix_being_computed_raises_the_ceiling_by_its_credit(
+    redis_server: RedisServer,
+) -> None:
+    """`Candidate.credit`: where the request's prefix is being computed, the candidate
+    is preferred up to its ceiling plus the credit times the part being computed; the
+    script's choice equals `choose` with the same pending blocks, over random
+    shortlists, loads and prefixes."""
+
+    async def main() -> None:
+        prefix = fleet()
+        a = RedisFleetState(redis_server.url, prefix=prefix, budget_s=1.0)
+        b = RedisFleetState(redis_server.url, prefix=prefix, budget_s=1.0)
+        await a.start(background=False)
+        await b.start(background=False)
+        rng = random.Random(7)
+        w = LoadWeights()
+        try:
+            # engine 1 computes a 16-block prefix and has 3 requests in flight
+            for k in range(3):
+                await a.book(
+                    a.new_request_id(),
+                    [Candidate(EngineKey(1), 10)],
+                    prefill_tokens=64,
+                    anchors=[(0xA1, 8), (0xA2, 16)] if k == 0 else [],
+                )
+            whole = [(0xA1, 8), (0xA2, 16)]
+            half = [(0xA1, 8), (0xB2, 16)]  # only its first 8 blocks are being computed
+            over = [Candidate(EngineKey(0), 1.0), Candidate(EngineKey(1), 2.0, 2.0)]
+            got = await b.book(b.new_request_id(), over, prefill_tokens=64, anchors=whole)
+            assert isinstance(got, Booked) and (got.engine, got.reason) == (
+                EngineKey(1),
+                "pending",
+            )  # 3 in flight < 2 + 2 * 16/16
+            got = await b.book(b.new_request_id(), over, prefill_tokens=64, anchors=half)
+            assert isinstance(got, Booked) and (got.engine, got.reason) == (
+                EngineKey(0),
+                "under",
+            )  # 4 in flight >= 2 + 2 * 8/16: engine 0 (0 in flight) is under its 1
+            for k in range(40):
+                cands = [
+                    Candidate(EngineKey(e), rng.choice([0.0, 1.0, 3.0, 6.0]), rng.random() * 6)
+                    for e in rng.sample(range(3), rng.randint(1, 3))
+                ]
+                anchors = rng.choice([whole, half, [(0xC1, 4)]])
+                before = await loads_of(b)
+                pending = await b.pending(anchors)
+                want = choose(
+                    cands,
+                    before,
+                    w,
+                    pending_blocks=pending,
+                    request_blocks=max(n for _, n in anchors),
+                )
+                rid = b.new_request_id()
+                got = await b.book(rid, cands, prefill_tokens=8, anchors=anchors, spec_ttl_s=60)
+                assert isinstance(got, Booked)
+                assert (got.index, got.reason) == want, (k, cands, before, pending)
+                if k % 2:
+                    await b.release(rid)
+        finally:
+            await a.close()
+            await b.close()
+
+    run(main())
+
+
+def test_the_prefill_booked_is_the_prompt_beyond_what_the_engine_holds_or_computes(
+    redis_server: RedisServer,
+) -> None:
+    """With the prompt, the block size and each candidate's held blocks, the script
+    books the prompt beyond the longer of what the chosen engine holds and what of the
+    request is being computed there; the replica's own book follows the script."""
+
+    async def main() -> None:
+        s = RedisFleetState(redis_server.url, prefix=fleet(), budget_s=1.0)
+        await s.start(background=False)
+        try:
+            anchors = [(0xA1, 8), (0xA2, 16), (0xA3, 20)]
+            first = await s.book(
+                s.new_request_id(),
+                [Candidate(EngineKey(0), 10, 0.0, 0)],
+                prefill_tokens=999,
+                anchors=anchors,
+                prompt_tokens=330,
+                block_size=16,
+            )
+            assert isinstance(first, Booked) and first.prefill_tokens == 330
+            # another request sharing 16 blocks of it: engine 0 computes those
+            rid = s.new_request_id()
+            second = await s.book(
+                rid,
+                [Candidate(EngineKey(1), 10, 0.0, 2), Candidate(EngineKey(0), 10, 5.0, 0)],
+                prefill_tokens=999,
+                anchors=[(0xA1, 8), (0xA2, 16), (0xB3, 20)],
+                prompt_tokens=330,
+                block_size=16,
+            )
+            assert isinstance(second, Booked)
+            assert (second.engine, second.reason, second.prefill_tokens) == (
+                EngineKey(0),
+                "pending",
+                330 - 16 * 16,
+            )
+            assert (await loads_of(s))[EngineKey(0)].queued_prefill_tokens == 330 + 74
+            # without the prompt the replica's figure is booked, as before
+            third = await s.book(
+                s.new_request_id(), [Candidate(EngineKey(2), 10)], prefill_tokens=77
+            )
+            assert isinstance(third, Booked) and third.prefill_tokens == 77
+            await s.release(rid)
+            assert (await loads_of(s))[EngineKey(0)].queued_prefill_tokens == 330
         finally:
             await s.close()
 
