@@ -509,6 +509,7 @@ class CostKernel:
         disk_gbps: float,
         peer_gbps: float,
         allow_peer_fetch: bool,
+        max_num_seqs: int,
     ) -> Self: ...
     def load_sums(self, load: npt.NDArray[np.float64]) -> tuple[float, float]:
         """(running decodes, requests waiting) summed over the rows in order."""

@@ -53,6 +53,7 @@ class CostModel:
         self.overhead_s = c.gpu.step_overhead_s
         self.block_size = c.engine.block_size
         self.chunk_budget = c.engine.max_num_batched_tokens
+        self.max_num_seqs = c.engine.max_num_seqs
         t = c.transfer
         #: The `*_array` estimates below, as the routers score a fleet with them in one
         #: pass (`quillcache.routing.kernels`); these methods stay the reference.
@@ -71,6 +72,7 @@ class CostModel:
             disk_gbps=t.disk_to_gpu_gbps,
             peer_gbps=t.peer_gbps,
             allow_peer_fetch=t.allow_peer_fetch,
+            max_num_seqs=c.engine.max_num_seqs,
         )
 
     def __reduce__(self) -> tuple[type[CostModel], tuple[CostModelConfig]]:
@@ -276,6 +278,43 @@ class CostModel:
 
     def kv_read_s_array(self, tokens: Floats) -> Floats:
         return tokens * self._kv_read_s_per_token
+
+    def slot_wait_time_array(
+        self,
+        in_flight: Column,
+        running_decodes: Column,
+        mean_context_tokens: Column,
+        output_tokens: int,
+    ) -> Floats:
+        """Time until a sequence slot frees for a new request: an engine runs at most
+        `max_num_seqs` sequences, so with `in_flight` requests there (running and
+        waiting) the new one waits for `ceil((in_flight - slots + 1) / slots)` rounds,
+        each the decode of `output_tokens` (the request's own, for want of the others')
+        in a full batch; 0 while a slot is free. The default 256 slots are rarely all
+        taken; an engine configured with few (long contexts, little memory) is, and
+        then a cached prefix behind a busy slot is worth less than an idle engine."""
+        slots = float(self.max_num_seqs)
+        over = in_flight - slots + 1.0
+        rounds = np.ceil(np.maximum(over, 0.0) / slots)
+        batch = np.minimum(np.maximum(running_decodes, 1.0), slots)
+        return rounds * output_tokens * self.decode_step_time_array(batch, mean_context_tokens)
+
+    def slot_wait_time(
+        self,
+        in_flight: float,
+        running_decodes: float,
+        mean_context_tokens: float,
+        output_tokens: int,
+    ) -> float:
+        """`slot_wait_time_array` for one engine."""
+        return float(
+            self.slot_wait_time_array(
+                np.asarray([in_flight], dtype=np.float64),
+                np.asarray([running_decodes], dtype=np.float64),
+                np.asarray([mean_context_tokens], dtype=np.float64),
+                output_tokens,
+            )[0]
+        )
 
     def decode_step_time_array(self, batch: Column, mean_context_tokens: Column) -> Floats:
         # step_time(0.0, batch, int(batch * mean_context_tokens))

@@ -12,7 +12,10 @@ Timed operation (the score of each worker; the lowest wins):
 4. decode pile-up: the delay its KV reads impose on the decodes a worker runs above
    the cluster mean, for the steps they still overlap once its prefill is done (a
    long prompt starts decoding after today's decodes have finished);
-5. sessions (requests with a session id): a session's next turns come back to the
+5. sequence slots: an engine runs at most `max_num_seqs` sequences; with every slot
+   taken, a request waits for decodes to finish before its prefill starts
+   (`CostModel.slot_wait_time_array`), which a queue of prefill tokens does not show;
+6. sessions (requests with a session id): a session's next turns come back to the
    worker holding its history, so a *new* session chooses a home for all of them: it
    also weighs the decode batch it will join there, estimated from the live sessions
    homed on each worker. A continuing session is not moved for decode balance (its
@@ -147,6 +150,10 @@ class QuillCacheRouter(Router):
                 + cost.prefill_time(new, request.prompt_tokens - new)
             )
         out = request.expected_output_tokens
+        # a request waits for a sequence slot when every one is taken
+        ttft = ttft + cost.slot_wait_time(
+            w.in_flight, w.running_decodes, w.mean_context_tokens, out
+        )
         excess = w.running_decodes - self._mean_decodes
         if self.decode_weight and excess > 0 and not self._continuing:
             # Its KV is read by every step while it decodes, so each co-running decode's
@@ -209,6 +216,7 @@ class QuillCacheRouter(Router):
                 + cost.prefill_time_array(new, prompt - new)
             )
         out = request.expected_output_tokens
+        ttft = ttft + cost.slot_wait_time_array(c.in_flight, decodes, mean_context, out)
         excess = decodes - self._mean_decodes
         if self.decode_weight and not self._continuing:
             piling = excess > 0

@@ -27,6 +27,9 @@ COSTS = [
             {"engine.max_num_batched_tokens": 512, "gpu.step_overhead_s": 0.0}
         )
     ),
+    # few sequence slots, every one often taken: the slot wait is in the estimate
+    CostModel(CostModelConfig().with_overrides({"engine.max_num_seqs": 1})),
+    CostModel(CostModelConfig().with_overrides({"engine.max_num_seqs": 12})),
 ]
 
 loads = st.one_of(

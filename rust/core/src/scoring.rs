@@ -38,6 +38,8 @@ pub struct CostParams {
     pub disk_gbps: f64,
     pub peer_gbps: f64,
     pub allow_peer_fetch: bool,
+    /// The engine's sequence slots (`max_num_seqs`): a request waits for one.
+    pub max_num_seqs: i64,
 }
 
 /// A fleet's rows, in view order: ids, the load matrix (`LOAD_WIDTH` per row, row-major)
@@ -286,6 +288,21 @@ impl CostParams {
         }
     }
 
+    /// `CostModel.slot_wait_time_array` for one row: with `in_flight` requests on an
+    /// engine running at most `max_num_seqs` sequences, a new one waits for
+    /// `ceil((in_flight - slots + 1) / slots)` rounds of `out` decode steps of a full
+    /// batch; 0 while a slot is free.
+    fn slot_wait(&self, in_flight: f64, decodes: f64, mean_context: f64, out: f64) -> f64 {
+        let slots = self.max_num_seqs as f64;
+        let over = in_flight - slots + 1.0;
+        if over <= 0.0 {
+            return 0.0;
+        }
+        let rounds = (over / slots).ceil();
+        let batch = minimum(maximum(decodes, 1.0), slots);
+        rounds * out * self.decode_step_time(batch, mean_context)
+    }
+
     fn decode_step_time(&self, batch: f64, mean_context: f64) -> f64 {
         let context = trunc(batch * mean_context);
         let fixed = self.overhead_s
@@ -527,6 +544,7 @@ impl<'a> QuillScorer<'a> {
                     .prefill
                     .get(new, |new| params.prefill_time(new, prompt - new))
         };
+        let ttft = ttft + params.slot_wait(in_flight, decodes, mean_context, self.out);
         let excess = decodes - knobs.mean_decodes;
         if knobs.decode_weight != 0.0 && !knobs.continuing && excess > 0.0 {
             let step = params.decode_step_time(decodes, mean_context);

@@ -92,7 +92,7 @@ impl CostKernel {
     #[pyo3(signature = (
         *, linear_flops_per_token, attn_flops_per_pair, flops_per_s, overhead_s,
         weight_read_s, kv_read_s_per_token, chunk_budget, block_size, kv_bytes_per_token,
-        transfer_latency_s, cpu_gbps, disk_gbps, peer_gbps, allow_peer_fetch
+        transfer_latency_s, cpu_gbps, disk_gbps, peer_gbps, allow_peer_fetch, max_num_seqs
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -110,9 +110,13 @@ impl CostKernel {
         disk_gbps: f64,
         peer_gbps: f64,
         allow_peer_fetch: bool,
+        max_num_seqs: i64,
     ) -> PyResult<Self> {
         if chunk_budget <= 0 {
             return Err(PyValueError::new_err("chunk_budget must be positive"));
+        }
+        if max_num_seqs <= 0 {
+            return Err(PyValueError::new_err("max_num_seqs must be positive"));
         }
         Ok(Self {
             params: CostParams {
@@ -130,6 +134,7 @@ impl CostKernel {
                 disk_gbps,
                 peer_gbps,
                 allow_peer_fetch,
+                max_num_seqs,
             },
         })
     }
