@@ -2,7 +2,8 @@
 
 Only what a gateway relies on (docs/kv-events.md): completions and chat (streaming
 and not), /tokenize, /v1/models, /health, /metrics with vLLM's metric names,
-/kv_event_sources and /reset_prefix_cache; plus /debug/* fault injection for tests.
+/kv_event_sources and /reset_prefix_cache (SGLang: /flush_cache); plus /debug/*
+fault injection for tests.
 `flavor="sglang"` swaps the vLLM-only parts for SGLang's (`sglang.py`).
 """
 
@@ -263,8 +264,13 @@ class EngineApp:
         return JSONResponse(server_info(self.config, self.publishers))
 
     async def reset_prefix_cache(self, request: Request) -> Response:
+        """vLLM's `POST /reset_prefix_cache` (served with VLLM_SERVER_DEV_MODE=1) and
+        SGLang's `POST /flush_cache`: every rank drops its cached blocks (one
+        AllBlocksCleared each); refused while requests run, as both engines do."""
         if not all([r.reset_prefix_cache() for r in self.ranks]):
             return error_response(400, "cannot reset the prefix cache while requests run")
+        if self.flavor == "sglang":
+            return Response("Cache flushed.\n", status_code=200)
         return Response(status_code=200)
 
     async def debug_drop_events(self, request: Request) -> Response:
@@ -511,7 +517,6 @@ class EngineApp:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
             Route("/debug/drop_events", self.debug_drop_events, methods=["POST"]),
             Route("/debug/health", self.debug_health, methods=["POST"]),
             Route("/debug/fail", self.debug_fail, methods=["POST"]),
@@ -520,8 +525,10 @@ class EngineApp:
         if self.flavor == "sglang":  # where the KV events are: the server arguments
             routes.append(Route("/server_info", self.server_info, methods=["GET"]))
             routes.append(Route("/get_server_info", self.server_info, methods=["GET"]))
+            routes.append(Route("/flush_cache", self.reset_prefix_cache, methods=["GET", "POST"]))
         else:
             routes.append(Route("/kv_event_sources", self.kv_event_sources, methods=["GET"]))
+            routes.append(Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]))
         return Starlette(routes=routes)
 
 
