@@ -70,6 +70,19 @@ class RequestIdentifier:
         tokens = await self._tokens(body, chat, candidates)
         return self._route_request(body, tokens, headers, identity), len(tokens)
 
+    async def identify_tokens(
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        headers: Mapping[str, str],
+        identity: Identity,
+        candidates: frozenset[int] | None = None,
+    ) -> tuple[RouteRequest, list[int]]:
+        """`identify` with the prompt's token ids themselves: what the policy engine
+        keeps of a prefix it retains (the index keeps no tokens)."""
+        tokens = await self._tokens(body, chat, candidates)
+        return self._route_request(body, tokens, headers, identity), tokens
+
     def identify_now(
         self, body: dict[str, Any], chat: bool, headers: Mapping[str, str], identity: Identity
     ) -> tuple[RouteRequest, int] | None:
