@@ -12,12 +12,13 @@ other source's payloads reach the index as they came.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from quillcache.errors import EventDecodeError
-from quillcache.events.groups import GroupFolder, fold_payloads
+from quillcache.events.groups import FoldStats, GroupFolder, fold_payloads
 from quillcache.index.protocol import IndexBackend
 from quillcache.index.types import ApplyStats
 
@@ -87,6 +88,10 @@ class IndexSink:
             lambda p, s: self.index.apply(worker, p, dp_rank, seqs=s), folded, refused, seqs
         )
 
+    def fold_stats(self) -> FoldStats:
+        """The group folder's counters (a copy: the applier thread moves the live ones)."""
+        return dataclasses.replace(self.groups.stats)
+
     def clear_source(self, worker: int, dp_rank: int = 0) -> int:
         self.groups.clear(worker, dp_rank)
         return self.index.clear_source(worker, dp_rank)
@@ -127,6 +132,11 @@ class ControlPlaneSink:
         return _apply_folded(
             lambda p, s: self.plane.ingest(worker, p, dp_rank, seqs=s), folded, refused, seqs
         )
+
+    def fold_stats(self) -> FoldStats:
+        """The group folder's counters (a copy: the applier thread moves the live ones),
+        for /metrics (`gateway.metrics.fold_metrics`)."""
+        return dataclasses.replace(self.groups.stats)
 
     def last_seqs(self) -> dict[tuple[int, int], int]:
         """(worker, dp_rank) -> last applied seq, as the index keeps it across restarts."""

@@ -10,6 +10,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from quillcache.events.groups import FoldStats
 from quillcache.gateway.engine_hashes import HASH_STATES
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -402,8 +403,48 @@ def shared_state_metrics(stats: Any, up: bool, moved: int, polls: int) -> Iterat
             "Reads of the fleet's booked load applied to the routers' view.",
             polls,
         ),
+        (
+            "quillcache_state_bad_shortlists",
+            "Router shortlists that broke the shortlist contract, replaced by the one "
+            "derived from the router's decision (the request still booked).",
+            stats.bad_shortlists,
+        ),
     ):
         yield counter(name, doc, float(value))
+
+
+# (metric name, help, its value)
+_FOLD_COUNTERS: tuple[tuple[str, str, Callable[[FoldStats], int]], ...] = (
+    (
+        "quillcache_kv_grouped_sources",
+        "Event sources seen naming a KV-cache group other than 0 (hybrid models), whose "
+        "batches are folded into one group.",
+        lambda s: s.grouped_sources,
+    ),
+    (
+        "quillcache_kv_group_folded_batches",
+        "Batches of grouped sources rewritten into one group (a block kept only where "
+        "every group holds it).",
+        lambda s: s.folded_batches,
+    ),
+    (
+        "quillcache_kv_group_unplaced_blocks",
+        "Blocks of grouped sources' stores whose tokens did not say which block is which "
+        "(not indexed).",
+        lambda s: s.unplaced_blocks,
+    ),
+    (
+        "quillcache_kv_group_refused_batches",
+        "Batches refused for naming more KV-cache groups than a source may have.",
+        lambda s: s.refused_batches,
+    ),
+)
+
+
+def fold_metrics(stats: FoldStats) -> Iterator[Any]:
+    """The KV-cache group folder's counters (`quillcache.events.groups.FoldStats`)."""
+    for name, doc, value in _FOLD_COUNTERS:
+        yield counter(name, doc, float(value(stats)))
 
 
 def bootstrap_metrics(report: Any) -> Iterator[Any]:

@@ -151,7 +151,6 @@ class SharedRouting:
         self.on_booked = on_booked
         self._bookings: dict[int | str, _Booking] = {}  # by the plane's request id
         self.moved = 0  # bookings that took another candidate than the router's
-        self.bad_shortlists = 0  # router shortlists replaced by the derived one
 
     async def book(
         self, request: RouteRequest, worker: int, rank: int, *, cancellable: bool = True
@@ -242,7 +241,7 @@ class SharedRouting:
                 try:
                     check_preferences(preferences, len(view), position, policy.size)
                 except ShortlistContractError as exc:
-                    self.bad_shortlists += 1
+                    self.state.stats.bad_shortlists += 1
                     log.error(
                         "router %r gave a shortlist the booking cannot use (%s); "
                         "booking with the derived one",
@@ -290,3 +289,8 @@ class SharedRouting:
     @property
     def in_flight(self) -> int:
         return len(self._bookings)
+
+    @property
+    def bad_shortlists(self) -> int:
+        """Router shortlists replaced by the derived one (`StateStats.bad_shortlists`)."""
+        return self.state.stats.bad_shortlists

@@ -156,6 +156,8 @@ class StateStats:
     ends_applied: int = 0
     ends_unknown: int = 0
     end_batches: int = 0
+    # router shortlists that broke the contract, booked with the derived one instead
+    bad_shortlists: int = 0
 
     def fallback(self, op: str) -> None:
         self.fallbacks[op] = self.fallbacks.get(op, 0) + 1
