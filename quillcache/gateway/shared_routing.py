@@ -37,7 +37,14 @@ from typing import Any
 from quillcache.routing import Decision, Router, View
 from quillcache.routing import Request as RouteRequest
 from quillcache.routing.shortlist import ShortlistContractError, check_preferences
-from quillcache.state import Booked, Candidate, EngineKey, LocalFallback, RedisFleetState
+from quillcache.state import (
+    Booked,
+    Candidate,
+    EngineKey,
+    LocalFallback,
+    OutsideTerms,
+    RedisFleetState,
+)
 from quillcache.state.load_store import SharedLoadStore
 from quillcache.state.shortlist import (
     Shortlist,
@@ -176,11 +183,47 @@ class SharedRouting:
         if not cands:  # the chosen worker left between the decision and now
             return BookedRoute(worker, rank, 0, False, False)
         self.release(request.request_id)  # a retry: the earlier attempt's booking goes
+        started = time.perf_counter()
+        bid, out = await self._book(request, short, cands, short.outside, cancellable)
+        if isinstance(out, Booked) and out.index < 0 and not self._routable(out.engine, view):
+            # an engine outside the shortlist this replica cannot send to (not one of
+            # its workers, or not routable in its view): that booking goes, and the
+            # request is booked again on the shortlist alone
+            self.state.release_soon(bid)
+            bid, out = await self._book(request, short, cands, None, cancellable)
+        booked = out.engine
+        assert booked is not None  # a booking always names an engine
+        key = booked
+        shared = isinstance(out, Booked)
+        if self.on_booked is not None:
+            self.on_booked(time.perf_counter() - started, "shared" if shared else "fallback")
+        if isinstance(out, Booked) and out.index < 0 and view is not None:
+            cached[key] = self._held(key, view)
+        if isinstance(out, Booked) and out.loads:
+            self.store.apply_some(zip((c.engine for c in cands), out.loads, strict=True))
+        booked_prefill = out.prefill_tokens
+        self._bookings[request.request_id] = _Booking(
+            bid, key, booked_prefill, request.prompt_tokens
+        )
+        self.store.own_booked(key, booked_prefill)
+        booked_worker = self.ids.to_worker.get(key.engine, worker)
+        moved = (booked_worker, key.rank) != (worker, rank)
+        self.moved += moved
+        return BookedRoute(booked_worker, key.rank, cached.get(key, 0), moved, shared)
+
+    async def _book(
+        self,
+        request: RouteRequest,
+        short: Shortlist,
+        cands: list[Candidate],
+        outside: OutsideTerms | None,
+        cancellable: bool,
+    ) -> tuple[str, Booked | LocalFallback]:
+        """One booking of `request` in Redis: (its booking id, the outcome)."""
         bid = self.state.new_request_id()
         # the script books the prefill of the candidate it takes (the prompt beyond what
         # that engine holds or is computing of it), this one only if it cannot tell
         prefill = prefill_tokens(request.prompt_tokens, short.cached_blocks[0], self.block_size)
-        started = time.perf_counter()
         booking = self.state.book(
             bid,
             cands,
@@ -193,35 +236,43 @@ class SharedRouting:
             spec_ttl_s=self.spec_ttl_s,
             prompt_tokens=request.prompt_tokens,
             block_size=self.block_size,
+            outside=outside,
         )
         if not cancellable:
-            out = await booking
-        else:
-            task = asyncio.ensure_future(booking)
-            try:
-                # shielded: a client leaving mid-booking must not leave a booking that
-                # this replica does not know of (it would stay in Redis until it leaves)
-                out = await asyncio.shield(task)
-            except asyncio.CancelledError:
-                task.add_done_callback(lambda t: self._orphan(t, bid))
-                raise
-        booked = out.engine
-        assert booked is not None  # a booking always names an engine
-        key = booked
-        shared = isinstance(out, Booked)
-        if self.on_booked is not None:
-            self.on_booked(time.perf_counter() - started, "shared" if shared else "fallback")
-        if isinstance(out, Booked) and out.loads:
-            self.store.apply_some(zip((c.engine for c in cands), out.loads, strict=True))
-        booked_prefill = out.prefill_tokens
-        self._bookings[request.request_id] = _Booking(
-            bid, key, booked_prefill, request.prompt_tokens
-        )
-        self.store.own_booked(key, booked_prefill)
-        booked_worker = self.ids.to_worker.get(key.engine, worker)
-        moved = (booked_worker, key.rank) != (worker, rank)
-        self.moved += moved
-        return BookedRoute(booked_worker, key.rank, cached.get(key, 0), moved, shared)
+            return bid, await booking
+        task = asyncio.ensure_future(booking)
+        try:
+            # shielded: a client leaving mid-booking must not leave a booking that
+            # this replica does not know of (it would stay in Redis until it leaves)
+            return bid, await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._orphan(t, bid))
+            raise
+
+    def _routable(self, key: EngineKey, view: View | None) -> bool:
+        """Whether this replica can send a request to the fleet's engine `key`: one of
+        its workers, and a row of the view the router decided on."""
+        worker = self.ids.to_worker.get(key.engine)
+        if worker is None or view is None:
+            return False
+        try:
+            view.position(worker, key.rank)
+        except KeyError:
+            return False
+        return True
+
+    def _held(self, key: EngineKey, view: View) -> int:
+        """The request's blocks the view says the fleet's engine `key` holds or is
+        computing (0 when it is not a row of the view)."""
+        worker = self.ids.to_worker.get(key.engine)
+        if worker is None:
+            return 0
+        try:
+            row = view.position(worker, key.rank)
+        except KeyError:
+            return 0
+        c = view.columns
+        return int(max(c.local_blocks[row], c.pending_blocks[row]))
 
     def _shortlist(self, request: RouteRequest, view: View, worker: int, rank: int) -> Shortlist:
         """The router's own shortlist (`Router.shortlist`) in load units, or, when it

@@ -3,7 +3,7 @@ load per (engine, dp rank) under per-replica leases, the anti-herding booking st
 speculative placements, session bindings, pins, draining flags and engines added at
 run time. Reference: docs/state.md."""
 
-from quillcache.state.choose import choose
+from quillcache.state.choose import choose, outsiders
 from quillcache.state.redis_state import PinResult, RedisFleetState, default_replica_id, session_key
 from quillcache.state.types import (
     Booked,
@@ -12,6 +12,7 @@ from quillcache.state.types import (
     FleetConfig,
     LoadWeights,
     LocalFallback,
+    OutsideTerms,
     SecretMismatchError,
     Shared,
     SharedLoad,
@@ -26,6 +27,7 @@ __all__ = [
     "FleetConfig",
     "LoadWeights",
     "LocalFallback",
+    "OutsideTerms",
     "PinResult",
     "RedisFleetState",
     "SecretMismatchError",
@@ -35,5 +37,6 @@ __all__ = [
     "StateStats",
     "choose",
     "default_replica_id",
+    "outsiders",
     "session_key",
 ]

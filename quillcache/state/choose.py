@@ -1,16 +1,22 @@
 """The booking rule, in Python: what the Lua booking script does in Redis, for the
 local fallback (with the replica's last known loads) and for tests.
 
-Among the shortlist (the router's order), in this order of precedence:
+The candidates are the shortlist (the router's order), then, given `OutsideTerms`, the
+engines outside it that the shared state names for this request (`outsiders`): the
+session's bound engine, then the engines computing a part of the request's prefix.
+In this order of precedence:
 
-1. the session's bound engine, if it is in the shortlist and under its ceiling;
+1. the session's bound engine, if it is a candidate and under its ceiling;
 2. the candidate with the longest prefix being computed there now (a speculative
    placement of one of the request's anchors) that is under its ceiling raised by its
    credit for that prefix (`Candidate.credit` times the part of the request's
-   `request_blocks` being computed), ties to the shortlist order;
-3. the first candidate under its ceiling;
-4. every candidate at or above its ceiling: the one with the least overshoot
-   (load - ceiling), ties to the shortlist order.
+   `request_blocks` being computed), ties to the candidates' order;
+3. the first candidate of the shortlist under its ceiling;
+4. every candidate of the shortlist at or above its ceiling: the one with the least
+   overshoot (load - ceiling), ties to the shortlist order.
+
+An engine outside the shortlist is taken only for what made it a candidate (steps 1
+and 2): the router did not list it, so it is not a place for the request otherwise.
 
 "Under" is strict: load < ceiling. Overshoot, not a ratio, because a ceiling may be 0
 (a candidate the router only wants when nothing else is free) and both are in the
@@ -19,9 +25,44 @@ same units.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
-from quillcache.state.types import ZERO_LOAD, Candidate, EngineKey, LoadWeights, SharedLoad
+from quillcache.state.types import (
+    ZERO_LOAD,
+    Candidate,
+    EngineKey,
+    LoadWeights,
+    OutsideTerms,
+    SharedLoad,
+)
+
+
+def outsiders(
+    shortlist: Sequence[Candidate],
+    outside: OutsideTerms | None,
+    *,
+    session_engine: EngineKey | None = None,
+    pending_blocks: Mapping[EngineKey, int] | None = None,
+    draining: Collection[EngineKey] = (),
+) -> list[Candidate]:
+    """The candidates after the shortlist (none without `outside`): the session's bound
+    engine if not listed, as a holder of the whole prefix (`outside.ceiling +
+    outside.credit`), then the unlisted engines computing a part of the request's
+    prefix by (engine, rank), each with `outside.ceiling` and `outside.credit`. A
+    draining engine is none of them. Their `cached_blocks` is 0: the replica's view did
+    not say what they hold."""
+    if outside is None:
+        return []
+    listed = {c.engine for c in shortlist}
+    out: list[Candidate] = []
+    if session_engine is not None and session_engine not in listed | set(draining):
+        out.append(Candidate(session_engine, outside.ceiling + outside.credit, 0.0, 0))
+    for e in sorted(pending_blocks or {}):
+        if e in listed or e == session_engine or e in draining:
+            continue
+        if (pending_blocks or {})[e] > 0:
+            out.append(Candidate(e, outside.ceiling, outside.credit, 0))
+    return out
 
 
 def choose(
@@ -32,19 +73,32 @@ def choose(
     session_engine: EngineKey | None = None,
     pending_blocks: Mapping[EngineKey, int] | None = None,
     request_blocks: int = 0,
+    outside: OutsideTerms | None = None,
+    draining: Collection[EngineKey] = (),
 ) -> tuple[int, str]:
-    """(position in the shortlist, reason) of the candidate the booking step takes."""
+    """(position, reason) of the candidate the booking step takes: a position in the
+    shortlist, or `len(shortlist) + j` for the j-th of `outsiders(...)`."""
     if not shortlist:
         raise ValueError("empty shortlist")
-    scores = [weights.score(loads.get(c.engine, ZERO_LOAD)) for c in shortlist]
-    under = [s < c.ceiling for s, c in zip(scores, shortlist, strict=True)]
+    cands = [
+        *shortlist,
+        *outsiders(
+            shortlist,
+            outside,
+            session_engine=session_engine,
+            pending_blocks=pending_blocks,
+            draining=draining,
+        ),
+    ]
+    scores = [weights.score(loads.get(c.engine, ZERO_LOAD)) for c in cands]
+    under = [s < c.ceiling for s, c in zip(scores, cands, strict=True)]
     if session_engine is not None:
-        for i, c in enumerate(shortlist):
+        for i, c in enumerate(cands):
             if c.engine == session_engine and under[i]:
                 return i, "session"
     if pending_blocks:
         best, best_blocks = -1, 0
-        for i, c in enumerate(shortlist):
+        for i, c in enumerate(cands):
             b = pending_blocks.get(c.engine, 0)
             if b <= best_blocks:
                 continue
@@ -53,8 +107,9 @@ def choose(
                 best, best_blocks = i, b
         if best >= 0:
             return best, "pending"
-    for i, ok in enumerate(under):
+    n = len(shortlist)
+    for i, ok in enumerate(under[:n]):
         if ok:
             return i, "under"
-    overs = [s - c.ceiling for s, c in zip(scores, shortlist, strict=True)]
+    overs = [s - c.ceiling for s, c in zip(scores[:n], shortlist, strict=True)]
     return overs.index(min(overs)), "over"

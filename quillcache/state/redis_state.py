@@ -49,6 +49,7 @@ from quillcache.state.types import (
     FleetConfig,
     LoadWeights,
     LocalFallback,
+    OutsideTerms,
     SecretMismatchError,
     Shared,
     SharedLoad,
@@ -72,6 +73,14 @@ def _candidate_arg(c: Candidate) -> str:
     if c.cached_blocks is not None:
         out += f"~{int(c.cached_blocks)}"
     return out
+
+
+def _outside_arg(outside: OutsideTerms | None) -> str:
+    """'|ceiling|credit' after the booking's numbers (`OutsideTerms`), or nothing."""
+    if outside is None:
+        return ""
+    ceiling = max(min(outside.ceiling, _CEILING_MAX), -_CEILING_MAX)
+    return f"|{ceiling!r}|{min(outside.credit, _CEILING_MAX)!r}"
 
 
 # what the settle codes (scripts.settle) say, per op
@@ -334,6 +343,7 @@ class RedisFleetState:
         spec_ttl_s: float = 10.0,
         prompt_tokens: int = 0,
         block_size: int = 0,
+        outside: OutsideTerms | None = None,
     ) -> Booked | LocalFallback:
         """The anti-herding step, one round trip: read the shortlist's shared load, take
         a candidate (`choose`), book the request on it under this replica's lease, bind
@@ -345,7 +355,13 @@ class RedisFleetState:
         `block_size`, for a candidate whose `cached_blocks` is known, the prompt beyond
         the longer of those and of the request's prefix being computed there (what the
         engine will really queue: a request that joins a prefix another replica's
-        request is computing queues only the rest). `Booked.prefill_tokens` says which."""
+        request is computing queues only the rest). `Booked.prefill_tokens` says which.
+
+        `outside`: the session's bound engine and the engines computing a part of the
+        request's prefix are candidates too when the shortlist does not list them
+        (`choose.outsiders`); one taken is `Booked.index` -1. The local fallback
+        weighs the shortlist only (this replica does not know the fleet's bindings and
+        placements)."""
         if not shortlist:
             raise StateError("book() needs a non-empty shortlist")
         old = self._book.get(request_id)
@@ -365,7 +381,7 @@ class RedisFleetState:
             f"{weights.queued_tokens!r}|{weights.decodes!r}|"
             f"{session_key(session) if session else ''}|"
             f"{max(int(session_ttl_s * 1000), 1)}|{max(int(spec_ttl_s * 1000), 1)}|"
-            f"{int(prompt_tokens)}|{int(block_size)}",
+            f"{int(prompt_tokens)}|{int(block_size)}{_outside_arg(outside)}",
             ",".join(_candidate_arg(c) for c in shortlist),
             ",".join(f"{_hex(k)}={int(b)}" for k, b in anchors),
             *ends,
@@ -376,14 +392,14 @@ class RedisFleetState:
             codes = reply[3] if status == "ok" else reply[2] if status == "dup" else None
             self._end_batch(ends, codes)
         if status == "ok":
-            i = int(reply[1]) - 1
+            i = int(reply[1]) - 1  # -1: an engine outside the shortlist
             booked_prefill = int(reply[4])
-            v = reply[5:]  # integers already (hiredis, or redis-py's RESP parser)
+            v = reply[6:]  # integers already (hiredis, or redis-py's RESP parser)
             loads = tuple(
                 SharedLoad(v[j], v[j + 1], v[j + 2], v[j + 3])
                 for j in range(0, 4 * len(shortlist), 4)
             )
-            engine = shortlist[i].engine
+            engine = shortlist[i].engine if i >= 0 else EngineKey.decode(reply[5])
             for c, ld in zip(shortlist, loads, strict=True):
                 self._known[c.engine] = ld
             self._note(request_id, engine, booked_prefill, context_tokens, session)

@@ -129,17 +129,22 @@ end
 """
 
 # ARGV[5] request id, [6] 'prefill|context|wn|wq|wd|session|session ttl ms|spec ttl ms
-# [|prompt|block size]' (session: a key name suffix or empty), [7] the shortlist
-# 'engine=ceiling[~credit[~held blocks]],...' in the router's order (`Candidate.credit`
-# and `cached_blocks`; with the prompt and block size, the chosen engine is booked with
-# the prompt beyond what it holds or computes, else with `prefill`), [8] the request's
-# anchors 'key=blocks,...' (may be empty), [9..] this replica's request ends queued
-# since its last call (`settle`), applied first: they
+# [|prompt|block size[|outside ceiling|outside credit]]' (session: a key name suffix or
+# empty), [7] the shortlist 'engine=ceiling[~credit[~held blocks]],...' in the router's
+# order (`Candidate.credit` and `cached_blocks`; with the prompt and block size, the
+# chosen engine is booked with the prompt beyond what it holds or computes, else with
+# `prefill`), [8] the request's anchors 'key=blocks,...' (may be empty), [9..] this
+# replica's request ends queued since its last call (`settle`), applied first: they
 # ride on the booking instead of a round trip of their own. Few arguments for the
 # booking itself: redis-py packs each argument in Python, and these string.gmatch loops
 # cost less here than a long ARGV costs there.
+# With the outside terms (`OutsideTerms`), the session's bound engine and the engines
+# computing a part of the request's prefix are candidates too when the shortlist does
+# not list them (`choose.outsiders`: after the shortlist, the bound engine first, then
+# by engine and rank; not a draining one), for the session and pending steps only.
 # Returns {'lost'} | {'dup', engine, settle codes}
-#       | {'ok', index (1-based), reason, settle codes, booked prefill, n1, q1, d1, c1, ...}
+#       | {'ok', index (1-based; 0: an engine outside the shortlist), reason,
+#          settle codes, booked prefill, engine, n1, q1, d1, c1, ...} (the shortlist's)
 BOOK = (
     PRELUDE
     + r"""
@@ -152,11 +157,15 @@ if prev then
   local e = parse(prev)
   return {'dup', e, settled}
 end
-local q, c, wn, wq, wd, sess, sess_ttl, spec_ttl, prompt, bsz = string.match(ARGV[6],
-  '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|?([^|]*)|?([^|]*)$')
-q, c, wn, wq, wd = tonumber(q), tonumber(c), tonumber(wn), tonumber(wq), tonumber(wd)
-sess_ttl, spec_ttl = tonumber(sess_ttl), tonumber(spec_ttl)
-prompt, bsz = tonumber(prompt) or 0, tonumber(bsz) or 0
+local f = {}
+for x in string.gmatch(ARGV[6] .. '|', '([^|]*)|') do f[#f + 1] = x end
+local q, c, wn, wq, wd = tonumber(f[1]), tonumber(f[2]), tonumber(f[3]), tonumber(f[4]),
+  tonumber(f[5])
+local sess, sess_ttl, spec_ttl = f[6], tonumber(f[7]), tonumber(f[8])
+local prompt = f[9] and tonumber(f[9]) or 0
+local bsz = f[10] and tonumber(f[10]) or 0
+local oceil = f[11] and tonumber(f[11])  -- nil: no candidate outside the shortlist
+local ocredit = f[12] and tonumber(f[12]) or 0
 local engs, ceils, credits, helds, fields = {}, {}, {}, {}, {}
 local n = 0
 for e, rest in string.gmatch(ARGV[7], '([^=,]+)=([^,]+)') do
@@ -181,40 +190,68 @@ end
 local m = #akeys
 local vals = redis.call('HMGET', LOAD, unpack(fields))
 local score, under = {}, {}
-for i = 1, n do
-  local ln = tonumber(vals[4 * i - 3]) or 0
-  local lq = tonumber(vals[4 * i - 2]) or 0
-  local ld = tonumber(vals[4 * i - 1]) or 0
-  score[i] = wn * ln + wq * lq + wd * ld
+local function weigh(i, ln, lq, ld)
+  score[i] = wn * (tonumber(ln) or 0) + wq * (tonumber(lq) or 0) + wd * (tonumber(ld) or 0)
   under[i] = score[i] < ceils[i]
 end
--- per candidate, the longest of the request's anchors being computed there
-local blocks = {}
-if m > 0 then
-  local pos = {}
-  for i = 1, n do pos[engs[i]] = i end
-  for j = 1, m do
-    local members = redis.call('ZRANGEBYSCORE', B .. 'spec:' .. akeys[j], '(' .. now, '+inf')
-    local b = ablocks[j]
-    for _, e in ipairs(members) do
-      local i = pos[e]
-      if i and b > (blocks[i] or 0) then blocks[i] = b end
+for i = 1, n do weigh(i, vals[4 * i - 3], vals[4 * i - 2], vals[4 * i - 1]) end
+local pos = {}
+for i = 1, n do pos[engs[i]] = i end
+-- per candidate, the longest of the request's anchors being computed there; per
+-- engine outside the shortlist, the same
+local blocks, pend = {}, {}
+for j = 1, m do
+  local members = redis.call('ZRANGEBYSCORE', B .. 'spec:' .. akeys[j], '(' .. now, '+inf')
+  local b = ablocks[j]
+  for _, e in ipairs(members) do
+    local i = pos[e]
+    if i then
+      if b > (blocks[i] or 0) then blocks[i] = b end
+    elseif b > (pend[e] or 0) then
+      pend[e] = b
     end
   end
 end
-local chosen, reason = nil, nil
-if sess ~= '' then
-  local bound = redis.call('GET', B .. 'sess:' .. sess)
-  if bound then
-    for i = 1, n do
-      if engs[i] == bound and under[i] then chosen, reason = i, 'session'; break end
+local bound = nil
+if sess ~= '' then bound = redis.call('GET', B .. 'sess:' .. sess) end
+local total = n
+if oceil then
+  local DRAINING = B .. 'draining'
+  local function outsider(e, ceil, credit)
+    total = total + 1
+    engs[total], ceils[total], credits[total], helds[total] = e, ceil, credit, 0
+    blocks[total] = pend[e]
+    local v = redis.call('HMGET', LOAD, e .. '|n', e .. '|q', e .. '|d')
+    weigh(total, v[1], v[2], v[3])
+  end
+  if bound and not pos[bound] and redis.call('HEXISTS', DRAINING, bound) == 0 then
+    outsider(bound, oceil + ocredit, 0)  -- taken as holding the session's prefix
+  end
+  local others, order = {}, {}
+  for e in pairs(pend) do
+    if e ~= bound and redis.call('HEXISTS', DRAINING, e) == 0 then
+      local en, rk = string.match(e, '^([^:]*):(.*)$')
+      others[#others + 1] = e
+      order[e] = {tonumber(en) or 0, tonumber(rk) or 0}
     end
+  end
+  table.sort(others, function(x, y)
+    local a, b = order[x], order[y]
+    if a[1] ~= b[1] then return a[1] < b[1] end
+    return a[2] < b[2]
+  end)
+  for _, e in ipairs(others) do outsider(e, oceil, ocredit) end
+end
+local chosen, reason = nil, nil
+if bound then
+  for i = 1, total do
+    if engs[i] == bound and under[i] then chosen, reason = i, 'session'; break end
   end
 end
 if not chosen and m > 0 then
   -- under its ceiling raised by its credit for the part being computed there
   local best = 0
-  for i = 1, n do
+  for i = 1, total do
     local b = blocks[i] or 0
     if b > best and score[i] < ceils[i] + credits[i] * math.min(b / whole, 1) then
       chosen, reason, best = i, 'pending', b
@@ -249,7 +286,7 @@ for j = 1, m do
   redis.call('ZADD', k, 'GT', now + spec_ttl, e)
   redis.call('PEXPIRE', k, spec_ttl)
 end
-local out = {'ok', chosen, reason, settled, q}
+local out = {'ok', chosen <= n and chosen or 0, reason, settled, q, e}
 for i = 1, 4 * n do out[#out + 1] = tonumber(vals[i]) or 0 end
 return out
 """

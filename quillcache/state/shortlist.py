@@ -25,6 +25,15 @@ finds the engine under its ceiling, the next finds it at `seen + 1` and takes th
 candidate still under its own, and once every candidate is at its ceiling the least
 overshoot wins, which turns into round-robin over the shortlist. What one gateway does
 when it sees every booking at once, without waiting for a poll.
+
+Engines outside the list (`Shortlist.outside`, `OutsideTerms`): the booking also weighs
+the engine the request's session is bound to and those computing a part of its prefix
+when the list does not name them (the bindings and placements of other replicas are in
+Redis, not in this replica's view). Derived lists weigh them as a listed candidate
+other than the choice: ceiling `seen of the choice + 1`, credit `cache_slack` (so a
+bound engine, taken as holding the session's prefix, gets `seen of the choice + 1 +
+cache_slack`); a router's own list as its choice holding none of the prefix, with the
+choice's credit.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ import numpy.typing as npt
 from quillcache.errors import ConfigError
 from quillcache.routing.shortlist import Preference
 from quillcache.routing.types import View
-from quillcache.state.types import Candidate, EngineKey, LoadWeights
+from quillcache.state.types import Candidate, EngineKey, LoadWeights, OutsideTerms
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +73,10 @@ class Shortlist:
 
     candidates: list[Candidate]
     cached_blocks: list[int]
+    # what an engine outside the list, bound to the request's session or computing its
+    # prefix, is worth to the booking (None: nothing; docs/state.md, "Outside the
+    # shortlist")
+    outside: OutsideTerms | None = None
 
 
 # Up to this many rows, the shortlist is built from Python lists (one `tolist` per
@@ -125,7 +138,10 @@ def build_shortlist(
         ceiling = seen + 1.0 + policy.cache_slack * min(b / denom, 1.0)
         out.append(Candidate(EngineKey(int(workers[r]), int(ranks[r])), ceiling))
         blocks.append(b)
-    return Shortlist(out, blocks)
+    # an unlisted engine is weighed as a listed one that is not the choice, seen at
+    # its load now: holding or computing the whole prefix buys `cache_slack`
+    outside = OutsideTerms(chosen_seen + 1.0, policy.cache_slack) if chosen >= 0 else None
+    return Shortlist(out, blocks, outside)
 
 
 def shortlist_of(
@@ -150,6 +166,7 @@ def shortlist_of(
     hit_unit = weights.in_flight + weights.queued_tokens * whole
     out: list[Candidate] = []
     blocks: list[int] = []
+    outside: OutsideTerms | None = None
     for p, (a, b, d), h, worker, rank in zip(preferences, load, held, workers, ranks, strict=True):
         seen = weights.in_flight * a + weights.queued_tokens * b + weights.decodes * d
         cached = min(int(h), request_blocks)
@@ -164,7 +181,14 @@ def shortlist_of(
             )
         )
         blocks.append(int(h))
-    return Shortlist(out, blocks)
+        if outside is None:
+            # an unlisted engine is worth what the router's choice is worth holding
+            # none of the prefix, and its credit for a prefix held or being computed
+            cold = weights.in_flight + weights.queued_tokens * prefill_tokens(
+                prompt_tokens, 0, block_size
+            )
+            outside = OutsideTerms(seen + p.requests * cold, p.pending_requests * hit_unit)
+    return Shortlist(out, blocks, outside)
 
 
 def _others_small(scores: list[float], cached: list[int], chosen: int, want: int) -> list[int]:

@@ -55,6 +55,27 @@ class Candidate:
 
 
 @dataclass(frozen=True, slots=True)
+class OutsideTerms:
+    """What an engine outside the shortlist is worth when the booking finds it bound to
+    the request's session or computing the request's prefix (docs/state.md, "Outside
+    the shortlist"), in `LoadWeights` units: `ceiling` is that of a candidate holding
+    none of the request's prefix, `credit` what holding or computing all of it adds. A
+    session-bound engine is taken as a holder of the whole prefix (ceiling + credit);
+    one computing a part of the prefix gets `ceiling` raised by `credit` times that part,
+    as a listed candidate's `Candidate.credit`."""
+
+    ceiling: float
+    credit: float = 0.0
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.ceiling) or math.isnan(self.credit) or self.credit < 0:
+            raise ConfigError(
+                f"outside terms need a ceiling and a credit >= 0, got {self.ceiling!r}, "
+                f"{self.credit!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class LoadWeights:
     """How the booking step turns an engine's shared load into the one number compared
     with a candidate's ceiling: `in_flight * in_flight + queued_prefill_tokens *
@@ -100,7 +121,7 @@ class Booked:
     """The booking step ran in Redis: `engine` is booked under this replica's lease."""
 
     engine: EngineKey
-    index: int  # position of `engine` in the shortlist
+    index: int  # position of `engine` in the shortlist; -1: an engine outside it
     reason: str  # "session", "pending", "under" (first under its ceiling), "over", "retry"
     loads: tuple[SharedLoad, ...]  # the shortlist's shared load before this booking
     prefill_tokens: int = 0  # the prefill booked there (queued prefill tokens it adds)
