@@ -27,6 +27,8 @@ class EngineLoad:
     prefix_queries: float = 0.0  # tokens, cumulative
     prefix_hits: float = 0.0
     block_size: int | None = None
+    # KV blocks per engine core (vLLM's `cache_config_info` label `num_gpu_blocks`)
+    num_gpu_blocks: int | None = None
     # per rank, from the samples labelled with a rank (`RANK_LABEL`); empty when none is
     ranks: dict[int, RankLoad] = field(default_factory=dict)
 
@@ -65,6 +67,9 @@ def parse_engine_metrics(text: str) -> EngineLoad:
                 bs = sample.labels.get("block_size")
                 if bs and bs.isdigit():
                     load.block_size = int(bs)
+                blocks = sample.labels.get("num_gpu_blocks")
+                if blocks and blocks.isdigit() and int(blocks) > 0:
+                    load.num_gpu_blocks = int(blocks)
             continue
         name = fields.get(family.name)
         if name is None:

@@ -57,6 +57,7 @@ from quillcache.controlplane.load import (
     load_column,
 )
 from quillcache.controlplane.order import LoadOrders, PlaneRowOrder
+from quillcache.controlplane.pins import PinnedPrefixes
 from quillcache.costmodel import CostModel, CostModelConfig
 from quillcache.errors import ConfigError, QuillCacheError
 from quillcache.index import (
@@ -166,6 +167,11 @@ class WorkerState:
         """Stored - removed, from ingested events (all media, all ranks)."""
         return int(sum(self._fleet.m[r, RESIDENT] for r in self.rows))
 
+    @property
+    def stored_blocks(self) -> int:
+        """Blocks the engine reported stored since it was added (all ranks, all media)."""
+        return int(sum(self._fleet.stored[r] for r in self.rows))
+
     def __repr__(self) -> str:
         return (
             f"WorkerState(worker={self.worker}, in_flight={self.in_flight}, "
@@ -182,13 +188,22 @@ class _FleetColumns:
 
     def __init__(self, rows: int = 64) -> None:
         self.m = np.zeros((rows, len(FLEET_FIELDS)), dtype=np.float64)
+        # blocks each row's engine stored (BlockStored), cumulative: each takes a free
+        # block, the LRU's oldest once the cache is full, so this is how fast its cache
+        # turns over (the retention policy's pressure); not a routing column
+        self.stored = np.zeros(rows, dtype=np.float64)
 
     def add(self, row: int, capacity_blocks: int) -> None:
         if row >= len(self.m):
-            grown = np.zeros((max(row + 1, 2 * len(self.m)), len(FLEET_FIELDS)))
+            size = max(row + 1, 2 * len(self.m))
+            grown = np.zeros((size, len(FLEET_FIELDS)))
             grown[: len(self.m)] = self.m
             self.m = grown
+            stored = np.zeros(size)
+            stored[: len(self.stored)] = self.stored
+            self.stored = stored
         self.m[row] = (capacity_blocks, 0.0, 1.0)
+        self.stored[row] = 0.0
 
 
 @dataclass(slots=True)
@@ -360,6 +375,8 @@ class ControlPlane:
         # and `explain_totals` sums them; off, routing pays nothing for it
         self.explain = explain
         self.explain_totals = ExplainTotals()
+        # pinned prefixes: their holders with room are preferred (`pin`, `pins.py`)
+        self.pinned = PinnedPrefixes()
         self._orders = LoadOrders(self.load)
         self._fleet = _FleetColumns()
         self._workers: dict[int, WorkerState] = {}
@@ -526,6 +543,7 @@ class ControlPlane:
             self.latencies.apply_ns.append(time.perf_counter_ns() - t0)
         fleet = self._fleet.m
         fleet[row, RESIDENT] += stats.blocks_stored - stats.blocks_removed
+        self._fleet.stored[row] += stats.blocks_stored
         if stats.clears:
             fleet[row, RESIDENT] = max(fleet[row, RESIDENT], 0.0)
         self.apply_stats += stats
@@ -664,6 +682,8 @@ class ControlPlane:
         `explain` (None: the plane's `explain`) attaches the decision's `Explanation`
         (`controlplane/explain.py`) and adds it to `explain_totals`; `candidates` lists
         the rows it compared (a sampled log's detail, bounded)."""
+        if len(self.pinned):
+            only = self._pinned_only(request, only)
         view = self.view(request, now_s, only)
         if only is not None and not len(view):
             return Decision.reject("no routable worker among the candidates")
@@ -805,13 +825,49 @@ class ControlPlane:
         with self._index_lock:
             return self.index.match(keys)
 
-    def pin(self, keys: KeyArray) -> None:
+    def pin(self, keys: KeyArray, engine: int | None = None) -> None:
+        """Keep the prefix's index nodes and prefer its holders (its bound `engine`, when
+        given) for requests starting with it (`pins.PinnedPrefixes`), until as many
+        `unpin` calls."""
+        keys = as_key_array(keys)
         with self._index_lock:
             self.index.pin(keys)
+        self.pinned.add(keys, engine)
 
     def unpin(self, keys: KeyArray) -> None:
+        keys = as_key_array(keys)
         with self._index_lock:
             self.index.unpin(keys)
+        self.pinned.remove(keys)
+
+    def holders(self, keys: KeyArray, medium: str = "GPU") -> set[int]:
+        """The workers holding all of `keys` in `medium` (on any dp rank)."""
+        n = len(keys)
+        return {m.worker for m in self.match(keys) if m.medium == medium and m.blocks >= n}
+
+    def queue_wait_s(self, worker: int) -> float:
+        """The worker's estimated queue wait: its queued prefill at the cost model's
+        speed (booked and reported load); infinite for a worker not (or no longer)
+        added."""
+        state = self._workers.get(worker)
+        if state is None:
+            return math.inf
+        return self.cost.queue_time(int(state.queued_prefill_tokens))
+
+    def _pinned_only(
+        self, request: Request, only: AbstractSet[int] | None
+    ) -> AbstractSet[int] | None:
+        """`only` narrowed to the holders with room of a pinned prefix the request starts
+        with (the pin stage, `pins.py`); unchanged when there is none."""
+        prefer = self.pinned.prefer(
+            as_key_array(request.content_keys), self.holders, self.queue_wait_s
+        )
+        if prefer is None:
+            return only
+        narrowed = prefer if only is None else prefer & only
+        states = self._workers
+        routable = frozenset(w for w in narrowed if w in states and not states[w].draining)
+        return routable or only
 
     def index_stats(self) -> IndexStats:
         with self._index_lock:

@@ -2,7 +2,8 @@
 
 Workers: list, add, get, remove, drain. Lookup: which worker holds how much of a prompt.
 Index: stats, event sources, ingest counters and the gateway's own latency samples.
-Pins: pin or unpin the blocks of a prompt.
+Pins: pin or unpin a prompt's prefix (a retention target of the policy engine).
+Reset: an engine's prefix-cache reset, the one eviction engines offer.
 Snapshot: the index image and every source's position, for a joining peer (`bootstrap`).
 Decisions: the last sampled routing decisions, each beside its KV-optimal alternative.
 """
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp
 import numpy as np
 import numpy.typing as npt
 from starlette.requests import Request
@@ -31,9 +33,12 @@ from quillcache.gateway.identify import RequestIdentifier
 from quillcache.gateway.metrics import GatewayMetrics
 from quillcache.gateway.outcomes import DecisionLog, LatencySamples
 from quillcache.gateway.peer_snapshot import SnapshotHeader, SourceEntry, chunks, encode
-from quillcache.gateway.tenancy import TenantPolicy, valid_tenant
+from quillcache.gateway.policy_loop import PolicyEngine, ttl_of
+from quillcache.gateway.tenancy import Identity, TenantPolicy, valid_tenant
 from quillcache.gateway.workers import DiscoveryError, Worker, WorkerPool
 from quillcache.index.native import NativeIndex
+from quillcache.policy.targets import Target, TargetBudgetError, TargetKind
+from quillcache.routing import Request as RouteRequest
 from quillcache.tokenization.request import TokenizationError
 
 log = logging.getLogger(__name__)
@@ -60,6 +65,8 @@ class AdminApi:
         ready: Callable[[], bool] | None = None,
         metrics: GatewayMetrics | None = None,
         decisions: DecisionLog | None = None,
+        policy: PolicyEngine | None = None,
+        upstream: aiohttp.ClientSession | None = None,
     ) -> None:
         self.config = config
         self.decisions = decisions if decisions is not None else DecisionLog()
@@ -73,6 +80,8 @@ class AdminApi:
         self.fleet = fleet  # shared state: the changes below go to the whole fleet
         self.ready = ready  # whether /ready answers 200 (a snapshot is only served then)
         self.metrics = metrics
+        self.policy = policy  # pins become its retention targets
+        self.upstream = upstream  # admin actions on engines (reset)
         # one snapshot at a time (each holds a whole image): busy until this monotonic
         # time, or until its transfer ended (a client gone before the body started
         # never runs the body's cleanup, hence a deadline rather than a flag)
@@ -199,26 +208,147 @@ class AdminApi:
         )
 
     async def pins(self, request: Request) -> Response:
-        keys = await self._keys_of(request)
+        """`POST /admin/pins`: pin a prompt's prefix (a completion or chat body, plus an
+        optional `ttl_s`) for the tenant the tenant header names, within its pin budget:
+        the policy engine keeps it warm on its holders (placing it when none holds it)
+        and routing prefers them while they have room. `DELETE`: unpin it (its owner
+        only). `GET`: the pins and their holders (docs/policy.md)."""
+        policy = self.policy
+        if request.method == "GET":
+            return JSONResponse(
+                {
+                    "pins": [policy.describe(t) for t in policy.store if t.kind is TargetKind.PIN]
+                    if policy is not None
+                    else []
+                }
+            )
+        body = await self._body(request)
         pin = request.method == "POST"
-        if self.fleet is not None:
-            tenant = request.headers.get(self.tenancy.tenant_header, "")
-            if pin:
-                out = await self.fleet.pin(keys, tenant, self.config.state_pin_ttl_s)
-            else:
-                out = await self.fleet.unpin(keys, tenant)
-            if "owner" in out:
+        cfg = self.config.policy
+        try:
+            ttl_s = ttl_of(body.pop("ttl_s", None), cfg.pin_default_ttl_s, cfg.pin_max_ttl_s)
+        except ValueError as exc:
+            raise ApiError(400, f"{exc} (policy.pin_max_ttl_s)", param="ttl_s") from None
+        tenant, identity, model = self._namespace_of(request, body)
+        route_request, tokens = await self._identified(request, body, identity)
+        keys = route_request.content_keys
+        if not len(keys):
+            raise ApiError(
+                400,
+                f"the prompt has no whole block to pin ({len(tokens)} tokens, blocks of "
+                f"{self.plane.block_size})",
+            )
+        target = Target(
+            kind=TargetKind.PIN,
+            tenant=tenant,
+            name=str(int(keys[-1])),
+            keys=keys,
+            token_ids=tokens[: len(keys) * self.plane.block_size],
+            model=model,
+            salt=identity.salt,
+            expires_s=time.monotonic() + ttl_s,
+        )
+        if not pin:
+            return JSONResponse(await self._unpin(target))
+        if policy is not None:  # the budget first: nothing is pinned when it does not fit
+            used = policy.store.tenant_tokens(TargetKind.PIN, tenant)
+            old = policy.store.get(target.id)
+            used -= old.tokens if old is not None else 0
+            if used + target.tokens > policy.store.pin_budget_tokens:
                 raise ApiError(
                     409,
-                    f"the prefix is pinned by another tenant ({out['owner']!r})",
+                    f"tenant {tenant!r} pins {used} tokens; {target.tokens} more exceed its "
+                    f"pin budget of {policy.store.pin_budget_tokens} (policy.pin_budget_tokens)",
                     "ConflictError",
                 )
-            return JSONResponse(out)
-        if pin:
+        out: dict[str, Any] = {"pinned": len(keys), "tokens": target.tokens, "ttl_s": ttl_s}
+        if self.fleet is not None:
+            shared = await self.fleet.pin(keys, tenant, ttl_s)
+            if "owner" in shared:
+                raise ApiError(
+                    409,
+                    f"the prefix is pinned by another tenant ({shared['owner']!r})",
+                    "ConflictError",
+                )
+            out["shared"] = shared["shared"]
+        if policy is not None:
+            try:
+                policy.retain(target)
+            except TargetBudgetError as exc:
+                raise ApiError(409, str(exc), "ConflictError") from None
+            out["holders"] = sorted(self.plane.holders(keys))
+        elif self.fleet is None:
             self.plane.pin(keys)
-        else:
+        return JSONResponse(out)
+
+    async def sessions(self, request: Request) -> Response:
+        """`GET /admin/sessions`: the sessions under retention (from requests' hints),
+        each with its engine, holders and time left."""
+        policy = self.policy
+        listed = (
+            []
+            if policy is None
+            else [policy.describe(t) for t in policy.store if t.kind is TargetKind.SESSION]
+        )
+        return JSONResponse({"sessions": listed})
+
+    async def _unpin(self, target: Target) -> dict[str, Any]:
+        keys = target.keys
+        if self.fleet is not None:
+            shared = await self.fleet.unpin(keys, target.tenant)
+            if "owner" in shared:
+                raise ApiError(
+                    409,
+                    f"the prefix is pinned by another tenant ({shared['owner']!r})",
+                    "ConflictError",
+                )
+            if self.policy is not None:
+                self.policy.release(target.id)
+            return shared
+        if self.policy is None:
             self.plane.unpin(keys)
-        return JSONResponse({"pinned" if pin else "unpinned": len(keys)})
+            return {"unpinned": len(keys)}
+        gone = self.policy.release(target.id)
+        return {"unpinned": len(gone.keys) if gone is not None else 0}
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """`POST /admin/workers/{id}/reset_prefix_cache`: the engine drops its whole
+        prefix cache (every tenant's): vLLM's `POST /reset_prefix_cache` (served with
+        VLLM_SERVER_DEV_MODE=1), else SGLang's `POST /flush_cache`. An admin action only:
+        no policy calls it. The index learns of it from the engine's AllBlocksCleared."""
+        worker = self._worker_call(request, self.pool.get)
+        session = self.upstream
+        if session is None:
+            raise ApiError(503, "no upstream session", "ServiceUnavailableError")
+        timeout = aiohttp.ClientTimeout(total=self.config.policy.timeout_s)
+        tried = []
+        for path in ("/reset_prefix_cache", "/flush_cache"):
+            try:
+                async with session.post(worker.url + path, timeout=timeout) as resp:
+                    text = (await resp.read()).decode("utf-8", "replace")[:300]
+                    status = resp.status
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise ApiError(
+                    502,
+                    f"engine {worker.url} did not answer {path}: {type(exc).__name__}",
+                    "APIConnectionError",
+                ) from None
+            if status in (404, 405):
+                tried.append(path)
+                continue
+            if status != 200:
+                raise ApiError(
+                    409,
+                    f"engine {worker.url} refused {path} ({status}): {text}",
+                    "ConflictError",
+                )
+            return JSONResponse({"worker": worker.id, "reset": path})
+        raise ApiError(
+            409,
+            f"engine {worker.url} offers no prefix-cache reset ({', '.join(tried)} not found; "
+            "vLLM serves /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1)",
+            "ConflictError",
+        )
 
     async def snapshot(self, request: Request) -> Response:
         """`GET /admin/snapshot`: this replica's index image and, per event source, the
@@ -336,6 +466,31 @@ class AdminApi:
             return call(int(request.path_params["worker_id"]))
         except (ValueError, UnknownWorkerError) as exc:
             raise ApiError(404, str(exc), "NotFoundError") from None
+
+    def _namespace_of(self, request: Request, body: dict[str, Any]) -> tuple[str, Identity, str]:
+        """The checked body's tenant (named by the tenant header: the admin token vouches
+        for it, as a trusted proxy would), namespace identity and served model."""
+        validate_completion(body, "messages" in body)
+        tenancy = self.tenancy
+        tenant = request.headers.get(tenancy.tenant_header, "")
+        if tenant and not valid_tenant(tenant):
+            raise ApiError(400, f"the {tenancy.tenant_header} header is not a valid tenant")
+        identity = tenancy.identity(tenant, body.get("cache_salt"))
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            served = sorted(self.pool.models())
+            if len(served) != 1:
+                raise ApiError(400, f"name the 'model' (served: {', '.join(served)})")
+            model = served[0]
+        return tenant, identity, model
+
+    async def _identified(
+        self, request: Request, body: dict[str, Any], identity: Identity
+    ) -> tuple[RouteRequest, list[int]]:
+        try:
+            return await self.identifier.identify_tokens(body, "messages" in body, {}, identity)
+        except (TokenizationError, ValueError, TypeError) as exc:
+            raise ApiError(400, f"cannot tokenize: {exc}") from None
 
     async def _keys_of(self, request: Request) -> npt.NDArray[np.uint64]:
         """The content keys of the completion or chat body of `request`, in the namespace

@@ -32,6 +32,7 @@ from quillcache.connectors.sink import ControlPlaneSink
 from quillcache.controlplane import ControlPlane
 from quillcache.errors import ConfigError, QuillCacheError, UnknownRouterError
 from quillcache.gateway import asgi
+from quillcache.gateway.actuator import Warmer
 from quillcache.gateway.admin import AdminApi
 from quillcache.gateway.bootstrap import (
     Bootstrapper,
@@ -54,12 +55,15 @@ from quillcache.gateway.openai_api import CHAT_COMPLETIONS, COMPLETIONS, OpenAIE
 from quillcache.gateway.outcomes import RequestOutcomes
 from quillcache.gateway.parity import ParityChecker
 from quillcache.gateway.peers import PeerDirectory
+from quillcache.gateway.policy_loop import PolicyEngine
 from quillcache.gateway.readiness import Readiness, readiness
 from quillcache.gateway.secret import load_or_create
 from quillcache.gateway.tenancy import TenantPolicy
 from quillcache.gateway.workers import Worker, WorkerPool
+from quillcache.policy.budget import ActuationBudget
 from quillcache.routing import Router
 from quillcache.routing.registry import create_router, import_router
+from quillcache.tokenization.multimodal import MultimodalPrompts
 from quillcache.tokenization.request import RequestTokenizer
 
 log = logging.getLogger(__name__)
@@ -111,6 +115,7 @@ class Gateway:
         self.admin: AdminApi
         self.ingest: IngestEndpoint
         self.parity: ParityChecker
+        self.policy: PolicyEngine
         self._tasks: list[asyncio.Task[Any]] = []
         # `state: redis://...`: this replica's link to the fleet's shared state
         self.fleet: FleetLink | None = None
@@ -221,6 +226,7 @@ class Gateway:
         self.tokenizer = RequestTokenizer(cfg.tokenizer, self.upstream)
         self._build_parts()
         self.metrics.add_collector(self._collect)
+        self.metrics.add_collector(self.policy.collect)
         if fleet is not None:
             self.openai.shared = self.outcomes.shared = routing
             self.metrics.add_collector(fleet.collect)
@@ -230,6 +236,7 @@ class Gateway:
         self._tasks = [
             asyncio.create_task(self._every(cfg.health_interval_s, self.pool.check_health)),
             asyncio.create_task(self._every(cfg.scrape_interval_s, self.pool.scrape)),
+            asyncio.create_task(self._every(cfg.policy.interval_s, self.policy.tick)),
         ]
         for w in list(self.pool.workers.values()):
             self.start_parity_check(w)
@@ -260,6 +267,8 @@ class Gateway:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        if hasattr(self, "policy"):
+            await self.policy.close()
         if hasattr(self, "pool"):
             self.pool.close()
         if hasattr(self, "ingestor"):
@@ -307,6 +316,7 @@ class Gateway:
             tokenizer_id=cfg.tokenizer_id,
             session_header=cfg.session_header,
             on_tokenize_retry=lambda worker_id: self.outcomes.tokenize_retry(worker_id),
+            multimodal=MultimodalPrompts(cfg.multimodal),
         )
         self.outcomes = RequestOutcomes(
             plane=cp,
@@ -315,6 +325,25 @@ class Gateway:
             metrics=self.metrics,
             router_name=self.router_name,
         )
+        policy = cfg.policy
+        self.policy = PolicyEngine(
+            policy,
+            plane=cp,
+            pool=pool,
+            warmer=Warmer(
+                self.upstream,
+                ActuationBudget(
+                    engine_rate=policy.engine_tokens_per_s,
+                    tenant_rate=policy.tenant_tokens_per_s,
+                    burst_s=policy.budget_burst_s,
+                ),
+                block_size=cp.block_size,
+                timeout_s=policy.timeout_s,
+                max_concurrent=policy.max_concurrent,
+            ),
+            pins_in_plane=self.fleet is None,
+        )
+        cp.pinned.max_wait_s = policy.holder_max_wait_s
         self.openai = OpenAIEndpoints(
             config=cfg,
             plane=cp,
@@ -324,6 +353,7 @@ class Gateway:
             outcomes=self.outcomes,
             upstream=self.upstream,
             peer_of=self.peer_of,
+            policy=self.policy,
         )
         self.parity = ParityChecker(
             identifier=self.identifier,
@@ -345,6 +375,8 @@ class Gateway:
             ready=lambda: self.readiness().ready,
             metrics=self.metrics,
             decisions=self.outcomes.decisions,
+            policy=self.policy,
+            upstream=self.upstream,
         )
         self.ingest = IngestEndpoint(
             ingestor=self.ingestor,
@@ -459,7 +491,13 @@ class Gateway:
             Route("/admin/workers/{worker_id}/drain", admin("drain"), methods=["POST"]),
             Route("/admin/lookup", admin("lookup"), methods=["POST"]),
             Route("/admin/index", admin("index"), methods=["GET"]),
-            Route("/admin/pins", admin("pins"), methods=["POST", "DELETE"]),
+            Route("/admin/pins", admin("pins"), methods=["GET", "POST", "DELETE"]),
+            Route("/admin/sessions", admin("sessions"), methods=["GET"]),
+            Route(
+                "/admin/workers/{worker_id}/reset_prefix_cache",
+                admin("reset_prefix_cache"),
+                methods=["POST"],
+            ),
             Route("/admin/snapshot", admin("snapshot"), methods=["GET"]),
             Route("/admin/decisions", admin("decisions_log"), methods=["GET"]),
             Route("/ingest/kv_events", admin_only(ingest), methods=["POST"]),

@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from quillcache.errors import ConfigError
+from quillcache.tokenization.multimodal import MultimodalConfig
 
 
 class WorkerConfig(BaseModel):
@@ -95,6 +96,67 @@ class ApiKeyConfig(BaseModel):
         return hashlib.sha256(self.key.encode()).hexdigest()
 
 
+class PolicyConfig(BaseModel):
+    """The policy engine (docs/policy.md): pins, session retention, and the budget of
+    the warm requests it sends engines."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    interval_s: float = Field(default=1.0, gt=0, le=60, description="how often it decides")
+    pin_default_ttl_s: float = Field(
+        default=86400.0, gt=0, description="a pin's TTL when the request names none"
+    )
+    pin_max_ttl_s: float = Field(
+        default=30 * 86400.0, gt=0, description="the longest TTL a pin may ask for; above: a 400"
+    )
+    pin_budget_tokens: int = Field(
+        default=65536, ge=0, description="tokens each tenant may keep pinned; beyond: a 409"
+    )
+    session_max_ttl_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="the longest retention a session hint may ask for; above: a 400",
+    )
+    retention_max_tokens: int = Field(
+        default=4 << 20,
+        ge=0,
+        description="the prompt tokens kept for pins and sessions under retention, in all",
+    )
+    engine_tokens_per_s: float = Field(
+        default=4096.0,
+        ge=0,
+        description="prefill tokens a second its warm requests may cost one engine",
+    )
+    tenant_tokens_per_s: float = Field(
+        default=2048.0,
+        ge=0,
+        description="prefill tokens a second its warm requests may spend for one tenant",
+    )
+    budget_burst_s: float = Field(
+        default=8.0, gt=0, description="the buckets hold this many seconds of their rate"
+    )
+    holder_max_wait_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="a pinned prefix's holder is preferred while its estimated queue wait "
+        "is at most this",
+    )
+    touch_min_interval_s: float = Field(
+        default=2.0, gt=0, description="the most often one holder of a target is touched"
+    )
+    touch_max_interval_s: float = Field(
+        default=120.0, gt=0, description="a holder under no eviction pressure: this often"
+    )
+    touch_safety: float = Field(
+        default=0.25,
+        gt=0,
+        le=1,
+        description="touch within this share of the time the holder's LRU takes to turn over",
+    )
+    timeout_s: float = Field(default=30.0, gt=0, description="one warm request at most")
+    max_concurrent: int = Field(default=8, ge=1, description="warm requests in flight at most")
+
+
 class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -111,6 +173,11 @@ class GatewayConfig(BaseModel):
         description="'engine' (its /tokenize), 'builtin' (engine-sim's), or a tokenizer.json",
     )
     tokenizer_id: str = Field(default="", description="tokenizer identity in the namespace")
+    multimodal: MultimodalConfig = Field(
+        default_factory=MultimodalConfig,
+        description="chat images: their keys, and which image URLs may be fetched "
+        "(docs/gateway.md, Multimodal prompts)",
+    )
     tenant_header: str = "x-tenant-id"
     session_header: str = "x-session-id"
     admin_token: str | None = None
@@ -207,9 +274,6 @@ class GatewayConfig(BaseModel):
         description="how many requests more than it saw a candidate holding the whole prefix "
         "may take before a booking moves on (quillcache/state/shortlist.py)",
     )
-    state_pin_ttl_s: float = Field(
-        default=30 * 86400.0, gt=0, description="how long a pin made through the admin API lasts"
-    )
     bootstrap_from: list[str] = Field(
         default_factory=list,
         description="peer replicas' base URLs (tried in order) whose index snapshot this "
@@ -254,6 +318,8 @@ class GatewayConfig(BaseModel):
         allow_inf_nan=False,
         description="the largest SLO hint accepted, in milliseconds; above it: a 400",
     )
+
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
 
     slo_admission: Literal["reject", "queue"] = Field(
         default="reject",

@@ -35,6 +35,8 @@ from quillcache.gateway.httpio import (
 )
 from quillcache.gateway.identify import RequestIdentifier
 from quillcache.gateway.outcomes import RequestOutcomes
+from quillcache.gateway.policy_loop import PolicyEngine
+from quillcache.gateway.session_hints import SessionHint, read_session_hint
 from quillcache.gateway.shared_routing import SharedRouting
 from quillcache.gateway.slo import EXTENSION, SloPolicy, SloRejected, read_hints, read_priority
 from quillcache.gateway.slo_queue import SloQueue
@@ -77,6 +79,11 @@ class Prepared:
     candidates: frozenset[int] | None  # engines serving its model; None = any
     routing_started: float  # perf_counter() when tokenizing began
     priority: int = 0  # its place in the SLO queue (`slo_admission: queue`), lower first
+    # a session retention hint (`session_hints`), with the prompt's tokens it retains
+    retention: SessionHint | None = None
+    tokens: list[int] | None = None
+    model: str = ""
+    identity: Identity | None = None
     # the request's own SLO as prepared: the SLO queue narrows `route_request.slo` while
     # it waits, and a retry elsewhere starts again from this
     own_slo: SLO | None = field(init=False, default=None)
@@ -112,6 +119,7 @@ class OpenAIEndpoints:
         outcomes: RequestOutcomes,
         upstream: aiohttp.ClientSession,
         peer_of: Callable[[Request], str | None],
+        policy: PolicyEngine | None = None,
     ) -> None:
         self.config = config
         self.plane = plane
@@ -121,6 +129,7 @@ class OpenAIEndpoints:
         self.outcomes = outcomes
         self.upstream = upstream
         self.peer_of = peer_of
+        self.policy = policy  # takes session retention hints
         # `--state redis`: every decision is booked in the fleet's shared state (None: local)
         self.shared: SharedRouting | None = None
         # clients' SLO hints against the default SLO of the plane's router (gateway/slo.py)
@@ -178,16 +187,23 @@ class OpenAIEndpoints:
         """Check the body (`tenant` authenticated already), then tokenize and hash it for
         routing. Shared by both data paths (this ASGI app's and the native relay's)."""
         size = len(raw)
-        body, raw, candidates, identity, slo = self._checked(headers, raw, chat, tenant)
+        body, raw, candidates, identity, slo, retention = self._checked(headers, raw, chat, tenant)
         check_prompt_bytes(body, chat, size, self.config.max_prompt_bytes)
         routing_started = time.perf_counter()  # tokenize + hash + route, for /admin/index
+        tokens: list[int] | None = None
         with _tokenize_errors():
-            route_request, prompt_tokens = await self.identifier.identify(
-                body, chat, headers, identity, candidates
-            )
+            if retention is None:
+                route_request, prompt_tokens = await self.identifier.identify(
+                    body, chat, headers, identity, candidates
+                )
+            else:  # the policy engine keeps the tokens of what it retains
+                route_request, tokens = await self.identifier.identify_tokens(
+                    body, chat, headers, identity, candidates
+                )
+                prompt_tokens = len(tokens)
         check_context(prompt_tokens, self.pool.context_limit(candidates))
         route_request.slo = slo
-        return Prepared(
+        prepared = Prepared(
             raw,
             route_request,
             prompt_tokens,
@@ -195,6 +211,10 @@ class OpenAIEndpoints:
             routing_started,
             self._priority(body, tenant),
         )
+        if retention is not None:
+            prepared.retention, prepared.tokens = retention, tokens
+            prepared.model, prepared.identity = str(body.get("model") or ""), identity
+        return prepared
 
     def prepare_now(
         self, headers: Mapping[str, str], raw: bytes, chat: bool, tenant: str
@@ -204,7 +224,9 @@ class OpenAIEndpoints:
         if not self.identifier.tokenizes_locally:
             return None
         size = len(raw)
-        body, raw, candidates, identity, slo = self._checked(headers, raw, chat, tenant)
+        body, raw, candidates, identity, slo, retention = self._checked(headers, raw, chat, tenant)
+        if retention is not None:
+            return None  # `prepare` keeps the tokens a retention hint needs
         check_prompt_bytes(body, chat, size, self.config.max_prompt_bytes)
         routing_started = time.perf_counter()
         with _tokenize_errors():
@@ -223,13 +245,19 @@ class OpenAIEndpoints:
 
     def _checked(
         self, headers: Mapping[str, str], raw: bytes, chat: bool, tenant: str
-    ) -> tuple[dict[str, Any], bytes, frozenset[int] | None, Identity, SLO | None]:
+    ) -> tuple[
+        dict[str, Any], bytes, frozenset[int] | None, Identity, SLO | None, SessionHint | None
+    ]:
         """The body as an object, its raw form to forward (with the derived salt, without
-        the SLO extension), the engines serving it, its namespace identity and its own
-        SLO (`Request.slo`: the client's hints as `slo_hints` lets them count)."""
+        the gateway's extensions), the engines serving it, its namespace identity, its
+        own SLO (`Request.slo`: the client's hints as `slo_hints` lets them count) and
+        its session retention hint."""
         body = parse_object(raw)
         validate_completion(body, chat)
-        extended = EXTENSION in body
+        extended = EXTENSION in body or "nvext" in body
+        retention = read_session_hint(
+            headers, body, self.config.session_header, self.config.policy.session_max_ttl_s
+        )
         slo = self.slo.apply(read_hints(headers, body, self.slo.max_ms), tenant)
         identity = self.tenancy.identity(tenant, body.get("cache_salt"))
         model = body.get("model")
@@ -252,7 +280,7 @@ class OpenAIEndpoints:
             raw = json.dumps(body).encode()
         elif extended:  # the gateway's own field, not the engine's
             raw = json.dumps(body).encode()
-        return body, raw, candidates, identity, slo
+        return body, raw, candidates, identity, slo, retention
 
     async def _proxy(self, request: Request, path: str, *, chat: bool) -> Response:
         started = time.perf_counter()
@@ -389,6 +417,7 @@ class OpenAIEndpoints:
             explanation=decision.explanation,
         )
         dp_rank = decision.dp_rank if decision.dp_rank is not None else 0
+        self._retain(prepared, worker)
         return worker, dp_rank, self.first_byte_limit(route_request, cached_tokens)
 
     def slo_refused(self, rid: int | str, refused: SloRejected, routed_s: float) -> None:
@@ -461,7 +490,25 @@ class OpenAIEndpoints:
             worker, dp_rank = self.pool.get(booked.worker), booked.rank
             # its prefix is being computed there, not on the router's choice
             self.plane.move(prepared.route_request.request_id, worker.id, dp_rank)
+            self._retain(prepared, worker)  # the session is bound where it really went
         return worker, dp_rank, first_byte_s
+
+    def _retain(self, prepared: Prepared, worker: Worker) -> None:
+        """A session hint: the policy engine keeps this prompt warm on `worker` and
+        routes the session's next turn there (`policy_loop.PolicyEngine.session_turn`)."""
+        hint, policy = prepared.retention, self.policy
+        if hint is None or policy is None or prepared.tokens is None:
+            return
+        assert prepared.identity is not None
+        policy.session_turn(
+            hint,
+            tenant=prepared.identity.tenant,
+            salt=prepared.identity.salt,
+            model=prepared.model,
+            keys=prepared.route_request.content_keys,
+            tokens=prepared.tokens,
+            engine=worker.id,
+        )
 
     def first_byte_limit(self, route_request: RouteRequest, cached_tokens: int) -> float:
         """How long an engine may take before its first byte without counting as hung:

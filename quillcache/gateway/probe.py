@@ -303,11 +303,13 @@ _SAMPLE = re.compile(
 )
 _RANK = re.compile(rb"[{,][ \t]*" + RANK_LABEL.encode() + rb'="(\d+)"')
 _BLOCK_SIZE = re.compile(rb'^vllm:cache_config_info\{[^\n]*?\bblock_size="(\d+)"', re.M)
+_GPU_BLOCKS = re.compile(rb'^vllm:cache_config_info\{[^\n]*?\bnum_gpu_blocks="(\d+)"', re.M)
 
 
 def parse_metrics_fast(text: bytes) -> EngineLoad:
     """`parse_engine_metrics` without the Prometheus parser: the same numbers (sum over
-    label sets, the mean for KV usage, the block size from `vllm:cache_config_info`),
+    label sets, the mean for KV usage, the block size and KV blocks from
+    `vllm:cache_config_info`),
     read with one regular-expression scan of the page; `ValueError` for a value that is
     not a number (as the parser raises)."""
     load = EngineLoad()
@@ -332,4 +334,7 @@ def parse_metrics_fast(text: bytes) -> EngineLoad:
     bs = _BLOCK_SIZE.search(text)
     if bs is not None:
         load.block_size = int(bs.group(1))
+    blocks = _GPU_BLOCKS.search(text)
+    if blocks is not None and int(blocks.group(1)) > 0:
+        load.num_gpu_blocks = int(blocks.group(1))
     return load

@@ -303,7 +303,13 @@ class WorkerPool:
         w.id = self._next_id
         self._next_id += 1
         ranks = max(len(w.sources), w.config.dp_ranks, 1)
-        self.cp.add_worker(w.id, dp_ranks=ranks, model=w.base_model, tokenizer=self.tokenizer_id)
+        self.cp.add_worker(
+            w.id,
+            capacity_blocks=w.load.num_gpu_blocks,  # None: the cost model's GPU
+            dp_ranks=ranks,
+            model=w.base_model,
+            tokenizer=self.tokenizer_id,
+        )
         self.workers[w.id] = w
         try:
             self._probes[w.id] = EngineProbe(w.url)

@@ -389,7 +389,7 @@ def test_admin_adds_drains_and_removes_workers(stack: Stack) -> None:
     models = http_get(gw.url + "/v1/models").json()["data"]
     assert [m["id"] for m in models] == ["sim-model"]
     pinned = admin.post("/admin/pins", json={"prompt": "x" * 64})
-    assert pinned.json() == {"pinned": 4}
+    assert pinned.json()["pinned"] == 4
     assert admin.request("DELETE", "/admin/pins", json={"prompt": "x" * 64}).json() == {
         "unpinned": 4
     }
