@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -184,8 +185,9 @@ def test_the_script_weighs_engines_outside_the_shortlist_as_choose_does(
     run(_check(redis_server.url, shortlist, outside, weights, world, with_session))
 
 
+@pytest.mark.parametrize("fast_path", [True, False], ids=["resp", "redis-py"])
 def test_a_bound_engine_and_a_prefix_being_computed_outside_the_shortlist(
-    redis_server: RedisServer,
+    redis_server: RedisServer, fast_path: bool
 ) -> None:
     """Replica `a` bound two sessions to engine 7 and is computing a 16-block prefix on
     engine 8; replica `b`'s router listed neither. Without outside terms (the rule
@@ -197,7 +199,7 @@ def test_a_bound_engine_and_a_prefix_being_computed_outside_the_shortlist(
     async def main() -> None:
         prefix = fleet()
         a = RedisFleetState(redis_server.url, prefix=prefix, budget_s=1.0)
-        b = RedisFleetState(redis_server.url, prefix=prefix, budget_s=1.0)
+        b = RedisFleetState(redis_server.url, prefix=prefix, budget_s=1.0, fast_path=fast_path)
         await a.start(background=False)
         await b.start(background=False)
         e1, e2, bound, computing = EngineKey(1), EngineKey(2), EngineKey(7), EngineKey(8)
