@@ -112,6 +112,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "X-data-parallel-rank) or 'engine' (vLLM's own DP load balancer)",
     )
 
+    pol = p.add_argument_group("policies (docs/simulator.md, 'Policies')")
+    pol.add_argument(
+        "--replicate",
+        action="store_true",
+        help="hot-prefix replication: copy a hot prefix onto an idle engine when its "
+        "holders are overloaded (full timing)",
+    )
+    pol.add_argument(
+        "--replicate-opt",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a replication knob, e.g. high_wait_s=1 (implies --replicate)",
+    )
+
     rp = p.add_argument_group("gateway replicas (docs/simulator.md, 'Several replicas')")
     rp.add_argument(
         "--replicas",
@@ -265,6 +280,7 @@ def _run_point(point: Point) -> dict[str, Any]:
         speculative=s["speculative"],
         dp_ranks=s["dp_ranks"],
         dp_placement=s["dp_placement"],
+        replicate=s["replicate"],
     )
     res = run(
         s["workload"],
@@ -391,10 +407,18 @@ def _run(args: argparse.Namespace, err: Any) -> int:
     else:
         capacities = [0]  # from the cost model
     replicas_list, states, lb, scrape_s = _replica_options(args)
+    replicate = None
+    if args.replicate or args.replicate_opt:
+        from quillcache.sim.replicate import ReplicateSettings
+
+        replicate = ReplicateSettings.parse(_kv(args.replicate_opt, "--replicate-opt"))
+        if args.timing != "full":
+            raise ConfigError("--replicate needs --timing full (replication acts on queues)")
     check_dp(args.dp_ranks, args.dp_placement)
     if args.dp_ranks > 1 and replicas_list != [0]:
         raise ConfigError("--dp-ranks > 1 is simulated behind one gateway only (no --replicas)")
     _SHARED.update(
+        replicate=replicate,
         dp_ranks=args.dp_ranks,
         dp_placement=args.dp_placement,
         lb=lb,
@@ -425,6 +449,8 @@ def _run(args: argparse.Namespace, err: Any) -> int:
         "seed": args.seed,
         "cost_model": config.model_dump(),
     }
+    if replicate is not None:
+        meta["replicate"] = replicate.as_dict()
     if args.dp_ranks > 1:
         meta["dp"] = {"ranks": args.dp_ranks, "placement": args.dp_placement}
     if replicas_list != [0]:

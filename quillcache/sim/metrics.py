@@ -58,6 +58,8 @@ class RunResult:
     sweep: dict[str, Any] = field(default_factory=dict)
     kv_gib_per_engine: float = 0.0  # the capacity's KV memory (cost model's bytes/token)
     kv_exceeds_gpu: bool = False  # more than the cost model's GPU holds beside the weights
+    # what a policy spent (`quillcache.sim.replicate.Replicator.stats`); empty: none ran
+    policy: dict[str, Any] = field(default_factory=dict)
 
     def summary(self, *, perf: bool = False) -> dict[str, Any]:
         """Deterministic metrics (same inputs and seed, same values); wall-clock ones
@@ -95,6 +97,13 @@ class RunResult:
             "events_applied": self.events_applied,
             **_regret(served),
         }
+        if self.policy:
+            computed = out["prefill_tokens_computed"]
+            spent = self.policy.get("replication_prefill_tokens", 0)
+            out.update(
+                self.policy,
+                replication_prefill_pct=_r(100.0 * spent / computed if computed else 0.0, 3),
+            )
         if self.timing == "full":
             ttft = np.array([r.first_token_s - r.arrival_s for r in served])
             e2e = np.array([r.finish_s - r.arrival_s for r in served])

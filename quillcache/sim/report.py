@@ -17,6 +17,7 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
     full = meta["timing"] == "full"
     sweep_cap = any("capacity_point" in r for r in results)
     replicas = any("replicas" in r for r in results)
+    replicate = any("replications" in r for r in results)
     t = Table(
         title=f"{meta['workload']}: {meta['requests']} requests, "
         f"block size {meta['block_size']}, timing {meta['timing']}",
@@ -35,6 +36,8 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
     if replicas:
         cols += ["replicas", "state", "precision"]
     cols += ["KV GiB", "block hit", "token hit", "prefill tok", "KV-opt", "regret/req"]
+    if replicate:
+        cols += ["copies", "copy tok", "copy tok %"]
     if full:
         cols += ["TTFT mean", "p50", "p99", "E2E mean", "req/s"]
     cols += ["rejected", "share CV", "match µs", "wall s"]
@@ -60,6 +63,12 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
             _f(_pct(r.get("kv_optimal_share")), ".1f") + "%",
             _f(r.get("regret_tokens_per_request"), ",.1f"),
         ]
+        if replicate:
+            row += [
+                str(r.get("replications", "")),
+                f"{r.get('replication_prefill_tokens', 0):,}",
+                _f(r.get("replication_prefill_pct"), ".2f") + "%",
+            ]
         if full:
             row += [
                 _f(r["ttft_mean_s"], ".3f"),

@@ -40,6 +40,7 @@ from quillcache.sim.workload import Workload
 
 if TYPE_CHECKING:
     from quillcache.sim.replicas import ReplicaConfig
+    from quillcache.sim.replicate import ReplicateSettings, Replicator
 
 Timing = Literal["full", "none"]
 Progress = Callable[[int], None]
@@ -88,10 +89,18 @@ class SimConfig:
     # places a request on a rank: the gateway's decision or the engine's own balancer
     dp_ranks: int = 1
     dp_placement: Placement = "gateway"
+    # hot-prefix replication (`quillcache.sim.replicate`); None: off
+    replicate: ReplicateSettings | None = None
 
     def check(self) -> None:
         if self.workers <= 0:
             raise ConfigError(f"workers must be positive, got {self.workers}")
+        if self.replicate is not None:
+            if self.timing != "full":
+                raise ConfigError("replication is simulated with full timing only (no queues)")
+            if self.dp_ranks != 1:
+                raise ConfigError("replication is simulated with one rank per worker only")
+            self.replicate.check()
         check_dp(self.dp_ranks, self.dp_placement)
         for what, table in (("slow worker", self.slow_workers), ("joining worker", self.join_at_s)):
             for w in table:
@@ -203,8 +212,15 @@ def run(
     if config.dp_ranks > 1 and fleet is not None:
         raise ConfigError("data-parallel ranks are simulated behind one gateway only")
     ranks = _Ranks(cp, config)
+    joined: set[int] = set()  # the workers registered so far (replication targets)
+    replicator = None
+    if config.replicate is not None:
+        from quillcache.sim.replicate import Replicator
+
+        replicator = Replicator(config.replicate, engines)
 
     def join(w: int, now: float) -> None:
+        joined.add(w)
         if config.dp_ranks == 1:
             add_worker(w, capacity_blocks=capacity, model=workload.model)
         else:
@@ -229,7 +245,7 @@ def run(
         if config.timing == "none":
             records = _order_only(workload, cp, ranks, engines, config, progress, joins)
         elif config.timing == "full":
-            records = _timed(workload, cp, ranks, engines, progress, joins)
+            records = _timed(workload, cp, ranks, engines, progress, joins, replicator, joined)
         else:
             raise ConfigError(f"timing must be 'full' or 'none', got {config.timing!r}")
         wall = time.perf_counter() - t0
@@ -260,6 +276,7 @@ def run(
         sweep=sweep,
         kv_gib_per_engine=cost.kv_gib(capacity, bs),
         kv_exceeds_gpu=cost.kv_memory_warning(capacity, bs) is not None,
+        policy=replicator.stats() if replicator is not None else {},
     )
 
 
@@ -429,6 +446,8 @@ def _timed(
     engines: list[EngineModel],
     progress: Progress | None,
     joins: _Joins,
+    replicator: Replicator | None = None,
+    joined: set[int] | None = None,
 ) -> list[Record]:
     records: dict[int, Record] = {}
     order: list[Record] = []
@@ -466,9 +485,12 @@ def _timed(
         if payload:
             ranks.ingest(w, payload)
         for run, _ in st.chunks:
-            if run.first_token_s >= 0:
+            if run.first_token_s >= 0 and run.req.rid in records:
                 cp.prefill_done(run.req.rid)
         for run in finished:
+            if replicator is not None and replicator.is_replica(run.req.rid):
+                replicator.finished(run)  # not a workload request: no record, no route
+                continue
             rec = records[run.req.rid]
             rec.hit_blocks = run.hit_blocks
             rec.first_token_s = run.first_token_s
@@ -479,6 +501,25 @@ def _timed(
             cp.finish(run.req.rid)
             arrivals.finished(run.req.rid, rec.finish_s, end)
         start_step(w, end)
+
+    def queued(w: int, now: float) -> None:
+        """Engine `w` got a request at `now`: report its load; start it, or cut its
+        macro decode step at the step boundary after `now` so the request joins the
+        next step."""
+        nonlocal seq
+        eng = engines[w]
+        ranks.report(w, **eng.load())
+        st = steps[w]
+        if st is None:
+            start_step(w, now)
+        elif st.steps > 1:
+            done = min(max(math.ceil((now - st.start_s) / st.step_s), 1), st.steps)
+            if done < st.steps:
+                st.steps = done
+                versions[w] += 1
+                st.version = versions[w]
+                seq += 1
+                heapq.heappush(heap, (st.start_s + st.step_s * done, seq, w, versions[w]))
 
     arrivals = Arrivals(workload.requests)
     i = 0
@@ -499,12 +540,18 @@ def _timed(
         records[r.rid] = rec
         order.append(rec)
         joins.due(now)
+        if replicator is not None and joined is not None and replicator.due(now):
+            for target, rreq in replicator.tick(now, cp.index, joined):
+                engines[target].enqueue(rreq)
+                queued(target, now)
         decision = cp.route(_request(r), now)
         worker = decision.worker
         if worker is None:
             rec.rejected = decision.reason or "rejected"
             arrivals.finished(r.rid, now, now)
             continue
+        if replicator is not None:
+            replicator.observe(r, now)
         w = ranks.slot(decision, _vllm_load(engines))  # the engine slot from here on
         eng = engines[w]
         if not eng.fits_ever(r):
@@ -515,20 +562,7 @@ def _timed(
         rec.worker = worker
         _explained(rec, decision)
         eng.enqueue(r, _peer_end(decision))
-        ranks.report(w, **eng.load())
-        st = steps[w]
-        if st is None:
-            start_step(w, now)
-        elif st.steps > 1:
-            # A macro decode step is cut at the step boundary after `now`, so the new
-            # request joins the next step.
-            done = min(max(math.ceil((now - st.start_s) / st.step_s), 1), st.steps)
-            if done < st.steps:
-                st.steps = done
-                versions[w] += 1
-                st.version = versions[w]
-                seq += 1
-                heapq.heappush(heap, (st.start_s + st.step_s * done, seq, w, versions[w]))
+        queued(w, now)
         if progress is not None and i % 256 == 0:
             progress(i)
     return order
