@@ -111,6 +111,8 @@ class Cell:
     time_scale: float = 1.0  # arrival times multiplied by this (0.5: twice the load)
     slow_workers: tuple[tuple[int, float], ...] = ()
     join_at_s: tuple[tuple[int, float], ...] = ()
+    # hot-prefix replication's knobs (`quillcache.sim.replicate`); None: off
+    replicate: tuple[tuple[str, Any], ...] | None = None
 
     def key(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -124,6 +126,8 @@ class Cell:
             out["slow_workers"] = {str(w): f for w, f in self.slow_workers}
         if self.join_at_s:
             out["join_at_s"] = {str(w): t for w, t in self.join_at_s}
+        if self.replicate is not None:
+            out["replicate"] = dict(self.replicate)
         return out
 
 
@@ -478,7 +482,16 @@ def _cell(
         src,
         f"{path}.",
         t,
-        {"name", "workload", "setup", "engines", "time_scale", "slow_workers", "join_at_s"},
+        {
+            "name",
+            "workload",
+            "setup",
+            "engines",
+            "time_scale",
+            "slow_workers",
+            "join_at_s",
+            "replicate",
+        },
     )
     for k in ("name", "workload", "setup", "engines"):
         if k not in t:
@@ -500,7 +513,17 @@ def _cell(
     join = _worker_table(src, f"{path}.join_at_s", t.get("join_at_s", {}), engines, "time")
     if len(join) >= engines:
         raise src.error(f"{path}.join_at_s", "at least one engine must be there from the start")
-    return Cell(t["name"], t["workload"], t["setup"], engines, scale, slow, join)
+    replicate = None
+    if "replicate" in t:
+        from quillcache.sim.replicate import ReplicateSettings
+
+        opts = _table(src, f"{path}.replicate", t["replicate"])
+        try:
+            ReplicateSettings.parse(opts)
+        except ConfigError as exc:
+            raise src.error(f"{path}.replicate", str(exc)) from None
+        replicate = tuple(sorted(opts.items()))
+    return Cell(t["name"], t["workload"], t["setup"], engines, scale, slow, join, replicate)
 
 
 def trace_dirs(base_dir: Path | None) -> list[Path]:
@@ -595,6 +618,8 @@ _KEPT = (
     "kv_optimal_share",
     "regret_tokens_per_request",
 )
+#: Kept when the cell runs a policy (`Cell.replicate`).
+_KEPT_POLICY = ("replications", "replication_prefill_tokens", "replication_prefill_pct")
 
 
 def run_task(task: Task) -> tuple[dict[str, Any], float]:
@@ -608,17 +633,24 @@ def run_task(task: Task) -> tuple[dict[str, Any], float]:
         wl, cost = _workload_for(cell, seed)
     except QuillCacheError as exc:
         raise ConfigError(f"cell {cell.name!r}, seed {seed}: {exc}") from None
+    replicate = None
+    if cell.replicate is not None:
+        from quillcache.sim.replicate import ReplicateSettings
+
+        replicate = ReplicateSettings.parse(dict(cell.replicate))
     config = SimConfig(
         workers=cell.engines,
         seed=seed,
         slow_workers=dict(cell.slow_workers),
         join_at_s=dict(cell.join_at_s),
+        replicate=replicate,
     )
     try:
         summary = run(wl, router, "native", config, cost).summary()
     except QuillCacheError as exc:  # said with the run it belongs to, in any process
         raise ConfigError(f"cell {cell.name!r}, seed {seed}, router {router}: {exc}") from None
     kept = {"router": router, "seed": seed, **{k: summary[k] for k in _KEPT}}
+    kept.update({k: summary[k] for k in _KEPT_POLICY if k in summary})
     return kept, time.process_time() - cpu0
 
 
@@ -724,6 +756,11 @@ def summarize(grid: Grid, runs: list[dict[str, Any]]) -> dict[str, Any]:
             row["regret_tokens_per_request"] = _r(
                 _mean([r["regret_tokens_per_request"] for r in mine]), 2
             )
+            if cell.replicate is not None:  # the policy's cost beside its benefit
+                row["replications"] = sum(r["replications"] for r in mine)
+                row["replication_prefill_pct"] = _r(
+                    _mean([r["replication_prefill_pct"] for r in mine]), 3
+                )
             routers[router] = row
         cells.append(
             {

@@ -100,3 +100,48 @@ def test_cli_reports_the_cost() -> None:
         [*args, "--replicate", "--timing", "none"], capture_output=True, text=True, timeout=240
     )
     assert none.returncode == 2 and "--timing full" in none.stderr
+
+
+GRID = """\
+routers = ["quillcache"]
+seeds = 1
+
+[workloads.small]
+generator = "shared-prefix"
+requests = 120
+prefix_groups = 1
+shared_prefix_blocks = 32
+
+[[cells]]
+name = "plain"
+workload = "small"
+setup = "llama-8b-a100"
+engines = 2
+
+[[cells]]
+name = "replicated"
+workload = "small"
+setup = "llama-8b-a100"
+engines = 2
+replicate = { high_wait_s = 0.05, low_wait_s = 0.01, min_rate = 1 }
+"""
+
+
+def test_a_grid_cell_runs_the_policy() -> None:
+    from quillcache.sim import matrix
+
+    grid = matrix.parse_grid(GRID)
+    plain, replicated = grid.cells
+    assert plain.replicate is None
+    assert replicated.key()["replicate"] == {"high_wait_s": 0.05, "low_wait_s": 0.01, "min_rate": 1}
+    matrix._STATE["grid"] = grid
+    kept_plain, _ = matrix.run_task((0, 0, "quillcache"))
+    kept, _ = matrix.run_task((1, 0, "quillcache"))
+    assert "replications" not in kept_plain
+    assert isinstance(kept["replications"], int)
+    assert isinstance(kept["replication_prefill_pct"], float)
+    summary = matrix.summarize(grid, [kept_plain, kept])
+    assert "replications" in summary["cells"][1]["routers"]["quillcache"]
+    bad = GRID.replace("min_rate = 1", "nope = 1")
+    with pytest.raises(ConfigError, match=r"cells\[1\].replicate.*'nope' unknown"):
+        matrix.parse_grid(bad)
