@@ -59,10 +59,13 @@ class Replicate:
 class ReplicationConfig:
     """The policy's knobs (module docstring)."""
 
-    high_wait_s: float = 2.0  # every holder waits longer: the prefix is overloaded
-    low_wait_s: float = 0.5  # an engine waiting less is idle; a holder waiting less ends it
-    cooldown_s: float = 10.0  # at most one replica of a prefix this often
-    max_replicas: int = 2  # extra replicas of one prefix at a time
+    # Defaults as the simulator's (docs/simulator.md, "Policies"): low marks, since a
+    # queued-prefill wait understates holders whose hits keep prefill short while
+    # their decode slots fill.
+    high_wait_s: float = 0.1  # every holder waits longer: the prefix is overloaded
+    low_wait_s: float = 0.05  # an engine waiting less is idle; a holder waiting less ends it
+    cooldown_s: float = 1.0  # at most one replica of a prefix this often
+    max_replicas: int = 3  # extra replicas of one prefix at a time
 
     def check(self) -> None:
         for name, v in (

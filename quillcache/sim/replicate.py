@@ -40,10 +40,13 @@ class ReplicateSettings:
     min_rate: float = 2.0  # requests a second
     min_blocks: int = 8
     max_entries: int = 4096
-    high_wait_s: float = 1.0
-    low_wait_s: float = 0.25
-    cooldown_s: float = 5.0
-    max_replicas: int = 2
+    # Low marks: the wait read is queued prefill only, and a hot prefix's requests hit,
+    # so its holders' prefill queue stays short while their sequence slots and decode
+    # batches fill; waiting for a long prefill queue replicates too late, onto one engine.
+    high_wait_s: float = 0.1
+    low_wait_s: float = 0.05
+    cooldown_s: float = 1.0
+    max_replicas: int = 3
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> ReplicateSettings:
