@@ -31,6 +31,14 @@ from quillcache.enginesim.publisher import KvEventPublisher
 from quillcache.enginesim.sglang import DEFAULT_RELEASE, SglangCollector, server_info
 from quillcache.events.encode import BlockRemoved, BlockStored, encode_batch
 from quillcache.tokenization.local import ByteTokenizer, Tokenizer
+from quillcache.tokenization.media_fetch import MediaError
+from quillcache.tokenization.multimodal import (
+    MmBlocks,
+    MultimodalConfig,
+    MultimodalPrompts,
+    MultimodalUnavailable,
+    has_media,
+)
 
 FLAVORS = ("vllm", "sglang")  # whose HTTP surface the simulator serves
 
@@ -181,6 +189,9 @@ class EngineApp:
         collector = SglangCollector(self.ranks) if flavor == "sglang" else None
         self._registry.register(collector or _EngineCollector(self.ranks))
         self.models = [config.model, *config.lora_modules]
+        self.multimodal = MultimodalPrompts(
+            MultimodalConfig(hash_algorithm=config.mm_hasher_algorithm)
+        )
 
     def _publisher_of(self, rank: int) -> Callable[[bytes], object]:
         pub = self.publishers[rank]
@@ -426,14 +437,36 @@ class EngineApp:
         body = await _parse(request, ChatBody)
         if isinstance(body, Response):
             return body
+        if has_media({"messages": body.messages}):
+            return await self._chat_with_media(request, body)
         try:
             text = self.tokenizer.apply_chat_template(body.messages, True)
         except TypeError as exc:
             return error_response(400, str(exc))
         return await self._serve(request, body, self.tokenizer.encode(text), chat=True)
 
+    async def _chat_with_media(self, request: Request, body: ChatBody) -> Response:
+        """A chat prompt with images, expanded and identified as the gateway does
+        (`quillcache.tokenization.multimodal`: one image token per 16x16 patch, vLLM's
+        hash of the image for this engine's model): the engine caches and publishes its
+        blocks with their multimodal extra keys, as vLLM does. Images come as data URLs
+        (an engine fetching URLs is not modelled)."""
+        try:
+            mm = self.multimodal.prompt_now(self.tokenizer, body.model_dump(), self.config.model)
+        except (MediaError, MultimodalUnavailable, TypeError) as exc:
+            return error_response(400, f"cannot load the request's images: {exc}")
+        return await self._serve(
+            request, body, mm.tokens, chat=True, mm=mm.blocks(self.config.block_size)
+        )
+
     async def _serve(
-        self, request: Request, body: _Body, prompt: list[int], *, chat: bool
+        self,
+        request: Request,
+        body: _Body,
+        prompt: list[int],
+        *,
+        chat: bool,
+        mm: MmBlocks | None = None,
     ) -> Response:
         lora, err = self._lora(body.model)
         if err is not None:
@@ -471,6 +504,7 @@ class EngineApp:
             salt=salt,
             lora=lora,
             on_admitted=admitted.append,
+            mm=mm,
         )
         usage = lambda n: {  # noqa: E731
             "prompt_tokens": len(prompt),

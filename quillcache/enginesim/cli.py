@@ -107,6 +107,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM's PYTHONHASHSEED: NONE_HASH is the hash of this string (unset: "
         "'vllm-none-hash'); with sha256_cbor / sha256 only",
     )
+    a(
+        "--mm-hasher-algorithm",
+        choices=["blake3", "sha256", "sha512"],
+        default="blake3",
+        help="vLLM's multimodal hash of an image_url part (blake3, vLLM's default, needs "
+        "the blake3 package)",
+    )
     a("--ready-file", default=None, help="write the resolved addresses here as JSON when up")
     a("--log-level", default="warning", help="uvicorn's log level")
 
@@ -236,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         hash_seed=args.hash_seed,
         kv_groups=args.kv_groups,
+        mm_hasher_algorithm=args.mm_hasher_algorithm,
     )
     replay_layout: dict[str, bool] = {"legacy_replay": args.legacy_replay}
     if sglang_release is not None:

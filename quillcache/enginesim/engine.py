@@ -26,6 +26,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from quillcache import _native
 from quillcache.costmodel import CostModel, CostModelConfig
 from quillcache.enginesim.lmcache import LmcacheCpuTier
 from quillcache.enginesim.sglang import sglang_batch
@@ -35,6 +36,7 @@ from quillcache.events.sglang import wire_of as sglang_wire_of
 from quillcache.identity import content_keys, namespace
 from quillcache.sim.engine import EngineModel, Running, engine_hash
 from quillcache.sim.requests import SimRequest
+from quillcache.tokenization.multimodal import HashAlgorithm, MmBlocks
 
 Publish = Callable[[bytes], object]  # what a publisher returns (its seq) is not used
 
@@ -90,6 +92,8 @@ class EngineConfig:
     prefix_caching_hash_algo: str = "xxh3_64_sim"
     # `--hash-seed`: vLLM's PYTHONHASHSEED, NONE_HASH's seed (None: unset)
     hash_seed: str | None = None
+    # `--mm-hasher-algorithm`: vLLM's hash of an image (quillcache.tokenization.multimodal)
+    mm_hasher_algorithm: HashAlgorithm = "blake3"
 
 
 @dataclass
@@ -153,6 +157,11 @@ class SimEngine:
         # engine hash -> (LoRA, cache_salt, is block 0) of blocks of LoRA / salted requests:
         # the model's events carry token ids only, vLLM's also carry these (see _tag)
         self._tags: collections.OrderedDict[int, tuple[str, str, bool]] = collections.OrderedDict()
+        # engine hash -> the block's multimodal items (identifier, offset), as vLLM's
+        # events list them after the adapter name
+        self._mm_tags: collections.OrderedDict[int, list[tuple[str, int]]] = (
+            collections.OrderedDict()
+        )
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which cached
         self.requests_total = 0
@@ -185,10 +194,21 @@ class SimEngine:
                 f"the request needs {needed} KV blocks; this engine has {room}"
             )
 
-    def _request(self, prompt: Sequence[int], max_tokens: int, salt: str, lora: str) -> SimRequest:
+    def _request(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        salt: str,
+        lora: str,
+        mm: MmBlocks | None = None,
+    ) -> SimRequest:
         bs = self.config.block_size
         ns = namespace(self.config.model, "", lora, salt, bs)
-        keys = content_keys(prompt, bs, ns)
+        if mm is None:
+            keys = content_keys(prompt, bs, ns)
+        else:
+            arr = np.asarray(prompt, dtype=np.uint32)
+            keys = np.asarray(_native.content_keys(arr, bs, ns, mm=mm), dtype=np.uint64)
         req = SimRequest(
             rid=next(self._ids),
             arrival_s=time.monotonic(),
@@ -206,6 +226,13 @@ class SimEngine:
                 self._tags.move_to_end(h)
             while len(self._tags) > 4 * self.config.num_gpu_blocks:
                 self._tags.popitem(last=False)
+        for i, items in enumerate(mm or ()):
+            if items:
+                h = engine_hash(int(keys[i]), self.model.salt)
+                self._mm_tags[h] = list(items)
+                self._mm_tags.move_to_end(h)
+        while len(self._mm_tags) > 4 * self.config.num_gpu_blocks:
+            self._mm_tags.popitem(last=False)
         if not self.model.fits_ever(req):
             raise EngineRequestError(
                 f"the request needs {self.model.blocks_needed(req)} KV blocks; "
@@ -222,6 +249,7 @@ class SimEngine:
         salt: str = "",
         lora: str = "",
         on_admitted: Callable[[Admission], None] | None = None,
+        mm: MmBlocks | None = None,
     ) -> AsyncIterator[int]:
         """Yield `max_tokens` generated ids as the engine produces them; closing the
         generator early aborts the request and frees its blocks."""
@@ -229,7 +257,7 @@ class SimEngine:
             async for token in self._fixed(prompt, max_tokens, next_token, on_admitted):
                 yield token
             return
-        req = self._request(prompt, max_tokens, salt, lora)
+        req = self._request(prompt, max_tokens, salt, lora, mm)
         self.requests_total += 1
         stream = _Stream(self.model.enqueue(req), asyncio.Queue(), on_admitted=on_admitted)
         self._streams[req.rid] = stream
@@ -382,7 +410,7 @@ class SimEngine:
         if self._vllm_hashes is not None:
             out = self._rehash(payload)
         else:
-            out = self._tag(payload) if self._tags else payload
+            out = self._tag(payload) if self._tags or self._mm_tags else payload
         return self._per_group(out) if self.config.kv_groups > 1 else out
 
     def _per_group(self, payload: bytes) -> bytes:
@@ -414,28 +442,34 @@ class SimEngine:
         """Tag the batch (`_tag`), then give its blocks vLLM's hashes (`--prefix-caching-
         hash-algo`); the tags are looked up by the model's hashes, before the rewrite."""
         assert self._vllm_hashes is not None
-        ts, raw_events, rank = msgpack.unpackb(self._tag(payload) if self._tags else payload)
-        self._vllm_hashes.rewrite(raw_events, self._tags)
+        tagged = self._tag(payload) if self._tags or self._mm_tags else payload
+        ts, raw_events, rank = msgpack.unpackb(tagged)
+        self._vllm_hashes.rewrite(raw_events, self._tags, self._mm_tags)
         return encode_batch(_events_of(raw_events), ts=ts, dp_rank=rank)
 
     def _tag(self, payload: bytes) -> bytes:
-        """Add what vLLM's BlockStored carries for LoRA / salted requests: `lora_name`, and
-        per block `extra_keys` (the adapter name; `cache_salt` on block 0). The index
-        derives the namespace from them, as the gateway does from the request."""
+        """Add what vLLM's BlockStored carries for LoRA / salted / multimodal requests:
+        `lora_name`, and per block `extra_keys` in vLLM's order (the adapter name, each
+        image's `[identifier, offset]`, `cache_salt` on block 0). The index derives the
+        namespace and the blocks' items from them, as the gateway does from the request."""
         ts, raw_events, rank = msgpack.unpackb(payload)
         changed = False
         for ev in raw_events:
             if ev["type"] == "BlockStored":
                 tags = [self._tags.get(h) for h in ev["block_hashes"]]
-                if any(tags):
+                mms = [self._mm_tags.get(h) for h in ev["block_hashes"]]
+                if any(tags) or any(mms):
                     changed = True
-                    lora = next(t[0] for t in tags if t)
+                    lora = next((t[0] for t in tags if t), "")
                     ev["lora_name"] = lora or None
                     ev["extra_keys"] = [
-                        ([t[0]] if t[0] else []) + ([t[1]] if t[1] and t[2] else []) or None
-                        if t
-                        else None
-                        for t in tags
+                        (
+                            ([t[0]] if t and t[0] else [])
+                            + [[ident, off] for ident, off in mm or ()]
+                            + ([t[1]] if t and t[1] and t[2] else [])
+                        )
+                        or None
+                        for t, mm in zip(tags, mms, strict=True)
                     ]
         return encode_batch(_events_of(raw_events), ts=ts, dp_rank=rank) if changed else payload
 

@@ -14,7 +14,8 @@ against vLLM 0.32's own `hash_block_tokens` for plain blocks).
 
 Extra keys as vLLM folds them: the LoRA adapter (`("lora", name, path)`; the simulator
 serves adapters by name, so the path is the name) on every block of a LoRA request, then
-the cache salt on block 0.
+each image the block overlaps (`("mm", identifier, offset)`), then the cache salt on
+block 0.
 """
 
 from __future__ import annotations
@@ -59,19 +60,26 @@ class VllmHasher:
         )
         self._digests: collections.OrderedDict[int, bytes] = collections.OrderedDict()
 
-    def _extra(self, tag: Tag | None) -> list[tuple[str, ...]] | None:
-        if tag is None:
-            return None
-        lora, salt, first = tag
-        keys: list[tuple[str, ...]] = []
+    def _extra(
+        self, tag: Tag | None, mm: Sequence[tuple[str, int]] | None
+    ) -> list[tuple[str | int, ...]] | None:
+        lora, salt, first = tag or ("", "", False)
+        keys: list[tuple[str | int, ...]] = []
         if lora:
             keys.append(("lora", lora, lora))
+        keys.extend(("mm", ident, off) for ident, off in mm or ())
         if salt and first:
             keys.append(("cache_salt", salt))
         return keys or None
 
-    def _digest(self, parent: bytes, tokens: Sequence[int], tag: Tag | None) -> bytes:
-        extra = self._extra(tag)
+    def _digest(
+        self,
+        parent: bytes,
+        tokens: Sequence[int],
+        tag: Tag | None,
+        mm: Sequence[tuple[str, int]] | None = None,
+    ) -> bytes:
+        extra = self._extra(tag, mm)
         if self.algorithm == "sha256_cbor":
             return vllm_block_hashes(
                 list(tokens),
@@ -84,8 +92,15 @@ class VllmHasher:
         # the keys those of the CBOR path (`generate_block_hash_extra_keys`)
         return _pickle_sha256((parent, tuple(tokens), tuple(extra) if extra else None))
 
-    def rewrite(self, raw_events: list[dict[str, Any]], tags: dict[int, Tag]) -> None:
-        """Replace, in place, the model's hashes in raw (dict) vLLM events with vLLM's."""
+    def rewrite(
+        self,
+        raw_events: list[dict[str, Any]],
+        tags: dict[int, Tag],
+        mm: dict[int, list[tuple[str, int]]] | None = None,
+    ) -> None:
+        """Replace, in place, the model's hashes in raw (dict) vLLM events with vLLM's
+        (`mm`: the blocks' multimodal items by the model's hash)."""
+        mm = mm or {}
         for ev in raw_events:
             if ev["type"] == "BlockStored":
                 bs = int(ev["block_size"])
@@ -98,7 +113,7 @@ class VllmHasher:
                 out: list[int] = []
                 tokens = list(ev["token_ids"])
                 for i, h in enumerate(ev["block_hashes"]):
-                    d = self._digest(parent, tokens[i * bs : (i + 1) * bs], tags.get(h))
+                    d = self._digest(parent, tokens[i * bs : (i + 1) * bs], tags.get(h), mm.get(h))
                     self._remember(h, d)
                     out.append(_event_value(d))
                     parent = d
