@@ -1,0 +1,90 @@
+"""A chat body with images through `MultimodalPrompts`: its tokens and items, the causes
+it falls back to text for (counted), and the client errors it refuses with."""
+
+from __future__ import annotations
+
+import base64
+import io
+import sys
+from typing import Any
+
+import pytest
+from PIL import Image
+
+from quillcache.tokenization.local import ByteTokenizer
+from quillcache.tokenization.media_fetch import MediaError
+from quillcache.tokenization.multimodal import (
+    BUILTIN_IMAGE_TOKEN_ID,
+    MultimodalConfig,
+    MultimodalPrompts,
+    MultimodalUnavailable,
+)
+
+
+def url(size: tuple[int, int] = (33, 16), mode: str = "RGB") -> str:
+    buf = io.BytesIO()
+    Image.new(mode, size).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def body(*parts: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": list(parts)}], **extra}
+
+
+def image(u: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": u}, **extra}
+
+
+def test_tokens_and_items() -> None:
+    mm = MultimodalPrompts(MultimodalConfig(hash_algorithm="sha256"))
+    prompt = mm.prompt_now(
+        ByteTokenizer(),
+        body({"type": "text", "text": "ab"}, image(url()), image(url((8, 8)), uuid="u-1")),
+        "m",
+    )
+    head = len(b"<|user|>ab")
+    assert [(it.offset, it.length) for it in prompt.items] == [(head, 3 * 1), (head + 3, 1)]
+    assert prompt.items[1].identifier == "u-1"  # the client's uuid, as vLLM uses it
+    assert prompt.tokens[head : head + 4] == [BUILTIN_IMAGE_TOKEN_ID] * 4
+    text = bytes(t for t in prompt.tokens if t != BUILTIN_IMAGE_TOKEN_ID).decode()
+    assert text == ByteTokenizer().apply_chat_template([{"role": "user", "content": "ab"}], True)
+    assert mm.stats.keyed == 1 and mm.stats.items == 2
+
+
+@pytest.mark.parametrize(
+    ("request_body", "reason"),
+    [
+        (body(image(url()), mm_processor_kwargs={"x": 1}), "kwargs"),
+        (body({"type": "image_url", "uuid": "only"}), "uuid_only"),
+        (body({"type": "input_audio", "input_audio": {}}), "unsupported_part"),
+    ],
+)
+def test_fallbacks_name_their_cause(request_body: dict[str, Any], reason: str) -> None:
+    mm = MultimodalPrompts(MultimodalConfig(hash_algorithm="sha256"))
+    with pytest.raises(MultimodalUnavailable) as exc:
+        mm.prompt_now(ByteTokenizer(), request_body, "m")
+    assert exc.value.reason == reason
+    mm.fallback(exc.value)
+    assert mm.stats.fallbacks == {reason: 1}
+
+
+def test_a_missing_blake3_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "blake3", None)  # `import blake3` raises ImportError
+    with pytest.raises(MultimodalUnavailable, match="blake3"):
+        MultimodalPrompts().prompt_now(ByteTokenizer(), body(image(url())), "m")
+
+
+@pytest.mark.parametrize(
+    ("parts", "cause"),
+    [
+        ([{"type": "text", "text": "see <|image|>"}, image(url())], "placeholder"),
+        ([image(url((4000, 4000)))], "max_image_pixels"),
+        ([{"type": "image_url", "image_url": {"url": 7}}], "must be a string"),
+        ([{"type": "image_url"}], "needs 'image_url.url'"),
+    ],
+)
+def test_client_errors(parts: list[dict[str, Any]], cause: str) -> None:
+    mm = MultimodalPrompts(MultimodalConfig(hash_algorithm="sha256", max_image_pixels=1_000_000))
+    with pytest.raises(MediaError, match=cause):
+        mm.prompt_now(ByteTokenizer(), body(*parts), "m")
+    assert mm.stats.refused == 1
