@@ -211,3 +211,19 @@ def test_fetching_is_off_by_default_and_loopback_is_denied(stack: Stack) -> None
     )
     assert r.status_code == 400 and "multimodal.fetch is off" in r.json()["error"]["message"]
     json.dumps(r.json())  # a JSON error, never a 500
+
+
+def test_an_engine_tokenizing_gateway_routes_images_on_text(stack: Stack) -> None:
+    """`tokenizer: engine`: /tokenize does not say where images are, so the request is
+    routed on its text (no image match) and served, never refused."""
+    stack.engine(extra=SHA)
+    gw = stack.start_gateway({"tokenizer": "engine", "multimodal": {"hash_algorithm": "sha256"}})
+    text = f"[{uuid.uuid4().hex[:8]}] describe " * 6
+    r = client(gw.url).chat.completions.create(
+        model="sim-model", messages=messages(data_url(png((5, 5, 5))), text), max_tokens=2
+    )
+    assert r.usage is not None and r.usage.prompt_tokens > len(text)
+    found = stack.admin().post(
+        "/admin/lookup", json={"messages": messages(data_url(png((5, 5, 5))), text)}
+    )
+    assert found.json()["matches"] == []  # the image blocks are not found on text keys
