@@ -88,6 +88,7 @@ class MultimodalConfig(BaseModel):
     fetch: bool = Field(default=False, description="fetch http(s) image URLs")
     max_image_bytes: int = Field(default=20 << 20, gt=0, description="per image, encoded")
     max_image_pixels: int = Field(default=MAX_IMAGE_PIXELS, gt=0)
+    max_images: int = Field(default=16, gt=0, description="image parts per request")
     fetch_timeout_s: float = Field(default=5.0, gt=0, description="per image, DNS included")
     fetch_allow: list[str] = Field(
         default_factory=list,
@@ -440,6 +441,11 @@ class MultimodalPrompts:
                     "kwargs", f"the request's {key} change vLLM's hash; not reproduced"
                 )
         parts = image_parts(body["messages"])
+        if len(parts) > self.config.max_images:
+            raise MediaError(
+                f"too many images: {len(parts)}, the limit is {self.config.max_images} "
+                "(multimodal.max_images)"
+            )
         if any(p.url is None for p in parts):
             raise MultimodalUnavailable(
                 "uuid_only", "an image given by uuid alone has no size to count its tokens"

@@ -81,10 +81,13 @@ def test_a_missing_blake3_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
         ([image(url((4000, 4000)))], "max_image_pixels"),
         ([{"type": "image_url", "image_url": {"url": 7}}], "must be a string"),
         ([{"type": "image_url"}], "needs 'image_url.url'"),
+        ([image(url((2, 2)))] * 3, "multimodal.max_images"),
     ],
 )
 def test_client_errors(parts: list[dict[str, Any]], cause: str) -> None:
-    mm = MultimodalPrompts(MultimodalConfig(hash_algorithm="sha256", max_image_pixels=1_000_000))
+    mm = MultimodalPrompts(
+        MultimodalConfig(hash_algorithm="sha256", max_image_pixels=1_000_000, max_images=2)
+    )
     with pytest.raises(MediaError, match=cause):
         mm.prompt_now(ByteTokenizer(), body(*parts), "m")
     assert mm.stats.refused == 1
