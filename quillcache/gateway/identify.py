@@ -85,8 +85,8 @@ class RequestIdentifier:
     ) -> tuple[RouteRequest, int]:
         """The routing request of a completion body, and its prompt length in tokens
         (tokenized by one of the `candidates` when the engine tokenizes)."""
-        tokens, mm = await self._prompt(body, chat, candidates)
-        return self._route_request(body, tokens, headers, identity, mm), len(tokens)
+        request, tokens = await self.identify_tokens(body, chat, headers, identity, candidates)
+        return request, len(tokens)
 
     async def identify_tokens(
         self,
