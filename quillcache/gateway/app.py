@@ -48,6 +48,7 @@ from quillcache.gateway.ingest_http import IngestEndpoint
 from quillcache.gateway.metrics import (
     GatewayMetrics,
     bootstrap_metrics,
+    fold_metrics,
     readiness_metrics,
     state_metrics,
 )
@@ -450,6 +451,7 @@ class Gateway:
         )
         yield from readiness_metrics(self.readiness())
         yield from bootstrap_metrics(self.bootstrap)
+        yield from fold_metrics(self.sink.fold_stats())
 
     # -- assembly ------------------------------------------------------------------------
 

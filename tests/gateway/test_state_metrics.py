@@ -79,11 +79,6 @@ def test_router_shortlists_replaced_are_counted_in_metrics(
     assert "gave a shortlist the booking cannot use" in bad.log_path.read_text()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the gateway's scrape-time collector (Gateway._collect in app.py, not this "
-    "change's file) does not yield fold_metrics(self.sink.fold_stats()) yet",
-)
 def test_the_group_folders_counters_move_in_metrics(stack: Stack) -> None:
     """Beside a single-group engine, an engine publishing two KV-cache groups
     (`engine-sim --kv-groups 2`): one source is counted as grouped, and each request it
