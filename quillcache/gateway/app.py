@@ -49,6 +49,7 @@ from quillcache.gateway.metrics import (
     GatewayMetrics,
     bootstrap_metrics,
     fold_metrics,
+    multimodal_metrics,
     readiness_metrics,
     state_metrics,
 )
@@ -452,6 +453,7 @@ class Gateway:
         yield from readiness_metrics(self.readiness())
         yield from bootstrap_metrics(self.bootstrap)
         yield from fold_metrics(self.sink.fold_stats())
+        yield from multimodal_metrics(self.identifier.multimodal.stats)
 
     # -- assembly ------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from quillcache.events.groups import FoldStats
 from quillcache.gateway.engine_hashes import HASH_STATES
+from quillcache.tokenization.multimodal import MultimodalStats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _STATE_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
@@ -445,6 +446,35 @@ def fold_metrics(stats: FoldStats) -> Iterator[Any]:
     """The KV-cache group folder's counters (`quillcache.events.groups.FoldStats`)."""
     for name, doc, value in _FOLD_COUNTERS:
         yield counter(name, doc, float(value(stats)))
+
+
+def multimodal_metrics(stats: MultimodalStats) -> Iterator[Any]:
+    """The gateway's multimodal prompts (`quillcache.tokenization.multimodal`)."""
+    outcomes: dict[tuple[str, ...], float] = {
+        ("keyed", ""): float(stats.keyed),
+        ("refused", ""): float(stats.refused),
+    }
+    for reason, n in stats.fallbacks.items():
+        outcomes[("fallback", reason)] = float(n)
+    yield labelled_counter(
+        "quillcache_multimodal_requests",
+        "Chat bodies with images (requests and /admin/lookup) by outcome: keyed (on "
+        "multimodal keys), refused "
+        "(a 400: a bad, too large or unreachable image), fallback (routed on their text "
+        "alone) with its reason (disabled, kwargs, uuid_only, engine_tokenizes, template, ...).",
+        outcomes,
+        ["outcome", "reason"],
+    )
+    yield counter(
+        "quillcache_multimodal_items",
+        "Images identified in keyed requests (each one multimodal item).",
+        float(stats.items),
+    )
+    yield counter(
+        "quillcache_multimodal_fetches",
+        "Images fetched by URL (multimodal.fetch), not given inline as data URLs.",
+        float(stats.fetched),
+    )
 
 
 def bootstrap_metrics(report: Any) -> Iterator[Any]:

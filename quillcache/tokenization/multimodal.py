@@ -400,8 +400,8 @@ def render(
 
 @dataclass
 class MultimodalStats:
-    """Counts of the gateway's multimodal work (proposed metric:
-    quillcache_multimodal_requests_total{outcome} and _items_total)."""
+    """Counts of the gateway's multimodal work (`quillcache_multimodal_*` in the
+    gateway's metrics)."""
 
     keyed: int = 0  # requests routed with multimodal keys
     items: int = 0  # images identified

@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.online.conftest import Stack
 from tests.online.helpers import http_post, wait_for
@@ -60,6 +61,23 @@ def start(stack: Stack, multimodal: dict[str, Any] | None = None) -> str:
     mm = {"hash_algorithm": "sha256", **(multimodal or {})}
     gw = stack.start_gateway({"router": "quillcache", "multimodal": mm})
     return gw.url
+
+
+def multimodal_counts(url: str) -> dict[tuple[str, ...], float]:
+    """The gateway's multimodal counters from /metrics: (sample name, outcome, reason)."""
+    page = httpx.get(url + "/metrics").text
+    counts: dict[tuple[str, ...], float] = {}
+    for family in text_string_to_metric_families(page):
+        if family.name.startswith("quillcache_multimodal_"):
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = (
+                        sample.name,
+                        sample.labels.get("outcome", ""),
+                        sample.labels.get("reason", ""),
+                    )
+                    counts[key] = sample.value
+    return counts
 
 
 def test_the_same_image_hits_the_engine_that_holds_it(stack: Stack) -> None:
@@ -119,6 +137,12 @@ def test_a_gateway_without_multimodal_keys_misses(stack: Stack) -> None:
     stats = lambda: admin.get("/admin/index").json()  # noqa: E731
     wait_for(lambda: stats()["blocks"] > 0, what="the engine's blocks in the index")
     assert held_blocks(admin, messages(image, text), first.headers["x-quillcache-worker"]) == 0
+    before = multimodal_counts(url)
+    oa.chat.completions.create(model="sim-model", messages=messages(image, text), max_tokens=2)
+    after = multimodal_counts(url)
+    fallback = ("quillcache_multimodal_requests_total", "fallback", "disabled")
+    assert after[fallback] - before[fallback] == 1
+    assert after[("quillcache_multimodal_requests_total", "keyed", "")] == 0
 
 
 class _Images(BaseHTTPRequestHandler):
@@ -179,6 +203,7 @@ def test_fetched_image_urls_and_their_400s(stack: Stack, image_server: str) -> N
         assert set(body) == {"error"}, body
         return r.status_code, str(body["error"]["message"])
 
+    before = multimodal_counts(url)
     cases = {
         image_server + "/big.png": "image too large",
         image_server + "/redirect": "redirect",
@@ -201,6 +226,16 @@ def test_fetched_image_urls_and_their_400s(stack: Stack, image_server: str) -> N
     for bad, cause in denied.items():
         status, message = error(messages(bad, text))
         assert status == 400 and cause in message and "fetch_allow" in message, (bad, message)
+    after = multimodal_counts(url)
+    refused = ("quillcache_multimodal_requests_total", "refused", "")
+    assert after[refused] - before[refused] == len(cases) + len(denied)
+    # a fetched image (a lookup: the engine simulator does not fetch URLs): keyed, one
+    # item, one fetch
+    assert held_blocks(admin, fetched, holder) == full
+    done = multimodal_counts(url)
+    for name, outcome in (("requests", "keyed"), ("items", ""), ("fetches", "")):
+        key = (f"quillcache_multimodal_{name}_total", outcome, "")
+        assert done[key] - after[key] == 1, key
 
 
 def test_fetching_is_off_by_default_and_loopback_is_denied(stack: Stack) -> None:
