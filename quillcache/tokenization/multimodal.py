@@ -14,10 +14,11 @@ the same pairs into `mm_i` (docs/content-key.md), so the gateway must know, for 
   as received, plus the RGB conversion settings when the image is not RGB
   (`vllm/multimodal/hasher.py`); `image_hash` reproduces that byte stream;
 * its placeholder range: where in the prompt its tokens lie and how many there are.
-  The count is the model processor's; the gateway knows two rules
-  (`ImagePlaceholders`): a fixed count per image (LLaVA-1.5-style models) or one token
-  per `patch_size` x `patch_size` tile of the image, which is what the engine simulator
-  models.
+  The count is the model processor's; the gateway knows three rules
+  (`ImagePlaceholders`): a fixed count per image (LLaVA-1.5-style models), one token
+  per `patch_size` x `patch_size` tile of the image (what the engine simulator models),
+  or the Qwen2-VL family's `smart_resize` (the image resized to multiples of
+  `patch_size * merge_size` within a pixel range, one token per merged patch).
 
 A request whose items cannot be computed here (an optional dependency missing, an
 engine that tokenizes, kwargs that change vLLM's hash, a part type other than
@@ -39,7 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from quillcache.errors import QuillCacheError
 from quillcache.tokenization.local import ByteTokenizer, Message, Tokenizer
@@ -100,10 +101,45 @@ class MultimodalConfig(BaseModel):
     image_token_id: int | None = Field(
         default=None, ge=0, description="the image token (None: the placeholder's one token)"
     )
+    placeholder_text: str | None = Field(
+        default=None,
+        description="the text an image part becomes, containing the placeholder once "
+        "(None: the placeholder alone); e.g. Qwen2-VL's vision start and end around it",
+    )
+    image_tokens: Literal["patches", "smart_resize"] = Field(
+        default="patches",
+        description="how many tokens an image takes: one per patch_size tile, or the "
+        "Qwen2-VL family's smart_resize (ignored when tokens_per_image is set)",
+    )
     tokens_per_image: int | None = Field(
-        default=None, gt=0, description="a fixed count per image (None: one per patch)"
+        default=None, gt=0, description="a fixed count per image (None: image_tokens' rule)"
     )
     patch_size: int = Field(default=16, gt=0, description="pixels per side of a patch")
+    merge_size: int = Field(
+        default=2, gt=0, description="smart_resize: patches merged per side into one token"
+    )
+    resize_min_pixels: int = Field(
+        default=56 * 56, gt=0, description="smart_resize: the processor's min_pixels"
+    )
+    resize_max_pixels: int = Field(
+        default=28 * 28 * 1280, gt=0, description="smart_resize: the processor's max_pixels"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MultimodalConfig:
+        text = self.placeholder_text
+        if text is not None and text.count(self.placeholder) != 1:
+            raise ValueError(
+                "multimodal.placeholder_text must contain multimodal.placeholder exactly once"
+            )
+        if self.tokens_per_image is not None and self.image_tokens != "patches":
+            raise ValueError(
+                "multimodal.tokens_per_image (a fixed count) and multimodal.image_tokens: "
+                f"{self.image_tokens} are two counts for one image: set one of them"
+            )
+        if self.resize_min_pixels > self.resize_max_pixels:
+            raise ValueError("multimodal.resize_min_pixels is above multimodal.resize_max_pixels")
+        return self
 
     def limits(self) -> MediaLimits:
         return MediaLimits(
@@ -327,10 +363,23 @@ class ImagePlaceholders:
     token_id: int | None = None
     tokens_per_image: int | None = None
     patch_size: int = 16
+    image_tokens: Literal["patches", "smart_resize"] = "patches"
+    merge_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    text: str | None = None  # what an image part becomes (None: the placeholder)
 
     def count(self, image: LoadedImage) -> int:
         if self.tokens_per_image is not None:
             return self.tokens_per_image
+        if self.image_tokens == "smart_resize":
+            return smart_resize_tokens(
+                image.width,
+                image.height,
+                self.patch_size * self.merge_size,
+                self.min_pixels,
+                self.max_pixels,
+            )
         p = self.patch_size
         return max(1, math.ceil(image.width / p) * math.ceil(image.height / p))
 
@@ -347,6 +396,32 @@ class ImagePlaceholders:
                 "multimodal.image_token_id",
             )
         return ids[0]
+
+
+def smart_resize_tokens(
+    width: int, height: int, factor: int, min_pixels: int, max_pixels: int
+) -> int:
+    """An image's token count under the Qwen2-VL family's rule (its HF image processor's
+    `smart_resize`, as vLLM calls it): both sides rounded to a multiple of `factor`
+    (patch size x merge size) keeping the aspect ratio, scaled down when above
+    `max_pixels` and up when below `min_pixels`; one token per `factor` x `factor` cell.
+    An aspect ratio above 200 is refused there, so it is a `MediaError` here."""
+    if max(width, height) > 200 * min(width, height):
+        raise MediaError(
+            f"image aspect ratio {max(width, height) / min(width, height):.0f} is above "
+            "200, which the model's processor refuses"
+        )
+    h = round(height / factor) * factor  # Python's round, as the processor's
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return (h // factor) * (w // factor)
 
 
 def render(
@@ -373,7 +448,7 @@ def render(
                         raise MediaError(f"message text may not contain the placeholder {ph!r}")
                     text.append(piece)
                 elif p.get("type") == "image_url":
-                    text.append(ph)
+                    text.append(rule.text or ph)
             m = {**m, "content": "".join(text)}
         elif isinstance(content, str) and ph in content:
             raise MediaError(f"message text may not contain the placeholder {ph!r}")
@@ -416,11 +491,17 @@ class MultimodalPrompts:
     def __init__(self, config: MultimodalConfig | None = None) -> None:
         self.config = config or MultimodalConfig()
         self.fetcher = MediaFetcher(self.config.limits())
+        c = self.config
         self.rule = ImagePlaceholders(
-            self.config.placeholder,
-            self.config.image_token_id,
-            self.config.tokens_per_image,
-            self.config.patch_size,
+            placeholder=c.placeholder,
+            token_id=c.image_token_id,
+            tokens_per_image=c.tokens_per_image,
+            patch_size=c.patch_size,
+            image_tokens=c.image_tokens,
+            merge_size=c.merge_size,
+            min_pixels=c.resize_min_pixels,
+            max_pixels=c.resize_max_pixels,
+            text=c.placeholder_text,
         )
         self.stats = MultimodalStats()
         self._logged: set[str] = set()
