@@ -91,3 +91,47 @@ def test_client_errors(parts: list[dict[str, Any]], cause: str) -> None:
     with pytest.raises(MediaError, match=cause):
         mm.prompt_now(ByteTokenizer(), body(*parts), "m")
     assert mm.stats.refused == 1
+
+
+def test_qwen2_vl_style_placeholder_text_and_smart_resize_count() -> None:
+    """Each image becomes `placeholder_text` (vision start, the pad, vision end): the
+    text around the pad is prompt text, only the pad is expanded, to the smart_resize
+    count (a 300 x 200 image at patch 14, merge 2: 11 x 7 cells)."""
+    mm = MultimodalPrompts(
+        MultimodalConfig(
+            hash_algorithm="sha256",
+            placeholder="<P>",
+            placeholder_text="[vs]<P>[ve]",
+            image_tokens="smart_resize",
+            patch_size=14,
+            merge_size=2,
+        )
+    )
+    prompt = mm.prompt_now(ByteTokenizer(), body(image(url((300, 200)))), "m")
+    (item,) = prompt.items
+    assert item.length == round(200 / 28) * round(300 / 28) == 77
+    before = bytes(prompt.tokens[: item.offset]).decode()
+    after = bytes(prompt.tokens[item.offset + item.length :]).decode()
+    assert before.endswith("[vs]") and after.startswith("[ve]")
+    assert set(prompt.tokens[item.offset : item.offset + item.length]) == {BUILTIN_IMAGE_TOKEN_ID}
+
+
+def test_a_strip_the_processor_refuses_is_a_client_error() -> None:
+    mm = MultimodalPrompts(MultimodalConfig(hash_algorithm="sha256", image_tokens="smart_resize"))
+    with pytest.raises(MediaError, match="aspect ratio"):
+        mm.prompt_now(ByteTokenizer(), body(image(url((1, 300)))), "m")
+    assert mm.stats.refused == 1
+
+
+@pytest.mark.parametrize(
+    ("settings", "names"),
+    [
+        ({"placeholder_text": "no pad here"}, "placeholder_text"),
+        ({"placeholder_text": "<|image|><|image|>"}, "placeholder_text"),
+        ({"tokens_per_image": 4, "image_tokens": "smart_resize"}, "tokens_per_image"),
+        ({"resize_min_pixels": 10_000, "resize_max_pixels": 100}, "resize_min_pixels"),
+    ],
+)
+def test_inconsistent_settings_are_refused(settings: dict[str, Any], names: str) -> None:
+    with pytest.raises(ValueError, match=names):
+        MultimodalConfig(**settings)
