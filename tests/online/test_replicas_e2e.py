@@ -472,6 +472,13 @@ def test_up_starts_a_fleet_of_replicas_in_one_command(tmp_path: Path) -> None:
             assert metric(page, "quillcache_state_up") == 1
             assert metric(page, 'quillcache_state_bookings_total{outcome="shared"}') == 1
             assert metric(page, "quillcache_kv_sources_caught_up") == 2  # every engine's
+            # the first replica starts from the engines; each later one from a peer's
+            # snapshot, found through Redis (bootstrap_discover)
+            source = "none" if i == 0 else "redis"
+            outcome = "none" if i == 0 else "loaded"
+            info = [ln for ln in page.splitlines() if ln.startswith("quillcache_bootstrap_info{")]
+            assert len(info) == 1 and f'source="{source}"' in info[0], info
+            assert f'outcome="{outcome}"' in info[0] and info[0].endswith(" 1.0"), info
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=20)
