@@ -6,8 +6,10 @@ The connector only moves raw msgpack batches; decoding and apply happen behind
 
 Both sinks pass each source's batches through a `GroupFolder` first: a source whose
 events name KV-cache groups (hybrid models) is applied as one group, a block counting
-only where every group holds it (`quillcache.events.groups`, docs/kv-events.md); any
-other source's payloads reach the index as they came.
+only where every group holds it (`quillcache.events.groups`, docs/kv-events.md). Then,
+knowing the engines' block size, through a `ChunkSplitter`: LMCache's chunks are cut
+into the engine blocks they cover, so that requests keyed at that size find them
+(`quillcache.events.chunks`). Any other payload reaches the index as it came.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from quillcache.errors import EventDecodeError
+from quillcache.events.chunks import ChunkSplitter, SplitStats, split_payloads
 from quillcache.events.groups import FoldStats, GroupFolder, fold_payloads
 from quillcache.index.protocol import IndexBackend
 from quillcache.index.types import ApplyStats
@@ -70,9 +73,12 @@ def _apply_folded(
 class IndexSink:
     """An `IngestSink` over one `IndexBackend`, remembering which sources are stale."""
 
-    def __init__(self, index: IndexBackend) -> None:
+    def __init__(self, index: IndexBackend, block_size: int | None = None) -> None:
+        """`block_size`: the engines' (requests are keyed at it); None keeps LMCache's
+        chunks as they came."""
         self.index = index
         self.groups = GroupFolder()
+        self.chunks = None if block_size is None else ChunkSplitter(block_size)
         self._lock = threading.Lock()
         self.stale: set[tuple[int, int]] = set()
 
@@ -84,16 +90,23 @@ class IndexSink:
         seqs: Sequence[int] | None = None,
     ) -> ApplyStats:
         folded, refused = fold_payloads(self.groups, worker, payloads, dp_rank)
+        split = split_payloads(self.chunks, worker, folded, dp_rank)
         return _apply_folded(
-            lambda p, s: self.index.apply(worker, p, dp_rank, seqs=s), folded, refused, seqs
+            lambda p, s: self.index.apply(worker, p, dp_rank, seqs=s), split, refused, seqs
         )
 
     def fold_stats(self) -> FoldStats:
         """The group folder's counters (a copy: the applier thread moves the live ones)."""
         return dataclasses.replace(self.groups.stats)
 
+    def split_stats(self) -> SplitStats:
+        """The chunk splitter's counters (a copy; zeros without a splitter)."""
+        return SplitStats() if self.chunks is None else dataclasses.replace(self.chunks.stats)
+
     def clear_source(self, worker: int, dp_rank: int = 0) -> int:
         self.groups.clear(worker, dp_rank)
+        if self.chunks is not None:
+            self.chunks.clear(worker, dp_rank)
         return self.index.clear_source(worker, dp_rank)
 
     def set_stale(self, worker: int, dp_rank: int, stale: bool) -> None:
@@ -115,6 +128,7 @@ class ControlPlaneSink:
     def __init__(self, plane: ControlPlane) -> None:
         self.plane = plane
         self.groups = GroupFolder()
+        self.chunks = ChunkSplitter(plane.block_size)
         self._lock = threading.Lock()
         self.stale: set[tuple[int, int]] = set()
 
@@ -129,8 +143,9 @@ class ControlPlaneSink:
         # again gets a new one, and the folder drops what it kept for the old.
         owner = self.plane.worker(worker)
         folded, refused = fold_payloads(self.groups, worker, payloads, dp_rank, owner)
+        split = split_payloads(self.chunks, worker, folded, dp_rank)
         return _apply_folded(
-            lambda p, s: self.plane.ingest(worker, p, dp_rank, seqs=s), folded, refused, seqs
+            lambda p, s: self.plane.ingest(worker, p, dp_rank, seqs=s), split, refused, seqs
         )
 
     def fold_stats(self) -> FoldStats:
@@ -138,12 +153,17 @@ class ControlPlaneSink:
         for /metrics (`gateway.metrics.fold_metrics`)."""
         return dataclasses.replace(self.groups.stats)
 
+    def split_stats(self) -> SplitStats:
+        """The chunk splitter's counters (a copy), for /metrics."""
+        return dataclasses.replace(self.chunks.stats)
+
     def last_seqs(self) -> dict[tuple[int, int], int]:
         """(worker, dp_rank) -> last applied seq, as the index keeps it across restarts."""
         return {(s.worker, s.dp_rank): q for s, q in self.plane.index.last_seqs().items()}
 
     def clear_source(self, worker: int, dp_rank: int = 0) -> int:
         self.groups.clear(worker, dp_rank)
+        self.chunks.clear(worker, dp_rank)
         return self.plane.clear(worker, dp_rank)
 
     def set_stale(self, worker: int, dp_rank: int, stale: bool) -> None:

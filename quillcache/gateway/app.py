@@ -51,6 +51,7 @@ from quillcache.gateway.metrics import (
     fold_metrics,
     multimodal_metrics,
     readiness_metrics,
+    split_metrics,
     state_metrics,
 )
 from quillcache.gateway.openai_api import CHAT_COMPLETIONS, COMPLETIONS, OpenAIEndpoints
@@ -453,6 +454,7 @@ class Gateway:
         yield from readiness_metrics(self.readiness())
         yield from bootstrap_metrics(self.bootstrap)
         yield from fold_metrics(self.sink.fold_stats())
+        yield from split_metrics(self.sink.split_stats())
         yield from multimodal_metrics(self.identifier.multimodal.stats)
 
     # -- assembly ------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from quillcache.events.chunks import SplitStats
 from quillcache.events.groups import FoldStats
 from quillcache.gateway.engine_hashes import HASH_STATES
 from quillcache.tokenization.multimodal import MultimodalStats
@@ -446,6 +447,31 @@ def fold_metrics(stats: FoldStats) -> Iterator[Any]:
     """The KV-cache group folder's counters (`quillcache.events.groups.FoldStats`)."""
     for name, doc, value in _FOLD_COUNTERS:
         yield counter(name, doc, float(value(stats)))
+
+
+def split_metrics(stats: SplitStats) -> Iterator[Any]:
+    """The LMCache chunk splitter's counters (`quillcache.events.chunks.SplitStats`)."""
+    yield counter(
+        "quillcache_kv_chunks_split",
+        "Stored chunks larger than the engine's blocks (LMCache's) cut into engine blocks.",
+        float(stats.split_chunks),
+    )
+    yield counter(
+        "quillcache_kv_chunk_blocks",
+        "Engine blocks the split chunks became.",
+        float(stats.split_blocks),
+    )
+    yield counter(
+        "quillcache_kv_chunk_dropped_tokens",
+        "Tokens of short last chunks past their last whole engine block (not indexed).",
+        float(stats.dropped_tokens),
+    )
+    yield counter(
+        "quillcache_kv_chunks_misaligned",
+        "Chunks off the engine's block boundaries, indexed as they came (never matched "
+        "at the engine's block size).",
+        float(stats.misaligned_chunks),
+    )
 
 
 def multimodal_metrics(stats: MultimodalStats) -> Iterator[Any]:

@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from quillcache import _native
+from quillcache.connectors.sink import IndexSink
 from quillcache.events import encode as enc
 from quillcache.events import lmcache as lmc
 from quillcache.events import pyref
@@ -179,7 +180,7 @@ def test_every_connector_medium_is_the_cpu_tier(name: str, i: int, batch: dict[s
 def test_the_index_follows_the_mp_connectors_stores_evictions_and_withdrawal(name: str) -> None:
     """Every backend holds LMCache's chunks on the CPU tier of the engine that published
     them, drops an evicted chunk and everything after a server restart. Requests are
-    keyed at the chunk size here: see the strict xfail below for the engine's size."""
+    keyed at the chunk size here; at the engine's block size in the test below."""
     frames = [_payload(b) for b in GOLDEN["connectors"]["mp_connector_int"]]
     prompt = list(range(100, 100 + 2 * CHUNK))
     index = create_backend(name)
@@ -197,22 +198,25 @@ def test_the_index_follows_the_mp_connectors_stores_evictions_and_withdrawal(nam
         index.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LMCache reports chunks (block_size = its chunk size); the index keys them in "
-    "the chunk size's namespace, so requests keyed at the engine's block size miss them "
-    "(docs/kv-events.md, LMCache: left to the index)",
-)
-def test_lmcache_chunks_match_requests_at_the_engine_block_size() -> None:
+@pytest.mark.parametrize("name", backends())
+def test_lmcache_chunks_match_requests_at_the_engine_block_size(name: str) -> None:
+    """Through the sink's chunk splitter (`quillcache.events.chunks`), LMCache's golden
+    chunks are found by a request keyed at an engine block size that divides the chunk
+    size, and an evicted chunk takes its engine blocks with it."""
     engine_block = CHUNK // 2
-    index = create_backend("memory")
+    frames = [_payload(b) for b in GOLDEN["connectors"]["mp_connector_int"]]
+    index = create_backend(name)
     try:
+        sink = IndexSink(index, block_size=engine_block)
         index.register_source(1, model="m", tokenizer="")
-        index.apply(1, [_payload(GOLDEN["connectors"]["mp_connector_int"][0])])
-        prompt = list(range(100, 100 + 2 * CHUNK))
-        assert index.match(keys(prompt, model="m", block_size=engine_block)) == [
-            Match(1, 0, "CPU", 4)
-        ]
+        request = keys(list(range(100, 100 + 2 * CHUNK)), model="m", block_size=engine_block)
+        sink.ingest(1, [frames[0]])
+        assert index.match(request) == [Match(1, 0, "CPU", 4)]
+        sink.ingest(1, [frames[1]])
+        assert index.match(request) == [Match(1, 0, "CPU", 2)]
+        sink.ingest(1, frames[2:])
+        assert index.match(request) == []
+        assert sink.split_stats().split_chunks == 3  # the third one, stored and withdrawn
     finally:
         index.close()
 

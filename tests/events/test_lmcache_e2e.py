@@ -3,8 +3,9 @@ ZMQ and HTTP on 127.0.0.1: a prefix the engine evicted from its GPU is still in
 LMCache's CPU tier, the gateway's index learns that from the engine's own KV events (no
 LMCache controller), and routing sends the prefix to that engine as a CPU-tier hit.
 
-LMCache's chunk size equals the block size here: chunks of another size are not yet
-matched (docs/kv-events.md, "LMCache").
+LMCache's chunk size is the block size, or four blocks: then the gateway cuts each chunk
+into the engine blocks it covers (`quillcache.events.chunks`), so the prompt keyed at
+the engine's block size finds it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.online.conftest import Stack, make_stack
+from tests.online.conftest import Stack, make_stack, metric
 from tests.online.helpers import http_get, http_post, wait_for
 
 BS = 16
@@ -37,8 +38,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     yield from make_stack(workdir)
 
 
-def test_an_offloaded_prefix_is_routed_to_its_engine_as_a_cpu_hit(stack: Stack) -> None:
-    lmcache = ["--lmcache", "mp", "--lmcache-chunk-size", str(BS)]
+@pytest.fixture
+def fresh_stack(tmp_path: Path) -> Iterator[Stack]:
+    yield from make_stack(tmp_path)
+
+
+@pytest.mark.parametrize("chunk", [BS, 4 * BS])
+def test_an_offloaded_prefix_is_routed_to_its_engine_as_a_cpu_hit(
+    fresh_stack: Stack, chunk: int
+) -> None:
+    stack = fresh_stack
+    lmcache = ["--lmcache", "mp", "--lmcache-chunk-size", str(chunk)]
     common = ["--block-size", str(BS), "--num-gpu-blocks", str(GPU_BLOCKS)]
     engines = [stack.engine(extra=[*common, *lmcache], time_scale=0) for _ in range(2)]
     gw = stack.start_gateway({"router": "quillcache", "event_quiet_tail_s": 0.5})
@@ -73,7 +83,10 @@ def test_an_offloaded_prefix_is_routed_to_its_engine_as_a_cpu_hit(stack: Stack) 
     )
     assert follow.status_code == 200
     assert follow.headers["x-quillcache-worker"] == holder
-    assert http_get(gw.url + "/metrics").is_success
+    page = http_get(gw.url + "/metrics").text
+    split = metric(page, "quillcache_kv_chunks_split_total")
+    assert (split > 0) if chunk > BS else (split == 0), split
+    assert metric(page, "quillcache_kv_chunks_misaligned_total") == 0
 
 
 @pytest.mark.parametrize(
