@@ -91,6 +91,8 @@ class ChunkSplitter:
         self._size_bytes = _BLOCK_SIZE_KEY + msgpack.packb(block_size)
         self._sources: dict[tuple[int, int], _Source] = {}
         self._workers: dict[int, int] = {}  # worker -> its sources here
+        #: worker -> the media its chunks came on, as msgpack strings (the byte scan)
+        self._media: dict[int, set[bytes]] = {}
         self.stats = SplitStats()
 
     def _may_split(self, worker: int, dp_rank: int, payload: bytes) -> bool:
@@ -98,8 +100,9 @@ class ChunkSplitter:
         sized = payload.count(_BLOCK_SIZE_KEY)
         if sized != payload.count(self._size_bytes):
             return True  # a stored event at another block size (or array form below)
-        if worker in self._workers:
-            return _REMOVED in payload or _CLEARED in payload
+        media = self._media.get(worker)
+        if media:  # removals of its chunks, stores chained after them, clears
+            return _CLEARED in payload or any(m in payload for m in media)
         return False
 
     def split(self, worker: int, payload: bytes, dp_rank: int = 0) -> bytes:
@@ -117,13 +120,20 @@ class ChunkSplitter:
         out: list[Event] = []
         changed = False
         for ev in batch.events:
-            if isinstance(ev, BlockStored) and self._is_chunk(ev):
+            if isinstance(ev, BlockStored) and self._is_chunk(ev, src):
                 if src is None:
                     src = self._sources[(worker, rank)] = _Source()
                     self._workers[worker] = self._workers.get(worker, 0) + 1
+                self._media.setdefault(worker, set()).add(_packed(ev.medium))
                 cut = self._store(src, ev)
                 if cut is not None:
                     out.extend(cut)
+                    changed = True
+                    continue
+            elif isinstance(ev, BlockStored) and src is not None:
+                chained = self._chained(src, ev)
+                if chained is not None:
+                    out.append(chained)
                     changed = True
                     continue
             elif isinstance(ev, BlockRemoved) and src is not None:
@@ -148,13 +158,31 @@ class ChunkSplitter:
                 self._workers[worker] = left
             else:
                 del self._workers[worker]
+                self._media.pop(worker, None)
 
-    def _is_chunk(self, ev: BlockStored) -> bool:
-        return (
-            ev.block_size != self.block_size
-            and len(ev.block_hashes) == 1
-            and len(ev.token_ids) == ev.block_size
-        )
+    def _is_chunk(self, ev: BlockStored, src: _Source | None) -> bool:
+        """One chunk: one hash over `block_size` tokens, at another size than the
+        engine's, or at its size but chained after a chunk cut here (a short last
+        chunk of exactly one block)."""
+        if len(ev.block_hashes) != 1 or len(ev.token_ids) != ev.block_size:
+            return False
+        if ev.block_size != self.block_size:
+            return True
+        return src is not None and self._parent_is_chunk(src, ev)
+
+    def _parent_is_chunk(self, src: _Source, ev: BlockStored) -> bool:
+        parent = ev.parent_block_hash
+        chunks = src.chunks.get(normalize_medium(ev.medium))
+        return parent is not None and chunks is not None and int(parent) in chunks
+
+    def _chained(self, src: _Source, ev: BlockStored) -> BlockStored | None:
+        """Engine blocks stored after a chunk cut here name its last block as parent."""
+        if not self._parent_is_chunk(src, ev):
+            return None
+        assert ev.parent_block_hash is not None
+        parent = int(ev.parent_block_hash)
+        n = src.chunks[normalize_medium(ev.medium)][parent]
+        return dataclasses.replace(ev, parent_block_hash=sub_hash(parent, max(n, 1) - 1))
 
     def _store(self, src: _Source, ev: BlockStored) -> list[Event] | None:
         """The engine-block events of a chunk, or None to pass it as it came."""
@@ -222,6 +250,10 @@ class ChunkSplitter:
         if not hit:
             return None
         return BlockRemoved(block_hashes=hashes, medium=ev.medium, group_idx=ev.group_idx)
+
+
+def _packed(medium: str | None) -> bytes:
+    return bytes(msgpack.packb(medium))
 
 
 def split_payloads(

@@ -75,7 +75,7 @@ def histories(draw: st.DrawFn) -> tuple[str, int, list[Prompt], list[tuple[str, 
     return connector, chunk, prompts, steps
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(histories())
 def test_split_chunks_match_as_engine_blocks_would(
     history: tuple[str, int, list[Prompt], list[tuple[str, int, int]]],
