@@ -31,7 +31,7 @@ deps:  ## system packages (clang for the rocksdb crate's bindgen; redis-server a
 	$(PYTHON) -m pip install -q -r requirements-dev.lock
 
 lock:  ## re-pin the Python dependencies (requirements-dev.lock) from pyproject.toml
-	uv pip compile pyproject.toml --extra dev --extra online --extra plot --python-version 3.11 -o requirements-dev.lock
+	uv pip compile pyproject.toml --extra dev --extra online --extra plot --extra multimodal --extra ray --python-version 3.11 -o requirements-dev.lock
 
 install: deps build-dev
 

@@ -187,6 +187,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "writes a results page, JSON and a heatmap",
     )
     mx.add_argument("--out", metavar="DIR", help="--matrix: output directory (matrix-GRID)")
+    mx.add_argument(
+        "--ray",
+        metavar="WHERE",
+        help="--matrix: run the grid's runs on Ray (pip install 'quillcache[ray]'): local, "
+        "auto, or a cluster's address",
+    )
 
 
 def _kv(items: list[str], what: str) -> dict[str, Any]:
@@ -306,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True)
     try:
-        if args.matrix or args.out is not None:
+        if args.matrix or args.out is not None or args.ray is not None:
             from quillcache.sim import matrix_cli
 
             defaults = argparse.ArgumentParser()

@@ -5,9 +5,10 @@ router's seed-to-seed spread.
 
 A grid is a TOML file (Python's own `tomllib`: no dependency) or the name of a shipped
 grid (`quillcache.sim.grids`); its format is in docs/simulator.md, "The matrix". The
-runs are independent: `--jobs N` spreads them over N forked processes, and the results
-do not depend on N (each run is deterministic for its seed, results come back in task
-order).
+runs are independent: `--jobs N` spreads them over N forked processes, `--ray` over a
+Ray cluster (`quillcache.sim.matrix_ray`), and the results do not depend on where they
+ran (each run is deterministic for its seed, results come back in task order). A run
+that fails is reported with its error in its cell, never left out silently.
 """
 
 from __future__ import annotations
@@ -654,6 +655,29 @@ def run_task(task: Task) -> tuple[dict[str, Any], float]:
     return kept, time.process_time() - cpu0
 
 
+#: What a task gives back wherever it ran: its kept metrics (None when it failed), the
+#: CPU seconds it took, and its error (None when it ran).
+TaskResult = tuple[dict[str, Any] | None, float, str | None]
+
+
+def run_task_guarded(task: Task) -> TaskResult:
+    """`run_task`, a failure returned as its message instead of ending the grid."""
+    cpu0 = time.process_time()
+    try:
+        kept, task_cpu = run_task(task)
+    except QuillCacheError as exc:
+        return None, time.process_time() - cpu0, str(exc)
+    except Exception as exc:  # a bug in one run: reported with its cell, not fatal
+        ci, seed, router = task
+        name = _STATE["grid"].cells[ci].name
+        return (
+            None,
+            time.process_time() - cpu0,
+            (f"cell {name!r}, seed {seed}, router {router}: {type(exc).__name__}: {exc}"),
+        )
+    return kept, task_cpu, None
+
+
 def tasks_of(grid: Grid) -> list[Task]:
     return [
         (ci, seed, router)
@@ -665,12 +689,18 @@ def tasks_of(grid: Grid) -> list[Task]:
 
 @dataclass
 class Outcome:
-    """The runs of a grid, in task order, and what they cost."""
+    """The runs of a grid, in task order (None for a failed one), and what they cost."""
 
-    runs: list[dict[str, Any]]
+    runs: list[dict[str, Any] | None]
     task_cpu_s: list[float]  # per task, in task order
     wall_s: float
     jobs: int
+    errors: list[str | None] = field(default_factory=list)  # per task, in task order
+    where: str = "local"  # "local", or the Ray cluster's address
+
+    @property
+    def failures(self) -> list[str]:
+        return [e for e in self.errors if e is not None]
 
     @property
     def cpu_s(self) -> float:
@@ -683,9 +713,14 @@ class Outcome:
 
 
 def execute(
-    grid: Grid, *, jobs: int = 1, progress: Callable[[int, int], None] | None = None
+    grid: Grid,
+    *,
+    jobs: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+    ray: str | None = None,
 ) -> Outcome:
-    """Every task of the grid, in `jobs` forked processes (1: in this one)."""
+    """Every task of the grid, in `jobs` forked processes (1: in this one), or on the
+    Ray cluster `ray` names (`quillcache.sim.matrix_ray.RAY_HELP`)."""
     import multiprocessing as mp
 
     if jobs < 1:
@@ -693,32 +728,51 @@ def execute(
     tasks = tasks_of(grid)
     _STATE.clear()
     _STATE["grid"] = grid
-    for spec in grid.workloads.values():  # read once here; forked workers inherit it
-        if spec.trace_path is not None:
-            _trace(spec)
-    jobs = min(jobs, len(tasks))
-    parallel = jobs > 1 and "fork" in mp.get_all_start_methods()
-    runs: list[dict[str, Any]] = []
-    cpu: list[float] = []
-    t0 = time.perf_counter()
     try:
+        for spec in grid.workloads.values():  # read once here; workers inherit it
+            if spec.trace_path is not None:
+                _trace(spec)
+        t0 = time.perf_counter()
+        if ray is not None:
+            from quillcache.sim.matrix_ray import run_on_ray
+
+            results, where, used = run_on_ray(dict(_STATE), tasks, ray, jobs, progress)
+            return _outcome(results, time.perf_counter() - t0, used, where)
+        jobs = min(jobs, len(tasks))
+        parallel = jobs > 1 and "fork" in mp.get_all_start_methods()
+        results = []
         if parallel:
             with mp.get_context("fork").Pool(jobs) as pool:
-                for kept, task_cpu in pool.imap(run_task, tasks):
-                    runs.append(kept)
-                    cpu.append(task_cpu)
+                for result in pool.imap(run_task_guarded, tasks):
+                    results.append(result)
                     if progress is not None:
-                        progress(len(runs), len(tasks))
+                        progress(len(results), len(tasks))
         else:
             for task in tasks:
-                kept, task_cpu = run_task(task)
-                runs.append(kept)
-                cpu.append(task_cpu)
+                results.append(run_task_guarded(task))
                 if progress is not None:
-                    progress(len(runs), len(tasks))
+                    progress(len(results), len(tasks))
+        return _outcome(results, time.perf_counter() - t0, jobs if parallel else 1, "local")
     finally:
         _STATE.clear()
-    return Outcome(runs, cpu, time.perf_counter() - t0, jobs if parallel else 1)
+
+
+def _outcome(results: list[TaskResult], wall_s: float, jobs: int, where: str) -> Outcome:
+    return Outcome(
+        runs=[kept for kept, _, _ in results],
+        task_cpu_s=[cpu for _, cpu, _ in results],
+        wall_s=wall_s,
+        jobs=jobs,
+        errors=[err for _, _, err in results],
+        where=where,
+    )
+
+
+def install_state(state: dict[str, Any]) -> None:
+    """Give this process the grid and traces a remote worker runs tasks of."""
+    if _STATE.get("grid") is not state["grid"]:
+        _STATE.clear()
+        _STATE.update(state)
 
 
 # --- judging ---------------------------------------------------------------------------
@@ -732,13 +786,31 @@ def _r(x: float | None, nd: int = 6) -> float | None:
     return None if x is None or x != x else round(x, nd)
 
 
-def summarize(grid: Grid, runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(
+    grid: Grid, runs: list[dict[str, Any] | None], errors: list[str | None] | None = None
+) -> dict[str, Any]:
     """The deterministic results: per cell, per router the seeds' mean and spread of
-    mean and p99 TTFT, the winners, and the verdict on QuillCache's own policy."""
+    mean and p99 TTFT, the winners, and the verdict on QuillCache's own policy. A cell
+    with a failed run is not judged: it lists its runs' errors instead."""
     per_cell = len(grid.seeds) * len(grid.routers)
     cells = []
     for ci, cell in enumerate(grid.cells):
-        chunk = runs[ci * per_cell : (ci + 1) * per_cell]
+        span = slice(ci * per_cell, (ci + 1) * per_cell)
+        cell_errors = [e for e in (errors or [])[span] if e is not None]
+        if cell_errors or any(r is None for r in runs[span]):
+            failed = {"winner": None, "verdict": "failed"}
+            cells.append(
+                {
+                    **cell.key(),
+                    "failed": cell_errors or ["a run gave no result"],
+                    "routers": {},
+                    "mean": failed,
+                    "p99": dict(failed),
+                    "runs": [r for r in runs[span] if r is not None],
+                }
+            )
+            continue
+        chunk = [r for r in runs[span] if r is not None]
         routers: dict[str, dict[str, Any]] = {}
         for router in grid.routers:
             mine = [r for r in chunk if r["router"] == router]
@@ -828,5 +900,5 @@ def results_json(grid: Grid, outcome: Outcome) -> dict[str, Any]:
             "workloads": {n: w.describe() for n, w in grid.workloads.items()},
             "setups": {n: s.config().model_dump() for n, s in grid.setups.items()},
         },
-        **summarize(grid, outcome.runs),
+        **summarize(grid, outcome.runs, outcome.errors),
     }

@@ -1,6 +1,6 @@
-"""`quillcache simulate --matrix GRID [--out DIR] [--jobs N]`: run a grid, write
-DIR/matrix.json, DIR/matrix.md and DIR/matrix-heatmap.png (docs/simulator.md, "The
-matrix")."""
+"""`quillcache simulate --matrix GRID [--out DIR] [--jobs N] [--ray WHERE]`: run a grid,
+write DIR/matrix.json, DIR/matrix.md and DIR/matrix-heatmap.png (docs/simulator.md, "The
+matrix"). Exits 1 when a run failed (its cell lists the error), 2 on a bad grid."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 from quillcache.errors import ConfigError
 
 # simulate's options that a matrix run takes; the grid file sets everything else
-_MATRIX_OPTIONS = {"matrix", "out", "jobs", "no_progress", "json", "plot", "perf"}
+_MATRIX_OPTIONS = {"matrix", "out", "jobs", "no_progress", "json", "plot", "perf", "ray"}
 
 
 def check_options(args: argparse.Namespace, defaults: dict[str, Any]) -> None:
@@ -30,6 +30,8 @@ def check_options(args: argparse.Namespace, defaults: dict[str, Any]) -> None:
         raise ConfigError(f"{flags}: not taken with --matrix (the grid file sets the runs)")
     if args.out is not None and not args.matrix:
         raise ConfigError("--out needs --matrix")
+    if args.ray is not None and not args.matrix:
+        raise ConfigError("--ray needs --matrix")
 
 
 def run(args: argparse.Namespace, err: Any) -> int:
@@ -58,20 +60,28 @@ def run(args: argparse.Namespace, err: Any) -> int:
         want_plot = False
         err.print(f"[yellow]note:[/yellow] no heatmap: {exc}")
     n = len(tasks_of(grid))
+    where = f"on Ray ({args.ray})" if args.ray is not None else f"{min(jobs, n)} processes"
     err.print(
         f"grid {grid.name}: {len(grid.cells)} cells x {len(grid.routers)} routers x "
-        f"{len(grid.seeds)} seeds = {n} runs, {min(jobs, n)} processes"
+        f"{len(grid.seeds)} seeds = {n} runs, {where}"
     )
     show = not args.no_progress and err.is_terminal
     with Progress(console=err, disable=not show, transient=True) as bar:
         task = bar.add_task("matrix", total=n)
         outcome = execute(
-            grid, jobs=jobs, progress=lambda done, total: bar.update(task, completed=done)
+            grid,
+            jobs=jobs,
+            progress=lambda done, total: bar.update(task, completed=done),
+            ray=args.ray,
         )
     results = results_json(grid, outcome)
+    ran_on = (
+        f"{outcome.jobs} process{'es' if outcome.jobs > 1 else ''}"
+        if outcome.where == "local"
+        else f"{outcome.where} ({outcome.jobs} CPUs)"
+    )
     timing = (
-        f"CPU time {outcome.cpu_s:,.0f} s over the runs; wall {outcome.wall_s:,.0f} s with "
-        f"{outcome.jobs} process{'es' if outcome.jobs > 1 else ''}."
+        f"CPU time {outcome.cpu_s:,.0f} s over the runs; wall {outcome.wall_s:,.0f} s on {ran_on}."
     )
     if args.perf:
         results["perf"] = {
@@ -91,6 +101,7 @@ def run(args: argparse.Namespace, err: Any) -> int:
         "quillcache simulate --matrix "
         + args.matrix
         + (f" --jobs {args.jobs}" if args.jobs else "")
+        + (f" --ray {args.ray}" if args.ray is not None else "")
     )
     md = page(
         results,
@@ -109,4 +120,10 @@ def run(args: argparse.Namespace, err: Any) -> int:
     err.print(
         f"written: {out / 'matrix.md'}, {json_path}" + (f", {plot_path}" if want_plot else "")
     )
+    failures = outcome.failures
+    if failures:
+        err.print(f"[red]{len(failures)} of {n} runs failed[/red] (their cells say why):")
+        for message in failures[:10]:
+            err.print(f"  {message}")
+        return 1
     return 0

@@ -10,6 +10,7 @@ _VERDICT = {
     "within_spread": "within the winner's spread",
     "loses": "**loses**",
     "rejects": "**rejects requests**",
+    "failed": "**failed** (see the cell)",
 }
 
 
@@ -86,8 +87,16 @@ def page(
             )
     else:
         lines.append(f"None: `{own}` is best or within the winner's spread in every cell.")
+    failed = [c for c in cells if c.get("failed")]
+    if failed:
+        lines += ["", "### Cells that failed", ""]
+        for c in failed:
+            lines.append(f"- {c['name']}: " + "; ".join(c["failed"]))
     lines += ["", "### Every cell", ""]
     for ci, c in enumerate(cells):
+        if c.get("failed"):
+            lines += [f"#### {c['name']}", "", "Failed: " + "; ".join(c["failed"]), ""]
+            continue
         extra = []
         if c.get("slow_workers"):
             extra.append(
@@ -152,8 +161,8 @@ def heatmap(results: dict[str, Any], path: str | Path, *, title: str) -> None:
         for i, c in enumerate(cells):
             best = c["mean" if metric == "ttft_mean_s" else "p99"].get("best_s")
             for j, name in enumerate(routers):
-                r = c["routers"][name]
-                if best and r[metric] is not None and r["rejected"] == 0:
+                r = c["routers"].get(name)  # a failed cell has none
+                if best and r is not None and r[metric] is not None and r["rejected"] == 0:
                     grid[i, j] = max(r[metric] / best, 1.0)
         finite = grid[np.isfinite(grid)]
         top = max(float(finite.max()) if finite.size else 2.0, 1.01)
