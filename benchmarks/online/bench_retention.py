@@ -39,6 +39,7 @@ import httpx
 import numpy as np
 import openai
 
+from benchmarks.online.prom import metric
 from quillcache.up import stack
 
 BLOCK = 16  # the engine simulator's default; builtin tokenizer: a token per byte
@@ -154,14 +155,6 @@ async def _load(url: str, args: argparse.Namespace, retain: bool) -> tuple[list[
     return [t for turns in sessions for t in turns], sent
 
 
-def _metric(page: str, name: str) -> float:
-    total = 0.0
-    for line in page.splitlines():
-        if line.startswith(name) and line[len(name)] in " {":
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def _run(mode: str, args: argparse.Namespace) -> RunReport:
     with tempfile.TemporaryDirectory(prefix=f"bench-retention-{mode}-") as tmp:
         config = Path(tmp) / "gateway.json"
@@ -196,7 +189,7 @@ def _run(mode: str, args: argparse.Namespace) -> RunReport:
         ttfts = np.array([t.ttft_s for t in nexts if t.ttft_s is not None])
         report.ttft_p50_s = float(np.percentile(ttfts, 50))
         report.ttft_p99_s = float(np.percentile(ttfts, 99))
-    report.warm_prefill_tokens = _metric(page, "quillcache_policy_prefill_tokens_total")
+    report.warm_prefill_tokens = metric(page, "quillcache_policy_prefill_tokens_total")
     report.extra["warm_requests"] = {
         line.split(" ")[0]: float(line.rsplit(" ", 1)[1])
         for line in page.splitlines()

@@ -96,6 +96,50 @@ class ApiKeyConfig(BaseModel):
         return hashlib.sha256(self.key.encode()).hexdigest()
 
 
+class ReplicationSettings(BaseModel):
+    """Hot-prefix replication in the gateway (docs/policy.md, Replication)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        default=False,
+        description="replicate hot prefixes; off by default: it keeps the prompt tokens of "
+        "every request for the hot ones (no per-request fast path in the relay)",
+    )
+    min_rate: float = Field(
+        default=2.0, gt=0, description="requests a second that make a prefix hot"
+    )
+    min_blocks: int = Field(default=4, ge=1, description="the shortest prefix worth a replica")
+    half_life_s: float = Field(default=5.0, gt=0, description="of the decayed request rate")
+    max_anchors: int = Field(default=4096, ge=1, description="prefixes whose heat is tracked")
+    max_tokens: int = Field(
+        default=1 << 20, ge=0, description="prompt tokens kept for the hot prefixes, in all"
+    )
+    high_wait_s: float = Field(
+        default=0.1, ge=0, description="every holder waits longer: the prefix is overloaded"
+    )
+    low_wait_s: float = Field(
+        default=0.05, ge=0, description="an engine waiting less is idle; a holder less: done"
+    )
+    cooldown_s: float = Field(
+        default=1.0, ge=0, description="one replica of a prefix at most this often"
+    )
+    max_replicas: int = Field(default=3, ge=0, description="extra replicas of one prefix at a time")
+    output_tokens: int = Field(
+        default=64,
+        ge=1,
+        description="the decode length assumed when a full engine's slot wait is estimated",
+    )
+
+    @model_validator(mode="after")
+    def _marks(self) -> ReplicationSettings:
+        if self.low_wait_s > self.high_wait_s:
+            raise ValueError(
+                f"low_wait_s ({self.low_wait_s}) must not exceed high_wait_s ({self.high_wait_s})"
+            )
+        return self
+
+
 class PolicyConfig(BaseModel):
     """The policy engine (docs/policy.md): pins, session retention, and the budget of
     the warm requests it sends engines."""
@@ -155,6 +199,9 @@ class PolicyConfig(BaseModel):
     )
     timeout_s: float = Field(default=30.0, gt=0, description="one warm request at most")
     max_concurrent: int = Field(default=8, ge=1, description="warm requests in flight at most")
+    replication: ReplicationSettings = Field(
+        default_factory=ReplicationSettings, description="hot-prefix replication"
+    )
 
 
 class GatewayConfig(BaseModel):

@@ -191,12 +191,14 @@ class OpenAIEndpoints:
         check_prompt_bytes(body, chat, size, self.config.max_prompt_bytes)
         routing_started = time.perf_counter()  # tokenize + hash + route, for /admin/index
         tokens: list[int] | None = None
+        # the policy engine keeps the tokens of what it retains, and of hot prefixes
+        keep = retention is not None or self._hot_tokens
         with _tokenize_errors():
-            if retention is None:
+            if not keep:
                 route_request, prompt_tokens = await self.identifier.identify(
                     body, chat, headers, identity, candidates
                 )
-            else:  # the policy engine keeps the tokens of what it retains
+            else:
                 route_request, tokens = await self.identifier.identify_tokens(
                     body, chat, headers, identity, candidates
                 )
@@ -211,10 +213,14 @@ class OpenAIEndpoints:
             routing_started,
             self._priority(body, tenant),
         )
-        if retention is not None:
+        if keep:
             prepared.retention, prepared.tokens = retention, tokens
             prepared.model, prepared.identity = str(body.get("model") or ""), identity
         return prepared
+
+    @property
+    def _hot_tokens(self) -> bool:
+        return self.policy is not None and self.policy.wants_tokens
 
     def prepare_now(
         self, headers: Mapping[str, str], raw: bytes, chat: bool, tenant: str
@@ -225,8 +231,8 @@ class OpenAIEndpoints:
             return None
         size = len(raw)
         body, raw, candidates, identity, slo, retention = self._checked(headers, raw, chat, tenant)
-        if retention is not None:
-            return None  # `prepare` keeps the tokens a retention hint needs
+        if retention is not None or self._hot_tokens:
+            return None  # `prepare` keeps the tokens a retention hint or replication needs
         check_prompt_bytes(body, chat, size, self.config.max_prompt_bytes)
         routing_started = time.perf_counter()
         with _tokenize_errors():
@@ -418,6 +424,15 @@ class OpenAIEndpoints:
         )
         dp_rank = decision.dp_rank if decision.dp_rank is not None else 0
         self._retain(prepared, worker)
+        if self.policy is not None and prepared.tokens is not None:
+            assert prepared.identity is not None
+            self.policy.routed(  # hot-prefix heat (policy_loop.PolicyEngine.routed)
+                route_request.content_keys,
+                prepared.tokens,
+                tenant=prepared.identity.tenant,
+                salt=prepared.identity.salt,
+                model=prepared.model,
+            )
         return worker, dp_rank, self.first_byte_limit(route_request, cached_tokens)
 
     def slo_refused(self, rid: int | str, refused: SloRejected, routed_s: float) -> None:

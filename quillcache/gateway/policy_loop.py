@@ -8,6 +8,14 @@ lapsed ones, measures each engine's rate of new blocks from the index's events, 
 the warm requests `policy.retention.plan` finds due (`actuator.Warmer`), as tasks that
 never hold up routing.
 
+Hot-prefix replication (`policy.replication`, off by default): routed requests feed a
+`policy.hot.HotPrefixes` (their anchors' heat; the tokens of the hot ones, tenant-scoped),
+and every tick `policy.replication.ReplicationPolicy` looks at the hot prefixes' holders
+(the index) and every engine's wait (queued prefill plus, where slots are all taken, the
+wait for one: `_wait_s`); each replica it decides is one warm request to the idle engine
+with the owner's salt, within the same budgets, skipped when the index shows the prefix
+there already or one is in flight.
+
 With shared state the fleet keeps the pins (Redis, `fleet.py`) and pins them in every
 replica's plane; the replica that took a pin keeps its tokens and retains it.
 """
@@ -29,7 +37,9 @@ from quillcache.gateway.actuator import Warmer
 from quillcache.gateway.config import PolicyConfig
 from quillcache.gateway.session_hints import SessionHint
 from quillcache.gateway.workers import WorkerPool
-from quillcache.policy.retention import BlockRates, TouchTiming, Warm, plan
+from quillcache.policy.hot import HotCopy, HotPrefixes, Owner
+from quillcache.policy.replication import EngineLoad, ReplicationConfig, ReplicationPolicy
+from quillcache.policy.retention import BlockRates, TouchTiming, Warm, WarmAction, plan
 from quillcache.policy.targets import (
     KeyArray,
     Target,
@@ -68,6 +78,43 @@ class PolicyEngine:
         self._tasks: set[asyncio.Task[str]] = set()
         self.ticks = 0
         self.dropped_hints = 0  # session hints the store had no room for
+        rep = config.replication
+        self.hot: HotPrefixes | None = None
+        if rep.enabled:
+            self.hot = HotPrefixes(
+                block_size=plane.block_size,
+                min_rate=rep.min_rate,
+                min_blocks=rep.min_blocks,
+                half_life_s=rep.half_life_s,
+                max_anchors=rep.max_anchors,
+                max_tokens=rep.max_tokens,
+            )
+        self._replication_config = ReplicationConfig(
+            high_wait_s=rep.high_wait_s,
+            low_wait_s=rep.low_wait_s,
+            cooldown_s=rep.cooldown_s,
+            max_replicas=rep.max_replicas,
+        )
+        # one policy per set of engines serving the hot prefixes' model (None: all)
+        self._replication: dict[frozenset[int] | None, ReplicationPolicy] = {}
+        self.replicas_decided = 0
+        self.replicas_held = 0  # decided, but the index shows it there already
+
+    # -- heat ----------------------------------------------------------------------------
+
+    @property
+    def wants_tokens(self) -> bool:
+        """Whether routed requests' token ids are asked for (`routed`): replication on."""
+        return self.hot is not None
+
+    def routed(
+        self, keys: KeyArray, tokens: list[int], *, tenant: str, salt: str | None, model: str
+    ) -> None:
+        """A request was routed: count its anchors' heat (O(anchors)), and keep the
+        tokens of a hot anchor that has none, as this tenant's (`policy.hot`)."""
+        if self.hot is None or not len(keys):
+            return
+        self.hot.observe(keys, tokens, Owner(tenant, salt, model), time.monotonic())
 
     # -- targets -------------------------------------------------------------------------
 
@@ -145,8 +192,9 @@ class PolicyEngine:
                     self.store.remove(t.id)
         for state in self.plane.workers():
             self.rates.observe(state.worker, state.stored_blocks, now)
+        replicas = self._replicate(now) if self.hot is not None else []
         if not len(self.store):
-            return []
+            return replicas
         due = plan(
             self.store,
             holders_of=self.plane.holders,
@@ -157,7 +205,61 @@ class PolicyEngine:
         )
         for warm in due:
             self._send(warm)
-        return due
+        return due + replicas
+
+    def _replicate(self, now: float) -> list[Warm]:
+        """Decide the replicas of the hot prefixes (by the set of engines serving their
+        model) and send them."""
+        assert self.hot is not None
+        by_serving: dict[frozenset[int] | None, list[HotCopy]] = {}
+        for c in self.hot.hot(now):
+            by_serving.setdefault(self.pool.serving(c.owner.model), []).append(c)
+        sent: list[Warm] = []
+        for serving, copies in by_serving.items():
+            policy = self._replication.get(serving)
+            if policy is None:
+                policy = self._replication[serving] = ReplicationPolicy(self._replication_config)
+            loads = [
+                EngineLoad(w.id, self._wait_s(w.id))
+                for w in self.pool.workers.values()
+                if w.healthy and not w.draining and (serving is None or w.id in serving)
+            ]
+            by_key = {c.prefix.key: c for c in copies}
+            held = {c.prefix.key: self.plane.holders(c.keys) for c in copies}
+            decided = policy.decide([c.prefix for c in copies], held, loads, now)
+            for r in decided:
+                self.replicas_decided += 1
+                c = by_key[r.prefix_key]
+                target = Target(
+                    kind=TargetKind.HOT,
+                    tenant=c.owner.tenant,
+                    name=str(r.prefix_key),
+                    keys=c.keys,
+                    token_ids=c.token_ids,
+                    model=c.owner.model,
+                    salt=c.owner.salt,
+                    expires_s=math.inf,
+                )
+                if r.target_worker in self.plane.holders(target.keys):
+                    self.replicas_held += 1
+                    continue
+                self._send_target(target, r.target_worker, WarmAction.REPLICATE)
+                sent.append(Warm(target.id, r.target_worker, WarmAction.REPLICATE))
+        return sent
+
+    def _wait_s(self, engine: int) -> float:
+        """An engine's estimated wait for a new request: its queued prefill, plus the
+        wait for a sequence slot when all `max_num_seqs` are taken (the cost model's);
+        the queued prefill alone understates a holder whose hits keep prefill short
+        while its slots fill."""
+        state = self.plane.worker(engine)
+        slot = self.plane.cost.slot_wait_time(
+            state.in_flight,
+            state.running_decodes,
+            state.mean_context_tokens,
+            self.config.replication.output_tokens,
+        )
+        return self.plane.queue_wait_s(engine) + slot
 
     def _interval_s(self, engine: int) -> float:
         """Without the engine's capacity, what it holds (by the index): the same once it
@@ -181,15 +283,19 @@ class PolicyEngine:
 
     def _send(self, warm: Warm) -> None:
         target = self.store.get(warm.target)
-        worker = self.pool.workers.get(warm.engine)
-        if target is None or worker is None:
+        if target is not None:
+            self._send_target(target, warm.engine, warm.action)
+
+    def _send_target(self, target: Target, engine: int, action: WarmAction) -> None:
+        worker = self.pool.workers.get(engine)
+        if worker is None:
             return
         cached = 0
         n = len(target.keys)
         for m in self.plane.match(target.keys):
-            if m.worker == warm.engine and m.medium == "GPU":
+            if m.worker == engine and m.medium == "GPU":
                 cached = max(cached, min(m.blocks, n))
-        task = asyncio.create_task(self.warmer.warm(worker, target, warm.action, cached))
+        task = asyncio.create_task(self.warmer.warm(worker, target, action, cached))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -249,7 +355,7 @@ class PolicyEngine:
             "quillcache_policy_target_tokens",
             "Prompt tokens the policy engine keeps for its targets",
         )
-        counts = {k: 0 for k in TargetKind}
+        counts: dict[TargetKind, int] = {k: 0 for k in TargetKind if k is not TargetKind.HOT}
         for t in self.store:
             counts[t.kind] += 1
         for kind, n in counts.items():
@@ -263,6 +369,8 @@ class PolicyEngine:
         )
         dropped.add_metric([], self.dropped_hints)
         yield dropped
+        if self.hot is not None:
+            yield from self._collect_hot(self.hot)
         if stats.seconds:
             slowest = GaugeMetricFamily(
                 "quillcache_policy_warm_seconds_max",
@@ -270,6 +378,33 @@ class PolicyEngine:
             )
             slowest.add_metric([], max(stats.seconds))
             yield slowest
+
+    def _collect_hot(self, hot: HotPrefixes) -> Iterator[Any]:
+        decided = CounterMetricFamily(
+            "quillcache_policy_decisions",
+            "The policy engine's decisions by action (each replicate decision is then sent "
+            "or skipped: quillcache_policy_warm_requests)",
+            labels=["action"],
+        )
+        decided.add_metric([WarmAction.REPLICATE.value], self.replicas_decided)
+        yield decided
+        held = CounterMetricFamily(
+            "quillcache_policy_replicas_held",
+            "Replicas decided but not sent: the index showed the prefix on the target",
+        )
+        held.add_metric([], self.replicas_held)
+        yield held
+        copies = GaugeMetricFamily(
+            "quillcache_policy_hot_tokens",
+            "Prompt tokens the policy engine keeps for hot prefixes (their replicas' copies)",
+        )
+        copies.add_metric([], hot.tokens)
+        yield copies
+        anchors = GaugeMetricFamily(
+            "quillcache_policy_hot_anchors", "Prefix anchors whose heat is tracked"
+        )
+        anchors.add_metric([], len(hot.heat))
+        yield anchors
 
 
 def ttl_of(raw: object, default_s: float, max_s: float, what: str = "ttl_s") -> float:

@@ -7,7 +7,7 @@ the owner tenant's derived `cache_salt` (a warm request without it would fill an
 namespace). The store is bounded: by the tokens it keeps in all, and per tenant by
 that tenant's pin budget; a target past its TTL is gone.
 
-Two kinds of target:
+Two kinds of target are kept here (a third, a hot prefix's replica, is only sent):
 - a **pin** (`POST /admin/pins`): named by its last content key, owned by a tenant;
 - a **session** (a request's session id with a retention TTL hint): named by the
   tenant and session id; each turn replaces the session's prefix with its own prompt
@@ -31,6 +31,7 @@ KeyArray = npt.NDArray[np.uint64]
 class TargetKind(enum.Enum):
     PIN = "pin"
     SESSION = "session"
+    HOT = "hot"  # a hot prefix's replica (`policy.hot`): sent once, never stored here
 
 
 #: A target's name: (kind, tenant, pin's last key or session id).
