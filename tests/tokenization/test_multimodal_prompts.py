@@ -18,6 +18,8 @@ from quillcache.tokenization.multimodal import (
     MultimodalConfig,
     MultimodalPrompts,
     MultimodalUnavailable,
+    image_hash,
+    open_image,
 )
 
 
@@ -49,6 +51,22 @@ def test_tokens_and_items() -> None:
     text = bytes(t for t in prompt.tokens if t != BUILTIN_IMAGE_TOKEN_ID).decode()
     assert text == ByteTokenizer().apply_chat_template([{"role": "user", "content": "ab"}], True)
     assert mm.stats.keyed == 1 and mm.stats.items == 2
+
+
+def test_the_configured_model_id_is_the_one_hashed() -> None:
+    """vLLM hashes an image with its --model (a path, /v1/models `root`), which a served
+    name (`--served-model-name`, what the gateway's worker knows) does not tell: seen
+    against real vLLM (tests/online/test_real_vllm_vlm.py)."""
+    u = url((40, 30))
+    data = base64.b64decode(u.split(",", 1)[1])
+    expected = image_hash("sha256", "/models/qwen2-vl", data, open_image(data).converted)
+    for model_id, configured in (("served-name", "/models/qwen2-vl"), ("/models/qwen2-vl", None)):
+        mm = MultimodalPrompts(MultimodalConfig(hash_algorithm="sha256", model_id=configured))
+        (item,) = mm.prompt_now(ByteTokenizer(), body(image(u)), model_id).items
+        assert item.identifier == expected
+    unset = MultimodalPrompts(MultimodalConfig(hash_algorithm="sha256"))
+    (item,) = unset.prompt_now(ByteTokenizer(), body(image(u)), "served-name").items
+    assert item.identifier != expected  # the served name is another model id
 
 
 @pytest.mark.parametrize(
