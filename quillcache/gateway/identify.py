@@ -70,6 +70,14 @@ class RequestIdentifier:
                 return w.base_model
         return ""
 
+    def model_root_of(self, model: str | None) -> str:
+        """What the engine serving `model` hashes images with: its base model's `root`
+        (vLLM's --model), which a --served-model-name does not change."""
+        for w in self._pool.workers.values():
+            if not model or model in w.models:
+                return w.model_root or w.base_model
+        return ""
+
     def namespace_of(self, model: str | None, salt: str) -> int:
         lora = self._pool.models().get(model or "", "")
         base = self.base_model_of(model)
@@ -112,7 +120,7 @@ class RequestIdentifier:
             if self.multimodal.needs_fetch(body):
                 return None
             try:
-                mm = self.multimodal.prompt_now(local, body, self.base_model_of(body.get("model")))
+                mm = self.multimodal.prompt_now(local, body, self.model_root_of(body.get("model")))
                 return self._mm_route_request(body, mm, headers, identity), len(mm.tokens)
             except MultimodalUnavailable as exc:
                 self.multimodal.fallback(exc)
@@ -165,7 +173,7 @@ class RequestIdentifier:
                         "the engine tokenizes (tokenizer: engine); its /tokenize does not "
                         "say where the images are",
                     )
-                model_id = self.base_model_of(body.get("model"))
+                model_id = self.model_root_of(body.get("model"))
                 mm = await self.multimodal.prompt(local, body, model_id)
                 return mm.tokens, mm.blocks(self.block_size)
             except MultimodalUnavailable as exc:

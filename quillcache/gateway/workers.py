@@ -37,6 +37,9 @@ class Worker:
     id: int
     config: WorkerConfig
     base_model: str = ""
+    # the base model's `root` in /v1/models: vLLM's --model (a path or hub id), which
+    # vLLM hashes images with; differs from base_model under --served-model-name
+    model_root: str = ""
     models: dict[str, str] = field(default_factory=dict)  # served name -> LoRA ("" = base)
     block_size: int | None = None
     max_model_len: int | None = None  # from /v1/models (vLLM reports it)
@@ -246,10 +249,12 @@ class WorkerPool:
         for m in models:
             parent = m.get("parent")
             w.models[m["id"]] = m["id"] if parent else ""
-            if not parent:
-                w.base_model = w.base_model or m["id"]
+            if not parent and not w.base_model:
+                w.base_model = m["id"]
+                w.model_root = str(m.get("root") or m["id"])
         if not w.base_model and models:
             w.base_model = models[0].get("root") or models[0]["id"]
+            w.model_root = w.base_model
         lengths = [m.get("max_model_len") for m in models]
         if lengths and all(isinstance(n, int) and n > 0 for n in lengths):
             w.max_model_len = max(lengths)

@@ -89,8 +89,8 @@ class MultimodalConfig(BaseModel):
     model_id: str | None = Field(
         default=None,
         min_length=1,
-        description="the model vLLM hashes images with: its --model (/v1/models `root`); "
-        "None: the serving worker's base model as the gateway knows it",
+        description="the model vLLM hashes images with, overriding what the gateway "
+        "reads (the serving worker's /v1/models `root`: its --model)",
     )
     fetch: bool = Field(default=False, description="fetch http(s) image URLs")
     max_image_bytes: int = Field(default=20 << 20, gt=0, description="per image, encoded")

@@ -4,8 +4,8 @@ A tiny random Qwen2-VL (`benchmarks/realvllm/tiny_vlm.py`: Qwen2-VL's special to
 its image processor with patch 14, merge 2 and a 3,136..50,176-pixel range) served by
 one vLLM CPU server hashing images with blake3 (its default) and blocks with sha256_cbor, a gateway
 in front configured for that model as docs/gateway.md says (`smart_resize`,
-`<|image_pad|>`, its vision start/end text, and `model_id`: the engine's --model, which
-vLLM hashes images with, not the served name the gateway knows the worker by). For each
+`<|image_pad|>`, its vision start/end text; the engine is served under another name than
+its --model, which vLLM hashes images with: the gateway takes it from /v1/models `root`). For each
 request the test checks what the gateway predicts against what vLLM does:
 
 * the prompt's token ids and image ranges: vLLM's own (`return_token_ids`);
@@ -112,7 +112,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                     "router": "quillcache",
                     "health_interval_s": 0.5,
                     "workers": [engine.worker_config()],
-                    "multimodal": {**MULTIMODAL, "model_id": str(model)},
+                    "multimodal": MULTIMODAL,
                     "secret_file": str(wd / "gateway-secret.json"),
                 }
             )
