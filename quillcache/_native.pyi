@@ -36,6 +36,7 @@ __all__ = [
     "QuillCacheError",
     "Relay",
     "__version__",
+    "best_positions",
     "block_key",
     "content_keys",
     "content_keys_batch",
@@ -43,6 +44,7 @@ __all__ = [
     "dynamo_costs",
     "llmd_scores",
     "namespace_id",
+    "sglang_pick",
     "stored_identity",
     "vllm_block_hashes",
     "vllm_event_hashes",
@@ -249,12 +251,16 @@ class NativeIndex:
         position: npt.NDArray[np.intp],
         candidates: int,
         rank_counts: npt.NDArray[np.intp] | None = None,
+        *,
+        all_live: bool = False,
     ) -> _MatchTiers:
         """Per candidate (rank 0 at `position[worker]`, negative or past the end: none;
         rank r at `position[worker] + r` when `rank_counts[position]` > r), its
         longest prefix per tier, flat: gpu, cpu, disk x candidates; and the match
         compacted: the columns of the hits above their medium's floor, and the floors
-        ((medium code, blocks): every live source holds that many leading blocks)."""
+        ((medium code, blocks): every live source holds that many leading blocks).
+        `all_live`: every position below `candidates` is a live source (the caller
+        vouches), so the floors go to every position without a walk over the sources."""
     def match_many(self, requests: list[_Keys]) -> list[list[Match]]:
         """`match` for each request; one GIL release for the whole list."""
     def remove_worker(self, worker: int) -> int:
@@ -350,6 +356,8 @@ class DurableIndex:
         position: npt.NDArray[np.intp],
         candidates: int,
         rank_counts: npt.NDArray[np.intp] | None = None,
+        *,
+        all_live: bool = False,
     ) -> _MatchTiers: ...
     def match_many(self, requests: list[npt.NDArray[np.uint64]]) -> list[list[Match]]: ...
     def remove_worker(self, worker: int) -> int: ...
@@ -398,6 +406,8 @@ class KvIndex:
         position: npt.NDArray[np.intp],
         candidates: int,
         rank_counts: npt.NDArray[np.intp] | None = None,
+        *,
+        all_live: bool = False,
     ) -> _MatchTiers: ...
     def match_many(self, requests: list[npt.NDArray[np.uint64]]) -> list[list[Match]]: ...
     def remove_worker(self, worker: int) -> int: ...
@@ -684,3 +694,26 @@ def llmd_scores(
     cpu_tier_weight: float,
 ) -> npt.NDArray[np.float64]:
     """llm-d's weighted score per row (higher is better), bit for bit."""
+
+def best_positions(
+    values: npt.NDArray[np.float64], tolerance: float = 0.0, lowest: bool = True
+) -> list[int]:
+    """The positions (ascending) within `tolerance` of the lowest value (`lowest`) or of
+    the highest: numpy's `flatnonzero(v <= v.min() + tol)` / `flatnonzero(v >= v.max()
+    - tol)`, in one pass. ValueError for an empty array or a NaN."""
+
+def sglang_pick(
+    load: npt.NDArray[np.float64],
+    fleet: npt.NDArray[np.float64],
+    worker: npt.NDArray[np.uint64],
+    gpu: npt.NDArray[np.int64],
+    pending: npt.NDArray[np.int64],
+    abs_threshold: float,
+    rel_threshold: float,
+) -> tuple[int, int, int]:
+    """SGLang cache-aware's candidate positions `(least, longest, smallest)` in one pass:
+    the shortest queue (then lowest id) when the load is imbalanced (`max - min >
+    abs_threshold` and `max > min * rel_threshold`, requests in flight), else -1; the
+    longest match (GPU or pending), then shortest queue, then lowest id; the fewest
+    resident blocks (`fleet[:, 1]`), then shortest queue, then lowest id. ValueError for
+    a NaN in flight or resident count."""

@@ -295,6 +295,7 @@ class _Candidates:
         )
 
 
+_LOAD_COLUMN = {name: i for i, name in enumerate(LOAD_FIELDS)}
 _NO_KEYS: npt.NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 _NO_POSITIONS: npt.NDArray[np.intp] = np.zeros(0, dtype=np.intp)
 
@@ -471,7 +472,13 @@ class ControlPlane:
         them (what each was booked is kept) and KV usage and mean context apply to
         every rank; `update_rank_load` sets one rank's."""
         state = self._state(worker)
-        columns = {load_column(name): _load_value(name, value) for name, value in load.items()}
+        columns: dict[int, float] = {}
+        for name, value in load.items():
+            column = _LOAD_COLUMN.get(name)
+            if column is None:
+                column = load_column(name)  # raises, naming the known fields
+            # `0 <= value < inf` is False for NaN too: the checking path names it
+            columns[column] = float(value) if 0.0 <= value < math.inf else _load_value(name, value)
         if len(state.rows) == 1:
             self.load.report(state.rows[0], columns)
             return
@@ -534,16 +541,28 @@ class ControlPlane:
 
         Raises `EventDecodeError` for a bad batch, after applying the ones before it.
         """
-        state = self._state(worker)
-        row = self._rank_row(state, dp_rank)
-        t0 = time.perf_counter_ns()
-        with self._index_lock:
-            stats = self.index.apply(worker, payloads, dp_rank, seqs=seqs)
-        if self.latencies is not None:
-            self.latencies.apply_ns.append(time.perf_counter_ns() - t0)
+        # Called once per engine batch (a fleet's upkeep): no work that is not needed.
+        state = self._workers.get(worker)
+        if state is None:
+            state = self._state(worker)  # raises, naming the known workers
+        rows = state.rows
+        row = rows[dp_rank] if 0 <= dp_rank < len(rows) else self._rank_row(state, dp_rank)
+        latencies = self.latencies
+        if latencies is None:
+            with self._index_lock:
+                stats = self.index.apply(worker, payloads, dp_rank, seqs=seqs)
+        else:
+            t0 = time.perf_counter_ns()
+            with self._index_lock:
+                stats = self.index.apply(worker, payloads, dp_rank, seqs=seqs)
+            latencies.apply_ns.append(time.perf_counter_ns() - t0)
+        stored = stats.blocks_stored
+        change = stored - stats.blocks_removed
         fleet = self._fleet.m
-        fleet[row, RESIDENT] += stats.blocks_stored - stats.blocks_removed
-        self._fleet.stored[row] += stats.blocks_stored
+        if change:
+            fleet[row, RESIDENT] += change
+        if stored:
+            self._fleet.stored[row] += stored
         if stats.clears:
             fleet[row, RESIDENT] = max(fleet[row, RESIDENT], 0.0)
         self.apply_stats += stats
@@ -590,13 +609,16 @@ class ControlPlane:
         if not len(keys):
             tiers = np.zeros((3, n), dtype=np.int64)
         else:
-            t0 = time.perf_counter_ns()
+            t0 = time.perf_counter_ns() if self.latencies is not None else 0
             # the index places the hits itself, ranks included, when the ids are small
             # enough for a position table
             table = cand.table
             with self._index_lock:
                 if table is not None:
-                    tiers, hits = self.index.match_tiers(keys, table, n, cand.rank_counts)
+                    # every candidate is a registered worker's rank: a live source
+                    tiers, hits = self.index.match_tiers(
+                        keys, table, n, cand.rank_counts, all_live=True
+                    )
                 else:
                     hits = self.index.match_columns(keys)
             if self.latencies is not None:
@@ -897,6 +919,10 @@ def _best_rank(view: View, state: WorkerState) -> int:
     return int(c.dp_rank[at[best]])
 
 
+#: Up to this many hits, `_MediaOf.one` looks for a worker's in Python.
+_FEW_HITS = 32
+
+
 class _MediaOf:
     """A (worker, rank)'s raw medium name -> blocks, from the match's columns (compact:
     the floors every candidate holds, and the hits above them), for a `WorkerView`
@@ -914,7 +940,15 @@ class _MediaOf:
     def one(self, worker: int, dp_rank: int) -> dict[str, int]:
         h = self._hits
         media = dict(self._floor)
-        for i in np.flatnonzero((h.worker == worker) & (h.dp_rank == dp_rank)).tolist():
+        if len(h.worker) > _FEW_HITS:
+            at = np.flatnonzero((h.worker == worker) & (h.dp_rank == dp_rank)).tolist()
+        else:  # a compact match has a few hits: numpy's per-call cost is more than this
+            at = [
+                i
+                for i, (w, r) in enumerate(zip(h.worker.tolist(), h.dp_rank.tolist(), strict=True))
+                if w == worker and r == dp_rank
+            ]
+        for i in at:
             name = h.medium_name(int(h.medium[i]))
             blocks = int(h.blocks[i])
             if blocks > media.get(name, 0):

@@ -270,6 +270,8 @@ class MemoryIndex:
         position: npt.NDArray[np.intp],
         candidates: int,
         rank_counts: npt.NDArray[np.intp] | None = None,
+        *,
+        all_live: bool = False,  # a full match has no floors to place
     ) -> tuple[npt.NDArray[np.int64], MatchColumns]:
         cols = self.match_columns(keys)
         return cols.tiers(position, candidates, rank_counts), cols

@@ -166,12 +166,16 @@ class NativeIndex:
         position: npt.NDArray[np.intp],
         candidates: int,
         rank_counts: npt.NDArray[np.intp] | None = None,
+        *,
+        all_live: bool = False,
     ) -> tuple[npt.NDArray[np.int64], MatchColumns]:
         try:
-            tiers, cols, floors = self._inner.match_tiers(keys, position, candidates, rank_counts)
+            tiers, cols, floors = self._inner.match_tiers(
+                keys, position, candidates, rank_counts, all_live=all_live
+            )
         except (TypeError, QuillCacheError):
             tiers, cols, floors = self._inner.match_tiers(
-                as_key_array(keys), position, candidates, rank_counts
+                as_key_array(keys), position, candidates, rank_counts, all_live=all_live
             )
         worker, rank, medium, blocks, others = cols
         return tiers.reshape(3, candidates), MatchColumns(

@@ -75,6 +75,8 @@ class IndexBackend(Protocol):
         position: npt.NDArray[np.intp],
         candidates: int,
         rank_counts: npt.NDArray[np.intp] | None = None,
+        *,
+        all_live: bool = False,
     ) -> tuple[npt.NDArray[np.int64], MatchColumns]:
         """A (3, candidates) array: per candidate (a worker's rank 0 is at
         `position[worker]`, negative or past the end: not a candidate; its rank r at
@@ -82,7 +84,10 @@ class IndexBackend(Protocol):
         `rank_counts` no rank but 0 is a candidate) its longest prefix in the gpu, cpu
         and disk tiers (a medium beyond GPU and CPU is disk); and the match's columns,
         which may be compact (`MatchColumns.floors`: what every live source holds, the
-        arrays only the hits above it). Every candidate must be a registered source."""
+        arrays only the hits above it). Every candidate must be a registered source.
+        `all_live`: the caller vouches that every position below `candidates` is one
+        (the control plane's candidates are), so a compact backend gives the floors to
+        every position without walking its sources; a backend may ignore it."""
         ...
 
     def remove_worker(self, worker: int) -> int:

@@ -243,9 +243,21 @@ def pruned_lowest(
         k *= 2
 
 
+#: Up to this many rows, `first_min` compares them in Python.
+_FEW_ROWS = 16
+
+
 def first_min(*keys: npt.NDArray[np.generic]) -> int:
     """The position of the smallest row by `keys` compared in order (a tuple key), the
     first among equals: `min(range(n), key=lambda i: tuple(k[i] for k in keys))`."""
+    if len(keys[0]) <= _FEW_ROWS:
+        # that expression itself: numpy's per-call cost is more than a few rows' loop
+        # (the same order: the values as Python numbers compare as numpy's do)
+        columns = [k.tolist() for k in keys]
+        if len(columns) == 1:
+            first = columns[0]
+            return min(range(len(first)), key=first.__getitem__)
+        return min(range(len(columns[0])), key=lambda i: [c[i] for c in columns])
     at = np.flatnonzero(keys[0] == keys[0].min())
     for k in keys[1:]:
         if len(at) == 1:

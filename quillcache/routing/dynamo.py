@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from quillcache._native import dynamo_costs
+from quillcache._native import best_positions, dynamo_costs
 from quillcache.errors import ConfigError
 from quillcache.routing.base import Router
 from quillcache.routing.types import Decision, Request, View
@@ -131,9 +131,10 @@ class DynamoKvCost(Router):
             return self.no_workers()
         costs = self.costs(request, view)
         if self.temperature <= 0:
-            ties = np.flatnonzero(costs == costs.min())
+            # `flatnonzero(costs == costs.min())` in one native pass
+            ties = best_positions(costs)
             # as rng.choice(ties) draws: one index below the count
-            at = int(ties[0] if len(ties) == 1 else ties[self.rng.randrange(len(ties))])
+            at = ties[0] if len(ties) == 1 else ties[self.rng.randrange(len(ties))]
         else:
             at = self.rng.choices(
                 range(len(costs)), weights=softmax_weights(costs, self.temperature)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from quillcache._native import best_positions
 from quillcache._native import llmd_scores as native_llmd_scores
 from quillcache.routing.base import Router
 from quillcache.routing.types import Decision, Request, View
@@ -70,7 +71,8 @@ class LlmdPrecisePrefix(Router):
         # Ties within 1e-12, as the scheduler compares them, in view order. Only scores
         # near the top can end among them (a later one above the best by more than the
         # tolerance starts the list again), so only those are walked.
-        near = np.flatnonzero(scores >= scores.max() - _NEAR).tolist()
+        # (`flatnonzero(scores >= scores.max() - _NEAR)` in one native pass)
+        near = best_positions(scores, _NEAR, lowest=False)
         best_score, best = -1.0, []
         for i in near:
             score = float(scores[i])

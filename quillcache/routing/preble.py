@@ -28,7 +28,11 @@ class PrebleE2(Router):
         c = view.columns
         gpu = c.gpu_blocks
         # the longest cached prefix, then the fewest in flight, then the lowest id
-        best = view.worker_at(first_min(-gpu, c.in_flight, c.worker))
+        # (`first_min(-gpu, ...)`, without negating a fleet's column)
+        longest = np.flatnonzero(gpu == gpu.max())
+        if len(longest) > 1:
+            longest = longest[first_min(c.in_flight[longest], c.worker[longest]) :]
+        best = view.worker_at(int(longest[0]))
         matched = best.gpu_blocks * bs
         if matched > request.prompt_tokens - matched:
             return self.decide(request, view, best, "exploit")

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from quillcache._native import sglang_pick as native_sglang_pick
 from quillcache.routing.base import Router, first_min
 from quillcache.routing.types import Decision, Request, View
 
@@ -46,21 +47,44 @@ class SglangCacheAware(Router):
         if not len(view):
             return self.no_workers()
         c = view.columns
+        # the three rows it may choose, in one native pass (`candidates` is the numpy
+        # reference, tests/routing/test_anchor_kernels.py)
+        least, longest, smallest = native_sglang_pick(
+            np.ascontiguousarray(c.load),
+            np.ascontiguousarray(c.fleet),
+            c.worker,
+            c.gpu_blocks,
+            c.pending_blocks,
+            float(self.balance_abs_threshold),
+            float(self.balance_rel_threshold),
+        )
+        if least >= 0:
+            return self.decide(
+                request, view, view.worker_at(least), "load imbalanced: shortest queue"
+            )
+        held = max(int(c.gpu_blocks[longest]), int(c.pending_blocks[longest]))
+        rate = held * view.block_size / max(request.prompt_tokens, 1)
+        if rate > self.cache_threshold:
+            return self.decide(request, view, view.worker_at(longest), f"match rate {rate:.2f}")
+        return self.decide(request, view, view.worker_at(smallest), "low match: smallest cache")
+
+    def candidates(self, view: View) -> tuple[int, int, int]:
+        """`(least, longest, smallest)`: the positions `route` chooses from, in numpy (the
+        readable reference of the native `sglang_pick`): the shortest queue when the
+        load is imbalanced (else -1), the longest match, the smallest cache; ties by
+        the shortest queue, then the lowest id."""
+        c = view.columns
         loads = c.in_flight
         lo, hi = loads.min(), loads.max()
+        least = -1
         if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
             # shortest queue, then lowest id
-            at = first_min(loads, c.worker)
-            return self.decide(request, view, view.worker_at(at), "load imbalanced: shortest queue")
+            least = first_min(loads, c.worker)
         # longest match, then shortest queue, then lowest id
         held = np.maximum(c.gpu_blocks, c.pending_blocks)
         longest = np.flatnonzero(held == held.max())
-        at = int(longest[first_min(loads[longest], c.worker[longest])])
-        best = view.worker_at(at)
-        rate = int(held[at]) * view.block_size / max(request.prompt_tokens, 1)
-        if rate > self.cache_threshold:
-            return self.decide(request, view, best, f"match rate {rate:.2f}")
+        best = int(longest[first_min(loads[longest], c.worker[longest])])
         # smallest cache, then shortest queue, then lowest id
         small = np.flatnonzero(c.resident_blocks == c.resident_blocks.min())
-        at = int(small[first_min(loads[small], c.worker[small])])
-        return self.decide(request, view, view.worker_at(at), "low match: smallest cache")
+        smallest = int(small[first_min(loads[small], c.worker[small])])
+        return least, best, smallest

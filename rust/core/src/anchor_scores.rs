@@ -186,3 +186,118 @@ pub fn llmd_scores(rows: &PeerRows<'_>, knobs: &LlmdKnobs) -> Result<Vec<f64>, R
         })
         .collect())
 }
+
+/// The three rows `SglangCacheAware.route` may choose from, found in one pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SglangPick {
+    /// The row with the fewest requests in flight (then the lowest id, then the first),
+    /// when the load is imbalanced; None when it is balanced.
+    pub least: Option<usize>,
+    /// The longest match (the GPU prefix or the blocks being computed, whichever is
+    /// longer), then the fewest in flight, then the lowest id, then the first.
+    pub longest: usize,
+    /// The fewest resident blocks, then the fewest in flight, then the lowest id, then
+    /// the first.
+    pub smallest: usize,
+}
+
+/// `SglangCacheAware.route`'s candidates: `load` has `LOAD_WIDTH` values per row,
+/// `resident` the resident blocks per row; the load is imbalanced when `max - min >
+/// abs_threshold` and `max > min * rel_threshold` (requests in flight). Ties as
+/// numpy's `first_min` breaks them. A NaN in flight or resident count is an error (the
+/// comparisons would not be an order).
+pub fn sglang_pick(
+    load: &[f64],
+    resident: &[f64],
+    worker: &[u64],
+    gpu: &[i64],
+    pending: &[i64],
+    abs_threshold: f64,
+    rel_threshold: f64,
+) -> Result<SglangPick, RowsError> {
+    let n = gpu.len();
+    let lens = [
+        load.len() / LOAD_WIDTH,
+        resident.len(),
+        worker.len(),
+        pending.len(),
+    ];
+    if !load.len().is_multiple_of(LOAD_WIDTH) || lens.iter().any(|&l| l != n) {
+        return Err(RowsError::Lengths(format!(
+            "{n} gpu values, {} load values, resident/worker/pending {:?}",
+            load.len(),
+            &lens[1..]
+        )));
+    }
+    if n == 0 {
+        return Err(RowsError::Empty);
+    }
+    let in_flight = |i: usize| load[i * LOAD_WIDTH + IN_FLIGHT];
+    let held = |i: usize| gpu[i].max(pending[i]);
+    let (mut lo, mut hi) = (in_flight(0), in_flight(0));
+    let (mut least, mut longest, mut smallest) = (0, 0, 0);
+    for i in 0..n {
+        let q = in_flight(i);
+        if q.is_nan() || resident[i].is_nan() {
+            return Err(RowsError::Lengths(format!(
+                "row {i}: requests in flight {q}, resident blocks {}: not numbers",
+                resident[i]
+            )));
+        }
+        if i == 0 {
+            continue;
+        }
+        lo = lo.min(q);
+        hi = hi.max(q);
+        // (in flight, id) ascending: strictly better only, so the first of equals stays
+        let lighter = |b: usize| q < in_flight(b) || (q == in_flight(b) && worker[i] < worker[b]);
+        if lighter(least) {
+            least = i;
+        }
+        let (h, hb) = (held(i), held(longest));
+        if h > hb || (h == hb && lighter(longest)) {
+            longest = i;
+        }
+        let (r, rb) = (resident[i], resident[smallest]);
+        if r < rb || (r == rb && lighter(smallest)) {
+            smallest = i;
+        }
+    }
+    let imbalanced = hi - lo > abs_threshold && hi > lo * rel_threshold;
+    Ok(SglangPick {
+        least: imbalanced.then_some(least),
+        longest,
+        smallest,
+    })
+}
+
+/// The positions (ascending) whose value is within `tolerance` of the best: `values[i]
+/// <= min + tolerance` when `lowest`, else `values[i] >= max - tolerance`; numpy's
+/// `flatnonzero(v <= v.min() + tol)` (or `>= v.max() - tol`) in one pass over the
+/// values and one over the few near the best. A NaN is an error (numpy's min and max
+/// propagate it, and then no position compares true).
+pub fn best_positions(
+    values: &[f64],
+    tolerance: f64,
+    lowest: bool,
+) -> Result<Vec<usize>, RowsError> {
+    if values.is_empty() {
+        return Err(RowsError::Empty);
+    }
+    let mut best = values[0];
+    for (i, &v) in values.iter().enumerate() {
+        if v.is_nan() {
+            return Err(RowsError::Lengths(format!("value {i} is not a number")));
+        }
+        if (lowest && v < best) || (!lowest && v > best) {
+            best = v;
+        }
+    }
+    Ok(if lowest {
+        let bound = best + tolerance;
+        (0..values.len()).filter(|&i| values[i] <= bound).collect()
+    } else {
+        let bound = best - tolerance;
+        (0..values.len()).filter(|&i| values[i] >= bound).collect()
+    })
+}

@@ -1,4 +1,5 @@
-//! `dynamo_costs`, `llmd_scores`: `quillcache_core::anchor_scores` for the peer routers.
+//! `dynamo_costs`, `llmd_scores`, `sglang_pick`, `best_positions`:
+//! `quillcache_core::anchor_scores` for the peer routers.
 
 use numpy::{PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
@@ -133,7 +134,67 @@ fn llmd_scores<'py>(
     Ok(PyArray1::from_vec(py, scores))
 }
 
+/// `SglangCacheAware.route`'s candidate rows: `(least, longest, smallest)` positions,
+/// `least` -1 when the load is balanced (`anchor_scores::sglang_pick`).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn sglang_pick(
+    load: PyReadonlyArray2<'_, f64>,
+    fleet: PyReadonlyArray2<'_, f64>,
+    worker: PyReadonlyArray1<'_, u64>,
+    gpu: PyReadonlyArray1<'_, i64>,
+    pending: PyReadonlyArray1<'_, i64>,
+    abs_threshold: f64,
+    rel_threshold: f64,
+) -> PyResult<(isize, usize, usize)> {
+    if load.shape()[1] != LOAD_WIDTH {
+        return Err(PyValueError::new_err(format!(
+            "load must have {LOAD_WIDTH} columns, it has {}",
+            load.shape()[1]
+        )));
+    }
+    let load_rows = load.as_slice().map_err(|_| {
+        PyValueError::new_err("load must be a C-contiguous (rows, 5) float64 array")
+    })?;
+    let width = fleet.shape()[1];
+    if width < 2 {
+        return Err(PyValueError::new_err(format!(
+            "fleet must have its resident blocks in column 1; it has {width} columns"
+        )));
+    }
+    let fleet_rows = fleet
+        .as_slice()
+        .map_err(|_| PyValueError::new_err("fleet must be a C-contiguous float64 array"))?;
+    let resident: Vec<f64> = fleet_rows.chunks_exact(width).map(|r| r[1]).collect();
+    let pick = anchor_scores::sglang_pick(
+        load_rows,
+        &resident,
+        slice("worker", &worker)?,
+        slice("gpu_blocks", &gpu)?,
+        slice("pending_blocks", &pending)?,
+        abs_threshold,
+        rel_threshold,
+    )
+    .map_err(rows_error)?;
+    let least = pick.least.map_or(-1, |l| l as isize);
+    Ok((least, pick.longest, pick.smallest))
+}
+
+/// The positions within `tolerance` of the lowest (`lowest`) or highest value
+/// (`anchor_scores::best_positions`).
+#[pyfunction]
+#[pyo3(signature = (values, tolerance=0.0, lowest=true))]
+fn best_positions(
+    values: PyReadonlyArray1<'_, f64>,
+    tolerance: f64,
+    lowest: bool,
+) -> PyResult<Vec<usize>> {
+    anchor_scores::best_positions(slice("values", &values)?, tolerance, lowest).map_err(rows_error)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(best_positions, m)?)?;
     m.add_function(wrap_pyfunction!(dynamo_costs, m)?)?;
-    m.add_function(wrap_pyfunction!(llmd_scores, m)?)
+    m.add_function(wrap_pyfunction!(llmd_scores, m)?)?;
+    m.add_function(wrap_pyfunction!(sglang_pick, m)?)
 }

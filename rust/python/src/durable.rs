@@ -196,7 +196,7 @@ impl DurableIndex {
     }
 
     /// Each candidate's prefix per tier and the match compacted (`reads::match_tiers`).
-    #[pyo3(signature = (keys, position, candidates, rank_counts=None))]
+    #[pyo3(signature = (keys, position, candidates, rank_counts=None, *, all_live=false))]
     fn match_tiers<'py>(
         &self,
         py: Python<'py>,
@@ -204,6 +204,7 @@ impl DurableIndex {
         position: PyReadonlyArray1<'py, isize>,
         candidates: usize,
         rank_counts: Option<PyReadonlyArray1<'py, isize>>,
+        all_live: bool,
     ) -> PyResult<reads::MatchTiers<'py>> {
         let counts = match &rank_counts {
             Some(c) => Some(positions_slice(c)?),
@@ -216,6 +217,7 @@ impl DurableIndex {
             positions_slice(&position)?,
             candidates,
             counts,
+            all_live,
         )
     }
 

@@ -139,7 +139,7 @@ impl KvIndex {
     }
 
     /// Each candidate's prefix per tier and the match compacted (`reads::match_tiers`).
-    #[pyo3(signature = (keys, position, candidates, rank_counts=None))]
+    #[pyo3(signature = (keys, position, candidates, rank_counts=None, *, all_live=false))]
     fn match_tiers<'py>(
         &self,
         py: Python<'py>,
@@ -147,6 +147,7 @@ impl KvIndex {
         position: PyReadonlyArray1<'py, isize>,
         candidates: usize,
         rank_counts: Option<PyReadonlyArray1<'py, isize>>,
+        all_live: bool,
     ) -> PyResult<reads::MatchTiers<'py>> {
         let counts = match &rank_counts {
             Some(c) => Some(positions_slice(c)?),
@@ -159,6 +160,7 @@ impl KvIndex {
             positions_slice(&position)?,
             candidates,
             counts,
+            all_live,
         )
     }
 

@@ -96,6 +96,10 @@ pub(crate) fn match_columns<'py, L: Locked>(
 /// candidate); its rank `r` is at `position[worker] + r` when `rank_counts` (per
 /// position: the ranks of the worker there) says it has that rank, and no rank but 0
 /// is a candidate without `rank_counts`. A medium beyond GPU and CPU counts as disk.
+///
+/// `all_live`: the caller vouches that every position below `candidates` is a live
+/// source of this index (the control plane's candidates are its registered workers'
+/// ranks), so the floors go to every position without a walk over the sources.
 pub(crate) fn match_tiers<'py, L: Locked>(
     py: Python<'py>,
     lock: &L,
@@ -103,6 +107,7 @@ pub(crate) fn match_tiers<'py, L: Locked>(
     position: &[isize],
     candidates: usize,
     rank_counts: Option<&[isize]>,
+    all_live: bool,
 ) -> PyResult<MatchTiers<'py>> {
     if let Some(counts) = rank_counts {
         if counts.len() < candidates {
@@ -131,16 +136,26 @@ pub(crate) fn match_tiers<'py, L: Locked>(
     let compact = read(py, lock, |ix| {
         let compact = ix.matches_compact(keys)?;
         if !compact.floors.is_empty() {
-            // the floors stand for every live source: those among the candidates get them
+            // the floors stand for every live source: those among the candidates get
+            // them (the tiers are all zero until here, so a floor is set, not maxed)
             let floor = tier_floor(&compact.floors);
-            ix.floor_holders(&mut |worker, rank| {
-                if let Some(at) = place(worker, rank) {
-                    for (tier, &blocks) in floor.iter().enumerate() {
-                        let slot = &mut tiers[tier * candidates + at];
-                        *slot = (*slot).max(blocks);
+            if all_live {
+                for (tier, &blocks) in floor.iter().enumerate() {
+                    if blocks > 0 {
+                        tiers[tier * candidates..(tier + 1) * candidates].fill(blocks);
                     }
                 }
-            });
+            } else {
+                ix.floor_holders(&mut |worker, rank| {
+                    if let Some(at) = place(worker, rank) {
+                        for (tier, &blocks) in floor.iter().enumerate() {
+                            if blocks > 0 {
+                                tiers[tier * candidates + at] = blocks;
+                            }
+                        }
+                    }
+                });
+            }
         }
         Ok::<_, <L::Index as IndexRead>::Error>(compact)
     })?
