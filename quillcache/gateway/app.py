@@ -66,6 +66,7 @@ from quillcache.gateway.workers import Worker, WorkerPool
 from quillcache.policy.budget import ActuationBudget
 from quillcache.routing import Router
 from quillcache.routing.registry import create_router, import_router
+from quillcache.state.warm_claims import WarmClaims
 from quillcache.tokenization.multimodal import MultimodalPrompts
 from quillcache.tokenization.request import RequestTokenizer
 
@@ -343,6 +344,13 @@ class Gateway:
                 block_size=cp.block_size,
                 timeout_s=policy.timeout_s,
                 max_concurrent=policy.max_concurrent,
+                # with shared state: one in-flight marker and budget for the fleet
+                claims=(
+                    WarmClaims(cfg.state, prefix=cfg.state_prefix)
+                    if self.fleet is not None
+                    else None
+                ),
+                linger_s=policy.touch_min_interval_s,
             ),
             pins_in_plane=self.fleet is None,
         )

@@ -17,7 +17,10 @@ with the owner's salt, within the same budgets, skipped when the index shows the
 there already or one is in flight.
 
 With shared state the fleet keeps the pins (Redis, `fleet.py`) and pins them in every
-replica's plane; the replica that took a pin keeps its tokens and retains it.
+replica's plane; the replica that took a pin keeps its tokens and retains it. Every warm
+request then claims a fleet-wide marker and the fleet's budgets first (the Warmer's
+`claims`, `quillcache.state.warm_claims`), so N replicas deciding the same warm send it
+once.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from quillcache.policy.targets import (
     TargetKind,
     TargetStore,
 )
+from quillcache.state.warm_claims import ClaimStats
 
 log = logging.getLogger(__name__)
 
@@ -310,6 +314,7 @@ class PolicyEngine:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await self.warmer.aclose()
 
     # -- reporting -----------------------------------------------------------------------
 
@@ -371,6 +376,8 @@ class PolicyEngine:
         yield dropped
         if self.hot is not None:
             yield from self._collect_hot(self.hot)
+        if self.warmer.claims is not None:
+            yield from self._collect_claims(self.warmer.claims.stats)
         if stats.seconds:
             slowest = GaugeMetricFamily(
                 "quillcache_policy_warm_seconds_max",
@@ -378,6 +385,23 @@ class PolicyEngine:
             )
             slowest.add_metric([], max(stats.seconds))
             yield slowest
+
+    def _collect_claims(self, stats: ClaimStats) -> Iterator[Any]:
+        claims = CounterMetricFamily(
+            "quillcache_policy_fleet_claims",
+            "Fleet-wide warm claims in Redis by result (fleet_down: this replica's own "
+            "marker and budgets were used)",
+            labels=["result"],
+        )
+        for result, n in sorted(stats.results.items()):
+            claims.add_metric([result], n)
+        yield claims
+        fallbacks = CounterMetricFamily(
+            "quillcache_policy_fleet_claim_fallbacks",
+            "Warm-claim calls that fell back to local state: redis unreachable or slow",
+        )
+        fallbacks.add_metric([], stats.fallbacks)
+        yield fallbacks
 
     def _collect_hot(self, hot: HotPrefixes) -> Iterator[Any]:
         decided = CounterMetricFamily(

@@ -5,6 +5,10 @@ work that serving requests would otherwise get. Token buckets bound it per engin
 per tenant: `rate` tokens a second, up to `burst` at once; a request is sent only when
 both its engine's and its tenant's buckets hold its tokens, and then takes them from
 both.
+
+These are one replica's buckets. With shared state the same buckets (same rates, same
+bursts, both or neither) are kept in Redis for the whole fleet
+(`quillcache.state.warm_claims`), and these apply only while Redis is unreachable.
 """
 
 from __future__ import annotations
