@@ -3,7 +3,7 @@ workload through a gateway with local state and one with shared state, side by s
 one run, in front of the same engine simulators, with a real `redis-server`.
 
     python -m benchmarks.state.bench_gateway_state [--engines 4] [--requests 2000] \\
-        [--concurrency 8] [--rounds 3] [--replicas 2] [--json out.json]
+        [--concurrency 8] [--rounds 3] [--replicas 2] [--baseline TREE] [--unix] [--json out.json]
 
 Per round, each gateway in turn gets `--requests` non-streamed completions (16-token
 prompts of 8 blocks over 32 prefixes, 2 output tokens) from `--concurrency` client
@@ -13,6 +13,12 @@ With several replicas, as many replicas with local state each ("private") get th
 same requests too: what N replicas cost without Redis (each one ingests every
 engine's events and does its own idle work), so that shared / private is what Redis
 itself costs.
+`--baseline TREE`: as many shared replicas again, run from another source tree (e.g.
+`git archive <commit> | tar -x -C TREE`, with the native module copied in), on the same
+Redis under another key prefix: the code before a change beside the code after it, in
+the same run ("shared-before"). `--unix`: as many shared replicas again, reaching the
+same Redis through its Unix socket instead of TCP on 127.0.0.1 ("shared-unix"; Redis
+on the gateway's host, e.g. a sidecar).
 Measured per gateway:
 
 - `pre_upstream` p50 (handler entry -> upstream request sent: parse, tokenize, hash,
@@ -38,7 +44,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -165,6 +173,39 @@ def script_us(redis_url: str, reset: bool = False) -> float:
         client.close()
 
 
+def launch_redis_unix(work: Path, timeout_s: float = 10.0) -> Proc:
+    """A `redis-server` on a free 127.0.0.1 port and a Unix socket in `work`, configured
+    as `quillcache.up.launch_redis` configures its own."""
+    binary = shutil.which("redis-server") or shutil.which("valkey-server")
+    if binary is None:
+        raise SystemExit("redis-server is not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sock = work / "redis.sock"
+    log_path = work / "redis.log"
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--unixsocket", str(sock)]
+    argv += ["--unixsocketperm", "700", "--save", "", "--appendonly", "no", "--dir", str(work)]
+    argv += ["--logfile", str(log_path), "--maxmemory-policy", "noeviction"]
+    popen = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if redis.Redis.from_url(url).ping():
+                ready = {"url": url, "port": port, "unix_url": f"unix://{sock}?db=0"}
+                return Proc("redis", popen, ready, log_path)
+        except redis.RedisError:
+            time.sleep(0.02)
+    popen.kill()
+    raise SystemExit(f"redis-server did not start (log: {log_path})")
+
+
 def measure(gateways: list[Proc], args: argparse.Namespace, redis_url: str) -> dict[str, float]:
     urls = [g.url for g in gateways]
     for u in urls:
@@ -195,13 +236,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--idle-s", type=float, default=3.0, help="idle CPU measured this long")
+    p.add_argument("--baseline", type=Path, default=None, help="a source tree to compare with")
+    p.add_argument("--unix", action="store_true", help="shared replicas on the Unix socket too")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     os.environ[ADMIN_TOKEN_ENV] = ADMIN
     work = Path(tempfile.mkdtemp(prefix="bench-gateway-state-"))
     procs: list[Proc] = []
     try:
-        redis = launch_redis(work)
+        redis = launch_redis(work) if not args.unix else launch_redis_unix(work)
         procs.append(redis)
         engines = [launch(f"engine{i}", engine_args(), work) for i in range(args.engines)]
         procs += engines
@@ -228,6 +271,22 @@ def main(argv: list[str] | None = None) -> int:
             )
             shared.append(g)
             procs.append(g)
+        if args.baseline is not None:
+            before: list[Proc] = []
+            sets.append(("shared-before", before))
+            for i in range(args.replicas):
+                extra = [*common, "--state", redis.url, "--state-prefix", "before"]
+                g = launch(f"before{i}", gateway_args(urls, extra=extra), work, tree=args.baseline)
+                before.append(g)
+                procs.append(g)
+        if args.unix:
+            unix: list[Proc] = []
+            sets.append(("shared-unix", unix))
+            for i in range(args.replicas):
+                extra = [*common, "--state", redis.ready["unix_url"], "--state-prefix", "unix"]
+                g = launch(f"unix{i}", gateway_args(urls, extra=extra), work)
+                unix.append(g)
+                procs.append(g)
         for _, gws in sets:  # warm-up
             run_load([g.url for g in gws], 200, args.concurrency)
         time.sleep(1.0)
@@ -237,8 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.rounds):
             for name, gws in sets:
                 m = measure(gws, args, redis.url)
-                if name == "shared":
-                    p50s = [booking_p50_us(g.url) for g in shared]
+                if name.startswith("shared"):
+                    p50s = [booking_p50_us(g.url) for g in gws]
                     m["booking_p50_us_bucket"] = max(v for v in p50s if v is not None)
                 rows.append({"round": rnd, "state": name, **m})
                 print(json.dumps(rows[-1]), flush=True)
@@ -255,6 +314,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"{sh['redis_us_per_script']:.0f} us); CPU per request "
                 f"{cpu_sh:.0f} / {cpu_lo:.0f} us = {cpu_sh / cpu_lo:.2f}x"
             )
+            for other in ("shared-unix", "shared-before"):
+                if other not in by:
+                    continue
+                bf = by[other]
+                added_bf = bf["pre_upstream_p50_us"] - lo["pre_upstream_p50_us"]
+                cpu_bf = bf["cpu_per_request_us"]
+                print(
+                    f"  {other}: routing p50 {bf['pre_upstream_p50_us']:.0f} "
+                    f"us, added {added_bf:.0f} us (booking p50 <= "
+                    f"{bf['booking_p50_us_bucket']:.0f} us, script "
+                    f"{bf['redis_us_per_script']:.0f} us); CPU per request {cpu_bf:.0f} us = "
+                    f"{cpu_bf / cpu_lo:.2f}x local"
+                )
             if "private" in by:
                 pv = by["private"]
                 cpu_pv = pv["cpu_per_request_us"]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.datastructures import Headers
 
-from quillcache.gateway import proxy
+from quillcache.gateway import eager, proxy
 from quillcache.gateway.httpio import ApiError
 from quillcache.gateway.openai_api import (
     CHAT_COMPLETIONS,
@@ -63,7 +63,7 @@ class RelayHost:
         self.outcomes = endpoints.outcomes
         self.relay = relay
         self.flights: dict[int, Flight] = {}
-        self._deciding: set[asyncio.Task[None]] = set()
+        self._deciding: set[asyncio.Future[None]] = set()
 
     def start(self) -> None:
         asyncio.get_running_loop().add_reader(self.relay.fileno(), self.drain)
@@ -157,14 +157,22 @@ class RelayHost:
             self._answer_failure(rid, flight.path, exc)
 
     def _route_and_forward(self, rid: int, flight: Flight, started: float | None) -> None:
-        # the booking in Redis (a round trip), or the SLO queue's wait: in a task
-        if self.endpoints.shared is not None or self.endpoints.slo_queue is not None:
-            task = asyncio.ensure_future(self._book_and_forward(rid, flight, started))
-            self._deciding.add(task)
-            task.add_done_callback(self._deciding.discard)
+        # the booking in Redis (a round trip): routed and booked from here, forwarded
+        # from the reply's read callback (`eager`: no loop turn before either); the SLO
+        # queue's wait: in a task
+        if self.endpoints.slo_queue is not None:
+            fut: asyncio.Future[None] = asyncio.ensure_future(
+                self._book_and_forward(rid, flight, started)
+            )
+        elif self.endpoints.shared is not None:
+            fut = eager.start(self._book_and_forward(rid, flight, started))
+        else:
+            worker, dp_rank, first_byte_s = self.endpoints.route(flight.prepared)
+            self._forward(rid, flight, started, worker, dp_rank, first_byte_s)
             return
-        worker, dp_rank, first_byte_s = self.endpoints.route(flight.prepared)
-        self._forward(rid, flight, started, worker, dp_rank, first_byte_s)
+        if not fut.done():
+            self._deciding.add(fut)
+            fut.add_done_callback(self._deciding.discard)
 
     async def _book_and_forward(self, rid: int, flight: Flight, started: float | None) -> None:
         """`_send`'s shared-state path: route, book, forward; every failure answered."""

@@ -790,22 +790,9 @@ class RedisFleetState:
             ):
                 out = await self._on_lane(lane, script, args, timeout_s)
             else:
-                async with asyncio.timeout(timeout_s):
-                    if not self._open.is_set():
-                        await self._open.wait()
-                    self._inflight += 1
-                    self._idle.clear()
-                    try:
-                        if script is None:
-                            out = await self._client.execute_command(*args)
-                        elif share:
-                            out = await script(await self._share_conn(), args)
-                        else:
-                            out = await script(self._client, args)
-                    finally:
-                        self._inflight -= 1
-                        if not self._inflight:
-                            self._idle.set()
+                # wait_for, not asyncio.timeout: the booking may run outside a task
+                # (`gateway.eager`)
+                out = await asyncio.wait_for(self._call(script, args, share), timeout_s)
         except TimeoutError:
             self.stats.timeouts += 1
             self._dirty = True  # the call may still reach Redis: resync on the next beat
@@ -828,6 +815,26 @@ class RedisFleetState:
             return failed
         self._slow = 0
         return out
+
+    async def _call(
+        self, script: _Script | None, args: Sequence[str | int | float], share: bool
+    ) -> Any:
+        """`_run`'s other case: after a resync under way, on the redis client (or the
+        fast connection, opened again)."""
+        if not self._open.is_set():
+            await self._open.wait()
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            if script is None:
+                return await self._client.execute_command(*args)
+            if share:
+                return await script(await self._share_conn(), args)
+            return await script(self._client, args)
+        finally:
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.set()
 
     async def _on_lane(
         self,

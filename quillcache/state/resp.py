@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import Any, cast
 
 import hiredis
@@ -29,10 +30,20 @@ from redis.exceptions import NoScriptError, ResponseError
 from quillcache.errors import ConfigError
 
 
+class Reply(asyncio.Future[Any]):
+    """A call's reply. `on_reply`: run as soon as the reply is read, in the connection's
+    read callback, before anything else the loop has ready (a waiting coroutine that a
+    done callback would resume only on the loop's next turn; `gateway.eager`)."""
+
+    def __init__(self, *, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop=loop)
+        self.on_reply: Callable[[], None] | None = None
+
+
 class RespConnection(asyncio.Protocol):
     def __init__(self) -> None:
         self._reader = hiredis.Reader(replyError=ResponseError, encoding="utf-8")
-        self._waiters: deque[asyncio.Future[Any]] = deque()
+        self._waiters: deque[Reply] = deque()
         self._transport: asyncio.Transport | None = None
         self.lost: BaseException | None = None
 
@@ -91,6 +102,10 @@ class RespConnection(asyncio.Protocol):
                 fut.set_exception(err)
             else:
                 fut.set_result(reply)
+            hook = fut.on_reply
+            if hook is not None:
+                fut.on_reply = None
+                hook()  # (its own errors are its own: `eager` catches everything)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(RedisConnectionError(f"connection to redis lost: {exc or 'closed'}"))
@@ -103,13 +118,13 @@ class RespConnection(asyncio.Protocol):
             self.lost is None and self._transport is not None and not self._transport.is_closing()
         )
 
-    def call(self, *args: str | int | float) -> asyncio.Future[Any]:
+    def call(self, *args: str | int | float) -> Reply:
         """Send one command now; the future is its reply (a ResponseError raised for an
         error reply, RedisConnectionError when the connection goes first)."""
         if not self.usable:
             raise RedisConnectionError(f"connection to redis lost: {self.lost or 'closed'}")
         assert self._transport is not None
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        fut = Reply(loop=asyncio.get_running_loop())
         # (hiredis's stub types the argument as a 1-tuple)
         self._transport.write(hiredis.pack_command(args))  # type: ignore[arg-type]
         self._waiters.append(fut)
