@@ -120,35 +120,33 @@ class ChunkSplitter:
         out: list[Event] = []
         changed = False
         for ev in batch.events:
-            if isinstance(ev, BlockStored) and self._is_chunk(ev, src):
-                if src is None:
-                    src = self._sources[(worker, rank)] = _Source()
-                    self._workers[worker] = self._workers.get(worker, 0) + 1
-                self._media.setdefault(worker, set()).add(_packed(ev.medium))
-                cut = self._store(src, ev)
-                if cut is not None:
-                    out.extend(cut)
-                    changed = True
-                    continue
-            elif isinstance(ev, BlockStored) and src is not None:
-                chained = self._chained(src, ev)
-                if chained is not None:
-                    out.append(chained)
-                    changed = True
-                    continue
-            elif isinstance(ev, BlockRemoved) and src is not None:
-                removed = self._remove(src, ev)
-                if removed is not None:
-                    out.append(removed)
-                    changed = True
-                    continue
-            elif not isinstance(ev, (BlockStored, BlockRemoved)) and src is not None:
-                src.chunks.clear()  # AllBlocksCleared: the engine's tiers are empty
-                src.short.clear()
-            out.append(ev)
+            if src is None and isinstance(ev, BlockStored) and self._is_chunk(ev, None):
+                src = self._sources[(worker, rank)] = _Source()
+                self._workers[worker] = self._workers.get(worker, 0) + 1
+            rewritten = None if src is None else self._rewrite(worker, src, ev)
+            if rewritten is None:
+                out.append(ev)
+            else:
+                out.extend(rewritten)
+                changed = True
         if not changed:
             return payload
         return encode_batch(out, ts=batch.ts, dp_rank=batch.dp_rank)
+
+    def _rewrite(self, worker: int, src: _Source, ev: Event) -> list[Event] | None:
+        """What `ev` becomes for a source that has chunks (None: `ev` as it came)."""
+        if isinstance(ev, BlockStored):
+            if self._is_chunk(ev, src):
+                self._media.setdefault(worker, set()).add(_packed(ev.medium))
+                return self._store(src, ev)
+            chained = self._chained(src, ev)
+            return None if chained is None else [chained]
+        if isinstance(ev, BlockRemoved):
+            removed = self._remove(src, ev)
+            return None if removed is None else [removed]
+        src.chunks.clear()  # AllBlocksCleared: the engine's tiers are empty
+        src.short.clear()
+        return None
 
     def clear(self, worker: int, dp_rank: int = 0) -> None:
         """Forget a source (restart, unrecoverable gap, removed)."""
