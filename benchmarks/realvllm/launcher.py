@@ -111,32 +111,28 @@ def free_port() -> int:
     raise RuntimeError(f"no free loopback port in [{high // 2}, {high})")
 
 
-def make_tiny_model(python: str, path: Path) -> Path:
-    """The seeded 2-layer random Llama + BPE tokenizer, made by the vLLM interpreter."""
+def _make(python: str, script: Path, path: Path, what: str) -> Path:
+    """Run a model-making script with the vLLM interpreter; `path` once it is there."""
     done = subprocess.run(
-        [python, str(_TINY_MODEL_SCRIPT), str(path)],
+        [python, str(script), str(path)],
         capture_output=True,
         text=True,
         timeout=600,
         env=_clean_env(),
     )
     if done.returncode != 0:
-        raise RuntimeError(f"making the tiny model failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"making the {what} failed:\n{done.stderr[-3000:]}")
     return path
+
+
+def make_tiny_model(python: str, path: Path) -> Path:
+    """The seeded 2-layer random Llama + BPE tokenizer, made by the vLLM interpreter."""
+    return _make(python, _TINY_MODEL_SCRIPT, path, "tiny model")
 
 
 def make_tiny_vlm(python: str, path: Path) -> Path:
     """The seeded tiny random Qwen2-VL (tokenizer, processor), made by the vLLM interpreter."""
-    done = subprocess.run(
-        [python, str(_TINY_VLM_SCRIPT), str(path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=_clean_env(),
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"making the tiny vision-language model failed:\n{done.stderr[-3000:]}")
-    return path
+    return _make(python, _TINY_VLM_SCRIPT, path, "tiny vision-language model")
 
 
 def vision_env(python: str) -> dict[str, str]:
