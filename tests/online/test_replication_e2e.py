@@ -57,7 +57,11 @@ def served_by(c: openai.OpenAI, prompt: str, max_tokens: int = 24) -> tuple[int,
     return int(raw.headers["x-quillcache-worker"]), cached
 
 
-def burst(stack: Stack, replication: bool) -> tuple[list[tuple[int, int]], str, openai.OpenAI]:
+def burst(stack: Stack, replication: bool) -> tuple[list[tuple[int, int]], str, openai.OpenAI, int]:
+    """The served (worker, cached tokens) of a burst on one tenant's hot prefix, the
+    gateway's metrics, another tenant's client, and the engine the prefix went to first
+    (nothing matched: the sglang router's smaller cache, which the start-up parity probe
+    may have changed, so either engine)."""
     for _ in range(2):
         stack.engine(extra=["--max-num-seqs", "2"])
     gw = stack.start_gateway(
@@ -77,7 +81,6 @@ def burst(stack: Stack, replication: bool) -> tuple[list[tuple[int, int]], str, 
     )
     acme = openai.OpenAI(base_url=gw.url + "/v1", api_key="k-acme", max_retries=0)
     first, _ = served_by(acme, SYSTEM + " the first request", max_tokens=1)
-    assert first == 0  # nothing matched: the smaller cache, then the lower id
     with ThreadPoolExecutor(16) as pool:
         out = list(
             pool.map(
@@ -87,22 +90,23 @@ def burst(stack: Stack, replication: bool) -> tuple[list[tuple[int, int]], str, 
         )
     page = httpx.get(gw.url + "/metrics").text
     other = openai.OpenAI(base_url=gw.url + "/v1", api_key="k-other", max_retries=0)
-    return out, page, other
+    return out, page, other, first
 
 
 def test_a_hot_prefix_is_replicated_onto_the_idle_engine_for_its_tenant_only(
     stack: Stack,
 ) -> None:
-    served, page, other = burst(stack, replication=True)
-    # idempotent: engine 1 is the only other engine, and once the index shows it there
+    served, page, other, holder = burst(stack, replication=True)
+    idle = 1 - holder
+    # idempotent: the idle engine is the only other engine, and once the index shows it there
     # it is a holder, never a target again
     assert metric(page, WARMS + '{action="replicate",outcome="ok"}') == 1
     assert metric(page, 'quillcache_policy_decisions_total{action="replicate"}') >= 1
     assert metric(page, 'quillcache_policy_prefill_tokens_total{action="replicate"}') >= (
         SYSTEM_BLOCKS * BLOCK // 2
     )
-    # the replica filled acme's namespace on engine 1: acme's requests hit there
-    on_replica = [cached for worker, cached in served if worker == 1]
+    # the replica filled acme's namespace on the idle engine: acme's requests hit there
+    on_replica = [cached for worker, cached in served if worker == idle]
     assert on_replica and max(on_replica) >= (SYSTEM_BLOCKS // 2) * BLOCK
     # the same prompt from another tenant is another namespace: no copy serves it
     _, cached = served_by(other, SYSTEM + " another tenant's request")
@@ -110,7 +114,7 @@ def test_a_hot_prefix_is_replicated_onto_the_idle_engine_for_its_tenant_only(
 
 
 def test_without_replication_the_hot_prefix_stays_on_its_one_engine(stack: Stack) -> None:
-    served, page, _ = burst(stack, replication=False)
+    served, page, _, holder = burst(stack, replication=False)
     assert metric(page, WARMS + '{action="replicate"') == 0
-    assert all(cached < BLOCK * 4 for worker, cached in served if worker == 1)
-    assert sum(worker == 0 for worker, _ in served) >= len(served) * 0.9
+    assert all(cached < BLOCK * 4 for worker, cached in served if worker != holder)
+    assert sum(worker == holder for worker, _ in served) >= len(served) * 0.9
