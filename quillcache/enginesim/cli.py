@@ -6,9 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quillcache.errors import ConfigError
+
+if TYPE_CHECKING:
+    from quillcache.enginesim.app import EngineApp
+    from quillcache.enginesim.lmcache_controller import LmcacheControllerSim
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +89,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--lmcache-chunk-size", type=int, default=256, help="LMCache's chunk size in tokens")
     a("--lmcache-cpu-chunks", type=int, default=1024, help="LMCache's CPU tier size, in chunks")
+    a(
+        "--lmcache-controller",
+        action="store_true",
+        help="with --lmcache vllm: also serve LMCache's cache controller API (/lookup, /move, "
+        "/clear, /pin, /health, /check_finish; LMCache 0.5.6's shapes and errors) over every "
+        "engine's LMCache instance, on the port after the engines' (a free one with --port 0); "
+        "engine i is instance lmcache-instance-<i>, with P2P on; the ready file names both",
+    )
     a(
         "--kv-groups",
         type=int,
@@ -171,6 +183,11 @@ def _check_kv_groups(args: argparse.Namespace) -> None:
 
 def _check_lmcache(args: argparse.Namespace) -> None:
     """`--lmcache` needs a vLLM engine, and a chunk size LMCache's connector accepts."""
+    if args.lmcache_controller and (args.lmcache != "vllm" or args.data_parallel_size != 1):
+        # LMCache's multiprocess server registers no worker with a controller
+        raise ConfigError(
+            "--lmcache-controller is modelled for --lmcache vllm with one rank per engine"
+        )
     if args.lmcache is None:
         return
     if args.flavor != "vllm":
@@ -194,6 +211,23 @@ def _fixed_latency(spec: str | None) -> tuple[float, float] | None:
     if ttft < 0 or itl < 0:
         raise ConfigError("--fixed-latency-ms: latencies must be >= 0")
     return ttft, itl
+
+
+def lmcache_instance_id(engine: int) -> str:
+    """The LMCache instance id of engine `engine` under `--lmcache-controller`."""
+    return f"lmcache-instance-{engine}"
+
+
+def lmcache_controller(apps: list[EngineApp]) -> LmcacheControllerSim:
+    """LMCache's controller over the engines' LMCache tiers (rank 0 each)."""
+    from quillcache.enginesim.lmcache_controller import Instance, LmcacheControllerSim
+
+    instances = []
+    for i, app in enumerate(apps):
+        tier = app.ranks[0].lmcache
+        assert tier is not None  # --lmcache-controller requires --lmcache
+        instances.append(Instance(lmcache_instance_id(i), tier))
+    return LmcacheControllerSim(instances)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -222,7 +256,9 @@ def run(args: argparse.Namespace) -> int:
         _check_lmcache(args)
         _check_hashing(args)
         _check_kv_groups(args)
-        sockets = fleet.listen(args.host, args.port, n) if n > 1 else None
+        controller = 1 if args.lmcache_controller else 0  # its socket after the engines'
+        fleet.check_counts(n + controller, args.port, dp)
+        sockets = fleet.listen(args.host, args.port, n + controller) if n + controller > 1 else None
     except ConfigError as exc:
         print(f"engine-sim: {exc}", file=sys.stderr)
         return 2
@@ -292,12 +328,15 @@ def run(args: argparse.Namespace) -> int:
 
     def describe(app: EngineApp, port: int) -> dict[str, Any]:
         pub = app.publishers[0]
-        return {
+        out = {
             "url": f"http://{args.host}:{port}",
             "port": port,
             "kv_endpoint": pub.endpoint if pub else None,
             "replay_endpoint": pub.replay_endpoint if pub else None,
         }
+        if controller:
+            out["lmcache_instance_id"] = lmcache_instance_id(apps.index(app))
+        return out
 
     async def serve() -> None:
         from quillcache.serving import serve_app
@@ -314,18 +353,22 @@ def run(args: argparse.Namespace) -> int:
             )
             return
         ports = [s.getsockname()[1] for s in sockets]
-        dispatch = fleet.PortDispatch(
-            {port: app.starlette() for port, app in zip(ports, apps, strict=True)}
-        )
-        engines = [describe(app, port) for port, app in zip(ports, apps, strict=True)]
+        served: dict[int, fleet.ASGIApp] = {
+            port: app.starlette() for port, app in zip(ports, apps, strict=False)
+        }
+        engines = [describe(app, port) for port, app in zip(ports, apps, strict=False)]
+        top: dict[str, Any] = {}
+        if controller:
+            served[ports[-1]] = lmcache_controller(apps).starlette()
+            top["lmcache_controller"] = f"http://{args.host}:{ports[-1]}"
         await serve_app(
-            dispatch,
+            fleet.PortDispatch(served),
             args.host,
             ports[0],
             args.log_level,
             {},
             args.ready_file,
-            on_started=lambda _port: {**engines[0], "engines": engines},
+            on_started=lambda _port: {**engines[0], **top, "engines": engines},
             sockets=sockets,
         )
 

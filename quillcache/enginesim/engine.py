@@ -259,7 +259,8 @@ class SimEngine:
             return
         req = self._request(prompt, max_tokens, salt, lora, mm)
         self.requests_total += 1
-        stream = _Stream(self.model.enqueue(req), asyncio.Queue(), on_admitted=on_admitted)
+        run = self.model.enqueue(req, self._lmcache_blocks(prompt))
+        stream = _Stream(run, asyncio.Queue(), on_admitted=on_admitted)
         self._streams[req.rid] = stream
         self._ensure_loop()
         produced = 0
@@ -280,6 +281,15 @@ class SimEngine:
             else:
                 self.finished_total += 1
             self._streams.pop(req.rid, None)
+
+    def _lmcache_blocks(self, prompt: Sequence[int]) -> int:
+        """The prompt's leading blocks LMCache's CPU tier holds: vLLM's connector loads
+        them instead of computing them (beyond its own GPU hit; counted in
+        `cached_tokens`). LMCache keys chunks by tokens alone, not by vLLM's cache_salt."""
+        if self.lmcache is None:
+            return 0
+        tokens, _ = self.lmcache.lookup(prompt)
+        return tokens // self.config.block_size
 
     async def _fixed(
         self,

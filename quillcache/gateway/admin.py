@@ -3,7 +3,8 @@
 Workers: list, add, get, remove, drain. Lookup: which worker holds how much of a prompt.
 Index: stats, event sources, ingest counters and the gateway's own latency samples.
 Pins: pin or unpin a prompt's prefix (a retention target of the policy engine).
-Reset: an engine's prefix-cache reset, the one eviction engines offer.
+Reset: an engine's prefix-cache reset, the one eviction engines offer; with `?tier=lmcache`
+LMCache's `/clear` of the engine's LMCache instance (its controller attached).
 Snapshot: the index image and every source's position, for a joining peer (`bootstrap`).
 Decisions: the last sampled routing decisions, each beside its KV-optimal alternative.
 """
@@ -30,6 +31,7 @@ from quillcache.gateway.config import GatewayConfig, WorkerConfig
 from quillcache.gateway.fleet import FleetLink
 from quillcache.gateway.httpio import ApiError, json_object, validate_completion
 from quillcache.gateway.identify import RequestIdentifier
+from quillcache.gateway.lmcache_ctl import LmcacheError
 from quillcache.gateway.metrics import GatewayMetrics
 from quillcache.gateway.outcomes import DecisionLog, LatencySamples
 from quillcache.gateway.peer_snapshot import SnapshotHeader, SourceEntry, chunks, encode
@@ -315,8 +317,21 @@ class AdminApi:
         """`POST /admin/workers/{id}/reset_prefix_cache`: the engine drops its whole
         prefix cache (every tenant's): vLLM's `POST /reset_prefix_cache` (served with
         VLLM_SERVER_DEV_MODE=1), else SGLang's `POST /flush_cache`. An admin action only:
-        no policy calls it. The index learns of it from the engine's AllBlocksCleared."""
+        no policy calls it. The index learns of it from the engine's AllBlocksCleared.
+
+        `?tier=lmcache` (`&location=`, default the controller settings' location):
+        LMCache's `POST /clear` of the engine's LMCache instance through its controller:
+        every tenant's unpinned chunks of that location. In-process LMCache reports no
+        removal, so the index keeps that residency until the engine's events say
+        otherwise (a predicted CPU hit the engine may not have, never a wrong answer)."""
         worker = self._worker_call(request, self.pool.get)
+        tier = request.query_params.get("tier", "gpu")
+        if tier == "lmcache":
+            return await self._clear_lmcache(worker, request.query_params.get("location"))
+        if tier != "gpu":
+            raise ApiError(
+                400, f"tier must be 'gpu' (the engine's reset) or 'lmcache', got {tier!r}"
+            )
         session = self.upstream
         if session is None:
             raise ApiError(503, "no upstream session", "ServiceUnavailableError")
@@ -348,6 +363,53 @@ class AdminApi:
             f"engine {worker.url} offers no prefix-cache reset ({', '.join(tried)} not found; "
             "vLLM serves /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1)",
             "ConflictError",
+        )
+
+    async def _clear_lmcache(self, worker: Worker, location: str | None) -> Response:
+        controller = self.policy.lmcache if self.policy is not None else None
+        if controller is None:
+            raise ApiError(
+                409, "no LMCache controller is attached to the policy engine", "ConflictError"
+            )
+        instance = controller.instance_of(worker.url)
+        if instance is None:
+            raise ApiError(
+                409,
+                f"engine {worker.url} is no LMCache instance of the controller "
+                "(lmcache.instances names none for its URL)",
+                "ConflictError",
+            )
+        where = location or controller.settings.location
+        try:
+            event, tokens = await controller.clear(instance, where)
+        except LmcacheError as exc:
+            if exc.status == 0:
+                raise ApiError(
+                    502,
+                    f"LMCache's controller did not answer /clear: {exc.detail}",
+                    "APIConnectionError",
+                ) from None
+            raise ApiError(
+                409,
+                f"LMCache's controller refused /clear of {instance!r} ({exc.status}): {exc.detail}",
+                "ConflictError",
+            ) from None
+        log.info(
+            "admin: LMCache /clear of engine %d (instance %r, %s): %d tokens",
+            worker.id,
+            instance,
+            where,
+            tokens,
+        )
+        return JSONResponse(
+            {
+                "worker": worker.id,
+                "reset": "/clear",
+                "lmcache_instance": instance,
+                "location": where,
+                "event_id": event,
+                "tokens": tokens,
+            }
         )
 
     async def snapshot(self, request: Request) -> Response:

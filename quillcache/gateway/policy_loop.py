@@ -14,7 +14,10 @@ and every tick `policy.replication.ReplicationPolicy` looks at the hot prefixes'
 (the index) and every engine's wait (queued prefill plus, where slots are all taken, the
 wait for one: `_wait_s`); each replica it decides is one warm request to the idle engine
 with the owner's salt, within the same budgets, skipped when the index shows the prefix
-there already or one is in flight.
+there already or one is in flight. Where LMCache serves as the offload tier and its
+controller is attached (`attach_lmcache`), a replica the index shows in another engine's
+LMCache CPU tier is moved there by the controller before that request, which then loads
+it instead of computing it (`actuator.Offload`).
 
 With shared state the fleet keeps the pins (Redis, `fleet.py`) and pins them in every
 replica's plane; the replica that took a pin keeps its tokens and retains it. Every warm
@@ -36,8 +39,9 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from quillcache.controlplane import ControlPlane
-from quillcache.gateway.actuator import Warmer
+from quillcache.gateway.actuator import Offload, Warmer
 from quillcache.gateway.config import PolicyConfig
+from quillcache.gateway.lmcache_ctl import LmcacheController
 from quillcache.gateway.session_hints import SessionHint
 from quillcache.gateway.workers import WorkerPool
 from quillcache.policy.hot import HotCopy, HotPrefixes, Owner
@@ -51,6 +55,7 @@ from quillcache.policy.targets import (
     TargetKind,
     TargetStore,
 )
+from quillcache.routing.types import tier_of
 from quillcache.state.warm_claims import ClaimStats
 
 log = logging.getLogger(__name__)
@@ -103,6 +108,15 @@ class PolicyEngine:
         self._replication: dict[frozenset[int] | None, ReplicationPolicy] = {}
         self.replicas_decided = 0
         self.replicas_held = 0  # decided, but the index shows it there already
+
+    @property
+    def lmcache(self) -> LmcacheController | None:
+        """LMCache's controller, where LMCache serves as the offload tier (replicas are
+        moved through it; the admin API clears its tiers)."""
+        return self.warmer.lmcache
+
+    def attach_lmcache(self, controller: LmcacheController) -> None:
+        self.warmer.lmcache = controller
 
     # -- heat ----------------------------------------------------------------------------
 
@@ -296,10 +310,21 @@ class PolicyEngine:
             return
         cached = 0
         n = len(target.keys)
+        offload: Offload | None = None
         for m in self.plane.match(target.keys):
             if m.worker == engine and m.medium == "GPU":
                 cached = max(cached, min(m.blocks, n))
-        task = asyncio.create_task(self.warmer.warm(worker, target, action, cached))
+            elif (
+                action is WarmAction.REPLICATE
+                and self.lmcache is not None
+                and m.worker != engine
+                and tier_of(m.medium) == "cpu"
+                and (offload is None or m.blocks > offload.blocks)
+            ):
+                source = self.pool.workers.get(m.worker)
+                if source is not None:
+                    offload = Offload(source, min(m.blocks, n))
+        task = asyncio.create_task(self.warmer.warm(worker, target, action, cached, offload))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -378,6 +403,8 @@ class PolicyEngine:
             yield from self._collect_hot(self.hot)
         if self.warmer.claims is not None:
             yield from self._collect_claims(self.warmer.claims.stats)
+        if self.lmcache is not None:
+            yield from self._collect_lmcache(self.lmcache)
         if stats.seconds:
             slowest = GaugeMetricFamily(
                 "quillcache_policy_warm_seconds_max",
@@ -402,6 +429,32 @@ class PolicyEngine:
         )
         fallbacks.add_metric([], stats.fallbacks)
         yield fallbacks
+
+    def _collect_lmcache(self, controller: LmcacheController) -> Iterator[Any]:
+        moves = self.warmer.moves
+        outcomes = CounterMetricFamily(
+            "quillcache_policy_lmcache_moves",
+            "Replicas the policy engine tried to copy with LMCache's controller, by outcome "
+            "(ok: chunks moved; otherwise the warm request recomputed them)",
+            labels=["outcome"],
+        )
+        for outcome, n in sorted(moves.outcomes.items()):
+            outcomes.add_metric([outcome], n)
+        yield outcomes
+        tokens = CounterMetricFamily(
+            "quillcache_policy_lmcache_moved_tokens",
+            "Tokens LMCache's controller reported moved for the policy engine's replicas",
+        )
+        tokens.add_metric([], moves.tokens)
+        yield tokens
+        calls = CounterMetricFamily(
+            "quillcache_lmcache_controller_calls",
+            "Calls to LMCache's controller by call and result",
+            labels=["call", "result"],
+        )
+        for (call, result), n in sorted(controller.calls.items()):
+            calls.add_metric([call, result], n)
+        yield calls
 
     def _collect_hot(self, hot: HotPrefixes) -> Iterator[Any]:
         decided = CounterMetricFamily(
