@@ -71,7 +71,12 @@ import zmq
 from quillcache.connectors.replay import ReplayError, ReplayStream, batch_digest
 from quillcache.connectors.sequence import SequenceTracker, Verdict, WireOrder
 from quillcache.connectors.sink import IngestSink
-from quillcache.connectors.zmq_source import ZmqReceiver, ZmqSourceConfig, raise_socket_limit
+from quillcache.connectors.zmq_source import (
+    ZmqHub,
+    ZmqReceiver,
+    ZmqSourceConfig,
+    raise_socket_limit,
+)
 from quillcache.errors import EventDecodeError
 from quillcache.index.types import ApplyStats
 
@@ -336,9 +341,11 @@ class EventIngestor:
         self.sources: dict[SourceKey, SourceStatus] = {}
         self._ranks: dict[int, tuple[int, ...]] = {}  # worker -> its sources' dp ranks
         self._receivers: dict[SourceKey, ZmqReceiver] = {}
+        self._hub = ZmqHub(self.ctx)  # one thread serves every ZMQ receiver
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._idle = threading.Event()
+        self._next_busy_check = 0.0  # time.monotonic() of the next checks between applies
         # callables to run on the applier thread between two applies (`on_applier`)
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
         self._calls = queue.SimpleQueue()
@@ -360,7 +367,7 @@ class EventIngestor:
             vouched = self.resume_digests.pop(config.key, None)
             if vouched is not None and vouched[0] == resume_from:
                 status.tracker.last_digest = vouched[1]
-        receiver = ZmqReceiver(self.ctx, config, self._deliver, self._on_peer, self._on_malformed)
+        receiver = ZmqReceiver(self._hub, config, self._deliver, self._on_peer, self._on_malformed)
         receiver.start()
         with self._lock:
             old = self._receivers.pop(config.key, None)
@@ -639,9 +646,24 @@ class EventIngestor:
                     run_key, run = key, []
                 run.append((epoch, frames))
             self._process(run_key, run)
-            self._rebuild_lost_sources()
-            self._check_quiet_tails()  # a quiet source next to a busy one
-            self._expire_stale()
+            # a source these batches left lost is rebuilt at once, as when idle
+            lost = [
+                s
+                for key in {item[0] for item in items}
+                if (s := self.sources.get(key)) is not None and s.rebuild_from is not None
+            ]
+            if lost:
+                self._rebuild_lost_sources(lost)
+            # a quiet source next to a busy one: the same checks as when idle, at the
+            # same pace, not after every hand-over (each is a pass over the fleet, and
+            # under load a hand-over is mostly one batch)
+            now = time.monotonic()
+            if now >= self._next_busy_check:
+                self._next_busy_check = now + self.TICK_S
+                pending = self._pending_sources()
+                self._rebuild_lost_sources(pending)
+                self._check_quiet_tails(pending)
+                self._expire_stale(pending)
 
     def _pending_sources(self) -> list[SourceStatus]:
         """The sources that one of the idle checks may act on: lost (waiting for a
@@ -1126,10 +1148,8 @@ class EventIngestor:
 
     def close(self) -> None:
         with self._lock:
-            receivers = list(self._receivers.values())
             self._receivers.clear()
-        for r in receivers:
-            r.stop()
+        self._hub.close()  # every receiver's sockets, on the hub's thread, at once
         self._stop.set()
         self._thread.join(timeout=2.0)
         while True:  # calls the applier will not run now
