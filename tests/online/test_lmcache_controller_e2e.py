@@ -66,10 +66,16 @@ def engines(tmp_path: Path) -> Iterator[Proc]:
 
 
 def gateway(
-    tmp_path: Path, engines: Proc, *, controller: str | None = None, mapped: int = 2
+    tmp_path: Path,
+    engines: Proc,
+    *,
+    controller: str | None = None,
+    mapped: int = 2,
+    policy: dict[str, Any] | None = None,
 ) -> Proc:
     """The gateway over both engines, replication on, LMCache's controller attached
-    (`controller`: another URL, e.g. a dead one); `mapped`: engines named as instances."""
+    (`controller`: another URL, e.g. a dead one); `mapped`: engines named as instances;
+    `policy`: more policy settings."""
     urls = [e["url"] for e in engines.ready["engines"]]
     config = {
         "admin_token": ADMIN,
@@ -81,6 +87,7 @@ def gateway(
         "policy": {
             "interval_s": 0.1,
             "replication": {"enabled": True, "min_rate": 0.5, "min_blocks": 4, "cooldown_s": 0.5},
+            **(policy or {}),
         },
     }
     settings = {
@@ -207,6 +214,28 @@ def test_a_move_that_fails_falls_back_to_recomputing(tmp_path: Path, engines: Pr
     assert metric(page, REPLICATE_PREFILL) >= ((SYSTEM_BLOCKS - 1) * BLOCK)
     on_replica = [cached for worker, cached in served if worker == idle]
     assert on_replica and max(on_replica) >= (SYSTEM_BLOCKS - 1) * BLOCK
+
+
+@pytest.mark.parametrize("controller_up", [True, False])
+def test_a_move_spends_the_replicas_budget_only_for_what_it_did_not_move(
+    tmp_path: Path, engines: Proc, controller_up: bool
+) -> None:
+    """A budget of 40 prefill tokens an engine (5 a second, 8 s of burst): a moved replica
+    costs the one token vLLM computes and is sent; when the move fails, recomputing the
+    768 tokens is over the budget and the replica is skipped."""
+    dead = None if controller_up else f"http://127.0.0.1:{free_port()}"
+    gw = gateway(tmp_path, engines, controller=dead, policy={"engine_tokens_per_s": 5.0})
+    served, page, holder = burst(gw)
+    print(summary(page, served, 1 - holder))
+    if controller_up:
+        assert metric(page, MOVES + '{outcome="ok"}') == 1
+        assert metric(page, WARMS + REPLICATE_OK) == 1
+        assert metric(page, REPLICATE_PREFILL) <= 1
+    else:
+        assert metric(page, MOVES + '{outcome="failed"}') >= 1
+        assert metric(page, WARMS + REPLICATE_OK) == 0
+        assert metric(page, WARMS + '{action="replicate",outcome="budget"}') >= 1
+        assert metric(page, REPLICATE_PREFILL) == 0
 
 
 def test_lmcache_clear_is_an_admin_action_with_the_resets_rules(
