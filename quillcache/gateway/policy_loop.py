@@ -33,7 +33,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -108,6 +108,7 @@ class PolicyEngine:
         self._replication: dict[frozenset[int] | None, ReplicationPolicy] = {}
         self.replicas_decided = 0
         self.replicas_held = 0  # decided, but the index shows it there already
+        self._offload_keys: Callable[[str, list[int]], KeyArray] | None = None
 
     @property
     def lmcache(self) -> LmcacheController | None:
@@ -115,8 +116,17 @@ class PolicyEngine:
         moved through it; the admin API clears its tiers)."""
         return self.warmer.lmcache
 
-    def attach_lmcache(self, controller: LmcacheController) -> None:
+    def attach_lmcache(
+        self,
+        controller: LmcacheController,
+        offload_keys: Callable[[str, list[int]], KeyArray] | None = None,
+    ) -> None:
+        """Move replicas with LMCache's controller. `offload_keys(model, tokens)`: the
+        keys under which the index holds LMCache's chunks of a prompt, the namespace
+        without a salt (in-process LMCache keys chunks by tokens alone and its events
+        name no salt); None: a target's own keys (its owner has no salt)."""
         self.warmer.lmcache = controller
+        self._offload_keys = offload_keys
 
     # -- heat ----------------------------------------------------------------------------
 
@@ -310,23 +320,30 @@ class PolicyEngine:
             return
         cached = 0
         n = len(target.keys)
-        offload: Offload | None = None
         for m in self.plane.match(target.keys):
             if m.worker == engine and m.medium == "GPU":
                 cached = max(cached, min(m.blocks, n))
-            elif (
-                action is WarmAction.REPLICATE
-                and self.lmcache is not None
-                and m.worker != engine
-                and tier_of(m.medium) == "cpu"
-                and (offload is None or m.blocks > offload.blocks)
-            ):
-                source = self.pool.workers.get(m.worker)
-                if source is not None:
-                    offload = Offload(source, min(m.blocks, n))
+        offload = None
+        if action is WarmAction.REPLICATE and self.lmcache is not None:
+            offload = self._offloaded(target, engine)
         task = asyncio.create_task(self.warmer.warm(worker, target, action, cached, offload))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _offloaded(self, target: Target, engine: int) -> Offload | None:
+        """The engine other than `engine` whose LMCache CPU tier holds the most of the
+        target, by the index (None: none does)."""
+        keys = target.keys
+        if self._offload_keys is not None and target.salt:
+            keys = self._offload_keys(target.model, target.token_ids)
+        best: Offload | None = None
+        for m in self.plane.match(keys):
+            if m.worker == engine or tier_of(m.medium) != "cpu":
+                continue
+            source = self.pool.workers.get(m.worker)
+            if source is not None and (best is None or m.blocks > best.blocks):
+                best = Offload(source, min(m.blocks, len(target.keys)))
+        return best
 
     async def drain(self) -> None:
         """Wait for the warm requests in flight (tests, shutdown)."""

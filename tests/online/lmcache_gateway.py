@@ -4,7 +4,8 @@
 The gateway's own code from end to end (`Gateway.startup`, its Starlette app, the Python
 data path), plus the one call the gateway's configuration does not make yet:
 `PolicyEngine.attach_lmcache` with a `LmcacheController` over the gateway's upstream
-session, from the `LmcacheSettings` in `--lmcache`.
+session, from the `LmcacheSettings` in `--lmcache`, and the keys of LMCache's chunks
+(the prompt's keys in the namespace without a salt).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 from quillcache.gateway.app import Gateway
 from quillcache.gateway.config import GatewayConfig
 from quillcache.gateway.lmcache_ctl import LmcacheController, LmcacheSettings
+from quillcache.identity import content_keys
+from quillcache.policy.targets import KeyArray
 from quillcache.serving import run_loop, serve_app
 
 
@@ -33,7 +36,15 @@ def main() -> None:
     async def serve() -> None:
         try:
             await gateway.startup()
-            gateway.policy.attach_lmcache(LmcacheController(gateway.upstream, settings))
+            identifier, block_size = gateway.identifier, gateway.cp.block_size
+
+            def offload_keys(model: str, tokens: list[int]) -> KeyArray:
+                # LMCache's chunks as the index keys them: the namespace without a salt
+                return content_keys(tokens, block_size, identifier.namespace_of(model, ""))
+
+            gateway.policy.attach_lmcache(
+                LmcacheController(gateway.upstream, settings), offload_keys
+            )
 
             def started(port: int) -> dict[str, Any]:
                 gateway.listening(port)

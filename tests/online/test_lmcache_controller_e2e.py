@@ -72,6 +72,7 @@ def gateway(
     controller: str | None = None,
     mapped: int = 2,
     policy: dict[str, Any] | None = None,
+    api_keys: list[dict[str, str]] | None = None,
 ) -> Proc:
     """The gateway over both engines, replication on, LMCache's controller attached
     (`controller`: another URL, e.g. a dead one); `mapped`: engines named as instances;
@@ -84,6 +85,7 @@ def gateway(
         "router": "sglang",
         "secret_file": str(tmp_path / "gateway-secret.json"),
         "workers": [{"url": u} for u in urls],
+        "api_keys": api_keys or [],
         "policy": {
             "interval_s": 0.1,
             "replication": {"enabled": True, "min_rate": 0.5, "min_blocks": 4, "cooldown_s": 0.5},
@@ -126,10 +128,11 @@ def held(gw: Proc, prompt: str) -> dict[tuple[int, str], int]:
     return {(m["worker"], m["medium"].lower()): m["blocks"] for m in r.json()["matches"]}
 
 
-def burst(gw: Proc) -> tuple[list[tuple[int, int]], str, int]:
+def burst(gw: Proc, api_key: str = "unused") -> tuple[list[tuple[int, int]], str, int]:
     """The served (worker, cached tokens) of a burst on one hot prefix, the gateway's
-    metrics, and the engine that held the prefix first (its GPU and LMCache)."""
-    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    metrics, and the engine that held the prefix first (its GPU and LMCache; LMCache's
+    chunks, salt-less, are indexed in the namespace without a salt)."""
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=api_key, max_retries=0)
     holder, _ = served_by(client, SYSTEM + " the first request", max_tokens=1)
     wait_for(
         lambda: held(gw, SYSTEM).get((holder, "cpu"), 0) >= SYSTEM_BLOCKS,
@@ -199,6 +202,27 @@ def test_a_hot_prefix_offloaded_in_lmcache_is_moved_not_recomputed(
         # the idle engine's copy is not pinned: its /clear drops it
         drop = a.post(f"/admin/workers/{idle}/reset_prefix_cache?tier=lmcache")
         assert drop.status_code == 200 and drop.json()["tokens"] >= SYSTEM_BLOCKS * BLOCK
+
+
+def test_a_salted_tenants_offloaded_prefix_is_moved_too(tmp_path: Path, engines: Proc) -> None:
+    """In-process LMCache keys chunks by tokens alone and its events name no salt: the
+    policy engine looks for a salted tenant's prefix in LMCache under the keys without
+    the salt, and the replica it loads lands in the tenant's own namespace."""
+    gw = gateway(tmp_path, engines, api_keys=[{"key": "k-acme", "tenant": "acme"}])
+    served, page, holder = burst(gw, api_key="k-acme")
+    idle = 1 - holder
+    print(summary(page, served, idle))
+    assert metric(page, MOVES + '{outcome="ok"}') == 1
+    assert metric(page, REPLICATE_PREFILL) <= BLOCK
+    on_replica = [cached for worker, cached in served if worker == idle]
+    assert on_replica and max(on_replica) >= (SYSTEM_BLOCKS - 1) * BLOCK
+    # the replica is acme's: the index shows it on the idle engine in acme's namespace only
+    with admin(gw) as a:
+        body = {"model": "sim-model", "prompt": SYSTEM}
+        acme = a.post("/admin/lookup", json=body, headers={"x-tenant-id": "acme"}).json()
+    gpu = {m["worker"]: m["blocks"] for m in acme["matches"] if m["medium"] == "GPU"}
+    assert gpu.get(idle, 0) >= SYSTEM_BLOCKS
+    assert held(gw, SYSTEM).get((idle, "gpu"), 0) == 0
 
 
 def test_a_move_that_fails_falls_back_to_recomputing(tmp_path: Path, engines: Proc) -> None:
