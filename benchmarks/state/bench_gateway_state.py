@@ -3,7 +3,8 @@ workload through a gateway with local state and one with shared state, side by s
 one run, in front of the same engine simulators, with a real `redis-server`.
 
     python -m benchmarks.state.bench_gateway_state [--engines 4] [--requests 2000] \\
-        [--concurrency 8] [--rounds 3] [--replicas 2] [--baseline TREE] [--unix] [--json out.json]
+        [--concurrency 8] [--rounds 3] [--replicas 2] [--baseline TREE] [--unix] [--slowlog] \\
+        [--json out.json]
 
 Per round, each gateway in turn gets `--requests` non-streamed completions (16-token
 prompts of 8 blocks over 32 prefixes, 2 output tokens) from `--concurrency` client
@@ -173,6 +174,34 @@ def script_us(redis_url: str, reset: bool = False) -> float:
         client.close()
 
 
+def slowlog(redis_url: str, start: bool) -> dict[str, Any]:
+    """`--slowlog`: every command logged during a round (start=True resets it); at the
+    end, the p50 of the script calls' own time in Redis and one of them."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        if start:
+            client.config_set("slowlog-log-slower-than", 0)
+            client.config_set("slowlog-max-len", 1_000_000)
+            client.slowlog_reset()
+            return {}
+        entries = client.slowlog_get(1_000_000)
+        client.config_set("slowlog-log-slower-than", 10_000)
+        scripts = sorted(
+            (e for e in entries if e["command"].startswith(b"EVALSHA")),
+            key=lambda e: e["duration"],
+        )
+        if not scripts:
+            return {}
+        mid = scripts[len(scripts) // 2]
+        return {
+            "script_p50_us": mid["duration"],
+            "script_p90_us": scripts[len(scripts) * 9 // 10]["duration"],
+            "script_example": mid["command"][:400].decode(errors="replace"),
+        }
+    finally:
+        client.close()
+
+
 def launch_redis_unix(work: Path, timeout_s: float = 10.0) -> Proc:
     """A `redis-server` on a free 127.0.0.1 port and a Unix socket in `work`, configured
     as `quillcache.up.launch_redis` configures its own."""
@@ -206,11 +235,13 @@ def launch_redis_unix(work: Path, timeout_s: float = 10.0) -> Proc:
     raise SystemExit(f"redis-server did not start (log: {log_path})")
 
 
-def measure(gateways: list[Proc], args: argparse.Namespace, redis_url: str) -> dict[str, float]:
+def measure(gateways: list[Proc], args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
     urls = [g.url for g in gateways]
     for u in urls:
         admin_index(u, reset=True)
     script_us(redis_url, reset=True)
+    if args.slowlog:
+        slowlog(redis_url, start=True)
     probe = start_probe(redis_url)
     before = sum(cpu_s(g.popen.pid) for g in gateways)
     started = time.perf_counter()
@@ -219,7 +250,9 @@ def measure(gateways: list[Proc], args: argparse.Namespace, redis_url: str) -> d
     cpu = sum(cpu_s(g.popen.pid) for g in gateways) - before
     floor = stop_probe(probe)
     p50s = [admin_index(u)["pre_upstream_us"]["p50"] for u in urls]
+    logged = slowlog(redis_url, start=False) if args.slowlog else {}
     return {
+        **logged,
         "pre_upstream_p50_us": statistics.median(p50s),
         "cpu_per_request_us": cpu / args.requests * 1e6,
         "requests_per_s": args.requests / wall,
@@ -238,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-s", type=float, default=3.0, help="idle CPU measured this long")
     p.add_argument("--baseline", type=Path, default=None, help="a source tree to compare with")
     p.add_argument("--unix", action="store_true", help="shared replicas on the Unix socket too")
+    p.add_argument(
+        "--slowlog", action="store_true", help="the scripts' p50 in Redis from SLOWLOG too"
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     os.environ[ADMIN_TOKEN_ENV] = ADMIN

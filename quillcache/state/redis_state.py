@@ -64,23 +64,20 @@ _CEILING_MAX = 1e300  # what an infinite ceiling is sent as (Lua's tonumber has 
 _FIELDS = {"n": 0, "q": 1, "d": 2, "c": 3}
 
 
-def _candidate_arg(c: Candidate) -> str:
-    """'engine:rank=ceiling[~credit[~held blocks]]', as the booking script reads a
-    shortlist entry."""
-    out = f"{c.engine.engine}:{c.engine.rank}={min(c.ceiling, _CEILING_MAX)!r}"
-    if c.credit > 0 or c.cached_blocks is not None:
-        out += f"~{min(c.credit, _CEILING_MAX)!r}"
-    if c.cached_blocks is not None:
-        out += f"~{int(c.cached_blocks)}"
-    return out
+def _candidate_args(c: Candidate) -> tuple[str, str, str, str]:
+    """Engine, ceiling, credit and held blocks ('' unknown), as the booking script reads
+    a shortlist entry."""
+    credit = f"{min(c.credit, _CEILING_MAX)!r}" if c.credit > 0 else ""
+    held = "" if c.cached_blocks is None else str(int(c.cached_blocks))
+    return c.engine.encode(), f"{min(c.ceiling, _CEILING_MAX)!r}", credit, held
 
 
-def _outside_arg(outside: OutsideTerms | None) -> str:
-    """'|ceiling|credit' after the booking's numbers (`OutsideTerms`), or nothing."""
+def _outside_args(outside: OutsideTerms | None) -> tuple[str, str]:
+    """The outside ceiling and credit (`OutsideTerms`), or '' and ''."""
     if outside is None:
-        return ""
+        return "", ""
     ceiling = max(min(outside.ceiling, _CEILING_MAX), -_CEILING_MAX)
-    return f"|{ceiling!r}|{min(outside.credit, _CEILING_MAX)!r}"
+    return f"{ceiling!r}", f"{min(outside.credit, _CEILING_MAX)!r}"
 
 
 # what the settle codes (scripts.settle) say, per op
@@ -377,15 +374,26 @@ class RedisFleetState:
         args = self._head()
         args += [
             request_id,
-            f"{int(prefill_tokens)}|{int(context_tokens)}|{weights.in_flight!r}|"
-            f"{weights.queued_tokens!r}|{weights.decodes!r}|"
-            f"{session_key(session) if session else ''}|"
-            f"{max(int(session_ttl_s * 1000), 1)}|{max(int(spec_ttl_s * 1000), 1)}|"
-            f"{int(prompt_tokens)}|{int(block_size)}{_outside_arg(outside)}",
-            ",".join(_candidate_arg(c) for c in shortlist),
-            ",".join(f"{_hex(k)}={int(b)}" for k, b in anchors),
-            *ends,
+            int(prefill_tokens),
+            int(context_tokens),
+            repr(weights.in_flight),
+            repr(weights.queued_tokens),
+            repr(weights.decodes),
+            session_key(session) if session else "",
+            max(int(session_ttl_s * 1000), 1),
+            max(int(spec_ttl_s * 1000), 1),
+            int(prompt_tokens),
+            int(block_size),
+            *_outside_args(outside),
+            len(shortlist),
+            len(anchors),
+            len(ends),
         ]
+        for c in shortlist:
+            args += _candidate_args(c)
+        for k, b in anchors:
+            args += (_hex(k), int(b))
+        args += ends
         reply = await self._run("book", _BOOK, args, self.budget_s, share=True)
         status = reply[0] if reply is not None else None
         if ends:

@@ -14,16 +14,24 @@ a standalone Redis (and Valkey) allows.
 Layout under the base B:
     B..'leases'      ZSET  replica -> lease deadline (ms)
     B..'load'        HASH  '<engine>:<rank>|n|q|d|c' -> sum over live replicas
-    B..'share:'..r   HASH  the same fields, replica r's part of the sum
-    B..'bk:'..r      HASH  request id -> '<engine>:<rank>|<prefill>|<context>|<0|1>'
+    B..'bk:'..r      HASH  request id -> '<engine>:<rank>|<prefill>|<context>|<0|1>':
+                           replica r's bookings, which are also its share of the sum
     B..'sess:'..s    STRING session -> '<engine>:<rank>', PX
-    B..'spec:'..k    ZSET  '<engine>:<rank>' -> deadline (ms); PX = the latest booking's
+    B..'spec:'..k    STRING '<engine>:<rank>=<deadline ms>,...': the engines computing
+                           the prefix k; PX = the latest booking's
     B..'pins'        HASH  prefix key (hex) -> owner tenant
     B..'pinx'        ZSET  prefix key (hex) -> deadline (ms)
     B..'draining'    HASH  '<engine>:<rank>' -> '1'
     B..'engines'     HASH  engine id -> JSON spec (engines added through the admin API)
     B..'cfgver'      STRING counter, bumped by every change of engines, draining, pins
     B..'meta'        HASH  epoch, secret_fp, secret_prev, secret_prev_until
+
+Every keyspace call from a script costs Redis more than the Lua around it, so the
+scripts batch: the changes to `load` are summed per field in Lua and written with one
+HMGET and one HSET (HDEL for the fields back at 0) per script, a batch of request ends
+reads and writes its booking records with one call each, and the anchors of a booking
+are one MGET. A replica's share is its booking records (`bk:`), summed when it is
+reaped: a booking writes no per-replica copy of the sum.
 """
 
 from __future__ import annotations
@@ -41,23 +49,74 @@ else
 end
 local LEASES = B .. 'leases'
 local LOAD = B .. 'load'
-local SHARE = B .. 'share:' .. replica
 local BK = B .. 'bk:' .. replica
 
-local function bump(key, field, delta)
-  if delta ~= 0 then
-    if redis.call('HINCRBY', key, field, delta) == 0 then redis.call('HDEL', key, field) end
+-- a command with many arguments, in pieces (Lua's unpack has a stack limit)
+local function many(cmd, key, xs)
+  for i = 1, #xs, 4000 do
+    redis.call(cmd, key, unpack(xs, i, math.min(i + 3999, #xs)))
   end
 end
 
--- a booked request's load, added (sign 1) or taken away (sign -1), to the sum and a share
-local function apply(share, e, q, c, p, sign)
-  bump(LOAD, e .. '|n', sign); bump(share, e .. '|n', sign)
+-- the changes to `load` this script makes, per field, written once (`flush_load`);
+-- `known`: the fields' values read by this script, before its changes
+local delta, dorder, known = {}, {}, {}
+local function add(field, x)
+  if x ~= 0 then
+    local d = delta[field]
+    if d == nil then
+      dorder[#dorder + 1] = field
+      delta[field] = x
+    else
+      delta[field] = d + x
+    end
+  end
+end
+
+-- a field's value now: read, plus this script's changes so far
+local function value(field)
+  return (known[field] or 0) + (delta[field] or 0)
+end
+
+local function read_load(fields)
+  if #fields == 0 then return end
+  local vals = redis.call('HMGET', LOAD, unpack(fields))
+  for i = 1, #fields do known[fields[i]] = tonumber(vals[i]) or 0 end
+end
+
+local function flush_load()
+  local missing = {}
+  for _, f in ipairs(dorder) do
+    if known[f] == nil and delta[f] ~= 0 then missing[#missing + 1] = f end
+  end
+  read_load(missing)
+  local sets, dels = {}, {}
+  for _, f in ipairs(dorder) do
+    local d = delta[f]
+    if d ~= 0 then
+      local v = known[f] + d
+      known[f] = v
+      if v == 0 then
+        dels[#dels + 1] = f
+      else
+        sets[#sets + 1] = f
+        sets[#sets + 1] = v
+      end
+    end
+  end
+  if #sets > 0 then many('HSET', LOAD, sets) end
+  if #dels > 0 then many('HDEL', LOAD, dels) end
+  delta, dorder = {}, {}
+end
+
+-- a booked request's load, added (sign 1) or taken away (sign -1)
+local function apply(e, q, c, p, sign)
+  add(e .. '|n', sign)
   if p == '1' then
-    bump(LOAD, e .. '|d', sign); bump(share, e .. '|d', sign)
-    bump(LOAD, e .. '|c', sign * c); bump(share, e .. '|c', sign * c)
+    add(e .. '|d', sign)
+    add(e .. '|c', sign * c)
   else
-    bump(LOAD, e .. '|q', sign * q); bump(share, e .. '|q', sign * q)
+    add(e .. '|q', sign * q)
   end
 end
 
@@ -68,18 +127,22 @@ end
 
 -- take a replica's whole share out of the sum and forget its bookings
 local function drop_share(r)
-  local sk = B .. 'share:' .. r
-  local kv = redis.call('HGETALL', sk)
-  for i = 1, #kv, 2 do bump(LOAD, kv[i], -tonumber(kv[i + 1])) end
-  redis.call('DEL', sk, B .. 'bk:' .. r)
+  local bk = B .. 'bk:' .. r
+  local kv = redis.call('HGETALL', bk)
+  for i = 2, #kv, 2 do
+    local e, q, c, p = parse(kv[i])
+    apply(e, q, c, p, -1)
+  end
+  redis.call('DEL', bk)
 end
 
 local reaped = 0
 do
   local dead = redis.call('ZRANGEBYSCORE', LEASES, '-inf', now, 'LIMIT', 0, 64)
-  for _, r in ipairs(dead) do
-    drop_share(r)
-    redis.call('ZREM', LEASES, r)
+  if #dead > 0 then
+    for _, r in ipairs(dead) do drop_share(r) end
+    flush_load()
+    redis.call('ZREM', LEASES, unpack(dead))
   end
   reaped = #dead
 end
@@ -93,51 +156,77 @@ local function renew()
   redis.call('ZADD', LEASES, now + ttl, replica)
 end
 
--- The ends of this replica's requests, batched: ARGV[from..] are 'r'..request id (the
+-- this replica's booking records as this script changes them: request id -> record,
+-- or false (released); written once (`flush_bk`)
+local records = {}
+local function flush_bk()
+  local sets, dels = {}, {}
+  for rid, rec in pairs(records) do
+    if rec then
+      sets[#sets + 1] = rid
+      sets[#sets + 1] = rec
+    else
+      dels[#dels + 1] = rid
+    end
+  end
+  if #sets > 0 then many('HSET', BK, sets) end
+  if #dels > 0 then many('HDEL', BK, dels) end
+  records = {}
+end
+
+-- The ends of this replica's requests, batched: ARGV[from..to] are 'r'..request id (the
 -- request ended: its load leaves) or 'p'..request id (its prefill is done: its queued
 -- tokens turn into a decode), applied in order. One character per op in the result:
 -- 'o' applied, 'n' no such booking here (already released, or booked while this
 -- replica could not reach Redis and not resynchronised yet), '-' already prefilled.
--- The booking record makes each op idempotent: a release deletes it.
-local function settle(from)
+-- The booking record makes each op idempotent: a release deletes it. `also`: one more
+-- request id whose record is read with the batch's (the booking's duplicate check);
+-- the second result is that record, or false.
+local function settle(from, to, also)
+  local rids = {}
+  for i = from, to do rids[#rids + 1] = string.sub(ARGV[i], 2) end
+  if also then rids[#rids + 1] = also end
+  if #rids == 0 then return '', false end
+  local recs = redis.call('HMGET', BK, unpack(rids))
   local codes = {}
-  for i = from, #ARGV do
-    local a = ARGV[i]
-    local rid = string.sub(a, 2)
-    local rec = redis.call('HGET', BK, rid)
+  for i = from, to do
+    local rid = rids[i - from + 1]
+    local rec = records[rid]
+    if rec == nil then rec = recs[i - from + 1] end
     if not rec then
       codes[#codes + 1] = 'n'
     else
       local e, q, c, p = parse(rec)
-      if string.sub(a, 1, 1) == 'r' then
-        apply(SHARE, e, q, c, p, -1)
-        redis.call('HDEL', BK, rid)
+      if string.sub(ARGV[i], 1, 1) == 'r' then
+        apply(e, q, c, p, -1)
+        records[rid] = false
         codes[#codes + 1] = 'o'
       elseif p == '1' then
         codes[#codes + 1] = '-'
       else
-        bump(LOAD, e .. '|q', -q); bump(SHARE, e .. '|q', -q)
-        bump(LOAD, e .. '|d', 1); bump(SHARE, e .. '|d', 1)
-        bump(LOAD, e .. '|c', c); bump(SHARE, e .. '|c', c)
-        redis.call('HSET', BK, rid, e .. '|' .. q .. '|' .. c .. '|1')
+        add(e .. '|q', -q)
+        add(e .. '|d', 1)
+        add(e .. '|c', c)
+        records[rid] = e .. '|' .. q .. '|' .. c .. '|1'
         codes[#codes + 1] = 'o'
       end
     end
   end
-  return table.concat(codes)
+  return table.concat(codes), also and recs[#recs]
 end
 """
 
-# ARGV[5] request id, [6] 'prefill|context|wn|wq|wd|session|session ttl ms|spec ttl ms
-# [|prompt|block size[|outside ceiling|outside credit]]' (session: a key name suffix or
-# empty), [7] the shortlist 'engine=ceiling[~credit[~held blocks]],...' in the router's
-# order (`Candidate.credit` and `cached_blocks`; with the prompt and block size, the
-# chosen engine is booked with the prompt beyond what it holds or computes, else with
-# `prefill`), [8] the request's anchors 'key=blocks,...' (may be empty), [9..] this
-# replica's request ends queued since its last call (`settle`), applied first: they
-# ride on the booking instead of a round trip of their own. Few arguments for the
-# booking itself: redis-py packs each argument in Python, and these string.gmatch loops
-# cost less here than a long ARGV costs there.
+# ARGV[5] request id, [6] prefill, [7] context, [8..10] the load weights (in flight,
+# queued tokens, decodes), [11] session (a key name suffix, or ''), [12] session TTL
+# ms, [13] placement TTL ms, [14] prompt tokens, [15] block size (0 and 0: book
+# `prefill`), [16] outside ceiling ('' = no candidate outside the shortlist), [17]
+# outside credit, [18] n: the shortlist's length, [19] m: the anchors', [20] k: the
+# queued request ends'; then the shortlist in the router's order, 4 per candidate
+# (engine, ceiling, credit, held blocks or ''; `Candidate`: with the prompt and block
+# size, the chosen engine is booked with the prompt beyond what it holds or computes,
+# else with `prefill`), the anchors, 2 each (key, blocks), and the request ends queued
+# since this replica's last call (`settle`), applied first: they ride on the booking
+# instead of a round trip of their own.
 # With the outside terms (`OutsideTerms`), the session's bound engine and the engines
 # computing a part of the request's prefix are candidates too when the shortlist does
 # not list them (`choose.outsiders`: after the shortlist, the bound engine first, then
@@ -150,65 +239,81 @@ BOOK = (
     + r"""
 if not live() then return {'lost'} end
 renew()
-local settled = settle(9)
 local rid = ARGV[5]
-local prev = redis.call('HGET', BK, rid)
+local n, m = tonumber(ARGV[18]), tonumber(ARGV[19])
+local at = 21 + 4 * n + 2 * m  -- the first request end
+local settled, prev = settle(at, at + tonumber(ARGV[20]) - 1, rid)
 if prev then
-  local e = parse(prev)
-  return {'dup', e, settled}
+  flush_load()
+  flush_bk()
+  return {'dup', parse(prev), settled}
 end
-local f = {}
-for x in string.gmatch(ARGV[6] .. '|', '([^|]*)|') do f[#f + 1] = x end
-local q, c, wn, wq, wd = tonumber(f[1]), tonumber(f[2]), tonumber(f[3]), tonumber(f[4]),
-  tonumber(f[5])
-local sess, sess_ttl, spec_ttl = f[6], tonumber(f[7]), tonumber(f[8])
-local prompt = f[9] and tonumber(f[9]) or 0
-local bsz = f[10] and tonumber(f[10]) or 0
-local oceil = f[11] and tonumber(f[11])  -- nil: no candidate outside the shortlist
-local ocredit = f[12] and tonumber(f[12]) or 0
+local q, c = tonumber(ARGV[6]), tonumber(ARGV[7])
+local wn, wq, wd = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local sess, sess_ttl, spec_ttl = ARGV[11], ARGV[12], tonumber(ARGV[13])
+local prompt, bsz = tonumber(ARGV[14]), tonumber(ARGV[15])
+local oceil = tonumber(ARGV[16])  -- nil: no candidate outside the shortlist
+local ocredit = tonumber(ARGV[17]) or 0
 local engs, ceils, credits, helds, fields = {}, {}, {}, {}, {}
-local n = 0
-for e, rest in string.gmatch(ARGV[7], '([^=,]+)=([^,]+)') do
-  local ceil, credit, held = string.match(rest, '^([^~]*)~?([^~]*)~?([^~]*)$')
-  n = n + 1
-  engs[n] = e
-  ceils[n] = tonumber(ceil)
-  credits[n] = tonumber(credit) or 0
-  helds[n] = tonumber(held)
-  fields[#fields + 1] = e .. '|n'
-  fields[#fields + 1] = e .. '|q'
-  fields[#fields + 1] = e .. '|d'
-  fields[#fields + 1] = e .. '|c'
+for i = 1, n do
+  local a = 17 + 4 * i
+  local e = ARGV[a]
+  engs[i] = e
+  ceils[i] = tonumber(ARGV[a + 1])
+  credits[i] = tonumber(ARGV[a + 2]) or 0
+  helds[i] = tonumber(ARGV[a + 3])
+  fields[4 * i - 3] = e .. '|n'
+  fields[4 * i - 2] = e .. '|q'
+  fields[4 * i - 1] = e .. '|d'
+  fields[4 * i] = e .. '|c'
 end
+-- the fields the request ends change, read with the shortlist's
+local reads = {}
+for i = 1, 4 * n do reads[i] = fields[i] end
+for _, f in ipairs(dorder) do reads[#reads + 1] = f end
+read_load(reads)
 local akeys, ablocks = {}, {}
 local whole = 0  -- the request's blocks: its longest anchor
-for k, b in string.gmatch(ARGV[8], '([^=,]+)=([^,]+)') do
-  akeys[#akeys + 1] = k
-  ablocks[#ablocks + 1] = tonumber(b)
-  if ablocks[#ablocks] > whole then whole = ablocks[#ablocks] end
+for j = 1, m do
+  local a = 19 + 4 * n + 2 * j
+  akeys[j] = B .. 'spec:' .. ARGV[a]
+  ablocks[j] = tonumber(ARGV[a + 1])
+  if ablocks[j] > whole then whole = ablocks[j] end
 end
-local m = #akeys
-local vals = redis.call('HMGET', LOAD, unpack(fields))
-local score, under = {}, {}
-local function weigh(i, ln, lq, ld)
-  score[i] = wn * (tonumber(ln) or 0) + wq * (tonumber(lq) or 0) + wd * (tonumber(ld) or 0)
+local pre, score, under = {}, {}, {}
+local function weigh(i, fn, fq, fd)
+  local ln, lq, ld = value(fn), value(fq), value(fd)
+  score[i] = wn * ln + wq * lq + wd * ld
   under[i] = score[i] < ceils[i]
 end
-for i = 1, n do weigh(i, vals[4 * i - 3], vals[4 * i - 2], vals[4 * i - 1]) end
+for i = 1, n do
+  for x = 4 * i - 3, 4 * i do pre[x] = value(fields[x]) end
+  weigh(i, fields[4 * i - 3], fields[4 * i - 2], fields[4 * i - 1])
+end
 local pos = {}
 for i = 1, n do pos[engs[i]] = i end
 -- per candidate, the longest of the request's anchors being computed there; per
--- engine outside the shortlist, the same
-local blocks, pend = {}, {}
-for j = 1, m do
-  local members = redis.call('ZRANGEBYSCORE', B .. 'spec:' .. akeys[j], '(' .. now, '+inf')
-  local b = ablocks[j]
-  for _, e in ipairs(members) do
-    local i = pos[e]
-    if i then
-      if b > (blocks[i] or 0) then blocks[i] = b end
-    elseif b > (pend[e] or 0) then
-      pend[e] = b
+-- engine outside the shortlist, the same; per anchor, its live members
+local blocks, pend, members = {}, {}, {}
+if m > 0 then
+  local specs = redis.call('MGET', unpack(akeys))
+  for j = 1, m do
+    local live_j = {}
+    members[j] = live_j
+    if specs[j] then
+      local b = ablocks[j]
+      for e, d in string.gmatch(specs[j], '([^,=]+)=([^,]+)') do
+        d = tonumber(d)
+        if d > now then
+          live_j[e] = d
+          local i = pos[e]
+          if i then
+            if b > (blocks[i] or 0) then blocks[i] = b end
+          elseif b > (pend[e] or 0) then
+            pend[e] = b
+          end
+        end
+      end
     end
   end
 end
@@ -221,8 +326,9 @@ if oceil then
     total = total + 1
     engs[total], ceils[total], credits[total], helds[total] = e, ceil, credit, 0
     blocks[total] = pend[e]
-    local v = redis.call('HMGET', LOAD, e .. '|n', e .. '|q', e .. '|d')
-    weigh(total, v[1], v[2], v[3])
+    local fn, fq, fd = e .. '|n', e .. '|q', e .. '|d'
+    read_load({fn, fq, fd, e .. '|c'})
+    weigh(total, fn, fq, fd)
   end
   if bound and not pos[bound] and redis.call('HEXISTS', DRAINING, bound) == 0 then
     outsider(bound, oceil + ocredit, 0)  -- taken as holding the session's prefix
@@ -276,18 +382,25 @@ if prompt > 0 and bsz > 0 and helds[chosen] then
   local held = math.max(helds[chosen], blocks[chosen] or 0)
   q = math.max(prompt - held * bsz, 1)
 end
-apply(SHARE, e, q, c, '0', 1)
-redis.call('HSET', BK, rid, e .. '|' .. q .. '|' .. c .. '|0')
+apply(e, q, c, '0', 1)
+flush_load()
+records[rid] = e .. '|' .. q .. '|' .. c .. '|0'
+flush_bk()
 if sess ~= '' then redis.call('SET', B .. 'sess:' .. sess, e, 'PX', sess_ttl) end
-for j = 1, m do
-  -- members are engines (at most the fleet); a lapsed one is skipped by the readers'
-  -- score range and goes with the key, whose TTL is the latest booking's
-  local k = B .. 'spec:' .. akeys[j]
-  redis.call('ZADD', k, 'GT', now + spec_ttl, e)
-  redis.call('PEXPIRE', k, spec_ttl)
+if m > 0 then
+  -- per anchor, its live members with this engine's deadline moved on (never back);
+  -- the key's TTL is the latest booking's
+  local until_ms = now + spec_ttl
+  for j = 1, m do
+    local live_j = members[j]
+    if (live_j[e] or 0) < until_ms then live_j[e] = until_ms end
+    local parts = {}
+    for x, d in pairs(live_j) do parts[#parts + 1] = x .. '=' .. string.format('%d', d) end
+    redis.call('SET', akeys[j], table.concat(parts, ','), 'PX', spec_ttl)
+  end
 end
 local out = {'ok', chosen <= n and chosen or 0, reason, settled, q, e}
-for i = 1, 4 * n do out[#out + 1] = tonumber(vals[i]) or 0 end
+for i = 1, 4 * n do out[#out + 1] = pre[i] end
 return out
 """
 )
@@ -303,10 +416,12 @@ local count = 0
 for i = 5, #ARGV, 5 do
   local rid, e, p = ARGV[i], ARGV[i + 1], ARGV[i + 4]
   local q, c = tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
-  apply(SHARE, e, q, c, p, 1)
-  redis.call('HSET', BK, rid, e .. '|' .. q .. '|' .. c .. '|' .. p)
+  apply(e, q, c, p, 1)
+  records[rid] = e .. '|' .. q .. '|' .. c .. '|' .. p
   count = count + 1
 end
+flush_load()
+flush_bk()
 renew()
 return {'ok', count}
 """
@@ -320,7 +435,9 @@ SETTLE = (
     + r"""
 if not live() then return {'lost'} end
 renew()
-local settled = settle(5)
+local settled = settle(5, #ARGV)
+flush_load()
+flush_bk()
 return {'ok', reaped, settled}
 """
 )
@@ -330,6 +447,7 @@ LEAVE = (
     PRELUDE
     + r"""
 drop_share(replica)
+flush_load()
 redis.call('ZREM', LEASES, replica)
 return {'ok'}
 """
@@ -354,9 +472,16 @@ PENDING = (
     PRELUDE
     + r"""
 local out = {}
-for j = 5, #ARGV do
-  local members = redis.call('ZRANGEBYSCORE', B .. 'spec:' .. ARGV[j], '(' .. now, '+inf')
-  for _, e in ipairs(members) do out[#out + 1] = j - 4; out[#out + 1] = e end
+if #ARGV < 5 then return out end
+local keys = {}
+for j = 5, #ARGV do keys[#keys + 1] = B .. 'spec:' .. ARGV[j] end
+local specs = redis.call('MGET', unpack(keys))
+for j = 1, #keys do
+  if specs[j] then
+    for e, d in string.gmatch(specs[j], '([^,=]+)=([^,]+)') do
+      if tonumber(d) > now then out[#out + 1] = j; out[#out + 1] = e end
+    end
+  end
 end
 return out
 """

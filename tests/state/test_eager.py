@@ -4,12 +4,13 @@ the result, the exceptions and a cancellation where a task would have them."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import pytest
 
 from quillcache.gateway import eager
+from quillcache.gateway.slo_queue import SloQueue
 from quillcache.state.resp import RespConnection
 from tests.state.helpers import run
 from tests.state.server import RedisServer
@@ -165,5 +166,44 @@ def test_what_it_waits_on_must_be_a_future(loop: str) -> None:
 
         with pytest.raises(eager.EagerError):
             await eager.start(odd())
+
+    run(main(), loop=loop)
+
+
+@LOOPS
+def test_an_slo_queue_wait_runs_eagerly(loop: str) -> None:
+    """What the relay's SLO-queue path would run through `eager.start`: a request
+    admitted at once is decided before `start` returns; one that waits in the queue is
+    resumed by the pump; a cancelled one leaves the queue."""
+
+    async def main() -> None:
+        queue: SloQueue[str] = SloQueue(max_waiting=4, tick_s=0.001)
+        tries = {"now": 0, "later": 0, "gone": 0}
+
+        def attempt(name: str, ready_after: int) -> Callable[[], str | None]:
+            def once() -> str | None:
+                tries[name] += 1
+                return name if tries[name] > ready_after else None
+
+            return once
+
+        async def admitted(name: str, ready_after: int) -> str:
+            first = attempt(name, ready_after)()
+            if first is not None:  # what `admitted` does before it queues
+                return first
+            return await queue.wait(0, attempt(name, ready_after))
+
+        now = eager.start(admitted("now", 0))
+        assert now.done() and now.result() == "now"
+        later = eager.start(admitted("later", 3))
+        gone = eager.start(admitted("gone", 1000))
+        assert not later.done() and len(queue) == 2
+        assert await asyncio.wait_for(later, 5) == "later"
+        gone.cancel()
+        for _ in range(100):
+            if not len(queue):
+                break
+            await asyncio.sleep(0.002)
+        assert len(queue) == 0 and gone.cancelled()
 
     run(main(), loop=loop)

@@ -377,6 +377,59 @@ def test_noscript_falls_back_to_eval(redis_server: RedisServer) -> None:
     run(main())
 
 
+async def _keyspace_calls(s: RedisFleetState) -> int:
+    """The commands Redis ran since the last reset, but the scripts themselves and the
+    test's own reads of the counters."""
+    info = await s._client.execute_command("INFO", "commandstats")
+    skip = ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_info", "cmdstat_config|resetstat")
+    return sum(int(v["calls"]) for k, v in info.items() if k not in skip)
+
+
+@pytest.mark.parametrize("ends", [1, 12])
+def test_a_booking_makes_few_keyspace_calls(redis_server: RedisServer, ends: int) -> None:
+    """The booking script batches: its keyspace calls grow with the anchors (one write
+    each), not with the candidates or with the request ends riding on it (one call for
+    a batch's records, one HMGET and one HSET for every load field it changes)."""
+
+    async def main() -> None:
+        s = RedisFleetState(redis_server.url, prefix=fleet(), budget_s=1.0)
+        await s.start(background=False)
+        try:
+            anchors = [(0x100 + a, 1 << a) for a in range(4)]
+            rids: list[str] = []
+            for i in range(4 * ends):  # bookings for the ends to release below
+                rid = s.new_request_id()
+                out = await s.book(rid, shortlist(2, 2, 2, 2), prefill_tokens=8, session="s")
+                assert isinstance(out, Booked)
+                rids.append(rid)
+                if i % 2:
+                    s.prefill_done_soon(rid)
+            await s.flush()
+            await s._client.execute_command("CONFIG", "RESETSTAT")
+            bookings = 4
+            for _ in range(bookings):
+                for _ in range(ends):
+                    assert s.release_soon(rids.pop())
+                out = await s.book(
+                    s.new_request_id(),
+                    shortlist(2, 2, 2, 2),
+                    prefill_tokens=8,
+                    anchors=anchors,
+                    session="s",
+                )
+                assert isinstance(out, Booked)
+            per_booking = await _keyspace_calls(s) / bookings
+            # the lease (TIME, reap, check, renew), the records (HMGET, HSET, HDEL),
+            # the load (HMGET, HSET, HDEL), the anchors (MGET + one SET each), the
+            # session (GET, SET)
+            assert per_booking <= 12 + 1 + len(anchors), per_booking
+            assert sum(v.in_flight for v in (await loads_of(s)).values()) == len(rids) + bookings
+        finally:
+            await s.close()
+
+    run(main())
+
+
 def _secret(key: bytes, previous: bytes | None = None, window_s: float = 3600.0) -> GatewaySecret:
     return GatewaySecret(key * 32, previous * 32 if previous else None, time.time() + window_s)
 
