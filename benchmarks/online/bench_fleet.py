@@ -10,7 +10,9 @@
    seconds (utime + stime from /proc/<pid>/stat) over the load, per routed request.
    That figure includes what the gateway does meanwhile in the background (health
    checks and metric scrapes of every engine every second): it is the gateway's cost
-   per request at that fleet size. Target: large <= 1.2 x small.
+   per request at that fleet size. The window opens once the start-up work on the
+   event sources is over (each caught up, each first connection checked: once per
+   start, O(fleet)). Target: large <= 1.2 x small.
 2. idle: a gateway in front of `--idle` engines and no requests for `--idle-seconds`
    (after the fleet is up and healthy): its CPU as a fraction of one core. Target:
    <= 10 % at 1,024 engines.
@@ -102,6 +104,35 @@ def _healthy(gw: Proc, n: int, timeout_s: float = 60.0) -> dict[str, Any]:
     )
 
 
+def _metric(text: str, name: str) -> float:
+    """One unlabelled sample of the gateway's /metrics page (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def _settled(gw: Proc, n: int, timeout_s: float = 60.0) -> None:
+    """Wait until the start-up work on the `n` event sources is over: every source caught
+    up, and each one's check after its first connection done (the ingestor asks every
+    replay socket once, a second after the connection: `quiet_tail_s`). That work comes
+    once per start and is O(fleet); left in the window it would be charged to the
+    routed requests."""
+    deadline = time.monotonic() + timeout_s
+    caught_up = checks = 0.0
+    while time.monotonic() < deadline:
+        text = httpx.get(gw.url + "/metrics", timeout=30).text
+        caught_up = _metric(text, "quillcache_kv_sources_caught_up")
+        checks = _metric(text, "quillcache_kv_event_tail_checks_total")
+        if caught_up >= n and checks >= n:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(
+        f"{gw.name}: {caught_up:.0f} of {n} event sources caught up and {checks:.0f} start-up "
+        f"checks done after {timeout_s:.0f} s"
+    )
+
+
 def routed(workdir: Path, n: int, requests: int, concurrency: int, router: str) -> dict[str, Any]:
     """One fresh stack of `n` engines: the gateway's CPU per routed request."""
     procs: list[Proc] = []
@@ -112,6 +143,7 @@ def routed(workdir: Path, n: int, requests: int, concurrency: int, router: str) 
         gw = _gateway(workdir, urls, f"gw{n}", router)
         procs.append(gw)
         _healthy(gw, n)
+        _settled(gw, n)
         _load(gw.url, 200, concurrency=concurrency, stream=False, max_tokens=4, warmup=0)
         admin = {"authorization": f"Bearer {ADMIN}"}
         httpx.get(gw.url + "/admin/index?reset_latency=1", headers=admin, timeout=30)
@@ -132,6 +164,7 @@ def routed(workdir: Path, n: int, requests: int, concurrency: int, router: str) 
             "route_latency_us": info["route_latency_us"],
             "ok": result["ok"],
             "errors": result["errors"],
+            "error_kinds": result["error_kinds"],
             "req_per_s": result["req_per_s"],
             "e2e_ms_p50": result["e2e_ms_p50"],
             "e2e_ms_p99": result["e2e_ms_p99"],

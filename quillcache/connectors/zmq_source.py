@@ -115,7 +115,9 @@ class ZmqHub:
     """The one thread that serves every `ZmqReceiver` of an ingestor (module docstring).
 
     Its thread starts with the first receiver. Everything that touches a socket runs on
-    it: `call` hands it a function through the wake-up pipe and waits for the result."""
+    it: `call` hands it a function through the wake-up pipe and waits for the result.
+    `close` it before terminating its context: the thread waits in epoll, not in libzmq,
+    so it does not see the context end (its sockets would hold `term` up)."""
 
     def __init__(self, ctx: zmq.Context) -> None:
         self.ctx = ctx
