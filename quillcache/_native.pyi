@@ -34,6 +34,7 @@ __all__ = [
     "PendingPrefixes",
     "PersistenceError",
     "QuillCacheError",
+    "QuillSettings",
     "Relay",
     "__version__",
     "best_positions",
@@ -565,21 +566,13 @@ class CostKernel:
         blocks: int,
         prompt_tokens: int,
         block_size: int,
-        *,
-        speculative: bool,
-        interference: bool,
-        work_weight: float,
+        settings: QuillSettings,
         lambda_: float,
-        per_worker_lambda: bool,
-        work_base: float,
-        max_work_weight: float,
         continuing: bool,
-        continuing_work_weight: float,
-        decode_weight: float,
         mean_decodes: float,
-        home_decode_weight: float,
         expected_output_tokens: int,
         session_batch: npt.NDArray[np.float64] | None,
+        pace: npt.NDArray[np.float64] | None,
     ) -> tuple[int, npt.NDArray[np.float64]]:
         """(position, estimates): QuillCache's score per row and the row that wins."""
     def quill_lowest(
@@ -596,25 +589,35 @@ class CostKernel:
         blocks: int,
         prompt_tokens: int,
         block_size: int,
-        *,
-        speculative: bool,
-        interference: bool,
-        work_weight: float,
+        settings: QuillSettings,
         lambda_: float,
-        per_worker_lambda: bool,
-        work_base: float,
-        max_work_weight: float,
         continuing: bool,
-        continuing_work_weight: float,
-        decode_weight: float,
         mean_decodes: float,
-        home_decode_weight: float,
         expected_output_tokens: int,
         session_batch: npt.NDArray[np.float64] | None,
+        pace: npt.NDArray[np.float64] | None,
     ) -> int | None:
         """`quill`'s position, walking `special` then the rest in `order` (by queued
         prefill tokens; `position[row]` < 0: not a candidate) until no row left can
         win; None: the knobs or a NaN score do not allow it (score every row)."""
+
+@final
+class QuillSettings:
+    """`QuillCacheRouter`'s knobs, fixed when the router is made (`CostKernel.quill`)."""
+
+    def __new__(
+        cls,
+        *,
+        speculative: bool,
+        interference: bool,
+        work_weight: float,
+        per_worker_lambda: bool,
+        work_base: float,
+        max_work_weight: float,
+        continuing_work_weight: float,
+        decode_weight: float,
+        home_decode_weight: float,
+    ) -> Self: ...
 
 @final
 class PendingPrefixes:

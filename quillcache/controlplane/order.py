@@ -58,6 +58,7 @@ class LoadOrders:
     def __init__(self, load: LoadStore) -> None:
         self._load = load
         self._orders: dict[tuple[int, ...], LoadOrder] = {}
+        self._by_fields: dict[tuple[str, ...], LoadOrder] = {}  # `order`'s cache by names
         self._dirty: set[int] = set()
         # per plane row: its worker and rank (the ties' order), and whether a worker
         # holds it
@@ -95,13 +96,16 @@ class LoadOrders:
 
     def order(self, fields: tuple[str, ...]) -> LoadOrder:
         """The rows in order of `fields` (`LOAD_FIELDS` names), worker id, rank."""
-        columns = tuple(load_column(f) for f in fields)
-        order = self._orders.get(columns)
+        order = self._by_fields.get(fields)
         if order is None:
-            order = LoadOrder(len(columns))
-            rows = np.flatnonzero(self._live)
-            self._place(order, columns, rows)
-            self._orders[columns] = order
+            columns = tuple(load_column(f) for f in fields)
+            order = self._orders.get(columns)
+            if order is None:
+                order = LoadOrder(len(columns))
+                rows = np.flatnonzero(self._live)
+                self._place(order, columns, rows)
+                self._orders[columns] = order
+            self._by_fields[fields] = order
         if self._dirty:
             self._flush()
         return order

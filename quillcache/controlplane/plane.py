@@ -57,6 +57,7 @@ from quillcache.controlplane.load import (
     load_column,
 )
 from quillcache.controlplane.order import LoadOrders, PlaneRowOrder
+from quillcache.controlplane.pace import PaceConfig, PaceLearner
 from quillcache.controlplane.pins import PinnedPrefixes
 from quillcache.costmodel import CostModel, CostModelConfig
 from quillcache.errors import ConfigError, QuillCacheError
@@ -180,7 +181,7 @@ class WorkerState:
         )
 
 
-CAPACITY, RESIDENT, KNOWN = range(len(FLEET_FIELDS))
+CAPACITY, RESIDENT, KNOWN, PACE = range(len(FLEET_FIELDS))
 
 
 class _FleetColumns:
@@ -202,7 +203,7 @@ class _FleetColumns:
             stored = np.zeros(size)
             stored[: len(self.stored)] = self.stored
             self.stored = stored
-        self.m[row] = (capacity_blocks, 0.0, 1.0)
+        self.m[row] = (capacity_blocks, 0.0, 1.0, 1.0)
         self.stored[row] = 0.0
 
 
@@ -315,6 +316,10 @@ class _Tracked:
     context_tokens: int
     expires_s: float
     prefilled: bool = False
+    routed_s: float = 0.0  # the `now_s` it was routed at
+    # its row's load when it was routed (LOAD_FIELDS order; None: moved, teaches nothing)
+    load_at_route: list[float] | None = None
+    output_tokens: int = 0  # the request's expected output (a slot frees after that many)
 
 
 @dataclass
@@ -345,6 +350,7 @@ class ControlPlane:
         latencies: OpLatencies | None = None,
         prune_min_rows: int | None = 64,
         explain: bool = False,
+        pace: PaceConfig | None = None,
     ) -> None:
         self.index: IndexBackend = (
             create_backend(index, **(index_options or {})) if isinstance(index, str) else index
@@ -380,6 +386,9 @@ class ControlPlane:
         self.pinned = PinnedPrefixes()
         self._orders = LoadOrders(self.load)
         self._fleet = _FleetColumns()
+        # which engines turn out slower than the rest (`pace.py`), from the observed
+        # TTFT `prefill_done(now_s=...)` reports; the routers that price time read it
+        self.pace = PaceLearner(self._set_pace, pace)
         self._workers: dict[int, WorkerState] = {}
         self._free_rows: list[int] = []  # rows of removed workers, reused first
         self._next_row = 0
@@ -457,6 +466,7 @@ class ControlPlane:
             del self._tracked[rid]
         for row in rows:
             self._pending.remove_worker(row)
+            self.pace.forget(row)
             self._free_rows.append(row)
         self._free_rows.sort(reverse=True)  # lowest row first: rows stay in id order
 
@@ -648,6 +658,7 @@ class ControlPlane:
             tiers[2],
             pending,
             cand.ranks,
+            self.pace.paced,
         )
         order = None
         if self.prune_min_rows is not None and n >= self.prune_min_rows:
@@ -769,6 +780,7 @@ class ControlPlane:
         if self.track_load and t.worker in self._workers:
             self.load.release(t.row, t.prefill_tokens, t.prefilled)
         t.worker, t.row = worker, row
+        t.load_at_route = None  # the other row's load: teaches nothing about this one
         if not t.prefilled and len(t.keys):
             self._pending.add(row, t.keys)
         if self.track_load:
@@ -776,12 +788,16 @@ class ControlPlane:
             if t.prefilled:
                 self.load.prefilled(row, t.prefill_tokens, t.context_tokens)
 
-    def prefill_done(self, request_id: int | str) -> None:
+    def prefill_done(self, request_id: int | str, now_s: float | None = None) -> None:
         """The request's prompt is computed: its blocks are (or will shortly be) reported
-        by events, so its speculative entry ends; with `track_load` it turns into a decode."""
+        by events, so its speculative entry ends; with `track_load` it turns into a decode.
+        `now_s` (the clock `route` was given): when its first token came, which teaches
+        the plane how fast its engine is against the estimate (`pace.py`)."""
         t = self._tracked.get(request_id)
         if t is None or t.prefilled:
             return
+        if now_s is not None and t.load_at_route is not None and t.worker in self._workers:
+            self.pace.observe(t.row, now_s - t.routed_s, self._expected_ttft_s(t))
         t.prefilled = True
         self._unpend(t)
         if self.track_load and t.worker in self._workers:
@@ -813,6 +829,9 @@ class ControlPlane:
             prefill_tokens=prefill_tokens,
             context_tokens=request.prompt_tokens,
             expires_s=now_s + self.speculative_ttl_s,
+            routed_s=now_s,
+            load_at_route=self.load.rows(slice(row, row + 1))[0].tolist(),
+            output_tokens=request.expected_output_tokens,
         )
         old = self._tracked.get(request.request_id)
         if old is not None:  # a retried id: forget the earlier attempt
@@ -823,6 +842,25 @@ class ControlPlane:
             self._pending.add(row, keys)
         if self.track_load:
             self.load.book(row, prefill_tokens)
+
+    def _expected_ttft_s(self, t: _Tracked) -> float:
+        """The TTFT the cost model expects of a request at the fleet's speed, from its
+        row's load when it was routed: its queue and prefill sharing steps with the
+        running decodes, and the wait for a sequence slot when all were taken (what a
+        busy engine adds to every request there, which a pace must not be blamed for)."""
+        assert t.load_at_route is not None
+        in_flight, queued, decodes, _, mean_context = t.load_at_route
+        cost = self.cost
+        return cost.loaded_prefill_time(
+            queued_tokens=int(queued),
+            new_tokens=t.prefill_tokens,
+            context_tokens=t.context_tokens - t.prefill_tokens,
+            running_decodes=int(decodes),
+            mean_context_tokens=mean_context,
+        ) + cost.slot_wait_time(in_flight, decodes, mean_context, t.output_tokens)
+
+    def _set_pace(self, row: int, pace: float) -> None:
+        self._fleet.m[row, PACE] = pace
 
     def _unpend(self, t: _Tracked) -> None:
         if len(t.keys):

@@ -151,7 +151,9 @@ class RequestOutcomes:
 
     def first_byte(self, path: str, elapsed_s: float, request_id: int | str) -> None:
         self.metrics.first_byte(path, elapsed_s)
-        self._plane.prefill_done(request_id)
+        # the clock `route` is given (openai_api.py): the observed TTFT teaches the
+        # plane each engine's pace
+        self._plane.prefill_done(request_id, time.monotonic())
         if self.shared is not None:
             self.shared.prefill_done(request_id)
 

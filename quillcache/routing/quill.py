@@ -15,7 +15,11 @@ Timed operation (the score of each worker; the lowest wins):
 5. sequence slots: an engine runs at most `max_num_seqs` sequences; with every slot
    taken, a request waits for decodes to finish before its prefill starts
    (`CostModel.slot_wait_time_array`), which a queue of prefill tokens does not show;
-6. sessions (requests with a session id): a session's next turns come back to the
+6. engine pace: an engine the control plane found slower than the fleet's median
+   (`WorkerView.pace`, learned from observed TTFT: controlplane/pace.py) has every term
+   it computes or reads (queue, prefill, slot wait, decode steps) that many times longer;
+   a transfer is not;
+7. sessions (requests with a session id): a session's next turns come back to the
    worker holding its history, so a *new* session chooses a home for all of them: it
    also weighs the decode batch it will join there, estimated from the live sessions
    homed on each worker. A continuing session is not moved for decode balance (its
@@ -43,6 +47,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from quillcache._native import QuillSettings
 from quillcache.errors import ConfigError
 from quillcache.routing.base import Router, covered_array, first_min, kernel_rows
 from quillcache.routing.shortlist import Preference, cost_preferences
@@ -93,6 +98,18 @@ class QuillCacheRouter(Router):
         self.home_decode_weight = home_decode_weight
         self.pressure_weight = pressure_weight
         self.continuing_work_weight = continuing_work_weight
+        # the knobs the native kernel reads, fixed from here on
+        self._settings = QuillSettings(
+            speculative=speculative,
+            interference=interference,
+            work_weight=work_weight,
+            per_worker_lambda=adaptive and work_scope == "worker",
+            work_base=work_base,
+            max_work_weight=max_work_weight,
+            continuing_work_weight=continuing_work_weight,
+            decode_weight=decode_weight,
+            home_decode_weight=home_decode_weight,
+        )
         # per-request state, set by `route` before scoring
         self._lambda = work_weight
         self._mean_decodes = 0.0
@@ -125,6 +142,7 @@ class QuillCacheRouter(Router):
                     transfer_s += peer_s
                     covered = peer_blocks
         new = max(request.prompt_tokens - min(covered * bs, request.prompt_tokens), 1)
+        pace = w.pace  # what the engine computes or reads takes this many times longer
         extra = 0.0
         if self.work_weight:
             # the compute this request adds delays everyone queued after it there
@@ -134,9 +152,9 @@ class QuillCacheRouter(Router):
                 lam = min(self.work_weight * (self.work_base + waiting), self.max_work_weight)
             if self._continuing:
                 lam *= self.continuing_work_weight
-            extra += lam * cost.prefill_compute_s(new, request.prompt_tokens - new)
+            extra += lam * (pace * cost.prefill_compute_s(new, request.prompt_tokens - new))
         if self.interference:
-            ttft = transfer_s + cost.loaded_prefill_time(
+            ttft = transfer_s + pace * cost.loaded_prefill_time(
                 queued_tokens=w.queued_prefill_tokens,
                 new_tokens=new,
                 context_tokens=request.prompt_tokens - new,
@@ -146,12 +164,12 @@ class QuillCacheRouter(Router):
         else:
             ttft = (
                 transfer_s
-                + cost.queue_time(w.queued_prefill_tokens)
-                + cost.prefill_time(new, request.prompt_tokens - new)
+                + pace * cost.queue_time(w.queued_prefill_tokens)
+                + pace * cost.prefill_time(new, request.prompt_tokens - new)
             )
         out = request.expected_output_tokens
         # a request waits for a sequence slot when every one is taken
-        ttft = ttft + cost.slot_wait_time(
+        ttft = ttft + pace * cost.slot_wait_time(
             w.in_flight, w.running_decodes, w.mean_context_tokens, out
         )
         excess = w.running_decodes - self._mean_decodes
@@ -161,19 +179,23 @@ class QuillCacheRouter(Router):
             # cluster mean (piling onto one worker), where going elsewhere avoids it,
             # and only for the steps they still overlap once its prefill is done
             # (their remaining output taken to be about its own).
-            step = cost.decode_step_time(w.running_decodes, w.mean_context_tokens)
+            step = pace * cost.decode_step_time(w.running_decodes, w.mean_context_tokens)
             overlap = max(out - ttft / step, 0.0) if step > 0 else out
             extra += (
                 self.decode_weight
                 * excess
                 * overlap
-                * cost.kv_read_s(request.prompt_tokens + out / 2)
+                * (pace * cost.kv_read_s(request.prompt_tokens + out / 2))
             )
         if self.home_decode_weight and self._session_decodes:
             # A new session's home: every turn decodes in the batch its sessions make,
             # each step reading their KV.
             batch = self._session_decodes.get(w.worker, 0.0)
-            extra += self.home_decode_weight * out * cost.kv_read_s(batch * w.mean_context_tokens)
+            extra += (
+                self.home_decode_weight
+                * out
+                * (pace * cost.kv_read_s(batch * w.mean_context_tokens))
+            )
         return extra + ttft
 
     def estimates(self, request: Request, view: View) -> npt.NDArray[np.float64]:
@@ -190,6 +212,7 @@ class QuillCacheRouter(Router):
         new = np.maximum(prompt - np.minimum(covered * bs, prompt), 1)
         decodes = c.running_decodes
         mean_context = c.mean_context_tokens
+        pace = c.pace
         extra: npt.NDArray[np.float64] = np.zeros(len(c.worker))
         if self.work_weight:
             lam: float | npt.NDArray[np.float64] = self._lambda
@@ -200,9 +223,9 @@ class QuillCacheRouter(Router):
                 )
             if self._continuing:
                 lam = lam * self.continuing_work_weight
-            extra = extra + lam * cost.prefill_compute_s_array(new, prompt - new)
+            extra = extra + lam * (pace * cost.prefill_compute_s_array(new, prompt - new))
         if self.interference:
-            ttft = transfer + cost.loaded_prefill_time_array(
+            ttft = transfer + pace * cost.loaded_prefill_time_array(
                 queued_tokens=c.queued_prefill_tokens,
                 new_tokens=new,
                 context_tokens=prompt - new,
@@ -212,25 +235,30 @@ class QuillCacheRouter(Router):
         else:
             ttft = (
                 transfer
-                + cost.queue_time_array(c.queued_prefill_tokens)
-                + cost.prefill_time_array(new, prompt - new)
+                + pace * cost.queue_time_array(c.queued_prefill_tokens)
+                + pace * cost.prefill_time_array(new, prompt - new)
             )
         out = request.expected_output_tokens
-        ttft = ttft + cost.slot_wait_time_array(c.in_flight, decodes, mean_context, out)
+        ttft = ttft + pace * cost.slot_wait_time_array(c.in_flight, decodes, mean_context, out)
         excess = decodes - self._mean_decodes
         if self.decode_weight and not self._continuing:
             piling = excess > 0
             if piling.any():
-                step = cost.decode_step_time_array(decodes, mean_context)
+                step = pace * cost.decode_step_time_array(decodes, mean_context)
                 with np.errstate(divide="ignore", invalid="ignore"):
                     overlap = np.where(step > 0, np.maximum(out - ttft / step, 0.0), out)
-                term = self.decode_weight * excess * overlap * cost.kv_read_s(prompt + out / 2)
+                term = (
+                    self.decode_weight
+                    * excess
+                    * overlap
+                    * (pace * cost.kv_read_s(prompt + out / 2))
+                )
                 extra = np.where(piling, extra + term, extra)
         if self.home_decode_weight and self._session_decodes:
             homes = self._session_decodes
             batch = np.asarray([homes.get(w, 0.0) for w in c.worker.tolist()])
-            extra = extra + self.home_decode_weight * out * cost.kv_read_s_array(
-                batch * mean_context
+            extra = extra + self.home_decode_weight * out * (
+                pace * cost.kv_read_s_array(batch * mean_context)
             )
         return extra + ttft
 
@@ -239,13 +267,14 @@ class QuillCacheRouter(Router):
         pass over the rows, and the `first_min` over (score, -prefix held or being
         computed, in flight, id). The same numbers as `estimates`, the readable
         reference (`tests/routing/test_kernels.py`)."""
-        return view.cost.kernel.quill(
+        args = (
             *kernel_rows(view),
             len(request.content_keys),
             request.prompt_tokens,
             view.block_size,
-            **self._kernel_knobs(request, view),
+            *self._kernel_state(request, view),
         )
+        return view.cost.kernel.quill(*args)
 
     def chosen(self, request: Request, view: View) -> int:
         """`scored`'s position. On a prunable view, the native kernel scores the rows
@@ -256,43 +285,45 @@ class QuillCacheRouter(Router):
         walk = view.load_order(_BY_QUEUE) if len(view) >= WALK_MIN_ROWS else None
         if walk is not None:
             order, position = walk
-            at = view.cost.kernel.quill_lowest(
-                order,
-                position,
-                view.above_floor(),
+            args = (
                 *kernel_rows(view),
                 len(request.content_keys),
                 request.prompt_tokens,
                 view.block_size,
-                **self._kernel_knobs(request, view),
+                *self._kernel_state(request, view),
             )
+            at = view.cost.kernel.quill_lowest(order, position, view.above_floor(), *args)
             if at is not None:
                 return at
         return self.scored(request, view)[0]
 
-    def _kernel_knobs(self, request: Request, view: View) -> dict[str, Any]:
-        """The kernel's keyword arguments: the knobs and this request's state."""
+    def _kernel_state(
+        self, request: Request, view: View
+    ) -> tuple[
+        QuillSettings,
+        float,
+        bool,
+        float,
+        int,
+        npt.NDArray[np.float64] | None,
+        npt.NDArray[np.float64] | None,
+    ]:
+        """The kernel's arguments after the columns: the knobs, then this request's
+        state (`CostKernel.quill`'s order)."""
         batch = None
         if self.home_decode_weight and self._session_decodes:
             rows_of = _rows_by_worker(view.columns.worker)
             batch = np.zeros(len(view.columns.worker))
             for w, decodes in self._session_decodes.items():
                 batch[rows_of(w)] = decodes
-        return dict(
-            speculative=self.speculative,
-            interference=self.interference,
-            work_weight=self.work_weight,
-            lambda_=self._lambda,
-            per_worker_lambda=self.adaptive and self.work_scope == "worker",
-            work_base=self.work_base,
-            max_work_weight=self.max_work_weight,
-            continuing=self._continuing,
-            continuing_work_weight=self.continuing_work_weight,
-            decode_weight=self.decode_weight,
-            mean_decodes=self._mean_decodes,
-            home_decode_weight=self.home_decode_weight,
-            expected_output_tokens=request.expected_output_tokens,
-            session_batch=batch,
+        return (
+            self._settings,
+            self._lambda,
+            self._continuing,
+            self._mean_decodes,
+            request.expected_output_tokens,
+            batch,
+            np.ascontiguousarray(view.columns.pace) if view.columns.paced else None,
         )
 
     def route(self, request: Request, view: View) -> Decision:

@@ -88,6 +88,10 @@ class WorkerView:
     # the engine's data-parallel rank this row stands for: a data-parallel engine is one
     # row per rank (each rank has its own KV cache and queue); 0 for the others
     dp_rank: int = 0
+    # how many times slower than the fleet's median this engine has turned out to be
+    # (1.0: as fast as the rest or not known to be slower; the control plane learns it
+    # from the requests' observed time to first token, controlplane/pace.py)
+    pace: float = 1.0
 
     @property
     def local_blocks(self) -> int:
@@ -104,7 +108,7 @@ LOAD_FIELDS: tuple[str, ...] = (
     "mean_context_tokens",
 )
 #: The plane's own per-worker columns (`WorkerColumns.fleet`), in order.
-FLEET_FIELDS: tuple[str, ...] = ("capacity_blocks", "resident_blocks", "residency_known")
+FLEET_FIELDS: tuple[str, ...] = ("capacity_blocks", "resident_blocks", "residency_known", "pace")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +125,8 @@ class WorkerColumns:
     disk_blocks: npt.NDArray[np.int64]
     pending_blocks: npt.NDArray[np.int64]
     dp_rank: npt.NDArray[np.int64]
+    # True when some row's pace is not 1.0: a kernel reads `pace` only then
+    paced: bool = False
 
     @property
     def in_flight(self) -> npt.NDArray[np.float64]:
@@ -159,6 +165,11 @@ class WorkerColumns:
     def residency_known(self) -> npt.NDArray[np.bool_]:
         return self.fleet[:, 2] != 0.0
 
+    @property
+    def pace(self) -> npt.NDArray[np.float64]:
+        """`WorkerView.pace` per row (at least 1.0)."""
+        return self.fleet[:, 3]
+
     @classmethod
     def of(cls, workers: Sequence[WorkerView]) -> WorkerColumns:
         """The columns of a list of `WorkerView`s."""
@@ -167,7 +178,10 @@ class WorkerColumns:
             [[getattr(w, f) for f in LOAD_FIELDS] for w in workers], dtype=np.float64
         ).reshape(n, len(LOAD_FIELDS))
         fleet = np.array(
-            [[w.capacity_blocks, w.resident_blocks, float(w.residency_known)] for w in workers],
+            [
+                [w.capacity_blocks, w.resident_blocks, float(w.residency_known), w.pace]
+                for w in workers
+            ],
             dtype=np.float64,
         ).reshape(n, len(FLEET_FIELDS))
 
@@ -183,6 +197,7 @@ class WorkerColumns:
             ints("disk_blocks"),
             ints("pending_blocks"),
             ints("dp_rank"),
+            paced=any(w.pace != 1.0 for w in workers),
         )
 
 
@@ -312,11 +327,13 @@ class View:
                     media.get((wid, rank)) or dict(floor),
                     known != 0.0,
                     rank,
+                    pace,
                 )
                 for wid, (in_flight, queued, decodes, kv_usage, mean_context), (
                     capacity,
                     resident,
                     known,
+                    pace,
                 ), gpu, cpu, disk, pending, rank in zip(
                     c.worker.tolist(),
                     c.load.tolist(),
@@ -345,7 +362,7 @@ class View:
     def _make(self, i: int) -> WorkerView:
         c = self.columns
         in_flight, queued, decodes, kv_usage, mean_context = c.load[i].tolist()
-        capacity, resident, known = c.fleet[i].tolist()
+        capacity, resident, known, pace = c.fleet[i].tolist()
         wid = int(c.worker[i])
         rank = int(c.dp_rank[i])
         return WorkerView(
@@ -364,6 +381,7 @@ class View:
             self._media_of.one(wid, rank),
             known != 0.0,
             rank,
+            pace,
         )
 
     @property

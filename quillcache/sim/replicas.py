@@ -374,10 +374,10 @@ class ReplicaFleet:
             self._learn(i, chosen, request)
         return decision
 
-    def prefill_done(self, request_id: int | str) -> None:
+    def prefill_done(self, request_id: int | str, now_s: float | None = None) -> None:
         i = self._owner.get(request_id)
         if i is not None:
-            self.planes[i].prefill_done(request_id)
+            self.planes[i].prefill_done(request_id, now_s)
         if self.union is not None:
             self.union.prefill_done(request_id)
 

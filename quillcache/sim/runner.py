@@ -61,7 +61,7 @@ class Plane(Protocol):
 
     def update_load(self, worker: int, **load: float) -> None: ...
 
-    def prefill_done(self, request_id: int | str) -> None: ...
+    def prefill_done(self, request_id: int | str, now_s: float | None = None) -> None: ...
 
     def finish(self, request_id: int | str) -> None: ...
 
@@ -486,7 +486,7 @@ def _timed(
             ranks.ingest(w, payload)
         for run, _ in st.chunks:
             if run.first_token_s >= 0 and run.req.rid in records:
-                cp.prefill_done(run.req.rid)
+                cp.prefill_done(run.req.rid, now_s=run.first_token_s)
         for run in finished:
             if replicator is not None and replicator.is_replica(run.req.rid):
                 replicator.finished(run)  # not a workload request: no record, no route

@@ -62,15 +62,21 @@ def fleets(draw: st.DrawFn) -> tuple[Request, View]:
         load[i, 2] = draw(st.one_of(st.integers(0, 600).map(float), st.floats(0, 9_000)))
         load[i, 3] = draw(st.floats(0, 1))
         load[i, 4] = draw(st.floats(0, 32_000))
+    fleet = np.zeros((n, 4))
+    # most engines at the fleet's pace, some learned slower (`controlplane/pace.py`)
+    fleet[:, 3] = draw(
+        st.lists(st.sampled_from([1.0, 1.0, 1.0, 1.37, 2.5, 10.0]), min_size=n, max_size=n)
+    )
     columns = WorkerColumns(
         worker=np.asarray(worker, dtype=np.uint64),
         load=load,
-        fleet=np.zeros((n, 3)),
+        fleet=fleet,
         gpu_blocks=tier().astype(np.int64),
         cpu_blocks=tier().astype(np.int64),
         disk_blocks=tier().astype(np.int64),
         pending_blocks=tier().astype(np.int64),
         dp_rank=np.zeros(n, dtype=np.int64),
+        paced=bool((fleet[:, 3] != 1.0).any()),
     )
     return request, View(None, BLOCK, draw(st.sampled_from(COSTS)), columns=columns)
 
@@ -203,6 +209,7 @@ def test_a_new_sessions_homes_count_every_row_of_its_workers(
             c.disk_blocks[order],
             c.pending_blocks[order],
             c.dp_rank[order],
+            c.paced,
         )
         view = View(None, BLOCK, view.cost, columns=c)
     ids = c.worker.tolist()

@@ -23,6 +23,7 @@ import quillcache.routing.base as routing_base
 import quillcache.routing.quill as routing_quill
 import quillcache.routing.ttft as routing_ttft
 from quillcache.controlplane import ControlPlane
+from quillcache.controlplane.pace import PaceConfig
 from quillcache.costmodel import CostModelConfig
 from quillcache.errors import ConfigError
 from quillcache.events.encode import BlockStored, encode_batch
@@ -62,6 +63,8 @@ class Twins:
                 cost=cost,
                 track_load=True,
                 prune_min_rows=prune,
+                # learns paces from the first requests, so that slow rows are common
+                pace=PaceConfig(window=4, min_samples=1, min_rows=2, refresh_every=1),
             )
             for prune in (1, None)
         ]
@@ -168,7 +171,9 @@ def same_decisions(name: str, data: st.DataObject) -> None:
             if pruned.worker is not None:
                 step = data.draw(st.sampled_from(["keep", "prefilled", "finish"]))
                 if step == "prefilled":
-                    twins.prefill_done(rid)
+                    # its first token after a delay: the rows learn paces (> 1 for some)
+                    delay = data.draw(st.sampled_from([None, 0.001, 0.05, 3.0, 40.0]))
+                    twins.prefill_done(rid, None if delay is None else rid + delay)
                 elif step == "finish":
                     twins.finish(rid)
     finally:

@@ -499,8 +499,10 @@ impl<'a> QuillScorer<'a> {
         }
     }
 
-    /// Row `i`'s score with load `load` (its own, or a bound's) and session batch.
-    fn estimate(&mut self, i: usize, load: RowLoad, batch: Option<f64>) -> f64 {
+    /// Row `i`'s score with load `load` (its own, or a bound's), session batch and pace
+    /// (how many times slower than the fleet the engine is: every term the engine
+    /// computes or reads is that many times longer; a transfer is not).
+    fn estimate(&mut self, i: usize, load: RowLoad, batch: Option<f64>, pace: f64) -> f64 {
         let (params, rows, ask, knobs) = (self.params, self.rows, self.ask, self.knobs);
         let prompt = ask.prompt_tokens;
         let RowLoad {
@@ -533,30 +535,34 @@ impl<'a> QuillScorer<'a> {
             if knobs.continuing {
                 lambda *= knobs.continuing_work_weight;
             }
-            extra = 0.0 + lambda * new_compute;
+            extra = 0.0 + lambda * (pace * new_compute);
         }
+        // (pace 1.0 multiplies exactly: a uniform fleet's scores are bit for bit the same)
         let ttft = if knobs.interference {
-            transfer + params.loaded_prefill_time(queued, new, new_compute, decodes, mean_context)
+            transfer
+                + pace * params.loaded_prefill_time(queued, new, new_compute, decodes, mean_context)
         } else {
             transfer
-                + params.queue_time(queued)
-                + self
-                    .prefill
-                    .get(new, |new| params.prefill_time(new, prompt - new))
+                + pace * params.queue_time(queued)
+                + pace
+                    * self
+                        .prefill
+                        .get(new, |new| params.prefill_time(new, prompt - new))
         };
-        let ttft = ttft + params.slot_wait(in_flight, decodes, mean_context, self.out);
+        let ttft = ttft + pace * params.slot_wait(in_flight, decodes, mean_context, self.out);
         let excess = decodes - knobs.mean_decodes;
         if knobs.decode_weight != 0.0 && !knobs.continuing && excess > 0.0 {
-            let step = params.decode_step_time(decodes, mean_context);
+            let step = pace * params.decode_step_time(decodes, mean_context);
             let overlap = if step > 0.0 {
                 maximum(self.out - ttft / step, 0.0)
             } else {
                 self.out
             };
-            extra += knobs.decode_weight * excess * overlap * self.kv_read;
+            extra += knobs.decode_weight * excess * overlap * (pace * self.kv_read);
         }
         if let Some(batch) = batch {
-            extra += self.home_weight * (batch * mean_context * params.kv_read_s_per_token);
+            extra +=
+                self.home_weight * (pace * (batch * mean_context * params.kv_read_s_per_token));
         }
         extra + ttft
     }
@@ -567,7 +573,8 @@ impl<'a> QuillScorer<'a> {
     /// no session batch. Every term of the score is non-decreasing in the running
     /// decodes, their context, the requests waiting and the batch, or an added term
     /// that is at least 0; IEEE rounding is monotone, so the computed numbers keep
-    /// that order.
+    /// that order. It is taken at pace 1.0, the least a pace can be (`walkable`): a
+    /// slower engine's score is only larger.
     fn bound(&mut self, i: usize, queued: f64, batch: bool) -> f64 {
         let idle = RowLoad {
             in_flight: 0.0,
@@ -575,15 +582,17 @@ impl<'a> QuillScorer<'a> {
             decodes: 0.0,
             mean_context: 0.0,
         };
-        self.estimate(i, idle, batch.then_some(0.0))
+        self.estimate(i, idle, batch.then_some(0.0), 1.0)
     }
 
     /// Whether `bound` is a lower bound under these knobs (with loads that are finite
     /// and at least 0, which the control plane guarantees): no peer fetch (a row's
-    /// score would depend on the best other row), and weights that only add.
-    fn walkable(&self) -> bool {
+    /// score would depend on the best other row), weights that only add, and paces of
+    /// at least 1.0.
+    fn walkable(&self, pace: Option<&[f64]>) -> bool {
         let k = self.knobs;
-        !self.params.allow_peer_fetch
+        pace.is_none_or(|p| p.iter().all(|&x| x >= 1.0))
+            && !self.params.allow_peer_fetch
             && k.work_weight >= 0.0
             && k.continuing_work_weight >= 0.0
             && k.decode_weight >= 0.0
@@ -595,20 +604,49 @@ impl<'a> QuillScorer<'a> {
     }
 }
 
+/// What `quill` reads per row besides the view's columns.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RowTerms<'a> {
+    /// Per row, the decodes a new session's home would bring (None: no home term).
+    pub session_batch: Option<&'a [f64]>,
+    /// Per row, how many times slower than the fleet its engine is (None: 1.0).
+    pub pace: Option<&'a [f64]>,
+}
+
+impl RowTerms<'_> {
+    fn check(&self, rows: &Rows<'_>) -> Result<(), RowsError> {
+        rows.check(self.session_batch)?;
+        match self.pace {
+            Some(p) if p.len() != rows.len() => Err(RowsError::Lengths(format!(
+                "{} paces for {} rows",
+                p.len(),
+                rows.len()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    fn batch(&self, i: usize) -> Option<f64> {
+        self.session_batch.map(|b| b[i])
+    }
+
+    fn pace(&self, i: usize) -> f64 {
+        self.pace.map_or(1.0, |p| p[i])
+    }
+}
+
 /// `QuillCacheRouter.estimates`: TTFT plus the work and decode load a choice adds.
-/// `session_batch`: per row, the decodes a new session's home would bring (None: no
-/// home term).
 pub fn quill_estimates(
     params: &CostParams,
     rows: &Rows<'_>,
     ask: &Ask,
     knobs: &QuillKnobs,
-    session_batch: Option<&[f64]>,
+    terms: RowTerms<'_>,
 ) -> Result<Vec<f64>, RowsError> {
-    rows.check(session_batch)?;
+    terms.check(rows)?;
     let mut scorer = QuillScorer::new(params, rows, ask, knobs);
     Ok((0..rows.len())
-        .map(|i| scorer.estimate(i, RowLoad::of(rows, i), session_batch.map(|b| b[i])))
+        .map(|i| scorer.estimate(i, RowLoad::of(rows, i), terms.batch(i), terms.pace(i)))
         .collect())
 }
 
@@ -693,20 +731,20 @@ pub fn quill_lowest_walk(
     rows: &Rows<'_>,
     ask: &Ask,
     knobs: &QuillKnobs,
-    session_batch: Option<&[f64]>,
+    terms: RowTerms<'_>,
     special: &[usize],
     by_queue: impl Iterator<Item = usize>,
 ) -> Result<Option<usize>, RowsError> {
-    rows.check(session_batch)?;
+    terms.check(rows)?;
     let mut scorer = QuillScorer::new(params, rows, ask, knobs);
-    if !scorer.walkable() {
+    if !scorer.walkable(terms.pace) {
         return Ok(None);
     }
     lowest_walk(rows, true, special, by_queue, |i, what| match what {
-        Eval::Score => scorer.estimate(i, RowLoad::of(rows, i), session_batch.map(|b| b[i])),
+        Eval::Score => scorer.estimate(i, RowLoad::of(rows, i), terms.batch(i), terms.pace(i)),
         Eval::Bound => {
             let queued = rows.field(i, QUEUED_PREFILL_TOKENS);
-            scorer.bound(i, queued, session_batch.is_some())
+            scorer.bound(i, queued, terms.session_batch.is_some())
         }
     })
 }

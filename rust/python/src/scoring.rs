@@ -6,7 +6,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::load_order::LoadOrder;
-use quillcache_core::scoring::{self, Ask, CostParams, QuillKnobs, Rows, RowsError};
+use quillcache_core::scoring::{self, Ask, CostParams, QuillKnobs, RowTerms, Rows, RowsError};
 
 pub(crate) fn slice<'a, T: numpy::Element>(
     what: &str,
@@ -229,10 +229,8 @@ impl CostKernel {
     /// the lowest (then the longest prefix held or being computed, fewest in flight,
     /// lowest id). `session_batch`: per row, the decodes a new session's home brings.
     #[pyo3(signature = (
-        worker, load, gpu, cpu, disk, pending, blocks, prompt_tokens, block_size, *,
-        speculative, interference, work_weight, lambda_, per_worker_lambda, work_base,
-        max_work_weight, continuing, continuing_work_weight, decode_weight, mean_decodes,
-        home_decode_weight, expected_output_tokens, session_batch
+        worker, load, gpu, cpu, disk, pending, blocks, prompt_tokens, block_size, settings,
+        lambda_, continuing, mean_decodes, expected_output_tokens, session_batch, pace
     ))]
     #[allow(clippy::too_many_arguments)]
     fn quill<'py>(
@@ -247,20 +245,13 @@ impl CostKernel {
         blocks: i64,
         prompt_tokens: i64,
         block_size: i64,
-        speculative: bool,
-        interference: bool,
-        work_weight: f64,
+        settings: PyRef<'py, QuillSettings>,
         lambda_: f64,
-        per_worker_lambda: bool,
-        work_base: f64,
-        max_work_weight: f64,
         continuing: bool,
-        continuing_work_weight: f64,
-        decode_weight: f64,
         mean_decodes: f64,
-        home_decode_weight: f64,
         expected_output_tokens: i64,
         session_batch: Option<PyReadonlyArray1<'py, f64>>,
+        pace: Option<PyReadonlyArray1<'py, f64>>,
     ) -> PyResult<(usize, Bound<'py, PyArray1<f64>>)> {
         let columns = Columns {
             worker,
@@ -276,26 +267,20 @@ impl CostKernel {
             prompt_tokens,
             block_size,
         };
-        let knobs = QuillKnobs {
-            speculative,
-            interference,
-            work_weight,
-            lambda: lambda_,
-            per_worker_lambda,
-            work_base,
-            max_work_weight,
-            continuing,
-            continuing_work_weight,
-            decode_weight,
-            mean_decodes,
-            home_decode_weight,
-            expected_output_tokens,
-        };
+        let knobs = settings.knobs(lambda_, continuing, mean_decodes, expected_output_tokens);
         let batch = match &session_batch {
             Some(b) => Some(slice("session_batch", b)?),
             None => None,
         };
-        let estimates = scoring::quill_estimates(&self.params, &rows, &ask, &knobs, batch)
+        let pace = match &pace {
+            Some(p) => Some(slice("pace", p)?),
+            None => None,
+        };
+        let terms = RowTerms {
+            session_batch: batch,
+            pace,
+        };
+        let estimates = scoring::quill_estimates(&self.params, &rows, &ask, &knobs, terms)
             .map_err(rows_error)?;
         let at = scoring::lowest(&estimates, &rows, true).map_err(rows_error)?;
         Ok((at, PyArray1::from_vec(py, estimates)))
@@ -308,10 +293,8 @@ impl CostKernel {
     /// candidate) until no row left can win. None: score every row with `quill`.
     #[pyo3(signature = (
         order, position, special, worker, load, gpu, cpu, disk, pending, blocks,
-        prompt_tokens, block_size, *, speculative, interference, work_weight, lambda_,
-        per_worker_lambda, work_base, max_work_weight, continuing, continuing_work_weight,
-        decode_weight, mean_decodes, home_decode_weight, expected_output_tokens,
-        session_batch
+        prompt_tokens, block_size, settings, lambda_, continuing, mean_decodes,
+        expected_output_tokens, session_batch, pace
     ))]
     #[allow(clippy::too_many_arguments)]
     fn quill_lowest<'py>(
@@ -328,20 +311,13 @@ impl CostKernel {
         blocks: i64,
         prompt_tokens: i64,
         block_size: i64,
-        speculative: bool,
-        interference: bool,
-        work_weight: f64,
+        settings: PyRef<'py, QuillSettings>,
         lambda_: f64,
-        per_worker_lambda: bool,
-        work_base: f64,
-        max_work_weight: f64,
         continuing: bool,
-        continuing_work_weight: f64,
-        decode_weight: f64,
         mean_decodes: f64,
-        home_decode_weight: f64,
         expected_output_tokens: i64,
         session_batch: Option<PyReadonlyArray1<'py, f64>>,
+        pace: Option<PyReadonlyArray1<'py, f64>>,
     ) -> PyResult<Option<usize>> {
         let columns = Columns {
             worker,
@@ -357,32 +333,101 @@ impl CostKernel {
             prompt_tokens,
             block_size,
         };
-        let knobs = QuillKnobs {
-            speculative,
-            interference,
-            work_weight,
-            lambda: lambda_,
-            per_worker_lambda,
-            work_base,
-            max_work_weight,
-            continuing,
-            continuing_work_weight,
-            decode_weight,
-            mean_decodes,
-            home_decode_weight,
-            expected_output_tokens,
-        };
+        let knobs = settings.knobs(lambda_, continuing, mean_decodes, expected_output_tokens);
         let batch = match &session_batch {
             Some(b) => Some(slice("session_batch", b)?),
             None => None,
         };
+        let pace = match &pace {
+            Some(p) => Some(slice("pace", p)?),
+            None => None,
+        };
+        let terms = RowTerms {
+            session_batch: batch,
+            pace,
+        };
         let position = slice("position", &position)?;
         let (special, by_queue) = walk_args(&order, position, &special)?;
-        scoring::quill_lowest_walk(&self.params, &rows, &ask, &knobs, batch, &special, by_queue)
+        scoring::quill_lowest_walk(&self.params, &rows, &ask, &knobs, terms, &special, by_queue)
             .map_err(rows_error)
     }
 }
 
+/// `QuillCacheRouter`'s knobs, fixed when the router is made: given to every `quill`
+/// call as one object rather than as a dozen keyword arguments per request.
+#[pyclass(module = "quillcache._native", name = "QuillSettings", frozen)]
+pub struct QuillSettings {
+    speculative: bool,
+    interference: bool,
+    work_weight: f64,
+    per_worker_lambda: bool,
+    work_base: f64,
+    max_work_weight: f64,
+    continuing_work_weight: f64,
+    decode_weight: f64,
+    home_decode_weight: f64,
+}
+
+impl QuillSettings {
+    fn knobs(
+        &self,
+        lambda: f64,
+        continuing: bool,
+        mean_decodes: f64,
+        expected_output_tokens: i64,
+    ) -> QuillKnobs {
+        QuillKnobs {
+            speculative: self.speculative,
+            interference: self.interference,
+            work_weight: self.work_weight,
+            lambda,
+            per_worker_lambda: self.per_worker_lambda,
+            work_base: self.work_base,
+            max_work_weight: self.max_work_weight,
+            continuing,
+            continuing_work_weight: self.continuing_work_weight,
+            decode_weight: self.decode_weight,
+            mean_decodes,
+            home_decode_weight: self.home_decode_weight,
+            expected_output_tokens,
+        }
+    }
+}
+
+#[pymethods]
+impl QuillSettings {
+    #[new]
+    #[pyo3(signature = (
+        *, speculative, interference, work_weight, per_worker_lambda, work_base,
+        max_work_weight, continuing_work_weight, decode_weight, home_decode_weight
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        speculative: bool,
+        interference: bool,
+        work_weight: f64,
+        per_worker_lambda: bool,
+        work_base: f64,
+        max_work_weight: f64,
+        continuing_work_weight: f64,
+        decode_weight: f64,
+        home_decode_weight: f64,
+    ) -> Self {
+        Self {
+            speculative,
+            interference,
+            work_weight,
+            per_worker_lambda,
+            work_base,
+            max_work_weight,
+            continuing_work_weight,
+            decode_weight,
+            home_decode_weight,
+        }
+    }
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<CostKernel>()
+    m.add_class::<CostKernel>()?;
+    m.add_class::<QuillSettings>()
 }
