@@ -111,14 +111,20 @@ class SharedLoadStore:
         self.polls += 1
 
     def apply_some(self, loads: Iterable[tuple[EngineKey, SharedLoad]]) -> None:
-        """Some keys' booked load (a booking's reply: its shortlist before it)."""
+        """Some keys' booked load (a booking's reply: its shortlist before it). A row
+        that would not move is left alone, unmarked: a booking's reply mostly repeats
+        what this store holds, and a marked row is placed again in the plane's load
+        orders before the next decision."""
+        booked, m = self._booked, self._m
         for key, ld in loads:
             row = self._row_of(key)
-            if row is not None and row < len(self._booked):
-                self._move_row(
-                    row, ld.in_flight, ld.queued_prefill_tokens, ld.running_decodes,
-                    ld.context_tokens,
-                )  # fmt: skip
+            if row is None or row >= len(booked):
+                continue
+            n, q, d = ld.in_flight, ld.queued_prefill_tokens, ld.running_decodes
+            c = ld.context_tokens
+            if booked[row].tolist() == [n, q, d, c] and self._still(m[row].tolist(), c, d):
+                continue
+            self._move_row(row, n, q, d, c)
 
     def own_booked(self, key: EngineKey, prefill_tokens: int) -> None:
         self._step(key, n=1, q=prefill_tokens)
@@ -153,6 +159,17 @@ class SharedLoadStore:
             max(float(b[_Q]) + q, 0.0),
             max(float(b[_D]) + d, 0.0),
             max(float(b[_C]) + c, 0.0),
+        )
+
+    @staticmethod
+    def _still(m: list[float], c: float, d: float) -> bool:
+        """Whether `_move_row` with the booked part unchanged would leave the row `m` as
+        it is: its counts not below zero, its mean context the booked one."""
+        return (
+            m[IN_FLIGHT] >= 0.0
+            and m[QUEUED] >= 0.0
+            and m[DECODES] >= 0.0
+            and m[MEAN_CONTEXT] == (c / d if d > 0 else 0.0)
         )
 
     def _move_row(self, row: int, n: float, q: float, d: float, c: float) -> None:

@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -130,3 +132,77 @@ def test_small_views_and_numpy_views_give_the_same_shortlist(
     others = sorted((score[i] - cached[i] * top, i) for i in range(len(rows)) if i != choice)
     want = [i for _, i in others[: size - 1]]
     assert [c.engine.engine for c in small.candidates] == [choice, *want]
+
+
+class _AlwaysMoves(SharedLoadStore):
+    """The reference: `apply_some` moving every row it names, as it did before it
+    skipped the rows that would not move."""
+
+    def apply_some(self, loads: Iterable[tuple[EngineKey, SharedLoad]]) -> None:
+        for key, ld in loads:
+            row = self._row_of(key)
+            if row is not None and row < len(self._booked):
+                self._move_row(
+                    row, ld.in_flight, ld.queued_prefill_tokens, ld.running_decodes,
+                    ld.context_tokens,
+                )  # fmt: skip
+
+
+# few values, so that replies often repeat what a store holds
+_LOADS = st.sampled_from(
+    [SharedLoad(), SharedLoad(1, 100, 0, 0), SharedLoad(1, 0, 1, 300), SharedLoad(2, 100, 1, 300)]
+)
+_KEYS = st.sampled_from([EngineKey(5, 0), EngineKey(5, 1), EngineKey(7, 0)])
+_OPS = st.one_of(
+    st.tuples(st.just("some"), st.lists(st.tuples(_KEYS, _LOADS), max_size=3)),
+    st.tuples(st.just("snapshot"), st.dictionaries(_KEYS, _LOADS, max_size=3)),
+    st.tuples(st.just("booked"), _KEYS, st.just(100)),
+    st.tuples(st.just("prefilled"), _KEYS, st.just(100), st.just(300)),
+    st.tuples(st.just("released"), _KEYS, st.just(100), st.just(300), st.booleans()),
+    st.tuples(
+        st.just("report"),
+        st.integers(0, 2),
+        st.sampled_from([IN_FLIGHT, QUEUED, DECODES, MEAN_CONTEXT]),
+        st.sampled_from([0.0, 1.0, 250.0]),
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(_OPS, max_size=30))
+def test_a_booking_reply_that_repeats_the_store_leaves_it_and_its_rows_alone(
+    ops: list[tuple[Any, ...]],
+) -> None:
+    """`apply_some` skips the rows a reply would not move: the plane reads the same
+    values as when it moved every row, under any mix of polls, replies, own bookings
+    and the engines' gauges (the mean context included), and every row whose values
+    changed is still marked for the plane's load orders."""
+    rows = {EngineKey(5, 0): 0, EngineKey(5, 1): 1, EngineKey(7, 0): 2}
+    stores = (SharedLoadStore(rows=3), _AlwaysMoves(rows=3))
+    marked: tuple[set[int], set[int]] = (set(), set())
+    for store, seen in zip(stores, marked, strict=True):
+        store.bind(rows.get)
+        for r in range(3):
+            store.add(r)
+        store.watch(seen.add)
+    for op in ops:
+        before = stores[0].rows(slice(None)).copy()
+        marked[0].clear()
+        for store in stores:
+            kind, *a = op
+            if kind == "some":
+                store.apply_some(a[0])
+            elif kind == "snapshot":
+                store.apply_snapshot(a[0])
+            elif kind == "booked":
+                store.own_booked(a[0], a[1])
+            elif kind == "prefilled":
+                store.own_prefilled(a[0], a[1], a[2])
+            elif kind == "released":
+                store.own_released(a[0], a[1], a[2], a[3])
+            else:
+                store.report(a[0], {a[1]: a[2]})
+        assert np.array_equal(stores[0].rows(slice(None)), stores[1].rows(slice(None)))
+        assert all(stores[0].booked(k) == stores[1].booked(k) for k in rows)
+        moved = {r for r in range(3) if not np.array_equal(before[r], stores[0].rows(r))}
+        assert moved <= marked[0]
