@@ -211,7 +211,9 @@ _MatchColumns: TypeAlias = tuple[
 ]
 #: `match_tiers`: the flat tiers, the columns of the hits above the floors, and the
 #: floors as (medium code, blocks).
-_MatchTiers: TypeAlias = tuple[npt.NDArray[np.int64], _MatchColumns, list[tuple[int, int]]]
+_MatchTiers: TypeAlias = tuple[
+    npt.NDArray[np.int64], _MatchColumns, list[tuple[int, int]], list[int]
+]
 
 @final
 class NativeIndex:
@@ -259,7 +261,8 @@ class NativeIndex:
         rank r at `position[worker] + r` when `rank_counts[position]` > r), its
         longest prefix per tier, flat: gpu, cpu, disk x candidates; and the match
         compacted: the columns of the hits above their medium's floor, and the floors
-        ((medium code, blocks): every live source holds that many leading blocks).
+        ((medium code, blocks): every live source holds that many leading blocks), and
+        each hit's candidate position (-1: not a candidate).
         `all_live`: every position below `candidates` is a live source (the caller
         vouches), so the floors go to every position without a walk over the sources."""
     def match_many(self, requests: list[_Keys]) -> list[list[Match]]:

@@ -178,9 +178,12 @@ class PlaneRowOrder:
                 return self._special
             special = set(self._pending.tolist())
             if h is not None and len(h.worker):
-                special.update(
-                    self._candidates.position_list(h.worker.tolist(), h.dp_rank.tolist())
-                )
+                if h.positions is not None:  # placed by the index as it matched
+                    special.update(h.positions)
+                else:
+                    special.update(
+                        self._candidates.position_list(h.worker.tolist(), h.dp_rank.tolist())
+                    )
             special.discard(-1)
             self._special = np.asarray(sorted(special), dtype=np.intp)
         return self._special

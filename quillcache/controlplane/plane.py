@@ -389,6 +389,7 @@ class ControlPlane:
         # which engines turn out slower than the rest (`pace.py`), from the observed
         # TTFT `prefill_done(now_s=...)` reports; the routers that price time read it
         self.pace = PaceLearner(self._set_pace, pace)
+        self._timed = False  # a `prefill_done` came with its time: keep what pace needs
         self._workers: dict[int, WorkerState] = {}
         self._free_rows: list[int] = []  # rows of removed workers, reused first
         self._next_row = 0
@@ -796,8 +797,10 @@ class ControlPlane:
         t = self._tracked.get(request_id)
         if t is None or t.prefilled:
             return
-        if now_s is not None and t.load_at_route is not None and t.worker in self._workers:
-            self.pace.observe(t.row, now_s - t.routed_s, self._expected_ttft_s(t))
+        if now_s is not None:
+            self._timed = True
+            if t.load_at_route is not None and t.worker in self._workers:
+                self.pace.observe(t.row, now_s - t.routed_s, self._expected_ttft_s(t))
         t.prefilled = True
         self._unpend(t)
         if self.track_load and t.worker in self._workers:
@@ -830,7 +833,8 @@ class ControlPlane:
             context_tokens=request.prompt_tokens,
             expires_s=now_s + self.speculative_ttl_s,
             routed_s=now_s,
-            load_at_route=self.load.rows(slice(row, row + 1))[0].tolist(),
+            # what the pace is learned against, kept once the caller reports times
+            load_at_route=self.load.rows(slice(row, row + 1))[0].tolist() if self._timed else None,
             output_tokens=request.expected_output_tokens,
         )
         old = self._tracked.get(request.request_id)

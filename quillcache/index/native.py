@@ -170,16 +170,16 @@ class NativeIndex:
         all_live: bool = False,
     ) -> tuple[npt.NDArray[np.int64], MatchColumns]:
         try:
-            tiers, cols, floors = self._inner.match_tiers(
+            tiers, cols, floors, positions = self._inner.match_tiers(
                 keys, position, candidates, rank_counts, all_live=all_live
             )
         except (TypeError, QuillCacheError):
-            tiers, cols, floors = self._inner.match_tiers(
+            tiers, cols, floors, positions = self._inner.match_tiers(
                 as_key_array(keys), position, candidates, rank_counts, all_live=all_live
             )
         worker, rank, medium, blocks, others = cols
         return tiers.reshape(3, candidates), MatchColumns(
-            worker, rank, medium, blocks, tuple(others), tuple(floors)
+            worker, rank, medium, blocks, tuple(others), tuple(floors), positions
         )
 
     def match_many(self, requests: Sequence[KeyArray]) -> list[list[Match]]:

@@ -50,6 +50,9 @@ class MatchColumns:
     blocks: npt.NDArray[np.uint32]
     other_media: tuple[str, ...] = ()
     floors: tuple[tuple[int, int], ...] = ()
+    # each hit's position among the candidates `match_tiers` was given (-1: not one of
+    # them); None when the backend did not place them
+    positions: list[int] | None = None
 
     @classmethod
     def of(cls, matches: Sequence[Match]) -> MatchColumns:

@@ -154,7 +154,9 @@ def test_the_plane_learns_a_slow_engine_and_quillcache_avoids_it() -> None:
                     cp.update_load(other, queued_prefill_tokens=0.0 if other == w else 50_000.0)
                 d = cp.route(request, now_s=now)
                 assert d.worker == w
-                expected = cp._expected_ttft_s(cp._tracked[rid])
+                tracked = cp._tracked[rid]
+                # (the plane keeps what pace needs once a `prefill_done` came with a time)
+                expected = cp._expected_ttft_s(tracked) if tracked.load_at_route else 0.1
                 took = expected * (10.0 if w == 0 else 1.0)
                 cp.prefill_done(rid, now + took if learn else None)
                 cp.finish(rid)

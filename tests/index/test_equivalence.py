@@ -134,7 +134,13 @@ def assert_same_tiers(ref: IndexBackend, other: IndexBackend, k: np.ndarray) -> 
     assert all(b > floors.get(medium, 0) for (_, _, medium), b in above.items())
     # data-parallel candidates: workers 0 and 2 with two ranks, 1 and 3 with one (their
     # rank 1 is not a candidate), each rank a row of its own
-    tiers, _ = other.match_tiers(k, RANKED_POSITION, 6, RANK_COUNTS)
+    tiers, ranked = other.match_tiers(k, RANKED_POSITION, 6, RANK_COUNTS)
+    if ranked.positions is not None:  # each hit placed as the plane places it
+        want_at = []
+        for w, r in zip(ranked.worker.tolist(), ranked.dp_rank.tolist(), strict=True):
+            at = int(RANKED_POSITION[w]) if w < len(RANKED_POSITION) else -1
+            want_at.append(at + r if at >= 0 and r < RANK_COUNTS[at] else -1)
+        assert ranked.positions == want_at
     want = np.zeros((3, 6), dtype=np.int64)
     tier_row = {"GPU": 0, "CPU": 1}
     for m in ref.match(k):

@@ -166,14 +166,22 @@ pub(crate) fn match_tiers<'py, L: Locked>(
         .iter()
         .map(|(medium, blocks)| (columns.code(medium), *blocks))
         .collect();
+    let mut positions = Vec::with_capacity(columns.workers.len());
     for (i, &worker) in columns.workers.iter().enumerate() {
-        if let Some(at) = place(worker, columns.ranks[i]) {
+        let at = place(worker, columns.ranks[i]);
+        if let Some(at) = at {
             let tier = usize::from(columns.media[i].min(2));
             let slot = &mut tiers[tier * candidates + at];
             *slot = (*slot).max(i64::from(columns.blocks[i]));
         }
+        positions.push(at.map_or(-1, |p| p as isize));
     }
-    Ok((PyArray1::from_vec(py, tiers), columns.into_py(py), floors))
+    Ok((
+        PyArray1::from_vec(py, tiers),
+        columns.into_py(py),
+        floors,
+        positions,
+    ))
 }
 
 /// The floors per tier (gpu, cpu, disk; a medium beyond GPU and CPU counts as disk).
@@ -190,12 +198,13 @@ fn tier_floor(floors: &[(Medium, u32)]) -> [i64; 3] {
     out
 }
 
-/// `match_tiers`' flat tier array, the columns of the hits above the floors, and the
-/// floors as `(medium code, blocks)`.
+/// `match_tiers`' flat tier array, the columns of the hits above the floors, the
+/// floors as `(medium code, blocks)`, and each hit's candidate position (-1: none).
 pub(crate) type MatchTiers<'py> = (
     Bound<'py, PyArray1<i64>>,
     MatchColumns<'py>,
     Vec<(u16, u32)>,
+    Vec<isize>,
 );
 
 /// A match's hits as columns, before they become numpy arrays.
