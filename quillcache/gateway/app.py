@@ -45,6 +45,7 @@ from quillcache.gateway.config import GatewayConfig, WorkerConfig
 from quillcache.gateway.fleet import FleetLink
 from quillcache.gateway.identify import RequestIdentifier
 from quillcache.gateway.ingest_http import IngestEndpoint
+from quillcache.gateway.lmcache_ctl import LmcacheController
 from quillcache.gateway.metrics import (
     GatewayMetrics,
     bootstrap_metrics,
@@ -63,7 +64,9 @@ from quillcache.gateway.readiness import Readiness, readiness
 from quillcache.gateway.secret import load_or_create
 from quillcache.gateway.tenancy import TenantPolicy
 from quillcache.gateway.workers import Worker, WorkerPool
+from quillcache.identity import content_keys
 from quillcache.policy.budget import ActuationBudget
+from quillcache.policy.targets import KeyArray
 from quillcache.routing import Router
 from quillcache.routing.registry import create_router, import_router
 from quillcache.state.warm_claims import WarmClaims
@@ -355,6 +358,17 @@ class Gateway:
             pins_in_plane=self.fleet is None,
         )
         cp.pinned.max_wait_s = policy.holder_max_wait_s
+        if policy.lmcache is not None:
+            identifier, block_size = self.identifier, cp.block_size
+
+            def offload_keys(model: str, tokens: list[int]) -> KeyArray:
+                # LMCache's chunks as the index keys them: in-process LMCache keys chunks
+                # by tokens alone and its events name no salt (docs/policy.md)
+                return content_keys(tokens, block_size, identifier.namespace_of(model, ""))
+
+            self.policy.attach_lmcache(
+                LmcacheController(self.upstream, policy.lmcache), offload_keys
+            )
         self.openai = OpenAIEndpoints(
             config=cfg,
             plane=cp,

@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from quillcache.errors import ConfigError
+from quillcache.gateway.lmcache_ctl import LmcacheSettings
 from quillcache.tokenization.multimodal import MultimodalConfig
 
 
@@ -201,6 +202,11 @@ class PolicyConfig(BaseModel):
     max_concurrent: int = Field(default=8, ge=1, description="warm requests in flight at most")
     replication: ReplicationSettings = Field(
         default_factory=ReplicationSettings, description="hot-prefix replication"
+    )
+    lmcache: LmcacheSettings | None = Field(
+        default=None,
+        description="LMCache's controller: replicas copied from an offloaded copy "
+        "(/move) and the admin's /clear (docs/policy.md); None: not used",
     )
 
 

@@ -1,7 +1,7 @@
 """LMCache's controller as the policy engine's actuator, end to end: two simulated vLLM
 engines with in-process LMCache and LMCache's controller API (`engine-sim --engines 2
 --lmcache vllm --lmcache-controller`), the gateway as a process with the controller
-attached (`tests/online/lmcache_gateway.py`), the official `openai` client.
+attached by its configuration (`policy.lmcache`), the official `openai` client.
 
 A burst of one prompt queues on the engine holding it (two sequence slots each, SGLang's
 cache-aware router) while the other idles; the holder's LMCache has the prompt in its
@@ -99,10 +99,10 @@ def gateway(
         },
         "timeout_s": 5,
     }
+    config["policy"]["lmcache"] = settings
     (tmp_path / "gw.json").write_text(json.dumps(config))
-    (tmp_path / "lmcache.json").write_text(json.dumps(settings))
-    args = ["--config", str(tmp_path / "gw.json"), "--lmcache", str(tmp_path / "lmcache.json")]
-    return launch("gateway", args, tmp_path, module="tests.online.lmcache_gateway")
+    args = ["gateway", "--port", "0", "--config", str(tmp_path / "gw.json")]
+    return launch("gateway", args, tmp_path)
 
 
 def served_by(c: openai.OpenAI, prompt: str, max_tokens: int = 24) -> tuple[int, int]:
