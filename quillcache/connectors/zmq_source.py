@@ -224,10 +224,6 @@ class ZmqHub:
                     if fd == self._wake_r:
                         if self._run_commands():
                             return
-                        for receiver in self._fresh:
-                            self._serve(receiver._drain_monitor)
-                            backlog[receiver] = None
-                        self._fresh.clear()
                         continue
                     entry = self._by_fd.get(fd)
                     if entry is None:
@@ -237,6 +233,10 @@ class ZmqHub:
                         self._serve(receiver._drain_monitor)
                     else:
                         backlog[receiver] = None
+                for receiver in self._fresh:
+                    self._serve(receiver._drain_monitor)
+                    backlog[receiver] = None
+                self._fresh.clear()
                 for receiver in list(backlog):
                     if not self._serve(receiver._turn):
                         del backlog[receiver]
@@ -258,15 +258,17 @@ class ZmqHub:
 
     @staticmethod
     def _serve(fn: Callable[[], bool | None]) -> bool:
-        """One receiver's turn; a socket error ends its turn, not the hub (which serves
-        every source). Returns `fn`'s answer: whether that socket may hold more."""
+        """One receiver's turn; an error ends its turn, not the hub (which serves every
+        source). Returns `fn`'s answer: whether that socket may hold more."""
         try:
             return bool(fn())
         except zmq.ContextTerminated:
             raise
         except zmq.ZMQError as exc:
             log.warning("kv events: a receiver's socket failed: %s", exc)
-            return False
+        except Exception:
+            log.exception("kv events: a receiver failed")
+        return False
 
     def _run_commands(self) -> bool:
         """Run what `call` queued; True when one of them is the stop."""
@@ -353,10 +355,9 @@ class ZmqReceiver:
     def start(self, timeout_s: float | None = None) -> None:
         """Open the socket on the hub; `OSError` when it cannot bind or connect."""
         done = self.hub.call(self._open, self.START_TIMEOUT_S if timeout_s is None else timeout_s)
-        if done.done() and done.exception() is not None:
-            raise OSError(f"cannot start the receiver of {self.config.endpoint}") from (
-                done.exception()
-            )
+        exc = done.exception() if done.done() else None
+        if exc is not None:
+            raise OSError(f"cannot start the receiver of {self.config.endpoint}: {exc}") from exc
         if self.error:
             raise OSError(self.error)
 
@@ -375,15 +376,18 @@ class ZmqReceiver:
         if self._stopped:
             return  # stopped before the hub got to it
         cfg = self.config
+        allowed = None  # a bad entry raises here, before any socket exists
+        if cfg.bind and cfg.allowed_publishers is not None:
+            allowed = networks(cfg.allowed_publishers)
         sock = self.hub.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self.RCVHWM)
         sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_msg_bytes)
         sock.setsockopt(zmq.SUBSCRIBE, cfg.topic.encode())
-        if cfg.bind and cfg.allowed_publishers is not None:
+        if allowed is not None:
             # before bind: every connection to the socket then goes through the handler
             zap = PublisherAllowlist.for_context(self.hub.ctx)
-            zap.allow(self.zap_domain, networks(cfg.allowed_publishers))
+            zap.allow(self.zap_domain, allowed)
             self._zap = zap
             sock.setsockopt(zmq.ZAP_DOMAIN, self.zap_domain.encode())
         # before bind/connect, or the first connection may be set up unseen

@@ -107,6 +107,24 @@ def test_a_source_that_cannot_bind_fails_alone() -> None:
         wait_for(lambda: sink.seen(0) == [0.0, 1.0, 2.0, 3.0], what="the other source")
 
 
+def test_a_bad_allowlist_entry_is_an_error_at_once_and_opens_nothing() -> None:
+    """An allowlist entry that is no address: `OSError` naming it, straight away (no
+    socket left open), and the hub serves the next source."""
+    sink = RecordingSink()
+    with fleet(1) as pubs, ingestor(sink) as ing:
+        bad = ZmqSourceConfig(
+            4, "tcp://127.0.0.1:*", None, bind=True, allowed_publishers=("not-an-ip",)
+        )
+        started = time.monotonic()
+        with pytest.raises(OSError, match="'not-an-ip' is not an IP address"):
+            ing.add_zmq_source(bad)
+        assert time.monotonic() - started < 1.0
+        assert ing._hub.receivers == 0
+        ing.add_zmq_source(ZmqSourceConfig(0, pubs[0].endpoint, pubs[0].replay_endpoint))
+        wait_for(lambda: ing.sources[(0, 0)].caught_up, what="caught up")
+        assert ing._hub.receivers == 1
+
+
 def test_an_idle_fleet_never_wakes_the_receiver() -> None:
     """No timeout in the wait: 40 quiet sources cost the receiver thread no CPU."""
     sink = RecordingSink()
