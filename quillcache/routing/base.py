@@ -271,7 +271,8 @@ def plan_and_estimate(
     request: Request, view: View, worker: WorkerView
 ) -> tuple[tuple[PlanStep, ...], Estimate]:
     """Reuse the GPU prefix, fetch what a local tier (or, if allowed, a peer) holds
-    beyond it, recompute the rest; estimate TTFT and TBT with the view's cost model."""
+    beyond it, recompute the rest; estimate TTFT and TBT with the view's cost model, on
+    an engine `worker.pace` times slower than the fleet (a transfer is not slower)."""
     cost = view.cost
     n = len(request.content_keys)
     bs = view.block_size
@@ -301,11 +302,13 @@ def plan_and_estimate(
         steps.append(PlanStep(Action.RECOMPUTE, covered, n))
     cached_tokens = min(covered * bs, request.prompt_tokens)
     new_tokens = max(request.prompt_tokens - cached_tokens, 1)
+    pace = worker.pace  # 1.0 multiplies exactly
     estimate = Estimate(
-        queue_s=cost.queue_time(worker.queued_prefill_tokens),
+        queue_s=pace * cost.queue_time(worker.queued_prefill_tokens),
         transfer_s=transfer_s,
-        prefill_s=cost.prefill_time(new_tokens, request.prompt_tokens - new_tokens),
-        tbt_s=cost.decode_step_time(
+        prefill_s=pace * cost.prefill_time(new_tokens, request.prompt_tokens - new_tokens),
+        tbt_s=pace
+        * cost.decode_step_time(
             worker.running_decodes + 1,
             (worker.mean_context_tokens * worker.running_decodes + request.prompt_tokens)
             / (worker.running_decodes + 1),

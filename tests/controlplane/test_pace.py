@@ -173,3 +173,33 @@ def test_the_plane_learns_a_slow_engine_and_quillcache_avoids_it() -> None:
     assert pace == pytest.approx(10.0, rel=0.01)
     assert learned_worker != 0
     assert blind_pace == 1.0 and blind_worker == 0
+
+
+def test_a_paced_engine_s_estimate_and_slo_admission_see_its_pace() -> None:
+    """The decision's estimate on a paced engine is that many times longer (what SLO
+    admission judges): a request whose SLO the fleet's speed would meet on it is
+    refused when the engine is the only one and 10 times slower."""
+    from quillcache.routing import SLO
+
+    quick = PaceConfig(window=1, min_samples=1, min_rows=2, refresh_every=1)
+    cp = ControlPlane(
+        index="native", router="quillcache", block_size=BS, track_load=True, pace=quick
+    )
+    rows = [cp.add_worker(w).rows[0] for w in range(3)]
+    fast = cp.route(_request(1), now_s=0.0, only=frozenset({0}))
+    assert fast.estimate is not None and fast.worker == 0
+    cp.finish(1)
+    for row in rows:  # engine 0 took 10 times its estimate, the others as estimated
+        cp.pace.observe(row, 10.0 if row == rows[0] else 1.0, 1.0)
+    assert cp.pace.pace(rows[0]) == pytest.approx(10.0)
+    slow = cp.route(_request(2), now_s=0.0, only=frozenset({0}))
+    assert slow.estimate is not None
+    assert slow.estimate.prefill_s == pytest.approx(10 * fast.estimate.prefill_s)
+    assert slow.estimate.transfer_s == fast.estimate.transfer_s
+    cp.finish(2)
+    slo = SLO(ttft_s=3 * fast.estimate.ttft_s)
+    request = _request(3)
+    request.slo = slo
+    refused = cp.route(request, now_s=0.0, only=frozenset({0}))
+    assert refused.rejected, refused
+    cp.close()
