@@ -461,6 +461,9 @@ def _timed(
         eng = engines[w]
         if not eng.has_work():
             steps[w] = None
+            # idle now: the load it last reported (at its last step's start) still
+            # counts the requests that step finished, and nothing else would clear it
+            ranks.report(w, **eng.load())
             return
         step_s, k, chunks, decoders = eng.plan_step()
         if not chunks and not decoders:  # nothing admissible and nothing running
