@@ -974,14 +974,20 @@ class _MediaOf:
 
     def __init__(self, hits: MatchColumns) -> None:
         self._hits = hits
-        self._floor = {hits.medium_name(code): blocks for code, blocks in hits.floors}
+        self._floor: dict[str, int] | None = None  # made on first use: most views never ask
+
+    def _floors(self) -> dict[str, int]:
+        if self._floor is None:
+            h = self._hits
+            self._floor = {h.medium_name(code): blocks for code, blocks in h.floors}
+        return self._floor
 
     def floor(self) -> dict[str, int]:
-        return dict(self._floor)
+        return dict(self._floors())
 
     def one(self, worker: int, dp_rank: int) -> dict[str, int]:
         h = self._hits
-        media = dict(self._floor)
+        media = dict(self._floors())
         if len(h.worker) > _FEW_HITS:
             at = np.flatnonzero((h.worker == worker) & (h.dp_rank == dp_rank)).tolist()
         else:  # a compact match has a few hits: numpy's per-call cost is more than this
@@ -1006,7 +1012,7 @@ class _MediaOf:
         ):
             media = out.get((worker, rank))
             if media is None:
-                media = out[(worker, rank)] = dict(self._floor)
+                media = out[(worker, rank)] = dict(self._floors())
             name = names[code]
             if blocks > media.get(name, 0):
                 media[name] = blocks

@@ -23,6 +23,7 @@ import numpy.typing as npt
 from quillcache.errors import ConfigError
 from quillcache.routing.shortlist import Preference
 from quillcache.routing.types import (
+    PACE_COLUMN,
     Action,
     Decision,
     Estimate,
@@ -30,6 +31,7 @@ from quillcache.routing.types import (
     Request,
     View,
     WorkerView,
+    as_count,
 )
 
 
@@ -83,6 +85,22 @@ class Router:
             estimate=estimate,
             reason=reason,
             dp_rank=worker.dp_rank,
+        )
+
+    def decide_at(
+        self, request: Request, view: View, i: int, reason: str = "", *, with_pending: bool = False
+    ) -> Decision:
+        """`decide` for the view's `i`-th row, without making its `WorkerView` (what a
+        router that scored the columns has: a position). `with_pending`: its blocks
+        being computed count as held (speculative residency)."""
+        plan, estimate = plan_and_estimate_at(request, view, i, with_pending=with_pending)
+        c = view.columns
+        return Decision(
+            worker=int(c.worker[i]),
+            plan=plan,
+            estimate=estimate,
+            reason=reason,
+            dp_rank=int(c.dp_rank[i]),
         )
 
 
@@ -273,23 +291,74 @@ def plan_and_estimate(
     """Reuse the GPU prefix, fetch what a local tier (or, if allowed, a peer) holds
     beyond it, recompute the rest; estimate TTFT and TBT with the view's cost model, on
     an engine `worker.pace` times slower than the fleet (a transfer is not slower)."""
+    return _plan(
+        request,
+        view,
+        worker.worker,
+        worker.gpu_blocks,
+        worker.cpu_blocks,
+        worker.disk_blocks,
+        worker.queued_prefill_tokens,
+        worker.running_decodes,
+        worker.mean_context_tokens,
+        worker.pace,
+    )
+
+
+def plan_and_estimate_at(
+    request: Request, view: View, i: int, *, with_pending: bool = False
+) -> tuple[tuple[PlanStep, ...], Estimate]:
+    """`plan_and_estimate` for the view's `i`-th row, read from the columns (no
+    `WorkerView` made); `with_pending`: the blocks being computed there count as held
+    on its GPU (speculative residency)."""
+    c = view.columns
+    gpu = int(c.gpu_blocks[i])
+    if with_pending:
+        gpu = max(gpu, int(c.pending_blocks[i]))
+    _, queued, decodes, _, mean_context = c.load[i].tolist()
+    return _plan(
+        request,
+        view,
+        int(c.worker[i]),
+        gpu,
+        int(c.cpu_blocks[i]),
+        int(c.disk_blocks[i]),
+        as_count(queued),
+        as_count(decodes),
+        mean_context,
+        float(c.fleet[i, PACE_COLUMN]),
+    )
+
+
+def _plan(
+    request: Request,
+    view: View,
+    worker: int,
+    gpu_blocks: int,
+    cpu_blocks: int,
+    disk_blocks: int,
+    queued_prefill_tokens: Any,
+    running_decodes: Any,
+    mean_context_tokens: float,
+    pace: float,
+) -> tuple[tuple[PlanStep, ...], Estimate]:
     cost = view.cost
     n = len(request.content_keys)
     bs = view.block_size
     steps: list[PlanStep] = []
-    reuse = min(worker.gpu_blocks, n)
+    reuse = min(gpu_blocks, n)
     if reuse:
         steps.append(PlanStep(Action.REUSE, 0, reuse))
     covered = reuse
     transfer_s = 0.0
-    for tier, blocks in (("cpu", worker.cpu_blocks), ("disk", worker.disk_blocks)):
+    for tier, blocks in (("cpu", cpu_blocks), ("disk", disk_blocks)):
         blocks = min(blocks, n)
         if blocks > covered:
             steps.append(PlanStep(Action.FETCH_TIER, covered, blocks, tier))
             transfer_s += cost.transfer_time(blocks - covered, tier)
             covered = blocks
     if cost.config.transfer.allow_peer_fetch:
-        peer, peer_blocks = view.best_peer_blocks(exclude=worker.worker)
+        peer, peer_blocks = view.best_peer_blocks(exclude=worker)
         peer_blocks = min(peer_blocks, n)
         if peer is not None and peer_blocks > covered:
             peer_s = cost.transfer_time(peer_blocks - covered, "peer")
@@ -302,16 +371,15 @@ def plan_and_estimate(
         steps.append(PlanStep(Action.RECOMPUTE, covered, n))
     cached_tokens = min(covered * bs, request.prompt_tokens)
     new_tokens = max(request.prompt_tokens - cached_tokens, 1)
-    pace = worker.pace  # 1.0 multiplies exactly
+    # (pace 1.0 multiplies exactly)
     estimate = Estimate(
-        queue_s=pace * cost.queue_time(worker.queued_prefill_tokens),
+        queue_s=pace * cost.queue_time(queued_prefill_tokens),
         transfer_s=transfer_s,
         prefill_s=pace * cost.prefill_time(new_tokens, request.prompt_tokens - new_tokens),
         tbt_s=pace
         * cost.decode_step_time(
-            worker.running_decodes + 1,
-            (worker.mean_context_tokens * worker.running_decodes + request.prompt_tokens)
-            / (worker.running_decodes + 1),
+            running_decodes + 1,
+            (mean_context_tokens * running_decodes + request.prompt_tokens) / (running_decodes + 1),
         ),
     )
     return tuple(steps), estimate

@@ -49,9 +49,9 @@ class RoundRobin(Router):
     def route(self, request: Request, view: View) -> Decision:
         if not len(view):
             return self.no_workers()
-        w = view.worker_at(self._next % len(view))
+        at = self._next % len(view)
         self._next += 1
-        return self.decide(request, view, w)
+        return self.decide_at(request, view, at)
 
 
 class RandomRouter(Router):
@@ -63,7 +63,7 @@ class RandomRouter(Router):
         if not len(view):
             return self.no_workers()
         # as rng.choice(view.workers) draws: one index below the count
-        return self.decide(request, view, view.worker_at(self.rng.randrange(len(view))))
+        return self.decide_at(request, view, self.rng.randrange(len(view)))
 
 
 class LeastLoaded(Router):
@@ -75,7 +75,7 @@ class LeastLoaded(Router):
     def route(self, request: Request, view: View) -> Decision:
         if not len(view):
             return self.no_workers()
-        return self.decide(request, view, view.worker_at(least_loaded_at(view)))
+        return self.decide_at(request, view, least_loaded_at(view))
 
 
 class PowerOfTwo(Router):
@@ -87,7 +87,7 @@ class PowerOfTwo(Router):
         if not len(view):
             return self.no_workers()
         if len(view) == 1:
-            return self.decide(request, view, view.worker_at(0))
+            return self.decide_at(request, view, 0)
         # the draws of rng.sample(view.workers, 2), as positions
         i, j = self.rng.sample(range(len(view)), 2)
         a, b = view.worker_at(i), view.worker_at(j)

@@ -139,7 +139,7 @@ class DynamoKvCost(Router):
             at = self.rng.choices(
                 range(len(costs)), weights=softmax_weights(costs, self.temperature)
             )[0]
-        return self.decide(request, view, view.worker_at(at))
+        return self.decide_at(request, view, at)
 
 
 def softmax_weights(costs: npt.NDArray[np.float64], temperature: float) -> list[float]:

@@ -81,7 +81,7 @@ class LlmdPrecisePrefix(Router):
             elif abs(score - best_score) <= 1e-12:
                 best.append(i)
         at = best[0] if len(best) == 1 else best[self.rng.randrange(len(best))]
-        return self.decide(request, view, view.worker_at(at))
+        return self.decide_at(request, view, at)
 
 
 def llm_d_scores(

@@ -32,10 +32,10 @@ class PrebleE2(Router):
         longest = np.flatnonzero(gpu == gpu.max())
         if len(longest) > 1:
             longest = longest[first_min(c.in_flight[longest], c.worker[longest]) :]
-        best = view.worker_at(int(longest[0]))
-        matched = best.gpu_blocks * bs
+        best = int(longest[0])
+        matched = int(gpu[best]) * bs
         if matched > request.prompt_tokens - matched:
-            return self.decide(request, view, best, "exploit")
+            return self.decide_at(request, view, best, "exploit")
 
         cost = view.cost
         prompt = request.prompt_tokens
@@ -52,4 +52,4 @@ class PrebleE2(Router):
             evict_blocks != 0, cost.prefill_time_array(evict_tokens, np.zeros_like(free)), 0.0
         )
         total = load + cost.prefill_time_array(new_tokens, prompt - new_tokens) + evict
-        return self.decide(request, view, view.worker_at(first_min(total, c.worker)), "explore")
+        return self.decide_at(request, view, first_min(total, c.worker), "explore")

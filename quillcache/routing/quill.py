@@ -350,13 +350,12 @@ class QuillCacheRouter(Router):
         if self.sessions and sid is not None:
             self._session_load(sid, view, decodes)
         at = self.chosen(request, view)
-        best = view.worker_at(at)
         if self.sessions and sid is not None:
-            self._homes[sid] = (best.worker, view.now_s)
-            self._live[best.worker] = self._live.get(best.worker, 0) + 1
-        if self.speculative and best.pending_blocks > best.gpu_blocks:
-            best = replace(best, gpu_blocks=best.pending_blocks)
-        return self.decide(request, view, best)
+            worker = int(c.worker[at])
+            self._homes[sid] = (worker, view.now_s)
+            self._live[worker] = self._live.get(worker, 0) + 1
+        # the blocks being computed there count as held (speculative residency)
+        return self.decide_at(request, view, at, with_pending=self.speculative)
 
     def shortlist(
         self, request: Request, view: View, position: int, size: int

@@ -59,14 +59,12 @@ class SglangCacheAware(Router):
             float(self.balance_rel_threshold),
         )
         if least >= 0:
-            return self.decide(
-                request, view, view.worker_at(least), "load imbalanced: shortest queue"
-            )
+            return self.decide_at(request, view, least, "load imbalanced: shortest queue")
         held = max(int(c.gpu_blocks[longest]), int(c.pending_blocks[longest]))
         rate = held * view.block_size / max(request.prompt_tokens, 1)
         if rate > self.cache_threshold:
-            return self.decide(request, view, view.worker_at(longest), f"match rate {rate:.2f}")
-        return self.decide(request, view, view.worker_at(smallest), "low match: smallest cache")
+            return self.decide_at(request, view, longest, f"match rate {rate:.2f}")
+        return self.decide_at(request, view, smallest, "low match: smallest cache")
 
     def candidates(self, view: View) -> tuple[int, int, int]:
         """`(least, longest, smallest)`: the positions `route` chooses from, in numpy (the

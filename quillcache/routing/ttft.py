@@ -59,7 +59,7 @@ class MooncakeConductor(Router):
     def route(self, request: Request, view: View) -> Decision:
         if not len(view):
             return self.no_workers()
-        return self.decide(request, view, view.worker_at(lowest_ttft_at(request, view)))
+        return self.decide_at(request, view, lowest_ttft_at(request, view))
 
     def shortlist(self, request: Request, view: View, position: int, size: int) -> list[Preference]:
         """The rows by estimated TTFT, each preferred while its estimate with the queue

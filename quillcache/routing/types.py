@@ -109,6 +109,8 @@ LOAD_FIELDS: tuple[str, ...] = (
 )
 #: The plane's own per-worker columns (`WorkerColumns.fleet`), in order.
 FLEET_FIELDS: tuple[str, ...] = ("capacity_blocks", "resident_blocks", "residency_known", "pace")
+#: Where `WorkerColumns.fleet` holds the pace.
+PACE_COLUMN = FLEET_FIELDS.index("pace")
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +170,7 @@ class WorkerColumns:
     @property
     def pace(self) -> npt.NDArray[np.float64]:
         """`WorkerView.pace` per row (at least 1.0)."""
-        return self.fleet[:, 3]
+        return self.fleet[:, PACE_COLUMN]
 
     @classmethod
     def of(cls, workers: Sequence[WorkerView]) -> WorkerColumns:
@@ -248,7 +250,7 @@ class RowOrder(Protocol):
         ...
 
 
-def _count(x: float) -> Any:
+def as_count(x: float) -> Any:
     """A count as an int (the columns hold float64); a fractional driver figure kept."""
     return int(x) if x.is_integer() else x
 
@@ -313,12 +315,12 @@ class View:
             self._workers = [
                 WorkerView(
                     wid,
-                    _count(in_flight),
-                    _count(queued),
-                    _count(decodes),
+                    as_count(in_flight),
+                    as_count(queued),
+                    as_count(decodes),
                     kv_usage,
-                    _count(capacity),
-                    _count(resident),
+                    as_count(capacity),
+                    as_count(resident),
                     mean_context,
                     gpu,
                     cpu,
@@ -367,12 +369,12 @@ class View:
         rank = int(c.dp_rank[i])
         return WorkerView(
             wid,
-            _count(in_flight),
-            _count(queued),
-            _count(decodes),
+            as_count(in_flight),
+            as_count(queued),
+            as_count(decodes),
             kv_usage,
-            _count(capacity),
-            _count(resident),
+            as_count(capacity),
+            as_count(resident),
             mean_context,
             int(c.gpu_blocks[i]),
             int(c.cpu_blocks[i]),
