@@ -26,12 +26,13 @@ Layout under the base B:
     B..'cfgver'      STRING counter, bumped by every change of engines, draining, pins
     B..'meta'        HASH  epoch, secret_fp, secret_prev, secret_prev_until
 
-Every keyspace call from a script costs Redis more than the Lua around it, so the
-scripts batch: the changes to `load` are summed per field in Lua and written with one
-HMGET and one HSET (HDEL for the fields back at 0) per script, a batch of request ends
-reads and writes its booking records with one call each, and the anchors of a booking
-are one MGET. A replica's share is its booking records (`bk:`), summed when it is
-reaped: a booking writes no per-replica copy of the sum.
+A keyspace call from a script has a fixed cost in Redis on top of the command's, and
+their number must not grow with a batch's size, so the scripts batch: the changes to
+`load` are summed per field in Lua and written with one HMGET and one HSET (HDEL for the
+fields back at 0) per script, a batch of request ends reads and writes its booking
+records with one call each, and the anchors of a booking are one MGET. A replica's
+share is its booking records (`bk:`), summed when it is reaped: a booking writes no
+per-replica copy of the sum.
 """
 
 from __future__ import annotations
