@@ -157,15 +157,11 @@ class RelayHost:
             self._answer_failure(rid, flight.path, exc)
 
     def _route_and_forward(self, rid: int, flight: Flight, started: float | None) -> None:
-        # the booking in Redis (a round trip): routed and booked from here, forwarded
-        # from the reply's read callback (`eager`: no loop turn before either); the SLO
-        # queue's wait: in a task
-        if self.endpoints.slo_queue is not None:
-            fut: asyncio.Future[None] = asyncio.ensure_future(
-                self._book_and_forward(rid, flight, started)
-            )
-        elif self.endpoints.shared is not None:
-            fut = eager.start(self._book_and_forward(rid, flight, started))
+        # the booking in Redis (a round trip) or the SLO queue's wait: routed (and
+        # booked) from here, forwarded from the reply's read callback or the queue's
+        # release (`eager`: no loop turn before either)
+        if self.endpoints.shared is not None or self.endpoints.slo_queue is not None:
+            fut: asyncio.Future[None] = eager.start(self._book_and_forward(rid, flight, started))
         else:
             worker, dp_rank, first_byte_s = self.endpoints.route(flight.prepared)
             self._forward(rid, flight, started, worker, dp_rank, first_byte_s)
