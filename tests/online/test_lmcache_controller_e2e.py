@@ -102,7 +102,20 @@ def gateway(
     config["policy"]["lmcache"] = settings
     (tmp_path / "gw.json").write_text(json.dumps(config))
     args = ["gateway", "--port", "0", "--config", str(tmp_path / "gw.json")]
-    return launch("gateway", args, tmp_path)
+    proc = launch("gateway", args, tmp_path)
+    _GATEWAYS.append(proc)
+    return proc
+
+
+#: The gateways a test started: killed when it ends (`_kill_gateways`).
+_GATEWAYS: list[Proc] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_gateways() -> Iterator[None]:
+    yield
+    while _GATEWAYS:
+        _GATEWAYS.pop().kill()
 
 
 def served_by(c: openai.OpenAI, prompt: str, max_tokens: int = 24) -> tuple[int, int]:
