@@ -40,6 +40,20 @@ fn walk_args<'a>(
     Ok((special, by_queue))
 }
 
+/// `quill`'s per-row terms, borrowed for one call.
+fn row_terms<'a>(
+    session_batch: &'a Option<PyReadonlyArray1<'_, f64>>,
+    pace: &'a Option<PyReadonlyArray1<'_, f64>>,
+) -> PyResult<RowTerms<'a>> {
+    Ok(RowTerms {
+        session_batch: session_batch
+            .as_ref()
+            .map(|b| slice("session_batch", b))
+            .transpose()?,
+        pace: pace.as_ref().map(|p| slice("pace", p)).transpose()?,
+    })
+}
+
 pub(crate) fn rows_error(e: RowsError) -> PyErr {
     PyValueError::new_err(e.to_string())
 }
@@ -268,18 +282,7 @@ impl CostKernel {
             block_size,
         };
         let knobs = settings.knobs(lambda_, continuing, mean_decodes, expected_output_tokens);
-        let batch = match &session_batch {
-            Some(b) => Some(slice("session_batch", b)?),
-            None => None,
-        };
-        let pace = match &pace {
-            Some(p) => Some(slice("pace", p)?),
-            None => None,
-        };
-        let terms = RowTerms {
-            session_batch: batch,
-            pace,
-        };
+        let terms = row_terms(&session_batch, &pace)?;
         let estimates = scoring::quill_estimates(&self.params, &rows, &ask, &knobs, terms)
             .map_err(rows_error)?;
         let at = scoring::lowest(&estimates, &rows, true).map_err(rows_error)?;
@@ -334,18 +337,7 @@ impl CostKernel {
             block_size,
         };
         let knobs = settings.knobs(lambda_, continuing, mean_decodes, expected_output_tokens);
-        let batch = match &session_batch {
-            Some(b) => Some(slice("session_batch", b)?),
-            None => None,
-        };
-        let pace = match &pace {
-            Some(p) => Some(slice("pace", p)?),
-            None => None,
-        };
-        let terms = RowTerms {
-            session_batch: batch,
-            pace,
-        };
+        let terms = row_terms(&session_batch, &pace)?;
         let position = slice("position", &position)?;
         let (special, by_queue) = walk_args(&order, position, &special)?;
         scoring::quill_lowest_walk(&self.params, &rows, &ask, &knobs, terms, &special, by_queue)
