@@ -33,6 +33,7 @@ import hiredis
 import numpy as np
 import redis
 
+from benchmarks.state.rtt_probe import round_trip
 from quillcache.up import launch_redis
 
 RETURN1 = "return 1"
@@ -70,14 +71,7 @@ def round_trips(sock: socket.socket, payload: bytes, calls: int, interval_s: flo
             if pause > 0:
                 time.sleep(pause)
         started = time.perf_counter()
-        sock.sendall(payload)
-        reply: Any = False
-        while reply is False:
-            data = sock.recv(65536)
-            if not data:
-                raise ConnectionError("redis closed the connection")
-            reader.feed(data)
-            reply = reader.gets()
+        reply = round_trip(sock, reader, payload)
         out.append((time.perf_counter() - started) * 1e6)
         if isinstance(reply, hiredis.ReplyError):
             raise RuntimeError(f"redis: {reply}")

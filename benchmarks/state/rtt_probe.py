@@ -16,11 +16,25 @@ import signal
 import socket
 import sys
 import time
+from typing import Any
 
 import hiredis
 import numpy as np
 
 PING = b"*1\r\n$4\r\nPING\r\n"
+
+
+def round_trip(sock: socket.socket, reader: hiredis.Reader, payload: bytes) -> Any:
+    """Send `payload` (one command) and read its reply off a blocking socket."""
+    sock.sendall(payload)
+    reply: Any = False
+    while reply is False:
+        data = sock.recv(65536)
+        if not data:
+            raise ConnectionError("redis closed the connection")
+        reader.feed(data)
+        reply = reader.gets()
+    return reply
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,18 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     samples: list[float] = []
     while not stop:
         started = time.perf_counter()
-        sock.sendall(PING)
-        reply = False
-        while reply is False:
-            data = sock.recv(4096)
-            if not data:
-                raise SystemExit("redis closed the connection")
-            reader.feed(data)
-            reply = reader.gets()
+        round_trip(sock, reader, PING)
         samples.append(time.perf_counter() - started)
         time.sleep(args.interval_ms / 1000)
     us = np.asarray(samples) * 1e6
-    out = {"pings": len(samples)}
+    out: dict[str, float] = {"pings": len(samples)}
     if len(us):
         out |= {f"p{q}_us": round(float(np.percentile(us, q)), 1) for q in (50, 90, 99)}
     print(json.dumps(out), flush=True)
