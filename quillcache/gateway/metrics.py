@@ -133,6 +133,15 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+        self.state_booking_steps = Counter(
+            "quillcache_state_booking_steps",
+            "Bookings by the step of the booking rule that chose the engine (docs/state.md): "
+            "session, pending (the request's prefix being computed there), under (the "
+            "first candidate under its ceiling), over (all at or over their ceilings: the "
+            "least overshoot), retry (an earlier attempt's booking), fallback (local).",
+            ["step"],
+            registry=r,
+        )
         self.state_booking_time = Histogram(
             "quillcache_state_booking_seconds",
             "Time of a booking's round trip to Redis (a fallback's time included).",
@@ -140,8 +149,9 @@ class GatewayMetrics:
             registry=r,
         )
 
-    def booked(self, seconds: float, outcome: str) -> None:
+    def booked(self, seconds: float, outcome: str, step: str) -> None:
         self._child(self.state_bookings, outcome).inc()
+        self._child(self.state_booking_steps, step).inc()
         self.state_booking_time.observe(seconds)
 
     def request_done(self, endpoint: str, status: int) -> None:

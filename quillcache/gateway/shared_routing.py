@@ -128,7 +128,8 @@ class BookedRoute:
     shared: bool  # booked in Redis (False: this replica's local fallback)
 
 
-OnBooked = Callable[[float, str], None]  # (seconds, "shared" | "fallback")
+# (seconds, "shared" | "fallback", the step that chose: `Booked.reason`, or "fallback")
+OnBooked = Callable[[float, str, str], None]
 
 
 class SharedRouting:
@@ -196,7 +197,8 @@ class SharedRouting:
         key = booked
         shared = isinstance(out, Booked)
         if self.on_booked is not None:
-            self.on_booked(time.perf_counter() - started, "shared" if shared else "fallback")
+            step = out.reason if isinstance(out, Booked) else "fallback"
+            self.on_booked(time.perf_counter() - started, "shared" if shared else "fallback", step)
         if isinstance(out, Booked) and out.index < 0 and view is not None:
             cached[key] = self._held(key, view)
         if isinstance(out, Booked) and out.loads:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -118,6 +117,9 @@ class QuillCacheRouter(Router):
         # session id -> (worker it was last sent to, when), least recently seen first
         self._homes: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self._live: dict[int, int] = {}  # worker -> live sessions homed there
+        # the scores `route` computed for its last (request, view), which `shortlist`,
+        # called right after it with the same two, reads instead of scoring again
+        self._last_scores: tuple[Request, View, npt.NDArray[np.float64]] | None = None
 
     def estimate_s(self, request: Request, view: View, w: WorkerView) -> float:
         """One worker's score, the formula written out; `route` scores every worker at
@@ -267,14 +269,25 @@ class QuillCacheRouter(Router):
         pass over the rows, and the `first_min` over (score, -prefix held or being
         computed, in flight, id). The same numbers as `estimates`, the readable
         reference (`tests/routing/test_kernels.py`)."""
-        args = (
-            *kernel_rows(view),
+        return self._score_rows(request, view, view.columns.pending_blocks)
+
+    def _score_rows(
+        self, request: Request, view: View, pending: npt.NDArray[np.int64]
+    ) -> tuple[int, npt.NDArray[np.float64]]:
+        """`scored`, with `pending` as the blocks being computed on each row."""
+        worker, load, gpu, cpu, disk, _ = kernel_rows(view)
+        return view.cost.kernel.quill(
+            worker,
+            load,
+            gpu,
+            cpu,
+            disk,
+            pending,
             len(request.content_keys),
             request.prompt_tokens,
             view.block_size,
             *self._kernel_state(request, view),
         )
-        return view.cost.kernel.quill(*args)
 
     def chosen(self, request: Request, view: View) -> int:
         """`scored`'s position. On a prunable view, the native kernel scores the rows
@@ -295,7 +308,9 @@ class QuillCacheRouter(Router):
             at = view.cost.kernel.quill_lowest(order, position, view.above_floor(), *args)
             if at is not None:
                 return at
-        return self.scored(request, view)[0]
+        at, scores = self.scored(request, view)
+        self._last_scores = (request, view, scores)
+        return at
 
     def _kernel_state(
         self, request: Request, view: View
@@ -367,25 +382,20 @@ class QuillCacheRouter(Router):
         default shortlist."""
         if view.order_only or not len(view):
             return None
-        scores = self.scored(request, view)[1]
+        last = self._last_scores
+        if last is not None and last[0] is request and last[1] is view:
+            scores = last[2]
+        else:  # not scored whole by `route` (a walk), or called out of turn
+            scores = self.scored(request, view)[1]
         held = None
         if self.speculative:
             # every row as if the request's whole prefix were being computed there: a
             # row's score depends on its own columns and the fleet-wide terms `route`
             # set, not on the other rows' residency
-            c = view.columns
-            whole = np.full(len(c.worker), len(request.content_keys), dtype=np.int64)
-            held = self.scored(
-                request,
-                View(
-                    None,
-                    view.block_size,
-                    view.cost,
-                    view.now_s,
-                    view.order_only,
-                    columns=replace(c, pending_blocks=np.maximum(c.pending_blocks, whole)),
-                ),
-            )[1]
+            pending = view.columns.pending_blocks
+            held = self._score_rows(request, view, np.maximum(pending, len(request.content_keys)))[
+                1
+            ]
         return cost_preferences(request, view, scores, position, size, scores_if_held=held)
 
     def _cache_choice(self, request: Request, view: View) -> WorkerView:

@@ -25,7 +25,9 @@ being computed there is worth the prefill time it saves, in the same requests.
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,37 +106,60 @@ def cost_preferences(
     bs = view.block_size
     prompt = request.prompt_tokens
     blocks = len(request.content_keys)
-    order = [position]
-    if size > 1 and n > 1:
-        others = np.asarray(scores, dtype=np.float64).copy()
-        others[position] = np.inf
-        k = min(size - 1, n - 1)
-        # every row up to the k-th lowest, ties included, then by (score, row):
-        # argpartition alone may keep any of several tied rows
-        kth = np.partition(others, k - 1)[k - 1]
-        near = np.flatnonzero(others <= kth)
-        near = near[np.lexsort((near, others[near]))]
-        order += [int(r) for r in near if r != position][:k]
-    held = (
-        np.maximum(c.gpu_blocks, c.pending_blocks) if scores_if_held is not None else c.gpu_blocks
-    )
-    best = np.partition(scores, 1)[:2] if n > 1 else np.asarray([scores[0], math.inf])
-    lowest, second = float(best[0]), float(best[1])
+    k = min(size - 1, n - 1)
+    listed = scores.tolist() if n <= SMALL_VIEW else []
+    if listed and not any(math.isnan(x) for x in listed):
+        # a few rows: Python lists, numpy's per-call cost being many times the work
+        order = [position, *heapq.nsmallest(k, _others(n, position), key=listed.__getitem__)]
+        two = heapq.nsmallest(2, listed)
+    else:
+        order = [position, *_lowest_others(scores, position, k)]
+        two = np.partition(scores, 1)[:2].tolist() if n > 1 else scores.tolist()
+    lowest, second = (float(two[0]), float(two[1])) if n > 1 else (float(two[0]), math.inf)
+    row_scores = scores[order].tolist()
+    gpu = c.gpu_blocks[order].tolist()
+    if scores_if_held is not None:
+        pending = c.pending_blocks[order].tolist()
+        held = [max(g, p) for g, p in zip(gpu, pending, strict=True)]
+        if_held = scores_if_held[order].tolist()
+    else:
+        held = gpu
     # the queue one more request adds where its whole prefix is held
     step_held = cost.queue_time(max(prompt - min(blocks * bs, prompt), 1))
     out = []
-    for r in order:
-        s = float(scores[r])
+    for j, r in enumerate(order):
+        s = float(row_scores[j])
         rival = second if s <= lowest else lowest  # the best row other than r
-        step = cost.queue_time(max(prompt - min(int(min(held[r], blocks)) * bs, prompt), 1))
+        step = cost.queue_time(max(prompt - min(min(held[j], blocks) * bs, prompt), 1))
         requests = _preferred_for(s, rival, step)
-        pending = 0.0
+        more = 0.0
         if scores_if_held is not None:
-            pending = max(
-                _preferred_for(float(scores_if_held[r]), rival, step_held) - requests, 0.0
-            )
-        out.append(Preference(r, requests, pending))
+            more = max(_preferred_for(float(if_held[j]), rival, step_held) - requests, 0.0)
+        out.append(Preference(r, requests, more))
     return out
+
+
+#: Up to this many rows, `cost_preferences` works on Python lists.
+SMALL_VIEW = 64
+
+
+def _others(n: int, position: int) -> Iterator[int]:
+    """The rows of an `n`-row view other than `position`, in view order."""
+    return (i for i in range(n) if i != position)
+
+
+def _lowest_others(scores: npt.NDArray[np.float64], position: int, k: int) -> list[int]:
+    """The `k` lowest-scored rows other than `position`, by (score, row), without sorting
+    every row: every row up to the k-th lowest, ties included, then by (score, row)
+    (argpartition alone may keep any of several tied rows)."""
+    if k <= 0:
+        return []
+    others = np.asarray(scores, dtype=np.float64).copy()
+    others[position] = np.inf
+    kth = np.partition(others, k - 1)[k - 1]
+    near = np.flatnonzero(others <= kth)
+    near = near[np.lexsort((near, others[near]))]
+    return [int(r) for r in near if r != position][:k]
 
 
 def _preferred_for(score: float, rival: float, step: float) -> float:

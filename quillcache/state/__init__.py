@@ -8,6 +8,7 @@ from quillcache.state.redis_state import PinResult, RedisFleetState, default_rep
 from quillcache.state.types import (
     Booked,
     Candidate,
+    Computing,
     EngineKey,
     FleetConfig,
     LoadWeights,
@@ -23,6 +24,7 @@ from quillcache.state.types import (
 __all__ = [
     "Booked",
     "Candidate",
+    "Computing",
     "EngineKey",
     "FleetConfig",
     "LoadWeights",

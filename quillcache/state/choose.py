@@ -10,7 +10,8 @@ In this order of precedence:
 2. the candidate with the longest prefix being computed there now (a speculative
    placement of one of the request's anchors) that is under its ceiling raised by its
    credit for that prefix (`Candidate.credit` times the part of the request's
-   `request_blocks` being computed), ties to the candidates' order;
+   `request_blocks` being computed); among those computing the same depth, the first
+   placed there (`Computing.rank`), then the candidates' order;
 3. the first candidate of the shortlist under its ceiling;
 4. every candidate of the shortlist at or above its ceiling: the one with the least
    overshoot (load - ceiling), ties to the shortlist order.
@@ -30,6 +31,7 @@ from collections.abc import Collection, Mapping, Sequence
 from quillcache.state.types import (
     ZERO_LOAD,
     Candidate,
+    Computing,
     EngineKey,
     LoadWeights,
     OutsideTerms,
@@ -42,7 +44,7 @@ def outsiders(
     outside: OutsideTerms | None,
     *,
     session_engine: EngineKey | None = None,
-    pending_blocks: Mapping[EngineKey, int] | None = None,
+    pending: Mapping[EngineKey, Computing] | None = None,
     draining: Collection[EngineKey] = (),
 ) -> list[Candidate]:
     """The candidates after the shortlist (none without `outside`): the session's bound
@@ -57,10 +59,11 @@ def outsiders(
     out: list[Candidate] = []
     if session_engine is not None and session_engine not in listed | set(draining):
         out.append(Candidate(session_engine, outside.ceiling + outside.credit, 0.0, 0))
-    for e in sorted(pending_blocks or {}):
+    computing = pending or {}
+    for e in sorted(computing):
         if e in listed or e == session_engine or e in draining:
             continue
-        if (pending_blocks or {})[e] > 0:
+        if computing[e].blocks > 0:
             out.append(Candidate(e, outside.ceiling, outside.credit, 0))
     return out
 
@@ -71,7 +74,7 @@ def choose(
     weights: LoadWeights,
     *,
     session_engine: EngineKey | None = None,
-    pending_blocks: Mapping[EngineKey, int] | None = None,
+    pending: Mapping[EngineKey, Computing] | None = None,
     request_blocks: int = 0,
     outside: OutsideTerms | None = None,
     draining: Collection[EngineKey] = (),
@@ -86,7 +89,7 @@ def choose(
             shortlist,
             outside,
             session_engine=session_engine,
-            pending_blocks=pending_blocks,
+            pending=pending,
             draining=draining,
         ),
     ]
@@ -96,15 +99,19 @@ def choose(
         for i, c in enumerate(cands):
             if c.engine == session_engine and under[i]:
                 return i, "session"
-    if pending_blocks:
-        best, best_blocks = -1, 0
+    if pending:
+        # the deepest being computed, then the first placed there: the least (-blocks, rank)
+        best, best_key = -1, (0, 0)
         for i, c in enumerate(cands):
-            b = pending_blocks.get(c.engine, 0)
-            if b <= best_blocks:
+            at = pending.get(c.engine)
+            if at is None or at.blocks <= 0:
                 continue
-            credit = c.credit * min(b / request_blocks, 1.0) if request_blocks > 0 else 0.0
-            if scores[i] < c.ceiling + credit:
-                best, best_blocks = i, b
+            key = (-at.blocks, at.rank)
+            if best >= 0 and key >= best_key:
+                continue
+            part = min(at.blocks / request_blocks, 1.0) if request_blocks > 0 else 0.0
+            if scores[i] < c.ceiling + c.credit * part:
+                best, best_key = i, key
         if best >= 0:
             return best, "pending"
     n = len(shortlist)

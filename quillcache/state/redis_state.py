@@ -25,6 +25,7 @@ import os
 import secrets
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,7 @@ from quillcache.state.types import (
     ZERO_LOAD,
     Booked,
     Candidate,
+    Computing,
     EngineKey,
     FleetConfig,
     LoadWeights,
@@ -588,19 +590,25 @@ class RedisFleetState:
 
     async def pending(
         self, anchors: Sequence[tuple[int, int]]
-    ) -> dict[EngineKey, int] | LocalFallback:
+    ) -> dict[EngineKey, Computing] | LocalFallback:
         """Per engine key, the longest of `anchors` (prefix key, blocks) that a request
-        routed by any replica is computing there now."""
+        routed by any replica is computing there now, and the engine's place among those
+        computing it (`Computing`)."""
         reply = await self._run(
             "pending", _PENDING, [*self._head(), *(_hex(k) for k, _ in anchors)], self.budget_s
         )
         if reply is None:
             return LocalFallback(self._why())
-        out: dict[EngineKey, int] = {}
+        out: dict[EngineKey, Computing] = {}
+        seen = Counter[int]()  # per anchor, the engines read so far: the next one's rank
         for i in range(0, len(reply), 2):
+            j = int(reply[i])
             engine = EngineKey.decode(str(reply[i + 1]))
-            blocks = int(anchors[int(reply[i]) - 1][1])
-            out[engine] = max(out.get(engine, 0), blocks)
+            at = Computing(int(anchors[j - 1][1]), seen[j])
+            seen[j] += 1
+            held = out.get(engine)
+            if held is None or (-at.blocks, at.rank) < (-held.blocks, held.rank):
+                out[engine] = at
         return out
 
     async def session(self, session_id: str) -> EngineKey | LocalFallback | None:

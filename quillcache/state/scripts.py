@@ -18,7 +18,8 @@ Layout under the base B:
                            replica r's bookings, which are also its share of the sum
     B..'sess:'..s    STRING session -> '<engine>:<rank>', PX
     B..'spec:'..k    STRING '<engine>:<rank>=<deadline ms>,...': the engines computing
-                           the prefix k; PX = the latest booking's
+                           the prefix k, in the order they were first placed on it
+                           (`Computing.rank`); PX = the latest booking's
     B..'pins'        HASH  prefix key (hex) -> owner tenant
     B..'pinx'        ZSET  prefix key (hex) -> deadline (ms)
     B..'draining'    HASH  '<engine>:<rank>' -> '1'
@@ -293,25 +294,31 @@ for i = 1, n do
 end
 local pos = {}
 for i = 1, n do pos[engs[i]] = i end
--- per candidate, the longest of the request's anchors being computed there; per
--- engine outside the shortlist, the same; per anchor, its live members
-local blocks, pend, members = {}, {}, {}
+-- per candidate, the longest of the request's anchors being computed there and its
+-- rank among that anchor's live members (the order they were first placed in); per
+-- engine outside the shortlist, the same; per anchor, its live members in that order
+local blocks, ranks, pend, prank, members, orders = {}, {}, {}, {}, {}, {}
+local function deeper(b, r, b0, r0)
+  return b > (b0 or 0) or (b == b0 and r < r0)
+end
 if m > 0 then
   local specs = redis.call('MGET', unpack(akeys))
   for j = 1, m do
-    local live_j = {}
-    members[j] = live_j
+    local live_j, order_j = {}, {}
+    members[j], orders[j] = live_j, order_j
     if specs[j] then
       local b = ablocks[j]
       for e, d in string.gmatch(specs[j], '([^,=]+)=([^,]+)') do
         d = tonumber(d)
-        if d > now then
+        if d > now and not live_j[e] then
+          local r = #order_j
           live_j[e] = d
+          order_j[r + 1] = e
           local i = pos[e]
           if i then
-            if b > (blocks[i] or 0) then blocks[i] = b end
-          elseif b > (pend[e] or 0) then
-            pend[e] = b
+            if deeper(b, r, blocks[i], ranks[i]) then blocks[i], ranks[i] = b, r end
+          elseif deeper(b, r, pend[e], prank[e]) then
+            pend[e], prank[e] = b, r
           end
         end
       end
@@ -326,7 +333,7 @@ if oceil then
   local function outsider(e, ceil, credit)
     total = total + 1
     engs[total], ceils[total], credits[total], helds[total] = e, ceil, credit, 0
-    blocks[total] = pend[e]
+    blocks[total], ranks[total] = pend[e], prank[e]
     local fn, fq, fd = e .. '|n', e .. '|q', e .. '|d'
     read_load({fn, fq, fd, e .. '|c'})
     weigh(total, fn, fq, fd)
@@ -356,12 +363,14 @@ if bound then
   end
 end
 if not chosen and m > 0 then
-  -- under its ceiling raised by its credit for the part being computed there
-  local best = 0
+  -- under its ceiling raised by its credit for the part being computed there; the
+  -- deepest being computed, then the first placed there, then the candidates' order
+  local best, brank = 0, 0
   for i = 1, total do
-    local b = blocks[i] or 0
-    if b > best and score[i] < ceils[i] + credits[i] * math.min(b / whole, 1) then
-      chosen, reason, best = i, 'pending', b
+    local b, r = blocks[i] or 0, ranks[i] or 0
+    if b > 0 and deeper(b, r, best, brank)
+        and score[i] < ceils[i] + credits[i] * math.min(b / whole, 1) then
+      chosen, reason, best, brank = i, 'pending', b, r
     end
   end
 end
@@ -389,14 +398,16 @@ records[rid] = e .. '|' .. q .. '|' .. c .. '|0'
 flush_bk()
 if sess ~= '' then redis.call('SET', B .. 'sess:' .. sess, e, 'PX', sess_ttl) end
 if m > 0 then
-  -- per anchor, its live members with this engine's deadline moved on (never back);
-  -- the key's TTL is the latest booking's
+  -- per anchor, its live members in the order they were first placed, with this
+  -- engine's deadline moved on (never back) or this engine last; the key's TTL is the
+  -- latest booking's
   local until_ms = now + spec_ttl
   for j = 1, m do
-    local live_j = members[j]
+    local live_j, order_j = members[j], orders[j]
+    if not live_j[e] then order_j[#order_j + 1] = e end
     if (live_j[e] or 0) < until_ms then live_j[e] = until_ms end
     local parts = {}
-    for x, d in pairs(live_j) do parts[#parts + 1] = x .. '=' .. string.format('%d', d) end
+    for k, x in ipairs(order_j) do parts[k] = x .. '=' .. string.format('%d', live_j[x]) end
     redis.call('SET', akeys[j], table.concat(parts, ','), 'PX', spec_ttl)
   end
 end
@@ -468,7 +479,7 @@ return out
 )
 
 # ARGV[5..] anchor key suffixes. Returns {j, engine, ...}: anchor j (1-based) is being
-# computed on engine.
+# computed on engine; an anchor's engines in the order they were first placed on it.
 PENDING = (
     PRELUDE
     + r"""

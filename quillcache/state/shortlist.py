@@ -160,35 +160,32 @@ def shortlist_of(
     c = view.columns
     rows = [p.position for p in preferences]
     load = c.load[rows, :3].tolist()
-    held = np.maximum(c.local_blocks[rows], c.pending_blocks[rows]).tolist()
+    held = [
+        max(g, cpu, disk, pend)
+        for g, cpu, disk, pend in zip(
+            c.gpu_blocks[rows].tolist(),
+            c.cpu_blocks[rows].tolist(),
+            c.disk_blocks[rows].tolist(),
+            c.pending_blocks[rows].tolist(),
+            strict=True,
+        )
+    ]
     workers, ranks = c.worker[rows].tolist(), c.dp_rank[rows].tolist()
-    whole = prefill_tokens(prompt_tokens, request_blocks, block_size)
-    hit_unit = weights.in_flight + weights.queued_tokens * whole
+    w_n, w_q, w_d = weights.in_flight, weights.queued_tokens, weights.decodes
+    hit_unit = w_n + w_q * prefill_tokens(prompt_tokens, request_blocks, block_size)
+    cold_unit = w_n + w_q * prefill_tokens(prompt_tokens, 0, block_size)
     out: list[Candidate] = []
-    blocks: list[int] = []
     outside: OutsideTerms | None = None
     for p, (a, b, d), h, worker, rank in zip(preferences, load, held, workers, ranks, strict=True):
-        seen = weights.in_flight * a + weights.queued_tokens * b + weights.decodes * d
-        cached = min(int(h), request_blocks)
-        unit = weights.in_flight + weights.queued_tokens * prefill_tokens(
-            prompt_tokens, cached, block_size
-        )
-        out.append(
-            Candidate(
-                EngineKey(int(worker), int(rank)),
-                seen + p.requests * unit,
-                p.pending_requests * hit_unit,
-            )
-        )
-        blocks.append(int(h))
+        seen = w_n * a + w_q * b + w_d * d
+        unit = w_n + w_q * prefill_tokens(prompt_tokens, min(h, request_blocks), block_size)
+        credit = p.pending_requests * hit_unit
+        out.append(Candidate(EngineKey(worker, rank), seen + p.requests * unit, credit))
         if outside is None:
             # an unlisted engine is worth what the router's choice is worth holding
             # none of the prefix, and its credit for a prefix held or being computed
-            cold = weights.in_flight + weights.queued_tokens * prefill_tokens(
-                prompt_tokens, 0, block_size
-            )
-            outside = OutsideTerms(seen + p.requests * cold, p.pending_requests * hit_unit)
-    return Shortlist(out, blocks, outside)
+            outside = OutsideTerms(seen + p.requests * cold_unit, credit)
+    return Shortlist(out, held, outside)
 
 
 def _others_small(scores: list[float], cached: list[int], chosen: int, want: int) -> list[int]:

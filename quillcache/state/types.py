@@ -54,6 +54,18 @@ class Candidate:
     cached_blocks: int | None = None
 
 
+class Computing(NamedTuple):
+    """Where an engine stands among those computing a request's prefix now: the longest
+    of the request's anchors being computed there, and the engine's place among the
+    live engines computing that anchor in the order they were first placed on it (0:
+    the first). Engines computing the same depth are taken in that order by every
+    replica alike, so a prefix that overflowed once to a second engine keeps following
+    its first."""
+
+    blocks: int
+    rank: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class OutsideTerms:
     """What an engine outside the shortlist is worth when the booking finds it bound to

@@ -76,6 +76,10 @@ def test_router_shortlists_replaced_are_counted_in_metrics(
     assert metric(scrape(bad.url), "quillcache_state_bad_shortlists_total") == 3
     assert metric(scrape(good.url), "quillcache_state_bad_shortlists_total") == 0
     assert metric(scrape(bad.url), "quillcache_state_bookings_total") == 3
+    # cold engines and prefixes of their own: each booking took the first candidate
+    # under its ceiling
+    for gw in (good, bad):
+        assert metric(scrape(gw.url), 'quillcache_state_booking_steps_total{step="under"}') == 3
     assert "gave a shortlist the booking cannot use" in bad.log_path.read_text()
 
 

@@ -224,6 +224,10 @@ def test_a_burst_sharing_a_new_prefix_lands_through_four_replicas_as_through_one
             o: scrape(r, f'quillcache_state_bookings_total{{outcome="{o}"}}')
             for o in ("shared", "fallback")
         }
+        | {
+            step: scrape(r, f'quillcache_state_booking_steps_total{{step="{step}"}}')
+            for step in ("pending", "under", "over")
+        }
         for r in replicas
     ]
     assert all(abs(a - b) <= 2 for a, b in zip(spread, alone, strict=True)), (

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from quillcache.state import (
     Booked,
     Candidate,
+    Computing,
     EngineKey,
     LoadWeights,
     OutsideTerms,
@@ -67,12 +68,12 @@ fleets = st.fixed_dictionaries(
 )
 
 
-def expected_prefill(c: Candidate, pending: dict[EngineKey, int]) -> int:
+def expected_prefill(c: Candidate, pending: dict[EngineKey, Computing]) -> int:
     """What the script books: the prompt beyond what the chosen engine holds or is
     computing, when its held blocks are known; else the replica's figure."""
     if c.cached_blocks is None:
         return PREFILL
-    return max(PROMPT - max(c.cached_blocks, pending.get(c.engine, 0)) * BS, 1)
+    return max(PROMPT - max(c.cached_blocks, pending.get(c.engine, Computing(0)).blocks) * BS, 1)
 
 
 async def _check(
@@ -127,16 +128,14 @@ async def _check(
             before,
             weights,
             session_engine=bound,
-            pending_blocks=pending,
+            pending=pending,
             request_blocks=16,
             outside=outside,
             draining=off,
         )
         cands = [
             *shortlist,
-            *outsiders(
-                shortlist, outside, session_engine=bound, pending_blocks=pending, draining=off
-            ),
+            *outsiders(shortlist, outside, session_engine=bound, pending=pending, draining=off),
         ]
         got = await b.book(
             b.new_request_id(),

@@ -13,6 +13,7 @@ from quillcache.gateway.secret import GatewaySecret
 from quillcache.state import (
     Booked,
     Candidate,
+    Computing,
     EngineKey,
     LoadWeights,
     LocalFallback,
@@ -181,7 +182,7 @@ def test_a_prefix_being_computed_raises_the_ceiling_by_its_credit(
                     cands,
                     before,
                     w,
-                    pending_blocks=pending,
+                    pending=pending,
                     request_blocks=max(n for _, n in anchors),
                 )
                 rid = b.new_request_id()
@@ -190,6 +191,69 @@ def test_a_prefix_being_computed_raises_the_ceiling_by_its_credit(
                 assert (got.index, got.reason) == want, (k, cands, before, pending)
                 if k % 2:
                     await b.release(rid)
+        finally:
+            await a.close()
+            await b.close()
+
+    run(main())
+
+
+def test_engines_computing_the_same_depth_are_taken_in_the_order_first_placed(
+    redis_server: RedisServer,
+) -> None:
+    """A prefix that overflowed once to a second engine keeps following the first one
+    it was placed on, whatever each replica's shortlist order: replicas whose routers
+    list the two engines in opposite orders book the same engine, and the second one
+    only once the first is over its ceiling plus credit. A booking moves an engine's
+    deadline on without moving it in the order; when the first placement lapses, the
+    second engine is first."""
+
+    async def main() -> None:
+        prefix = fleet()
+        a = RedisFleetState(redis_server.url, prefix=prefix, budget_s=1.0)
+        b = RedisFleetState(redis_server.url, prefix=prefix, budget_s=1.0)
+        await a.start(background=False)
+        await b.start(background=False)
+        anchors = [(0xD1, 8), (0xD2, 16)]
+        first, second = EngineKey(5), EngineKey(2)  # text and numeric order: 2 first
+        try:
+            await a.book(
+                a.new_request_id(),
+                [Candidate(first, 10)],
+                prefill_tokens=1,
+                anchors=anchors,
+                spec_ttl_s=0.4,
+            )
+            await a.book(
+                a.new_request_id(),
+                [Candidate(second, 10)],
+                prefill_tokens=1,
+                anchors=anchors,
+                spec_ttl_s=60,
+            )
+            assert await b.pending(anchors) == {first: Computing(16, 0), second: Computing(16, 1)}
+            for order in ([second, first], [first, second]):
+                got = await b.book(
+                    b.new_request_id(),
+                    [Candidate(e, 1.0, 4.0) for e in order],
+                    prefill_tokens=1,
+                    anchors=anchors,
+                    spec_ttl_s=0.4,
+                )
+                assert isinstance(got, Booked) and (got.engine, got.reason) == (first, "pending")
+            # 3 in flight on the first: at its ceiling 1 + credit 2, the second is taken
+            got = await b.book(
+                b.new_request_id(),
+                [Candidate(e, 1.0, 2.0) for e in (first, second)],
+                prefill_tokens=1,
+                anchors=anchors,
+                spec_ttl_s=60,
+            )
+            assert isinstance(got, Booked) and (got.engine, got.reason) == (second, "pending")
+            # that booking moved the second's deadline on, not its place
+            assert (await b.pending(anchors))[second] == Computing(16, 1)
+            await asyncio.sleep(0.5)  # the first placement lapses
+            assert await b.pending(anchors) == {second: Computing(16, 0)}
         finally:
             await a.close()
             await b.close()
@@ -265,7 +329,9 @@ def test_session_binding_and_pending_placement(redis_server: RedisServer) -> Non
                 session="conversation-1",
             )
             assert isinstance(first, Booked) and first.engine == EngineKey(2)
-            assert await b.pending([(0xAB, 4), (0xCD, 8), (0xEF, 16)]) == {EngineKey(2): 8}
+            assert await b.pending([(0xAB, 4), (0xCD, 8), (0xEF, 16)]) == {
+                EngineKey(2): Computing(8)
+            }
             assert await b.session("conversation-1") == EngineKey(2)
             # b's router prefers engine 0, but engine 2 is computing this prefix
             same = await b.book(
@@ -309,7 +375,7 @@ def test_session_binding_and_pending_placement(redis_server: RedisServer) -> Non
                 anchors=[(0x11, 2)],
                 spec_ttl_s=0.05,
             )
-            assert await a.pending([(0x11, 2)]) == {EngineKey(0): 2}
+            assert await a.pending([(0x11, 2)]) == {EngineKey(0): Computing(2)}
             await asyncio.sleep(0.12)
             assert await a.pending([(0x11, 2)]) == {}
         finally:
