@@ -62,6 +62,9 @@ class Request:
     expected_output_tokens: int = 0
     slo: SLO | None = None
     arrival_s: float = 0.0
+    # the request this one follows, when the client says so (an agent DAG's parent, a
+    # conversation's previous turn): routers may keep it with its parent
+    parent_id: int | str | None = None
 
 
 @dataclass(slots=True)

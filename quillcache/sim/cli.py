@@ -73,6 +73,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="route without the requests' session ids (what a session hint is worth)",
     )
+    wl.add_argument(
+        "--no-parent-hints",
+        action="store_true",
+        help="route without the request each one follows (closed loop: what the "
+        "agent-DAG / previous-turn hint is worth)",
+    )
 
     cl = p.add_argument_group("cluster")
     cl.add_argument("--workers", default="4", help="workers, or a sweep: 2,4,8")
@@ -390,6 +396,8 @@ def _run(args: argparse.Namespace, err: Any) -> int:
         workload = workload.open_loop()
     if args.no_session_ids:
         workload = workload.without_sessions()
+    if args.no_parent_hints:
+        workload = workload.without_parent_hints()
     if args.time_scale != 1.0:
         if args.time_scale <= 0:
             raise ConfigError(f"--time-scale must be positive, got {args.time_scale}")

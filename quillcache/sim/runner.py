@@ -355,7 +355,9 @@ class _Joins:
             self._join(w, now)
 
 
-def _request(r: Any) -> Request:
+def _request(r: Any, parent_hints: bool) -> Request:
+    """The router's request; with `parent_hints`, the first request it waits for is its
+    parent (closed loop: the previous turn, the planner, the first call of a join)."""
     return Request(
         request_id=r.rid,
         content_keys=r.keys,
@@ -363,6 +365,7 @@ def _request(r: Any) -> Request:
         session_id=r.session_id,
         expected_output_tokens=r.output_tokens,
         arrival_s=r.arrival_s,
+        parent_id=r.parents[0] if parent_hints and r.parents else None,
     )
 
 
@@ -391,7 +394,7 @@ def _order_only(
         # order-only: a request is served, hence finished, the moment it arrives
         arrivals.finished(r.rid, r.arrival_s, r.arrival_s)
         joins.due(r.arrival_s)
-        decision = cp.route(_request(r), r.arrival_s)
+        decision = cp.route(_request(r, workload.parent_hints), r.arrival_s)
         w = decision.worker
         if w is None:
             rec.rejected = decision.reason or "rejected"
@@ -547,7 +550,7 @@ def _timed(
             for target, rreq in replicator.tick(now, cp.index, joined):
                 engines[target].enqueue(rreq)
                 queued(target, now)
-        decision = cp.route(_request(r), now)
+        decision = cp.route(_request(r, workload.parent_hints), now)
         worker = decision.worker
         if worker is None:
             rec.rejected = decision.reason or "rejected"

@@ -26,6 +26,9 @@ class Workload:
     pinned: list[SimRequest] = field(default_factory=list)  # prefixes every engine pins
     params: dict[str, object] = field(default_factory=dict)  # for reports
     chained_ids: bool = False  # block-id requests: equal id at a position = equal prefix
+    # routers are told the request each one follows (`Request.parent_id`: its first
+    # parent, closed loop only); False: what clients that send no parent hint give
+    parent_hints: bool = True
 
     @property
     def duration_s(self) -> float:
@@ -42,15 +45,7 @@ class Workload:
         if not self.closed_loop:
             return self
         reqs = [replace(r, parents=(), wait_s=0.0) for r in self.requests]
-        return Workload(
-            self.name,
-            reqs,
-            self.block_size,
-            self.model,
-            self.pinned,
-            {**self.params, "closed_loop": False},
-            self.chained_ids,
-        )
+        return replace(self, requests=reqs, params={**self.params, "closed_loop": False})
 
     def without_sessions(self) -> Workload:
         """The same requests with no session id: what a router sees from clients that
@@ -58,15 +53,12 @@ class Workload:
         if all(r.session_id is None for r in self.requests):
             return self
         reqs = [replace(r, session_id=None) for r in self.requests]
-        return Workload(
-            self.name,
-            reqs,
-            self.block_size,
-            self.model,
-            self.pinned,
-            {**self.params, "session_ids": False},
-            self.chained_ids,
-        )
+        return replace(self, requests=reqs, params={**self.params, "session_ids": False})
+
+    def without_parent_hints(self) -> Workload:
+        """The same requests, released as before, but routed with no parent request
+        (`Request.parent_id`): to measure what the DAG hint is worth."""
+        return replace(self, params={**self.params, "parent_hints": False}, parent_hints=False)
 
     def scaled(self, time_scale: float) -> Workload:
         """Arrivals multiplied by `time_scale` (< 1 compresses: a higher request rate),
@@ -77,15 +69,7 @@ class Workload:
             replace(r, arrival_s=r.arrival_s * time_scale, wait_s=r.wait_s * time_scale)
             for r in self.requests
         ]
-        return Workload(
-            self.name,
-            reqs,
-            self.block_size,
-            self.model,
-            self.pinned,
-            {**self.params, "time_scale": time_scale},
-            self.chained_ids,
-        )
+        return replace(self, requests=reqs, params={**self.params, "time_scale": time_scale})
 
     def with_engine_blocks(self, engine_block_size: int) -> Workload:
         """The same requests on an engine whose KV blocks hold `engine_block_size`
@@ -136,12 +120,10 @@ class Workload:
         reqs = [refine(r) for r in self.requests]
         pinned = [refine(r) for r in self.pinned]
         attach_layouts(reqs, engine_block_size)
-        return Workload(
-            self.name,
-            reqs,
-            engine_block_size,
-            self.model,
-            pinned,
-            {**self.params, "engine_block_size": engine_block_size},
-            self.chained_ids,
+        return replace(
+            self,
+            requests=reqs,
+            block_size=engine_block_size,
+            pinned=pinned,
+            params={**self.params, "engine_block_size": engine_block_size},
         )

@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -216,6 +217,9 @@ def test_cli_open_loop_and_no_session_ids() -> None:
     closed = _simulate(*small)
     opened = _simulate(*small, "--open-loop")
     bare = _simulate(*small, "--no-session-ids")
+    unhinted = _simulate(*small, "--no-session-ids", "--no-parent-hints")
+    assert unhinted["meta"]["workload_params"]["parent_hints"] is False
+    assert "parent_hints" not in bare["meta"]["workload_params"]
     assert closed["meta"]["workload_params"]["closed_loop"] is True
     assert opened["meta"]["workload_params"]["closed_loop"] is False
     assert bare["meta"]["workload_params"]["session_ids"] is False
@@ -227,3 +231,49 @@ def test_cli_open_loop_and_no_session_ids() -> None:
     assert by["closed"]["round-robin"]["ttft_mean_s"] != by["open"]["round-robin"]["ttft_mean_s"]
     assert by["bare"]["round-robin"] == by["closed"]["round-robin"]
     assert by["bare"]["session-affinity"] != by["closed"]["session-affinity"]
+
+
+def _rooted_sessions(wl: Workload) -> Workload:
+    """The reference for parent hints: no hints, and every request that follows another
+    in the session of its root (the first request of its chain of first parents);
+    roots in none."""
+    by_rid = {r.rid: r for r in wl.requests}
+
+    def root(r: SimRequest) -> int:
+        while r.parents:
+            r = by_rid[r.parents[0]]
+        return r.rid
+
+    reqs = [replace(r, session_id=f"dag-{root(r)}" if r.parents else None) for r in wl.requests]
+    return replace(wl, requests=reqs).without_parent_hints()
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    kind=st.sampled_from(["multi-turn", "agent-fanout"]),
+    seed=st.integers(0, 2**16),
+    size=st.integers(2, 10),
+)
+def test_a_parent_hint_places_a_request_in_the_session_its_root_s_first_child_opened(
+    kind: str, seed: int, size: int
+) -> None:
+    """Without session ids, `quillcache` routes with parent hints exactly as it routes
+    the same workload whose requests that follow another carry their root's session
+    id (the root itself none): request for request, the same engine and times."""
+    wl = _workload(kind, seed, size).without_sessions()
+    assert wl.parent_hints
+    config = SimConfig(workers=3, capacity_blocks=4096)
+    hinted = run(wl, "quillcache", "native", config, COST)
+    reference = run(_rooted_sessions(wl), "quillcache", "native", config, COST)
+    assert hinted.records == reference.records
+
+
+def test_the_parent_hint_changes_quillcache_s_routing_and_no_other_s() -> None:
+    """The hint is read: without it (`--no-parent-hints`) `quillcache` places this
+    workload otherwise, and a router that does not read it places it the same."""
+    wl = _workload("multi-turn", 3, 10).without_sessions()
+    config = SimConfig(workers=3, capacity_blocks=4096)
+    for router, differs in (("quillcache", True), ("mooncake", False)):
+        hinted = run(wl, router, "native", config, COST)
+        bare = run(wl.without_parent_hints(), router, "native", config, COST)
+        assert (hinted.records != bare.records) == differs, router
