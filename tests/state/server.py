@@ -34,7 +34,7 @@ def require(binary: str) -> str:
     return path
 
 
-def _ping(port: int, timeout: float = 0.2) -> bool:
+def _ping(port: int, timeout: float = 1.0) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
             s.sendall(b"PING\r\n")
@@ -81,7 +81,8 @@ class RedisServer:
                 "--maxmemory-policy", "noeviction",
             ]  # fmt: skip
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
-            deadline = time.monotonic() + 10
+            # a loaded host (load 10 and more) has taken over 10 s to start one
+            deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 if _ping(self.port):
                     return self
