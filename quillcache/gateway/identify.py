@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from quillcache import _native
+from quillcache.gateway.parent_hints import ParentIds
 from quillcache.gateway.tenancy import Identity
 from quillcache.gateway.workers import WorkerPool
 from quillcache.identity import content_keys, namespace
@@ -56,6 +57,7 @@ class RequestIdentifier:
         self.multimodal = multimodal or MultimodalPrompts()
         # unique within this gateway: the plane tracks in-flight requests by it
         self._request_ids = itertools.count()
+        self._parents = ParentIds()  # the clients' request ids, for parent hints
 
     @property
     def tokenizes_locally(self) -> bool:
@@ -145,8 +147,9 @@ class RequestIdentifier:
         multimodal items (None: a text prompt)."""
         ns = self.namespace_of(body.get("model"), identity.salt or "")
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        rid = next(self._request_ids)
         return RouteRequest(
-            request_id=next(self._request_ids),
+            request_id=rid,
             content_keys=(
                 content_keys(tokens, self.block_size, ns)
                 if mm is None
@@ -157,6 +160,7 @@ class RequestIdentifier:
             session_id=headers.get(self._session_header),
             expected_output_tokens=int(max_tokens) if isinstance(max_tokens, int) else 16,
             arrival_s=time.monotonic(),
+            parent_id=self._parents.resolve(ns, headers, rid),
         )
 
     async def _prompt(

@@ -35,6 +35,7 @@ from quillcache.gateway.httpio import (
 )
 from quillcache.gateway.identify import RequestIdentifier
 from quillcache.gateway.outcomes import RequestOutcomes
+from quillcache.gateway.parent_hints import check_parent_headers
 from quillcache.gateway.policy_loop import PolicyEngine
 from quillcache.gateway.session_hints import SessionHint, read_session_hint
 from quillcache.gateway.shared_routing import SharedRouting
@@ -261,6 +262,7 @@ class OpenAIEndpoints:
         body = parse_object(raw)
         validate_completion(body, chat)
         extended = EXTENSION in body or "nvext" in body
+        check_parent_headers(headers)
         retention = read_session_hint(
             headers, body, self.config.session_header, self.config.policy.session_max_ttl_s
         )
@@ -421,6 +423,7 @@ class OpenAIEndpoints:
             prompt_tokens,
             request_id=rid,
             explanation=decision.explanation,
+            parent_id=route_request.parent_id,
         )
         dp_rank = decision.dp_rank if decision.dp_rank is not None else 0
         self._retain(prepared, worker)

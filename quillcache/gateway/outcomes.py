@@ -66,9 +66,22 @@ class DecisionLog:
         self._last_s = now
         return True
 
-    def add(self, request_id: int | str, router: str, why: Explanation) -> None:
+    def add(
+        self,
+        request_id: int | str,
+        router: str,
+        why: Explanation,
+        parent_id: int | str | None = None,
+    ) -> None:
+        """`parent_id`: the request it follows, from the client's parent hint."""
         self.entries.append(
-            {"request_id": request_id, "unix_s": time.time(), "router": router, **why.as_dict()}
+            {
+                "request_id": request_id,
+                "parent_request_id": parent_id,
+                "unix_s": time.time(),
+                "router": router,
+                **why.as_dict(),
+            }
         )
 
 
@@ -109,6 +122,7 @@ class RequestOutcomes:
         *,
         request_id: int | str = "",
         explanation: Explanation | None = None,
+        parent_id: int | str | None = None,
     ) -> None:
         m = self.metrics
         m.route_time.observe(routed_s)
@@ -121,7 +135,7 @@ class RequestOutcomes:
                 m.decisions_kv_optimal.inc()
             m.prefill_tokens_avoidable.inc(explanation.avoidable_tokens)
             m.prefill_tokens_avoided.inc(explanation.avoided_tokens)
-            self._log(request_id, explanation)
+            self._log(request_id, explanation, parent_id)
 
     def not_routed(
         self,
@@ -139,10 +153,12 @@ class RequestOutcomes:
         if explanation is not None:
             self._log(request_id, explanation)
 
-    def _log(self, request_id: int | str, explanation: Explanation) -> None:
+    def _log(
+        self, request_id: int | str, explanation: Explanation, parent_id: int | str | None = None
+    ) -> None:
         # sampled decisions are the ones routed with their candidates listed
         if explanation.candidates:
-            self.decisions.add(request_id, self.router_name, explanation)
+            self.decisions.add(request_id, self.router_name, explanation, parent_id)
 
     def forwarding(self, since_entry_s: float) -> None:
         self.samples.pre_upstream.append(since_entry_s)

@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 
 from quillcache.tokenization.local import ByteTokenizer
@@ -116,3 +118,55 @@ def test_the_decision_log_needs_the_admin_token(three: Stack) -> None:
     assert wrong.status_code in (401, 403) and "error" in wrong.json()
     bad = three.admin().get("/admin/decisions?limit=zero")
     assert bad.status_code == 400 and "limit" in bad.json()["error"]["message"]
+
+
+@pytest.fixture(params=["native", "python"])
+def one_engine(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    for s in make_stack(tmp_path, request.param):
+        s.engine()
+        s.start_gateway({"router": "quillcache"})
+        yield s
+
+
+def _logged(
+    oa: openai.OpenAI, admin: httpx.Client, tag: str, headers: dict[str, str]
+) -> dict[str, object]:
+    """Send one completion with `headers`; its sampled decision."""
+    time.sleep(0.1)  # the log samples at most one decision per 50 ms
+    before = len(admin.get("/admin/decisions").json()["decisions"])
+    oa.completions.create(
+        model="sim-model", prompt=prompt(6) + tag, max_tokens=2, extra_headers=headers
+    )
+    entries = admin.get("/admin/decisions").json()["decisions"]
+    assert len(entries) == before + 1
+    out: dict[str, object] = entries[-1]
+    return out
+
+
+def test_a_parent_hint_names_the_request_it_follows_in_the_log(one_engine: Stack) -> None:
+    """`x-request-id` and `x-parent-request-id` through both data paths and the official
+    client: the decision of a request naming an earlier one as its parent carries that
+    request's gateway id (`Request.parent_id`, which `quillcache` routes by); a parent
+    the gateway never saw gives no hint; an over-long id is a 400 naming the header."""
+    gw = one_engine.gateway
+    assert gw is not None
+    oa = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    admin = one_engine.admin()
+    planner = _logged(oa, admin, "plan", {"x-request-id": "task-7/plan"})
+    assert planner["parent_request_id"] is None
+    call = _logged(
+        oa, admin, "call", {"x-request-id": "task-7/call-1", "x-parent-request-id": "task-7/plan"}
+    )
+    assert call["parent_request_id"] == planner["request_id"]
+    grandchild = _logged(oa, admin, "join", {"x-parent-request-id": "task-7/call-1"})
+    assert grandchild["parent_request_id"] == call["request_id"]
+    stranger = _logged(oa, admin, "lost", {"x-parent-request-id": "never-sent"})
+    assert stranger["parent_request_id"] is None
+    with pytest.raises(openai.BadRequestError) as bad:
+        oa.completions.create(
+            model="sim-model",
+            prompt="x",
+            max_tokens=1,
+            extra_headers={"x-parent-request-id": "p" * 257},
+        )
+    assert "x-parent-request-id" in str(bad.value) and "256" in str(bad.value)
