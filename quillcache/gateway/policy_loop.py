@@ -58,6 +58,10 @@ from quillcache.policy.targets import (
 from quillcache.routing.types import tier_of
 from quillcache.state.warm_claims import ClaimStats
 
+#: A replica's shared heat lives this many policy ticks: one that stops ticking (dead,
+#: or replication turned off) leaves the fleet's sum and count within that.
+HEAT_TICKS = 3
+
 log = logging.getLogger(__name__)
 
 
@@ -87,6 +91,7 @@ class PolicyEngine:
         self._tasks: set[asyncio.Task[str]] = set()
         self.ticks = 0
         self.dropped_hints = 0  # session hints the store had no room for
+        self.heat_replicas = 1  # replicas sharing their heat, at the last tick
         rep = config.replication
         self.hot: HotPrefixes | None = None
         if rep.enabled:
@@ -220,7 +225,7 @@ class PolicyEngine:
                     self.store.remove(t.id)
         for state in self.plane.workers():
             self.rates.observe(state.worker, state.stored_blocks, now)
-        replicas = self._replicate(now) if self.hot is not None else []
+        replicas = await self._replicate(now) if self.hot is not None else []
         if not len(self.store):
             return replicas
         due = plan(
@@ -235,12 +240,30 @@ class PolicyEngine:
             self._send(warm)
         return due + replicas
 
-    def _replicate(self, now: float) -> list[Warm]:
+    async def _hot(self, now: float) -> list[HotCopy]:
+        """The hot prefixes this tick. With shared state the replicas share their heat
+        (`WarmClaims.share_heat`): this replica lists (and copies) the anchors at its
+        share of `min_rate`, and keeps those whose rate summed over the fleet reaches
+        it, at the fleet's rate. Redis down: this replica's own rate against the whole
+        `min_rate`, as without shared state."""
+        hot = self.hot
+        assert hot is not None
+        copies = hot.hot(now)
+        claims = self.warmer.claims
+        if claims is None:
+            return copies
+        ttl_s = HEAT_TICKS * self.config.interval_s
+        fleet = await claims.share_heat([(c.prefix.key, c.prefix.rate) for c in copies], ttl_s)
+        if fleet is None:
+            return hot.at_fleet_rates(copies, None, ())
+        self.heat_replicas = fleet.replicas
+        return hot.at_fleet_rates(copies, fleet.replicas, fleet.rates)
+
+    async def _replicate(self, now: float) -> list[Warm]:
         """Decide the replicas of the hot prefixes (by the set of engines serving their
         model) and send them."""
-        assert self.hot is not None
         by_serving: dict[frozenset[int] | None, list[HotCopy]] = {}
-        for c in self.hot.hot(now):
+        for c in await self._hot(now):
             by_serving.setdefault(self.pool.serving(c.owner.model), []).append(c)
         sent: list[Warm] = []
         for serving, copies in by_serving.items():
@@ -499,6 +522,14 @@ class PolicyEngine:
         )
         anchors.add_metric([], len(hot.heat))
         yield anchors
+        heaters = GaugeMetricFamily(
+            "quillcache_policy_heat_replicas",
+            "Gateway replicas sharing their hot-prefix heat through the shared state at the "
+            "last tick (1: this one alone, or local state); an anchor is copied at "
+            "min_rate divided by it and replicated at the fleet's summed rate",
+        )
+        heaters.add_metric([], self.heat_replicas)
+        yield heaters
 
 
 def ttl_of(raw: object, default_s: float, max_s: float, what: str = "ttl_s") -> float:

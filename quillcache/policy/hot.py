@@ -3,7 +3,8 @@
 Replicating a prefix means sending it as a prompt (`gateway/actuator.py`), and the index
 keeps no token ids, so the policy keeps them for the prefixes that are hot: a routed
 request is counted at its anchors (`heat.HeatTracker`, O(anchors) a request), and an
-anchor at or above `min_rate` that has no copy yet gets one, cut from that request's
+anchor at or above `min_rate` (`local_min_rate`: with several replicas sharing their
+heat, this replica's share of it) that has no copy yet gets one, cut from that request's
 prompt at the anchor's depth. Nothing is copied for a prefix that is not hot.
 
 An anchor covers a shared prefix only down to a power of two of blocks (a prompt of 24
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -87,6 +88,10 @@ class HotPrefixes:
             raise ConfigError("hot prefixes: min_blocks must be >= 1 and max_tokens >= 0")
         self.block_size = block_size
         self.min_rate = min_rate
+        # the rate at which an anchor gets a copy and is listed by `hot`: `min_rate`
+        # alone; this replica's share of it when several replicas share their heat
+        # (the caller then compares the fleet's rate with `min_rate`)
+        self.local_min_rate = min_rate
         self.min_blocks = min_blocks
         self.max_tokens = max_tokens
         self.heat = HeatTracker(half_life_s=half_life_s, max_entries=max_anchors)
@@ -123,7 +128,7 @@ class HotPrefixes:
                     copies.move_to_end(key)
                     self._cut(have, keys, d)
                 continue
-            if self.heat.rate(key, now_s) < self.min_rate or len(tokens) < d * bs:
+            if self.heat.rate(key, now_s) < self.local_min_rate or len(tokens) < d * bs:
                 continue
             n = min(len(keys), 2 * d - 1, len(tokens) // bs)
             self._put(key, _Copy(owner, keys[:n].copy(), list(tokens[: n * bs])))
@@ -153,18 +158,38 @@ class HotPrefixes:
         self.copied += 1
 
     def hot(self, now_s: float) -> list[HotCopy]:
-        """The hot prefixes that have a copy, hottest first; copies whose anchor the
-        tracker dropped go first."""
+        """The prefixes at or above `local_min_rate` that have a copy, hottest first;
+        copies whose anchor the tracker dropped go first."""
         for key in [k for k in self._copies if k not in self.heat]:
             old = self._copies.pop(key)
             self._tokens -= len(old.tokens)
             self.dropped += 1
         out: list[HotCopy] = []
-        for h in self.heat.hot(now_s, self.min_rate, min_blocks=self.min_blocks, maximal=False):
+        for h in self.heat.hot(
+            now_s, self.local_min_rate, min_blocks=self.min_blocks, maximal=False
+        ):
             c = self._copies.get(h.key)
             if c is not None:
                 out.append(HotCopy(h, c.owner, c.keys, c.tokens))
         return _maximal(out)
+
+    def at_fleet_rates(
+        self, copies: Sequence[HotCopy], replicas: int | None, rates: Sequence[float]
+    ) -> list[HotCopy]:
+        """The copies (`hot`'s) hot for the fleet, given what the replicas sharing their
+        heat say (`replicas`, and the fleet's rate of each copy, in order): those whose
+        fleet rate reaches `min_rate`, at that rate; from now on this replica copies and
+        lists anchors at its share of `min_rate`. `replicas` None (the fleet's heat could
+        not be read): this replica's own rate against the whole `min_rate`."""
+        if replicas is None:
+            self.local_min_rate = self.min_rate
+            return [c for c in copies if c.prefix.rate >= self.min_rate]
+        self.local_min_rate = self.min_rate / max(replicas, 1)
+        return [
+            replace(c, prefix=replace(c.prefix, rate=rate))
+            for c, rate in zip(copies, rates, strict=False)
+            if rate >= self.min_rate
+        ]
 
 
 def _maximal(hot: list[HotCopy]) -> list[HotCopy]:

@@ -1,4 +1,5 @@
-"""Fleet-wide claims and budgets for the policy engine's warm requests.
+"""Fleet-wide claims and budgets for the policy engine's warm requests, and the fleet's
+heat of hot prefixes.
 
 With several gateway replicas each replica's policy engine decides its own prefetches,
 retention touches and replicas, so without a shared marker N replicas warm the same
@@ -19,6 +20,14 @@ successful warm leaves the marker for `linger_s` (the fleet-wide "recently place
 rule), a failed one deletes it. The buckets refill on Redis's clock (TIME), so the
 replicas' clocks need not agree.
 
+Heat (`share_heat`): a load balancer spreads a hot prefix's requests over the replicas,
+so each sees about its share of the rate and none would find it hot. Each replica's
+policy tick publishes its rates of the anchors it holds copies for (a hash per replica
+under `{prefix}:heat:`, with a TTL of a few ticks, listed in `{prefix}:heaters`) and gets
+back, in the same script, the number of replicas publishing and each anchor's rate summed
+over them; the policy engine then copies at its share of the threshold and replicates
+at the fleet's rate (`gateway/policy_loop.py`).
+
 Redis unreachable or slower than `timeout_s`: every call returns `FLEET_DOWN` (the caller
 falls back to its own markers and budgets), logged once per outage and counted; Redis is
 tried again `retry_s` later. Nothing here raises into a warm or blocks routing.
@@ -35,6 +44,7 @@ import math
 import secrets
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
@@ -88,6 +98,46 @@ return 1
 """
 
 
+# KEYS: the zset of replicas sharing heat (-> deadline ms)
+# ARGV: this replica's token, TTL ms, the heat hashes' key base, then pairs (anchor, rate)
+# Returns {replicas sharing heat, the fleet's rate of each given anchor (as text)...}
+HEAT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[2])
+local mine = ARGV[3] .. ARGV[1]
+redis.call('DEL', mine)
+local anchors, fields = {}, {}
+for i = 4, #ARGV, 2 do
+  anchors[#anchors + 1] = ARGV[i]
+  fields[#fields + 1] = ARGV[i]
+  fields[#fields + 1] = ARGV[i + 1]
+end
+if #fields > 0 then
+  redis.call('HSET', mine, unpack(fields))
+  redis.call('PEXPIRE', mine, ttl)
+end
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('PEXPIRE', KEYS[1], ttl)
+local members = redis.call('ZRANGE', KEYS[1], 0, -1)
+local sums = {}
+for j = 1, #anchors do sums[j] = 0 end
+if #anchors > 0 then
+  for _, m in ipairs(members) do
+    local v = redis.call('HMGET', ARGV[3] .. m, unpack(anchors))
+    for j = 1, #anchors do sums[j] = sums[j] + (tonumber(v[j]) or 0) end
+  end
+end
+local out = {#members}
+for j = 1, #anchors do out[#out + 1] = string.format('%.17g', sums[j]) end
+return out
+"""
+
+#: The most anchors one call shares (the hottest first): Lua's `unpack` has a stack limit.
+MAX_SHARED_ANCHORS = 1024
+
+
 class ClaimResult(enum.Enum):
     OK = "ok"  # claimed, and the tokens taken from both buckets
     IN_FLIGHT = "in_flight"  # another claim holds the marker
@@ -119,6 +169,15 @@ class Rates:
     tenant_burst: float
 
 
+@dataclass(frozen=True, slots=True)
+class FleetHeat:
+    """The fleet's heat of some anchors: the replicas sharing heat (this one included)
+    and, per anchor asked, the sum of their decayed request rates."""
+
+    replicas: int
+    rates: tuple[float, ...]
+
+
 @dataclass
 class ClaimStats:
     """Claims by result, releases that found another owner (or none), and calls that
@@ -145,6 +204,7 @@ class _Script:
 
 _CLAIM = _Script(CLAIM)
 _RELEASE = _Script(RELEASE)
+_HEAT = _Script(HEAT)
 
 
 class WarmClaims:
@@ -226,6 +286,27 @@ class WarmClaims:
             self.stats.lost += 1
             return False
         return True
+
+    async def share_heat(
+        self, rates: Sequence[tuple[int, float]], ttl_s: float
+    ) -> FleetHeat | None:
+        """Publish this replica's rates of hot anchors (anchor key, requests a second;
+        the first `MAX_SHARED_ANCHORS`) for `ttl_s`, replacing what it published before,
+        and read the fleet's: every replica that published within its TTL, and each
+        anchor's rate summed over them. None: Redis down (use this replica's own)."""
+        shared = rates[:MAX_SHARED_ANCHORS]
+        args: list[str | int | float] = [
+            self.owner,
+            max(math.ceil(ttl_s * 1000), 1),
+            f"{self.base}heat:",
+        ]
+        for key, rate in shared:
+            args += (f"{key:016x}", repr(float(rate)))
+        reply = await self._call(_HEAT, [f"{self.base}heaters"], args)
+        if reply is None:
+            return None
+        assert isinstance(reply, list)
+        return FleetHeat(int(reply[0]), tuple(float(x) for x in reply[1:]))
 
     async def _call(
         self, script: _Script, keys: list[str], args: list[str | int | float]

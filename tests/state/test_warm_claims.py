@@ -26,7 +26,9 @@ from redis.asyncio import Redis
 from quillcache.gateway.actuator import Warmer
 from quillcache.gateway.config import WorkerConfig
 from quillcache.gateway.workers import Worker
+from quillcache.identity import content_keys, namespace
 from quillcache.policy.budget import ActuationBudget
+from quillcache.policy.hot import HotPrefixes, Owner
 from quillcache.policy.retention import WarmAction
 from quillcache.policy.targets import Target, TargetKind
 from quillcache.state.warm_claims import ClaimResult, Rates, WarmClaim, WarmClaims
@@ -243,5 +245,78 @@ def test_two_replicas_warm_once_and_spend_the_fleet_budget_once(
             finally:
                 for wc in wcs:
                     await wc.aclose()
+
+    run(body())
+
+
+def test_replicas_share_their_heat_and_find_a_prefix_hot_only_the_fleet_sees(
+    redis_server: RedisServer,
+) -> None:
+    """Two replicas behind a round-robin balancer each see half of a prefix's requests:
+    alone, neither finds it hot (each sees half of `min_rate`); sharing their heat
+    through Redis, both copy it at their share of the threshold and find it hot at the
+    fleet's rate, the sum of theirs. A replica that stops publishing leaves the count
+    and the sum within the TTL; Redis down, each falls back to its own rate."""
+    bs, min_rate, rate = 4, 4.0, 6.0  # the fleet's requests a second: above, halves below
+    ns = namespace("m", "tok", "", "", bs)
+    tokens = list(range(8 * bs))
+    keys = np.asarray(content_keys(tokens, bs, ns), dtype=np.uint64)
+    owner = Owner("acme", None, "m")
+
+    def fleet() -> list[HotPrefixes]:
+        return [HotPrefixes(block_size=bs, min_rate=min_rate, half_life_s=2.0) for _ in range(2)]
+
+    async def body() -> None:
+        alone, shared = fleet(), fleet()
+        heat = [claims(redis_server) for _ in range(2)]
+        found: list[list[float]] = []
+        try:
+            now = 0.0
+            for i in range(int(rate * 12)):  # 12 s of the fleet's requests, round robin
+                now = i / rate
+                for hp in (alone[i % 2], shared[i % 2]):
+                    hp.observe(keys, tokens, owner, now)
+                if i % 3 == 2:  # a policy tick on each replica
+                    ticked = []
+                    for hp, h in zip(shared, heat, strict=True):
+                        copies = hp.hot(now)
+                        got = await h.share_heat(
+                            [(c.prefix.key, c.prefix.rate) for c in copies], 5.0
+                        )
+                        # the first replica's first call: the second has not yet published
+                        assert got is not None and got.replicas == (
+                            1 if not found and h is heat[0] else 2
+                        )
+                        ticked += [
+                            c.prefix.rate
+                            for c in hp.at_fleet_rates(copies, got.replicas, got.rates)
+                        ]
+                    found.append(ticked)
+            # alone, each replica's own rate stays under min_rate: never hot
+            assert all(hp.hot(now) == [] for hp in alone)
+            assert max(hp.heat.rate(int(keys[-1]), now) for hp in alone) < min_rate
+            # shared: hot at the fleet's rate (about the sum of the two halves)
+            last = found[-1]
+            assert last and min(last) >= min_rate
+            own = [hp.heat.rate(int(keys[-1]), now) for hp in shared]
+            assert max(last) == pytest.approx(sum(own), rel=0.2)
+            assert all(hp.local_min_rate == min_rate / 2 for hp in shared)
+            # one replica stops: after its TTL the fleet is the other alone
+            solo = await heat[0].share_heat([(int(keys[-1]), 1.0)], 0.2)
+            assert solo is not None and solo.replicas == 2
+            await asyncio.sleep(0.3)
+            later = await heat[1].share_heat([(int(keys[-1]), 1.5)], 5.0)
+            assert later is not None and later.replicas == 1
+            assert later.rates == pytest.approx((1.5,))
+            redis_server.stop()
+            assert await heat[1].share_heat([(int(keys[-1]), 1.5)], 5.0) is None
+            copies = shared[1].hot(now)
+            assert shared[1].at_fleet_rates(copies, None, ()) == [
+                c for c in copies if c.prefix.rate >= min_rate
+            ]
+            assert shared[1].local_min_rate == min_rate
+        finally:
+            for h in heat:
+                await h.aclose()
 
     run(body())
