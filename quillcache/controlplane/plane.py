@@ -320,6 +320,7 @@ class _Tracked:
     # its row's load when it was routed (LOAD_FIELDS order; None: moved, teaches nothing)
     load_at_route: list[float] | None = None
     output_tokens: int = 0  # the request's expected output (a slot frees after that many)
+    pending: bool = False  # its keys count as being computed on its row (`_pending`)
 
 
 @dataclass
@@ -351,6 +352,7 @@ class ControlPlane:
         prune_min_rows: int | None = 64,
         explain: bool = False,
         pace: PaceConfig | None = None,
+        speculate_when_booked: bool = False,
     ) -> None:
         self.index: IndexBackend = (
             create_backend(index, **(index_options or {})) if isinstance(index, str) else index
@@ -365,6 +367,12 @@ class ControlPlane:
         self.track_load = track_load
         self.speculative = speculative
         self.speculative_ttl_s = speculative_ttl_s
+        # Several gateways on shared state: the booking step may move a request to
+        # another candidate, so its prefix counts as being computed only once `booked`
+        # names where it went; counted on the router's choice at once, requests routed
+        # while the booking is in flight saw it there, followed it, and started the
+        # prefix on a second engine.
+        self.speculate_when_booked = speculate_when_booked
         self.order_only = order_only  # tells routers there is no time (View.order_only)
         # Where match and apply latencies are recorded, every sample kept (a replay's
         # report); None (a long-lived gateway) records none: the lists would grow with
@@ -776,18 +784,27 @@ class ControlPlane:
         t = self._tracked.get(request_id)
         if t is None or t.row == row:
             return
-        if not t.prefilled:
-            self._unpend(t)
+        was_pending = t.pending
+        self._unpend(t)
         if self.track_load and t.worker in self._workers:
             self.load.release(t.row, t.prefill_tokens, t.prefilled)
         t.worker, t.row = worker, row
         t.load_at_route = None  # the other row's load: teaches nothing about this one
-        if not t.prefilled and len(t.keys):
-            self._pending.add(row, t.keys)
+        if was_pending and not t.prefilled:
+            self._pend(t)
         if self.track_load:
             self.load.book(row, t.prefill_tokens)
             if t.prefilled:
                 self.load.prefilled(row, t.prefill_tokens, t.context_tokens)
+
+    def booked(self, request_id: int | str, worker: int, dp_rank: int = 0) -> None:
+        """Where the booking step of several gateways placed a routed request: `move`d
+        there when it is not the decision's worker, and with `speculate_when_booked`
+        its prefix counts as being computed there from now on."""
+        self.move(request_id, worker, dp_rank)
+        t = self._tracked.get(request_id)
+        if t is not None and not t.prefilled and not t.pending:
+            self._pend(t)
 
     def prefill_done(self, request_id: int | str, now_s: float | None = None) -> None:
         """The request's prompt is computed: its blocks are (or will shortly be) reported
@@ -842,8 +859,8 @@ class ControlPlane:
             self.finish(request.request_id)
         self._tracked[request.request_id] = t
         self._next_expiry_s = min(self._next_expiry_s, t.expires_s)
-        if self.speculative:
-            self._pending.add(row, keys)
+        if self.speculative and not self.speculate_when_booked:
+            self._pend(t)
         if self.track_load:
             self.load.book(row, prefill_tokens)
 
@@ -866,9 +883,15 @@ class ControlPlane:
     def _set_pace(self, row: int, pace: float) -> None:
         self._fleet.m[row, PACE] = pace
 
-    def _unpend(self, t: _Tracked) -> None:
+    def _pend(self, t: _Tracked) -> None:
         if len(t.keys):
+            self._pending.add(t.row, t.keys)
+            t.pending = True
+
+    def _unpend(self, t: _Tracked) -> None:
+        if t.pending:
             self._pending.remove(t.row, t.keys)
+            t.pending = False
 
     def _expire(self, now_s: float) -> None:
         # Speculative entries outlive a lost prefill_done call by at most the TTL.

@@ -202,6 +202,8 @@ class Gateway:
             router_options=cfg.router_options if isinstance(router, str) else None,
             index_options=cfg.index_options,
             load_store=self.fleet.store if self.fleet is not None else None,
+            # the booking in Redis says where a request goes (`openai_api.route_booked`)
+            speculate_when_booked=self.fleet is not None,
         )
         # ingest runs on the ingestor's thread: the plane serialises index access itself
         self.sink = ControlPlaneSink(self.cp)

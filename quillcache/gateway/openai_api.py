@@ -504,10 +504,12 @@ class OpenAIEndpoints:
         except BaseException:
             self.outcomes.released(prepared.route_request.request_id)
             raise
-        if booked.moved and booked.worker in self.pool.workers:
+        moved = booked.moved and booked.worker in self.pool.workers
+        if moved:
             worker, dp_rank = self.pool.get(booked.worker), booked.rank
-            # its prefix is being computed there, not on the router's choice
-            self.plane.move(prepared.route_request.request_id, worker.id, dp_rank)
+        # its prefix is being computed where it was booked (the router's choice or not)
+        self.plane.booked(prepared.route_request.request_id, worker.id, dp_rank)
+        if moved:
             self._retain(prepared, worker)  # the session is bound where it really went
         return worker, dp_rank, first_byte_s
 

@@ -194,6 +194,21 @@ class SharedRouting:
             bid, out = await self._book(request, short, cands, None, cancellable)
         booked = out.engine
         assert booked is not None  # a booking always names an engine
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "booking %s: %s, shortlist %s (outside %s) -> %s, loads before %s",
+                request.request_id,
+                out.reason if isinstance(out, Booked) else "fallback",
+                [
+                    (c.engine.encode(), round(c.ceiling, 2), round(c.credit, 2), c.cached_blocks)
+                    for c in cands
+                ],
+                short.outside,
+                booked.encode(),
+                [(x.in_flight, x.queued_prefill_tokens) for x in out.loads]
+                if isinstance(out, Booked)
+                else None,
+            )
         key = booked
         shared = isinstance(out, Booked)
         if self.on_booked is not None:
