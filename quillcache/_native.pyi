@@ -576,8 +576,11 @@ class CostKernel:
         expected_output_tokens: int,
         session_batch: npt.NDArray[np.float64] | None,
         pace: npt.NDArray[np.float64] | None,
+        slots: npt.NDArray[np.float64] | None = None,
     ) -> tuple[int, npt.NDArray[np.float64]]:
-        """(position, estimates): QuillCache's score per row and the row that wins."""
+        """(position, estimates): QuillCache's score per row and the row that wins.
+        `slots`: per row, its engine's sequence slots (0: the cost model's
+        `max_num_seqs`; a ValueError for anything else below 1)."""
     def quill_lowest(
         self,
         order: LoadOrder,
@@ -599,6 +602,7 @@ class CostKernel:
         expected_output_tokens: int,
         session_batch: npt.NDArray[np.float64] | None,
         pace: npt.NDArray[np.float64] | None,
+        slots: npt.NDArray[np.float64] | None = None,
     ) -> int | None:
         """`quill`'s position, walking `special` then the rest in `order` (by queued
         prefill tokens; `position[row]` < 0: not a candidate) until no row left can

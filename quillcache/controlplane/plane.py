@@ -169,6 +169,11 @@ class WorkerState:
         return int(sum(self._fleet.m[r, RESIDENT] for r in self.rows))
 
     @property
+    def max_num_seqs(self) -> int:
+        """The engine's sequence slots per rank, when configured (0: the cost model's)."""
+        return int(self._fleet.m[self.rows[0], SLOTS])
+
+    @property
     def stored_blocks(self) -> int:
         """Blocks the engine reported stored since it was added (all ranks, all media)."""
         return int(sum(self._fleet.stored[r] for r in self.rows))
@@ -181,7 +186,7 @@ class WorkerState:
         )
 
 
-CAPACITY, RESIDENT, KNOWN, PACE = range(len(FLEET_FIELDS))
+CAPACITY, RESIDENT, KNOWN, PACE, SLOTS = range(len(FLEET_FIELDS))
 
 
 class _FleetColumns:
@@ -194,7 +199,7 @@ class _FleetColumns:
         # turns over (the retention policy's pressure); not a routing column
         self.stored = np.zeros(rows, dtype=np.float64)
 
-    def add(self, row: int, capacity_blocks: int) -> None:
+    def add(self, row: int, capacity_blocks: int, max_num_seqs: int = 0) -> None:
         if row >= len(self.m):
             size = max(row + 1, 2 * len(self.m))
             grown = np.zeros((size, len(FLEET_FIELDS)))
@@ -203,8 +208,12 @@ class _FleetColumns:
             stored = np.zeros(size)
             stored[: len(self.stored)] = self.stored
             self.stored = stored
-        self.m[row] = (capacity_blocks, 0.0, 1.0, 1.0)
+        self.m[row] = (capacity_blocks, 0.0, 1.0, 1.0, max_num_seqs)
         self.stored[row] = 0.0
+
+    def slotted(self) -> bool:
+        """Whether some row has sequence slots of its own (`max_num_seqs`)."""
+        return bool((self.m[:, SLOTS] > 0).any())
 
 
 @dataclass(slots=True)
@@ -394,6 +403,7 @@ class ControlPlane:
         self.pinned = PinnedPrefixes()
         self._orders = LoadOrders(self.load)
         self._fleet = _FleetColumns()
+        self._slotted = False  # some row has its own max_num_seqs (`WorkerColumns.slotted`)
         # which engines turn out slower than the rest (`pace.py`), from the observed
         # TTFT `prefill_done(now_s=...)` reports; the routers that price time read it
         self.pace = PaceLearner(self._set_pace, pace)
@@ -425,11 +435,15 @@ class ControlPlane:
         dp_ranks: int = 1,
         model: str = "",
         tokenizer: str = "",
+        max_num_seqs: int | None = None,
     ) -> WorkerState:
         """Add (or re-add) a worker; registers each of its dp ranks with the index.
-        `capacity_blocks` is per rank (each rank has a KV cache of its own)."""
+        `capacity_blocks` is per rank (each rank has a KV cache of its own), and so is
+        `max_num_seqs` (its sequence slots; None: the cost model's)."""
         if dp_ranks < 1:
             raise ConfigError(f"dp_ranks must be >= 1, got {dp_ranks}")
+        if max_num_seqs is not None and max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         cap = (
             capacity_blocks
             if capacity_blocks is not None
@@ -449,7 +463,8 @@ class ControlPlane:
         self._orders.assign(rows, worker)
         for row in rows:
             self.load.add(row)
-            self._fleet.add(row, cap)
+            self._fleet.add(row, cap, max_num_seqs or 0)
+        self._slotted = self._fleet.slotted()
         self._workers[worker] = state
         self._routable = None
         for rank in range(dp_ranks):
@@ -476,7 +491,9 @@ class ControlPlane:
         for row in rows:
             self._pending.remove_worker(row)
             self.pace.forget(row)
+            self._fleet.m[row, SLOTS] = 0.0
             self._free_rows.append(row)
+        self._slotted = self._fleet.slotted()
         self._free_rows.sort(reverse=True)  # lowest row first: rows stay in id order
 
     def set_draining(self, worker: int, draining: bool = True) -> None:
@@ -668,6 +685,7 @@ class ControlPlane:
             pending,
             cand.ranks,
             self.pace.paced,
+            self._slotted,
         )
         order = None
         if self.prune_min_rows is not None and n >= self.prune_min_rows:
@@ -878,7 +896,9 @@ class ControlPlane:
             context_tokens=t.context_tokens - t.prefill_tokens,
             running_decodes=int(decodes),
             mean_context_tokens=mean_context,
-        ) + cost.slot_wait_time(in_flight, decodes, mean_context, t.output_tokens)
+        ) + cost.slot_wait_time(
+            in_flight, decodes, mean_context, t.output_tokens, float(self._fleet.m[t.row, SLOTS])
+        )
 
     def _set_pace(self, row: int, pace: float) -> None:
         self._fleet.m[row, PACE] = pace

@@ -285,18 +285,21 @@ class CostModel:
         running_decodes: Column,
         mean_context_tokens: Column,
         output_tokens: int,
+        slots: Column | None = None,
     ) -> Floats:
         """Time until a sequence slot frees for a new request: an engine runs at most
-        `max_num_seqs` sequences, so with `in_flight` requests there (running and
-        waiting) the new one waits for `ceil((in_flight - slots + 1) / slots)` rounds,
-        each the decode of `output_tokens` (the request's own, for want of the others')
-        in a full batch; 0 while a slot is free. The default 256 slots are rarely all
-        taken; an engine configured with few (long contexts, little memory) is, and
-        then a cached prefix behind a busy slot is worth less than an idle engine."""
-        slots = float(self.max_num_seqs)
-        over = in_flight - slots + 1.0
-        rounds = np.ceil(np.maximum(over, 0.0) / slots)
-        batch = np.minimum(np.maximum(running_decodes, 1.0), slots)
+        `max_num_seqs` sequences (per engine: `slots`, where it is not 0), so with
+        `in_flight` requests there (running and waiting) the new one waits for
+        `ceil((in_flight - slots + 1) / slots)` rounds, each the decode of
+        `output_tokens` (the request's own, for want of the others') in a full batch; 0
+        while a slot is free. The default 256 slots are rarely all taken; an engine
+        configured with few (long contexts, little memory) is, and then a cached prefix
+        behind a busy slot is worth less than an idle engine."""
+        default = float(self.max_num_seqs)
+        cap: float | Floats = default if slots is None else np.where(slots > 0, slots, default)
+        over = in_flight - cap + 1.0
+        rounds = np.ceil(np.maximum(over, 0.0) / cap)
+        batch = np.minimum(np.maximum(running_decodes, 1.0), cap)
         return rounds * output_tokens * self.decode_step_time_array(batch, mean_context_tokens)
 
     def slot_wait_time(
@@ -305,14 +308,16 @@ class CostModel:
         running_decodes: float,
         mean_context_tokens: float,
         output_tokens: int,
+        slots: float = 0.0,
     ) -> float:
-        """`slot_wait_time_array` for one engine."""
+        """`slot_wait_time_array` for one engine (`slots` 0: `max_num_seqs`)."""
         return float(
             self.slot_wait_time_array(
                 np.asarray([in_flight], dtype=np.float64),
                 np.asarray([running_decodes], dtype=np.float64),
                 np.asarray([mean_context_tokens], dtype=np.float64),
                 output_tokens,
+                np.asarray([slots], dtype=np.float64),
             )[0]
         )
 

@@ -44,6 +44,15 @@ class WorkerConfig(BaseModel):
     kv_bind: bool = Field(default=False, description="bind (the engine's PUB connects to us)")
     topic: str = ""
     dp_ranks: int = Field(default=1, ge=1)
+    max_num_seqs: int | None = Field(
+        default=None,
+        ge=1,
+        le=1 << 20,
+        description="its sequence slots per rank (vLLM's --max-num-seqs, SGLang's "
+        "--max-running-requests) when they differ from the cost model's "
+        "engine.max_num_seqs: a request waits for a slot once all are taken; None = "
+        "SGLang's from its server info, else the cost model's",
+    )
     events: bool = Field(default=True, description="subscribe to its KV events at all")
     hash_seed: str | None = Field(
         default=None,

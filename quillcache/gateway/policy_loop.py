@@ -300,7 +300,8 @@ class PolicyEngine:
 
     def _wait_s(self, engine: int) -> float:
         """An engine's estimated wait for a new request: its queued prefill, plus the
-        wait for a sequence slot when all `max_num_seqs` are taken (the cost model's);
+        wait for a sequence slot when all `max_num_seqs` are taken (the engine's own when
+        configured, else the cost model's);
         the queued prefill alone understates a holder whose hits keep prefill short
         while its slots fill."""
         state = self.plane.worker(engine)
@@ -309,6 +310,7 @@ class PolicyEngine:
             state.running_decodes,
             state.mean_context_tokens,
             self.config.replication.output_tokens,
+            state.max_num_seqs,
         )
         return self.plane.queue_wait_s(engine) + slot
 

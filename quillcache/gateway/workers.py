@@ -43,6 +43,8 @@ class Worker:
     models: dict[str, str] = field(default_factory=dict)  # served name -> LoRA ("" = base)
     block_size: int | None = None
     max_model_len: int | None = None  # from /v1/models (vLLM reports it)
+    # its sequence slots as the engine says (SGLang's `max_running_requests`)
+    max_num_seqs: int | None = None
     healthy: bool = True
     draining: bool = False
     load: EngineLoad = field(default_factory=EngineLoad)
@@ -75,6 +77,9 @@ class Worker:
             "models": sorted(self.models),
             "block_size": self.block_size,
             "max_model_len": self.max_model_len,
+            # its sequence slots per rank: configured, else the engine's own (SGLang),
+            # else None (the cost model's engine.max_num_seqs)
+            "max_num_seqs": self.config.max_num_seqs or self.max_num_seqs,
             "healthy": self.healthy,
             "draining": self.draining,
             "parity": self.parity,
@@ -276,6 +281,9 @@ class WorkerPool:
                 w.sources = sources_from_server_info(info, host)
                 page_size = info.get("page_size")
                 w.block_size = w.block_size or (page_size if isinstance(page_size, int) else None)
+                running = info.get("max_running_requests")
+                if isinstance(running, int) and not isinstance(running, bool) and running > 0:
+                    w.max_num_seqs = running
             if not w.sources:
                 log.warning(
                     "engine %s: no KV event source found; routing without its cache", cfg.url
@@ -314,6 +322,7 @@ class WorkerPool:
             dp_ranks=ranks,
             model=w.base_model,
             tokenizer=self.tokenizer_id,
+            max_num_seqs=w.config.max_num_seqs or w.max_num_seqs,
         )
         self.workers[w.id] = w
         try:

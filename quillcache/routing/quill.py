@@ -175,7 +175,7 @@ class QuillCacheRouter(Router):
         out = request.expected_output_tokens
         # a request waits for a sequence slot when every one is taken
         ttft = ttft + pace * cost.slot_wait_time(
-            w.in_flight, w.running_decodes, w.mean_context_tokens, out
+            w.in_flight, w.running_decodes, w.mean_context_tokens, out, w.max_num_seqs
         )
         excess = w.running_decodes - self._mean_decodes
         if self.decode_weight and excess > 0 and not self._continuing:
@@ -244,7 +244,10 @@ class QuillCacheRouter(Router):
                 + pace * cost.prefill_time_array(new, prompt - new)
             )
         out = request.expected_output_tokens
-        ttft = ttft + pace * cost.slot_wait_time_array(c.in_flight, decodes, mean_context, out)
+        slots = c.max_num_seqs if c.slotted else None
+        ttft = ttft + pace * cost.slot_wait_time_array(
+            c.in_flight, decodes, mean_context, out, slots
+        )
         excess = decodes - self._mean_decodes
         if self.decode_weight and not self._continuing:
             piling = excess > 0
@@ -325,9 +328,10 @@ class QuillCacheRouter(Router):
         int,
         npt.NDArray[np.float64] | None,
         npt.NDArray[np.float64] | None,
+        npt.NDArray[np.float64] | None,
     ]:
         """The kernel's arguments after the columns: the knobs, then this request's
-        state (`CostKernel.quill`'s order)."""
+        state, then the rows' own sequence slots (`CostKernel.quill`'s order)."""
         batch = None
         if self.home_decode_weight and self._session_decodes:
             rows_of = _rows_by_worker(view.columns.worker)
@@ -342,6 +346,7 @@ class QuillCacheRouter(Router):
             request.expected_output_tokens,
             batch,
             np.ascontiguousarray(view.columns.pace) if view.columns.paced else None,
+            np.ascontiguousarray(view.columns.max_num_seqs) if view.columns.slotted else None,
         )
 
     def route(self, request: Request, view: View) -> Decision:

@@ -95,6 +95,9 @@ class WorkerView:
     # (1.0: as fast as the rest or not known to be slower; the control plane learns it
     # from the requests' observed time to first token, controlplane/pace.py)
     pace: float = 1.0
+    # its engine's sequence slots (`max_num_seqs`, when configured per engine; 0: the
+    # cost model's)
+    max_num_seqs: int = 0
 
     @property
     def local_blocks(self) -> int:
@@ -111,9 +114,16 @@ LOAD_FIELDS: tuple[str, ...] = (
     "mean_context_tokens",
 )
 #: The plane's own per-worker columns (`WorkerColumns.fleet`), in order.
-FLEET_FIELDS: tuple[str, ...] = ("capacity_blocks", "resident_blocks", "residency_known", "pace")
-#: Where `WorkerColumns.fleet` holds the pace.
+FLEET_FIELDS: tuple[str, ...] = (
+    "capacity_blocks",
+    "resident_blocks",
+    "residency_known",
+    "pace",
+    "max_num_seqs",
+)
+#: Where `WorkerColumns.fleet` holds the pace, and the engine's sequence slots.
 PACE_COLUMN = FLEET_FIELDS.index("pace")
+SLOTS_COLUMN = FLEET_FIELDS.index("max_num_seqs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +142,9 @@ class WorkerColumns:
     dp_rank: npt.NDArray[np.int64]
     # True when some row's pace is not 1.0: a kernel reads `pace` only then
     paced: bool = False
+    # True when some row has its own sequence slots: a kernel reads `max_num_seqs` only
+    # then
+    slotted: bool = False
 
     @property
     def in_flight(self) -> npt.NDArray[np.float64]:
@@ -175,6 +188,11 @@ class WorkerColumns:
         """`WorkerView.pace` per row (at least 1.0)."""
         return self.fleet[:, PACE_COLUMN]
 
+    @property
+    def max_num_seqs(self) -> npt.NDArray[np.float64]:
+        """`WorkerView.max_num_seqs` per row (0: the cost model's)."""
+        return self.fleet[:, SLOTS_COLUMN]
+
     @classmethod
     def of(cls, workers: Sequence[WorkerView]) -> WorkerColumns:
         """The columns of a list of `WorkerView`s."""
@@ -184,7 +202,13 @@ class WorkerColumns:
         ).reshape(n, len(LOAD_FIELDS))
         fleet = np.array(
             [
-                [w.capacity_blocks, w.resident_blocks, float(w.residency_known), w.pace]
+                [
+                    w.capacity_blocks,
+                    w.resident_blocks,
+                    float(w.residency_known),
+                    w.pace,
+                    w.max_num_seqs,
+                ]
                 for w in workers
             ],
             dtype=np.float64,
@@ -203,6 +227,7 @@ class WorkerColumns:
             ints("pending_blocks"),
             ints("dp_rank"),
             paced=any(w.pace != 1.0 for w in workers),
+            slotted=any(w.max_num_seqs for w in workers),
         )
 
 
@@ -367,7 +392,7 @@ class View:
     def _make(self, i: int) -> WorkerView:
         c = self.columns
         in_flight, queued, decodes, kv_usage, mean_context = c.load[i].tolist()
-        capacity, resident, known, pace = c.fleet[i].tolist()
+        capacity, resident, known, pace, slots = c.fleet[i].tolist()
         wid = int(c.worker[i])
         rank = int(c.dp_rank[i])
         return WorkerView(
@@ -387,6 +412,7 @@ class View:
             known != 0.0,
             rank,
             pace,
+            int(slots),
         )
 
     @property

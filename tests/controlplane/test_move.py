@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from quillcache.controlplane import ControlPlane
 from quillcache.controlplane.plane import UnknownWorkerError
+from quillcache.errors import ConfigError
 from quillcache.hashing.reference import content_keys, namespace_id
 from quillcache.routing import Request
 
@@ -146,5 +147,27 @@ def test_with_shared_state_a_prefix_is_being_computed_only_where_it_was_booked()
         assert pending(cp, 1) == {}
         cp.booked(7, 0)  # after its prefill: nothing is pending any more
         assert pending(cp, 1) == {}
+    finally:
+        cp.close()
+
+
+def test_an_engine_s_own_sequence_slots_reach_the_view() -> None:
+    """`add_worker(max_num_seqs=...)` is per rank, in every view's columns (slotted:
+    the kernels read them); a worker re-added without it and a removed worker leave
+    the cost model's; a count below 1 is refused."""
+    cp = ControlPlane(index="native", router="quillcache", block_size=BS)
+    try:
+        cp.add_worker(0)
+        cp.add_worker(1, dp_ranks=2, max_num_seqs=3)
+        c = cp.view(Request("probe", keys(1), 4 * BS)).columns
+        assert c.slotted and c.max_num_seqs.tolist() == [0, 3, 3]
+        assert cp.worker(1).max_num_seqs == 3 and cp.worker(0).max_num_seqs == 0
+        cp.add_worker(1, dp_ranks=2)
+        assert not cp.view(Request("probe", keys(1), 4 * BS)).columns.slotted
+        cp.add_worker(2, max_num_seqs=5)
+        cp.remove_worker(2)
+        assert not cp.view(Request("probe", keys(1), 4 * BS)).columns.slotted
+        with pytest.raises(ConfigError, match="max_num_seqs"):
+            cp.add_worker(3, max_num_seqs=0)
     finally:
         cp.close()

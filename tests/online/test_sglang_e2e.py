@@ -97,6 +97,8 @@ def test_page_size_and_dp_ranks_come_from_server_info(sglang: SglangStack) -> No
     by_url = {w["url"]: w for w in workers}
     dp, single = by_url[sglang.dp.url], by_url[sglang.single.url]
     assert dp["block_size"] == single["block_size"] == PAGE
+    # its sequence slots: SGLang's --max-running-requests, from the same server info
+    assert dp["max_num_seqs"] == single["max_num_seqs"] == info["max_running_requests"] > 0
     assert [(s["endpoint"], s["replay_endpoint"]) for s in dp["kv_sources"]] == [
         (f"tcp://127.0.0.1:{sglang.pub + r}", f"tcp://127.0.0.1:{sglang.replay + r}")
         for r in (0, 1)

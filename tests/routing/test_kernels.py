@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quillcache.costmodel import CostModel, CostModelConfig
-from quillcache.routing import Request, View
+from quillcache.routing import Request, View, WorkerView
 from quillcache.routing.base import estimate_ttft_s_array, first_min
 from quillcache.routing.quill import QuillCacheRouter
 from quillcache.routing.ttft import lowest_ttft_at
-from quillcache.routing.types import WorkerColumns
+from quillcache.routing.types import FLEET_FIELDS, PACE_COLUMN, SLOTS_COLUMN, WorkerColumns
 
 BLOCK = 16
 COSTS = [
@@ -62,10 +62,14 @@ def fleets(draw: st.DrawFn) -> tuple[Request, View]:
         load[i, 2] = draw(st.one_of(st.integers(0, 600).map(float), st.floats(0, 9_000)))
         load[i, 3] = draw(st.floats(0, 1))
         load[i, 4] = draw(st.floats(0, 32_000))
-    fleet = np.zeros((n, 4))
+    fleet = np.zeros((n, len(FLEET_FIELDS)))
     # most engines at the fleet's pace, some learned slower (`controlplane/pace.py`)
-    fleet[:, 3] = draw(
+    fleet[:, PACE_COLUMN] = draw(
         st.lists(st.sampled_from([1.0, 1.0, 1.0, 1.37, 2.5, 10.0]), min_size=n, max_size=n)
+    )
+    # most engines with the cost model's slots, some configured with their own
+    fleet[:, SLOTS_COLUMN] = draw(
+        st.lists(st.sampled_from([0, 0, 0, 1, 2, 7, 300]), min_size=n, max_size=n)
     )
     columns = WorkerColumns(
         worker=np.asarray(worker, dtype=np.uint64),
@@ -76,7 +80,8 @@ def fleets(draw: st.DrawFn) -> tuple[Request, View]:
         disk_blocks=tier().astype(np.int64),
         pending_blocks=tier().astype(np.int64),
         dp_rank=np.zeros(n, dtype=np.int64),
-        paced=bool((fleet[:, 3] != 1.0).any()),
+        paced=bool((fleet[:, PACE_COLUMN] != 1.0).any()),
+        slotted=bool(fleet[:, SLOTS_COLUMN].any()),
     )
     return request, View(None, BLOCK, draw(st.sampled_from(COSTS)), columns=columns)
 
@@ -153,6 +158,49 @@ def test_quill_kernel_is_the_numpy_estimate(
     assert at == first_min(want, reuse, c.in_flight, c.worker)
 
 
+def test_an_engine_s_own_sequence_slots_price_its_wait() -> None:
+    """Two engines, the request's prefix cached on the first, which has 2 requests in
+    flight: with the cost model's 256 slots it wins; configured with 2 slots of its own
+    the wait for one outweighs the prefix and the idle engine wins, in the kernel and
+    in the readable reference alike. A slot count below 1 (other than 0) is refused."""
+    keys = np.arange(1, 9, dtype=np.uint64)
+    request = Request(1, keys, 8 * BLOCK, expected_output_tokens=200)
+
+    def view(slots: int) -> View:
+        holder = WorkerView(
+            0,
+            in_flight=2,
+            running_decodes=2,
+            mean_context_tokens=4_000.0,
+            gpu_blocks=8,
+            max_num_seqs=slots,
+        )
+        return View([holder, WorkerView(1)], BLOCK, CostModel())
+
+    for slots, winner in ((0, 0), (256, 0), (2, 1)):
+        v = view(slots)
+        router = QuillCacheRouter()
+        assert v.columns.slotted == bool(slots)
+        at, got = router.scored(request, v)
+        assert got.tolist() == router.estimates(request, v).tolist()
+        assert at == winner, (slots, got)
+    c = view(2).columns
+    with pytest.raises(ValueError, match="at least 1"):
+        CostModel().kernel.quill(
+            c.worker,
+            c.load,
+            c.gpu_blocks,
+            c.cpu_blocks,
+            c.disk_blocks,
+            c.pending_blocks,
+            8,
+            8 * BLOCK,
+            BLOCK,
+            *QuillCacheRouter()._kernel_state(request, view(2))[:7],
+            np.asarray([0.5, 0.0]),
+        )
+
+
 def test_the_kernel_refuses_columns_of_different_lengths() -> None:
     kernel = CostModel().kernel
     ids = np.arange(3, dtype=np.uint64)
@@ -210,6 +258,7 @@ def test_a_new_sessions_homes_count_every_row_of_its_workers(
             c.pending_blocks[order],
             c.dp_rank[order],
             c.paced,
+            c.slotted,
         )
         view = View(None, BLOCK, view.cost, columns=c)
     ids = c.worker.tolist()

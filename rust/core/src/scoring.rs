@@ -289,11 +289,22 @@ impl CostParams {
     }
 
     /// `CostModel.slot_wait_time_array` for one row: with `in_flight` requests on an
-    /// engine running at most `max_num_seqs` sequences, a new one waits for
-    /// `ceil((in_flight - slots + 1) / slots)` rounds of `out` decode steps of a full
-    /// batch; 0 while a slot is free.
-    fn slot_wait(&self, in_flight: f64, decodes: f64, mean_context: f64, out: f64) -> f64 {
-        let slots = self.max_num_seqs as f64;
+    /// engine running at most `slots` sequences (0: `max_num_seqs`), a new one waits
+    /// for `ceil((in_flight - slots + 1) / slots)` rounds of `out` decode steps of a
+    /// full batch; 0 while a slot is free.
+    fn slot_wait(
+        &self,
+        in_flight: f64,
+        decodes: f64,
+        mean_context: f64,
+        out: f64,
+        slots: f64,
+    ) -> f64 {
+        let slots = if slots > 0.0 {
+            slots
+        } else {
+            self.max_num_seqs as f64
+        };
         let over = in_flight - slots + 1.0;
         if over <= 0.0 {
             return 0.0;
@@ -502,7 +513,8 @@ impl<'a> QuillScorer<'a> {
     /// Row `i`'s score with load `load` (its own, or a bound's), session batch and pace
     /// (how many times slower than the fleet the engine is: every term the engine
     /// computes or reads is that many times longer; a transfer is not).
-    fn estimate(&mut self, i: usize, load: RowLoad, batch: Option<f64>, pace: f64) -> f64 {
+    fn estimate(&mut self, i: usize, load: RowLoad, terms: RowTerm) -> f64 {
+        let RowTerm { batch, pace, slots } = terms;
         let (params, rows, ask, knobs) = (self.params, self.rows, self.ask, self.knobs);
         let prompt = ask.prompt_tokens;
         let RowLoad {
@@ -549,7 +561,8 @@ impl<'a> QuillScorer<'a> {
                         .prefill
                         .get(new, |new| params.prefill_time(new, prompt - new))
         };
-        let ttft = ttft + pace * params.slot_wait(in_flight, decodes, mean_context, self.out);
+        let ttft =
+            ttft + pace * params.slot_wait(in_flight, decodes, mean_context, self.out, slots);
         let excess = decodes - knobs.mean_decodes;
         if knobs.decode_weight != 0.0 && !knobs.continuing && excess > 0.0 {
             let step = pace * params.decode_step_time(decodes, mean_context);
@@ -582,7 +595,13 @@ impl<'a> QuillScorer<'a> {
             decodes: 0.0,
             mean_context: 0.0,
         };
-        self.estimate(i, idle, batch.then_some(0.0), 1.0)
+        // nothing in flight: no wait for a slot, whatever the engine's count
+        let terms = RowTerm {
+            batch: batch.then_some(0.0),
+            pace: 1.0,
+            slots: 0.0,
+        };
+        self.estimate(i, idle, terms)
     }
 
     /// Whether `bound` is a lower bound under these knobs (with loads that are finite
@@ -611,18 +630,41 @@ pub struct RowTerms<'a> {
     pub session_batch: Option<&'a [f64]>,
     /// Per row, how many times slower than the fleet its engine is (None: 1.0).
     pub pace: Option<&'a [f64]>,
+    /// Per row, its engine's sequence slots (`max_num_seqs`; None or 0: the cost
+    /// model's).
+    pub slots: Option<&'a [f64]>,
+}
+
+/// One row's `RowTerms`.
+#[derive(Debug, Clone, Copy)]
+struct RowTerm {
+    batch: Option<f64>,
+    pace: f64,
+    slots: f64,
 }
 
 impl RowTerms<'_> {
     fn check(&self, rows: &Rows<'_>) -> Result<(), RowsError> {
         rows.check(self.session_batch)?;
-        match self.pace {
-            Some(p) if p.len() != rows.len() => Err(RowsError::Lengths(format!(
-                "{} paces for {} rows",
-                p.len(),
-                rows.len()
-            ))),
-            _ => Ok(()),
+        for (what, column) in [("paces", self.pace), ("slot counts", self.slots)] {
+            if let Some(c) = column {
+                if c.len() != rows.len() {
+                    return Err(RowsError::Lengths(format!(
+                        "{} {what} for {} rows",
+                        c.len(),
+                        rows.len()
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn row(&self, i: usize) -> RowTerm {
+        RowTerm {
+            batch: self.batch(i),
+            pace: self.pace(i),
+            slots: self.slots.map_or(0.0, |s| s[i]),
         }
     }
 
@@ -646,7 +688,7 @@ pub fn quill_estimates(
     terms.check(rows)?;
     let mut scorer = QuillScorer::new(params, rows, ask, knobs);
     Ok((0..rows.len())
-        .map(|i| scorer.estimate(i, RowLoad::of(rows, i), terms.batch(i), terms.pace(i)))
+        .map(|i| scorer.estimate(i, RowLoad::of(rows, i), terms.row(i)))
         .collect())
 }
 
@@ -741,7 +783,7 @@ pub fn quill_lowest_walk(
         return Ok(None);
     }
     lowest_walk(rows, true, special, by_queue, |i, what| match what {
-        Eval::Score => scorer.estimate(i, RowLoad::of(rows, i), terms.batch(i), terms.pace(i)),
+        Eval::Score => scorer.estimate(i, RowLoad::of(rows, i), terms.row(i)),
         Eval::Bound => {
             let queued = rows.field(i, QUEUED_PREFILL_TOKENS);
             scorer.bound(i, queued, terms.session_batch.is_some())

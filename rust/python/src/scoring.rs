@@ -44,13 +44,21 @@ fn walk_args<'a>(
 fn row_terms<'a>(
     session_batch: &'a Option<PyReadonlyArray1<'_, f64>>,
     pace: &'a Option<PyReadonlyArray1<'_, f64>>,
+    slots: &'a Option<PyReadonlyArray1<'_, f64>>,
 ) -> PyResult<RowTerms<'a>> {
+    let slots = slots.as_ref().map(|s| slice("slots", s)).transpose()?;
+    if let Some(bad) = slots.and_then(|s| s.iter().find(|&&x| !(x == 0.0 || x >= 1.0))) {
+        return Err(PyValueError::new_err(format!(
+            "slots must be 0 (the cost model's max_num_seqs) or at least 1, got {bad}"
+        )));
+    }
     Ok(RowTerms {
         session_batch: session_batch
             .as_ref()
             .map(|b| slice("session_batch", b))
             .transpose()?,
         pace: pace.as_ref().map(|p| slice("pace", p)).transpose()?,
+        slots,
     })
 }
 
@@ -244,7 +252,7 @@ impl CostKernel {
     /// lowest id). `session_batch`: per row, the decodes a new session's home brings.
     #[pyo3(signature = (
         worker, load, gpu, cpu, disk, pending, blocks, prompt_tokens, block_size, settings,
-        lambda_, continuing, mean_decodes, expected_output_tokens, session_batch, pace
+        lambda_, continuing, mean_decodes, expected_output_tokens, session_batch, pace, slots=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn quill<'py>(
@@ -266,6 +274,7 @@ impl CostKernel {
         expected_output_tokens: i64,
         session_batch: Option<PyReadonlyArray1<'py, f64>>,
         pace: Option<PyReadonlyArray1<'py, f64>>,
+        slots: Option<PyReadonlyArray1<'py, f64>>,
     ) -> PyResult<(usize, Bound<'py, PyArray1<f64>>)> {
         let columns = Columns {
             worker,
@@ -282,7 +291,7 @@ impl CostKernel {
             block_size,
         };
         let knobs = settings.knobs(lambda_, continuing, mean_decodes, expected_output_tokens);
-        let terms = row_terms(&session_batch, &pace)?;
+        let terms = row_terms(&session_batch, &pace, &slots)?;
         let estimates = scoring::quill_estimates(&self.params, &rows, &ask, &knobs, terms)
             .map_err(rows_error)?;
         let at = scoring::lowest(&estimates, &rows, true).map_err(rows_error)?;
@@ -297,7 +306,7 @@ impl CostKernel {
     #[pyo3(signature = (
         order, position, special, worker, load, gpu, cpu, disk, pending, blocks,
         prompt_tokens, block_size, settings, lambda_, continuing, mean_decodes,
-        expected_output_tokens, session_batch, pace
+        expected_output_tokens, session_batch, pace, slots=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn quill_lowest<'py>(
@@ -321,6 +330,7 @@ impl CostKernel {
         expected_output_tokens: i64,
         session_batch: Option<PyReadonlyArray1<'py, f64>>,
         pace: Option<PyReadonlyArray1<'py, f64>>,
+        slots: Option<PyReadonlyArray1<'py, f64>>,
     ) -> PyResult<Option<usize>> {
         let columns = Columns {
             worker,
@@ -337,7 +347,7 @@ impl CostKernel {
             block_size,
         };
         let knobs = settings.knobs(lambda_, continuing, mean_decodes, expected_output_tokens);
-        let terms = row_terms(&session_batch, &pace)?;
+        let terms = row_terms(&session_batch, &pace, &slots)?;
         let position = slice("position", &position)?;
         let (special, by_queue) = walk_args(&order, position, &special)?;
         scoring::quill_lowest_walk(&self.params, &rows, &ask, &knobs, terms, &special, by_queue)
