@@ -358,12 +358,14 @@ class View:
                     known != 0.0,
                     rank,
                     pace,
+                    int(slots),
                 )
                 for wid, (in_flight, queued, decodes, kv_usage, mean_context), (
                     capacity,
                     resident,
                     known,
                     pace,
+                    slots,
                 ), gpu, cpu, disk, pending, rank in zip(
                     c.worker.tolist(),
                     c.load.tolist(),
