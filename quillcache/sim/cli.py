@@ -194,6 +194,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     mx.add_argument("--out", metavar="DIR", help="--matrix: output directory (matrix-GRID)")
     mx.add_argument(
+        "--fresh",
+        action="store_true",
+        help="--matrix: discard the runs DIR/runs.jsonl keeps instead of resuming from them",
+    )
+    mx.add_argument(
         "--ray",
         metavar="WHERE",
         help="--matrix: run the grid's runs on Ray (pip install 'quillcache[ray]'): local, "

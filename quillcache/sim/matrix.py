@@ -22,13 +22,16 @@ import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quillcache.costmodel import CostModel, CostModelConfig
 from quillcache.costmodel.setups import SETUPS
 from quillcache.errors import ConfigError, QuillCacheError
 from quillcache.sim.generators import GENERATORS
 from quillcache.sim.workload import Workload
+
+if TYPE_CHECKING:
+    from quillcache.sim.matrix_checkpoint import Checkpoint
 
 #: The policy the results page judges: QuillCache's own router.
 OWN_ROUTER = "quillcache"
@@ -697,6 +700,7 @@ class Outcome:
     jobs: int
     errors: list[str | None] = field(default_factory=list)  # per task, in task order
     where: str = "local"  # "local", or the Ray cluster's address
+    resumed: int = 0  # runs taken from a checkpoint, not run by this call (`wall_s`)
 
     @property
     def failures(self) -> list[str]:
@@ -712,20 +716,46 @@ class Outcome:
         return [sum(cpu[i : i + per_cell]) for i in range(0, len(cpu), per_cell)]
 
 
+def _run_indexed(item: tuple[int, Task]) -> tuple[int, TaskResult]:
+    i, task = item
+    return i, run_task_guarded(task)
+
+
 def execute(
     grid: Grid,
     *,
     jobs: int = 1,
     progress: Callable[[int, int], None] | None = None,
     ray: str | None = None,
+    checkpoint: Checkpoint | None = None,
 ) -> Outcome:
     """Every task of the grid, in `jobs` forked processes (1: in this one), or on the
-    Ray cluster `ray` names (`quillcache.sim.matrix_ray.RAY_HELP`)."""
+    Ray cluster `ray` names (`quillcache.sim.matrix_ray.RAY_HELP`). With a
+    `checkpoint`, the runs it holds are not run again and each run is kept there as it
+    finishes (in whatever order runs finish; the outcome is in task order)."""
     import multiprocessing as mp
 
     if jobs < 1:
         raise ConfigError(f"--jobs must be >= 1 for a matrix, got {jobs}")
     tasks = tasks_of(grid)
+    results: list[TaskResult | None] = [None] * len(tasks)
+    resumed = 0
+    if checkpoint is not None:
+        for i, result in checkpoint.done.items():
+            results[i] = result
+        resumed = checkpoint.resumed
+    todo = [(i, t) for i, t in enumerate(tasks) if results[i] is None]
+    finished = len(tasks) - len(todo)
+
+    def finish(i: int, result: TaskResult) -> None:
+        nonlocal finished
+        results[i] = result
+        if checkpoint is not None:
+            checkpoint.record(tasks[i], result)
+        finished += 1
+        if progress is not None:
+            progress(finished, len(tasks))
+
     _STATE.clear()
     _STATE["grid"] = grid
     try:
@@ -736,28 +766,28 @@ def execute(
         if ray is not None:
             from quillcache.sim.matrix_ray import run_on_ray
 
-            results, where, used = run_on_ray(dict(_STATE), tasks, ray, jobs, progress)
-            return _outcome(results, time.perf_counter() - t0, used, where)
-        jobs = min(jobs, len(tasks))
-        parallel = jobs > 1 and "fork" in mp.get_all_start_methods()
-        results = []
-        if parallel:
-            with mp.get_context("fork").Pool(jobs) as pool:
-                for result in pool.imap(run_task_guarded, tasks):
-                    results.append(result)
-                    if progress is not None:
-                        progress(len(results), len(tasks))
+            where, used = run_on_ray(dict(_STATE), todo, ray, jobs, finish)
         else:
-            for task in tasks:
-                results.append(run_task_guarded(task))
-                if progress is not None:
-                    progress(len(results), len(tasks))
-        return _outcome(results, time.perf_counter() - t0, jobs if parallel else 1, "local")
+            jobs = min(jobs, max(len(todo), 1))
+            parallel = jobs > 1 and "fork" in mp.get_all_start_methods()
+            if parallel:
+                with mp.get_context("fork").Pool(jobs) as pool:
+                    for i, result in pool.imap_unordered(_run_indexed, todo):
+                        finish(i, result)
+            else:
+                for i, task in todo:
+                    finish(i, run_task_guarded(task))
+            where, used = "local", jobs if parallel else 1
+        done = [r for r in results if r is not None]
+        assert len(done) == len(tasks), "every task has a result"
+        return _outcome(done, time.perf_counter() - t0, used, where, resumed)
     finally:
         _STATE.clear()
 
 
-def _outcome(results: list[TaskResult], wall_s: float, jobs: int, where: str) -> Outcome:
+def _outcome(
+    results: list[TaskResult], wall_s: float, jobs: int, where: str, resumed: int = 0
+) -> Outcome:
     return Outcome(
         runs=[kept for kept, _, _ in results],
         task_cpu_s=[cpu for _, cpu, _ in results],
@@ -765,6 +795,7 @@ def _outcome(results: list[TaskResult], wall_s: float, jobs: int, where: str) ->
         jobs=jobs,
         errors=[err for _, _, err in results],
         where=where,
+        resumed=resumed,
     )
 
 

@@ -1,6 +1,8 @@
-"""`quillcache simulate --matrix GRID [--out DIR] [--jobs N] [--ray WHERE]`: run a grid,
-write DIR/matrix.json, DIR/matrix.md and DIR/matrix-heatmap.png (docs/simulator.md, "The
-matrix"). Exits 1 when a run failed (its cell lists the error), 2 on a bad grid."""
+"""`quillcache simulate --matrix GRID [--out DIR] [--jobs N] [--ray WHERE] [--fresh]`: run
+a grid, write DIR/matrix.json, DIR/matrix.md and DIR/matrix-heatmap.png (docs/simulator.md,
+"The matrix"), keeping each run in DIR/runs.jsonl as it finishes, so the same command
+resumes a grid that was stopped. Exits 1 when a run failed (its cell lists the error), 2
+on a bad grid or a checkpoint of another grid."""
 
 from __future__ import annotations
 
@@ -8,13 +10,26 @@ import argparse
 import datetime
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from quillcache.errors import ConfigError
 
 # simulate's options that a matrix run takes; the grid file sets everything else
-_MATRIX_OPTIONS = {"matrix", "out", "jobs", "no_progress", "json", "plot", "perf", "ray"}
+_MATRIX_OPTIONS = {
+    "matrix",
+    "out",
+    "fresh",
+    "jobs",
+    "no_progress",
+    "json",
+    "plot",
+    "perf",
+    "ray",
+}
+#: Without a terminal, a progress line at most this often (and one at the end).
+PROGRESS_EVERY_S = 60.0
 
 
 def check_options(args: argparse.Namespace, defaults: dict[str, Any]) -> None:
@@ -32,6 +47,36 @@ def check_options(args: argparse.Namespace, defaults: dict[str, Any]) -> None:
         raise ConfigError("--out needs --matrix")
     if args.ray is not None and not args.matrix:
         raise ConfigError("--ray needs --matrix")
+    if args.fresh and not args.matrix:
+        raise ConfigError("--fresh needs --matrix")
+
+
+class ProgressLines:
+    """Progress as plain lines on stderr for runs without a terminal (CI, nohup, a
+    batch system): done / total, the share, the wall time so far and a rough time left
+    from this invocation's pace; at most one line per `every_s`, and the last."""
+
+    def __init__(self, err: Any, resumed: int, every_s: float = PROGRESS_EVERY_S) -> None:
+        self.err = err
+        self.resumed = resumed
+        self.every_s = every_s
+        self.t0 = time.monotonic()
+        self.last = self.t0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - self.last < self.every_s:
+            return
+        self.last = now
+        wall = now - self.t0
+        ran = done - self.resumed
+        left = ""
+        if ran > 0 and done < total:
+            left = f", about {wall / ran * (total - done):,.0f} s left"
+        self.err.print(
+            f"matrix: {done:,} of {total:,} runs ({done / total:.0%}), {wall:,.0f} s{left}",
+            highlight=False,
+        )
 
 
 def run(args: argparse.Namespace, err: Any) -> int:
@@ -39,6 +84,7 @@ def run(args: argparse.Namespace, err: Any) -> int:
 
     from quillcache.sim.cli import usable_cpus
     from quillcache.sim.matrix import execute, load_grid, results_json, tasks_of
+    from quillcache.sim.matrix_checkpoint import CHECKPOINT_NAME, Checkpoint
     from quillcache.sim.matrix_report import heatmap, page
 
     grid = load_grid(args.matrix)
@@ -65,15 +111,30 @@ def run(args: argparse.Namespace, err: Any) -> int:
         f"grid {grid.name}: {len(grid.cells)} cells x {len(grid.routers)} routers x "
         f"{len(grid.seeds)} seeds = {n} runs, {where}"
     )
-    show = not args.no_progress and err.is_terminal
-    with Progress(console=err, disable=not show, transient=True) as bar:
-        task = bar.add_task("matrix", total=n)
-        outcome = execute(
-            grid,
-            jobs=jobs,
-            progress=lambda done, total: bar.update(task, completed=done),
-            ray=args.ray,
+    checkpoint = Checkpoint.open(out / CHECKPOINT_NAME, grid, fresh=args.fresh)
+    if checkpoint.resumed:
+        err.print(
+            f"resuming: {checkpoint.resumed:,} of {n:,} runs already done in "
+            f"{checkpoint.path} (--fresh: start over)"
         )
+    if checkpoint.dropped_partial_line:
+        err.print(f"note: dropped a run cut short while being written to {checkpoint.path}")
+    bar_shown = not args.no_progress and err.is_terminal
+    lines = None if args.no_progress or bar_shown else ProgressLines(err, checkpoint.resumed)
+    try:
+        with Progress(console=err, disable=not bar_shown, transient=True) as bar:
+            task = bar.add_task("matrix", total=n, completed=checkpoint.resumed)
+
+            def progress(done: int, total: int) -> None:
+                bar.update(task, completed=done)
+                if lines is not None:
+                    lines(done, total)
+
+            outcome = execute(
+                grid, jobs=jobs, progress=progress, ray=args.ray, checkpoint=checkpoint
+            )
+    finally:
+        checkpoint.close()
     results = results_json(grid, outcome)
     ran_on = (
         f"{outcome.jobs} process{'es' if outcome.jobs > 1 else ''}"
@@ -81,13 +142,19 @@ def run(args: argparse.Namespace, err: Any) -> int:
         else f"{outcome.where} ({outcome.jobs} CPUs)"
     )
     timing = (
-        f"CPU time {outcome.cpu_s:,.0f} s over the runs; wall {outcome.wall_s:,.0f} s on {ran_on}."
+        f"CPU time {outcome.cpu_s:,.0f} s over the runs; wall {outcome.wall_s:,.0f} s on {ran_on}"
+        + (
+            f" for the {n - outcome.resumed:,} runs not resumed from {CHECKPOINT_NAME}."
+            if outcome.resumed
+            else "."
+        )
     )
     if args.perf:
         results["perf"] = {
             "cpu_s": round(outcome.cpu_s, 1),
             "wall_s": round(outcome.wall_s, 1),
             "jobs": outcome.jobs,
+            "resumed": outcome.resumed,
             "cell_cpu_s": [round(x, 2) for x in outcome.cell_cpu_s(grid)],
         }
     text = json.dumps(results, indent=2, sort_keys=True) + "\n"

@@ -72,13 +72,14 @@ def _connect(ray: Any, address: str, jobs: int) -> str:
 
 def run_on_ray(
     state: dict[str, Any],
-    tasks: list[Task],
+    todo: list[tuple[int, Task]],
     address: str,
     jobs: int,
-    progress: Callable[[int, int], None] | None,
-) -> tuple[list[TaskResult], str, int]:
-    """Every task on the cluster `address` names (`RAY_HELP`): the results in task
-    order, where they ran, and the cluster's CPUs."""
+    finish: Callable[[int, TaskResult], None],
+) -> tuple[str, int]:
+    """Every task of `todo` (task index, task) on the cluster `address` names
+    (`RAY_HELP`), each result handed to `finish` with its index as it comes back;
+    where they ran and the cluster's CPUs."""
     if not address:
         raise ConfigError(f"--ray needs a value: {RAY_HELP}")
     ray = _ray()
@@ -92,17 +93,15 @@ def run_on_ray(
         version = _version()
         # One task per (cell, seed): its routers share the cell's workload, which a
         # worker builds once (`matrix._workload_for` keeps the last one).
-        batches: list[list[int]] = []
-        for i, task in enumerate(tasks):
-            if batches and tasks[batches[-1][0]][:2] == task[:2]:
-                batches[-1].append(i)
+        batches: list[list[tuple[int, Task]]] = []
+        for item in todo:
+            if batches and batches[-1][0][1][:2] == item[1][:2]:
+                batches[-1].append(item)
             else:
-                batches.append([i])
+                batches.append([item])
         pending = {
-            remote.remote(shared, [tasks[i] for i in batch], version): batch for batch in batches
+            remote.remote(shared, [t for _, t in batch], version): batch for batch in batches
         }
-        results: list[TaskResult | None] = [None] * len(tasks)
-        done = 0
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
             for ref in ready:
@@ -110,13 +109,10 @@ def run_on_ray(
                 try:
                     got: list[TaskResult] = ray.get(ref)
                 except Exception as exc:  # the task's worker died, or Ray lost it
-                    got = [(None, 0.0, _describe(exc, state, tasks[i])) for i in batch]
-                for i, result in zip(batch, got, strict=True):
-                    results[i] = result
-                done += len(batch)
-                if progress is not None:
-                    progress(done, len(tasks))
-        return [r for r in results if r is not None], where, cpus
+                    got = [(None, 0.0, _describe(exc, state, t)) for _, t in batch]
+                for (i, _), result in zip(batch, got, strict=True):
+                    finish(i, result)
+        return where, cpus
     finally:
         ray.shutdown()
 

@@ -252,3 +252,108 @@ def test_slow_and_joining_workers() -> None:
     assert on_3 and min(on_3) >= join_s
     with pytest.raises(ConfigError, match="slow worker 4 is not one of the 4 workers"):
         run(wl, "round-robin", "native", SimConfig(workers=4, slow_workers={4: 2.0}), cost)
+
+
+# --- the checkpoint: a stopped grid resumes --------------------------------------------
+
+
+def _json_without_perf(path: Path) -> dict[str, object]:
+    data = json.loads(path.read_text())
+    data.pop("perf", None)
+    return data
+
+
+def test_a_killed_grid_resumes_to_the_same_results(tmp_path: Path) -> None:
+    """SIGKILL the matrix mid-grid; the same command finishes it without running the
+    kept runs again, and its JSON is the bytes of an uninterrupted run."""
+    import signal
+    import time
+
+    # runs long enough (about half a second each) that the kill lands mid-grid
+    (tmp_path / "g.toml").write_text(TINY.replace("requests = 160", "requests = 3000"))
+    cmd = [sys.executable, "-m", "quillcache", "simulate", "--no-progress"]
+    args = ["--matrix", "g.toml", "--jobs", "1", "--out", "killed"]
+    proc = subprocess.Popen([*cmd, *args], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    runs = tmp_path / "killed" / "runs.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if runs.exists() and runs.read_text().count("\n") >= 3:  # header + 2 runs
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the grid finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.stderr is not None
+    proc.stderr.close()
+    kept = runs.read_text().count("\n") - 1
+    assert 2 <= kept < 8
+    assert not (tmp_path / "killed" / "matrix.json").exists()
+
+    again = _matrix(*args, "--perf", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming: {kept} of 8 runs already done" in again.stderr
+    perf = json.loads((tmp_path / "killed" / "matrix.json").read_text())["perf"]
+    assert perf["resumed"] == kept
+    assert runs.read_text().count("\n") == 1 + 8, "each run kept once"
+
+    fresh = _matrix("--matrix", "g.toml", "--jobs", "2", "--out", "fresh", cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stderr
+    assert _json_without_perf(tmp_path / "killed" / "matrix.json") == _json_without_perf(
+        tmp_path / "fresh" / "matrix.json"
+    )
+
+
+def test_checkpoint_of_another_grid_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "g.toml").write_text(TINY)
+    first = _matrix("--matrix", "g.toml", "--out", "o", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    (tmp_path / "g.toml").write_text(TINY.replace("seeds = 2", "seeds = 3"))
+    other = _matrix("--matrix", "g.toml", "--out", "o", cwd=tmp_path)
+    assert other.returncode == 2
+    assert "runs.jsonl is not a checkpoint of this grid" in other.stderr
+    assert "--fresh" in other.stderr and "Traceback" not in other.stderr
+    fresh = _matrix("--matrix", "g.toml", "--out", "o", "--fresh", cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stderr
+    assert "resuming" not in fresh.stderr
+    assert (tmp_path / "o" / "runs.jsonl").read_text().count("\n") == 1 + 12
+
+
+def test_checkpoint_drops_a_cut_line_and_keeps_no_failures(tmp_path: Path) -> None:
+    from quillcache.sim.matrix import tasks_of
+    from quillcache.sim.matrix_checkpoint import Checkpoint
+
+    grid = parse_grid(TINY)
+    tasks = tasks_of(grid)
+    path = tmp_path / "runs.jsonl"
+    cp = Checkpoint.open(path, grid)
+    cp.record(tasks[0], ({"router": tasks[0][2], "x": 0.1}, 1.5, None))
+    cp.record(tasks[1], (None, 0.2, "it broke"))  # a failure: run again on resume
+    cp.record(tasks[2], ({"router": tasks[2][2], "x": 0.3}, 2.5, None))
+    cp.close()
+    with path.open("a") as f:
+        f.write('{"task": [1, 0, "quillc')  # a write cut by a kill
+    again = Checkpoint.open(path, grid)
+    again.close()
+    assert again.dropped_partial_line
+    assert sorted(again.done) == [0, 2]
+    assert again.done[2] == ({"router": tasks[2][2], "x": 0.3}, 2.5, None)
+    assert path.read_text().endswith("\n") and path.read_text().count("\n") == 3
+    path.write_text("not json\n")
+    with pytest.raises(ConfigError, match="no checkpoint header"):
+        Checkpoint.open(path, grid)
+
+
+def test_progress_lines_without_a_terminal(tmp_path: Path) -> None:
+    """No terminal (CI, nohup): plain progress lines on stderr instead of a bar."""
+    (tmp_path / "g.toml").write_text(TINY)
+    proc = subprocess.run(
+        [sys.executable, "-m", "quillcache", "simulate", "--matrix", "g.toml", "--out", "o"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "matrix: 8 of 8 runs (100%)" in proc.stderr
+    quiet = _matrix("--matrix", "g.toml", "--out", "q", cwd=tmp_path)
+    assert "matrix: " not in quiet.stderr
