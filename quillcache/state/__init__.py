@@ -6,6 +6,7 @@ run time. Reference: docs/state.md."""
 from quillcache.state.choose import choose, outsiders
 from quillcache.state.redis_state import PinResult, RedisFleetState, default_replica_id, session_key
 from quillcache.state.types import (
+    Anchor,
     Booked,
     Candidate,
     Computing,
@@ -22,6 +23,7 @@ from quillcache.state.types import (
 )
 
 __all__ = [
+    "Anchor",
     "Booked",
     "Candidate",
     "Computing",

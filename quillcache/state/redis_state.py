@@ -44,6 +44,7 @@ from quillcache.state.choose import choose
 from quillcache.state.resp import RespConnection
 from quillcache.state.types import (
     ZERO_LOAD,
+    Anchor,
     Booked,
     Candidate,
     Computing,
@@ -338,7 +339,7 @@ class RedisFleetState:
         weights: LoadWeights = DEFAULT_WEIGHTS,
         session: str | None = None,
         session_ttl_s: float = 600.0,
-        anchors: Sequence[tuple[int, int]] = (),
+        anchors: Sequence[Anchor | tuple[int, int]] = (),
         spec_ttl_s: float = 10.0,
         prompt_tokens: int = 0,
         block_size: int = 0,
@@ -347,7 +348,8 @@ class RedisFleetState:
         """The anti-herding step, one round trip: read the shortlist's shared load, take
         a candidate (`choose`), book the request on it under this replica's lease, bind
         the session to it and record its speculative placement (`anchors`: the request's
-        prefix keys with their lengths in blocks). A request id already booked returns
+        prefix keys with their lengths in blocks and tails, `Anchor`; a pair is an anchor
+        without a tail). A request id already booked returns
         its engine again (reason "retry") without booking twice.
 
         The prefill booked is `prefill_tokens`, or, given `prompt_tokens` and
@@ -393,8 +395,9 @@ class RedisFleetState:
         ]
         for c in shortlist:
             args += _candidate_args(c)
-        for k, b in anchors:
-            args += (_hex(k), int(b))
+        for a in anchors:
+            k, b, tail = Anchor(*a)
+            args += (_hex(k), int(b), tail)
         args += ends
         reply = await self._run("book", _BOOK, args, self.budget_s, share=True)
         status = reply[0] if reply is not None else None
@@ -589,22 +592,26 @@ class RedisFleetState:
         return out
 
     async def pending(
-        self, anchors: Sequence[tuple[int, int]]
+        self, anchors: Sequence[Anchor | tuple[int, int]]
     ) -> dict[EngineKey, Computing] | LocalFallback:
-        """Per engine key, the longest of `anchors` (prefix key, blocks) that a request
-        routed by any replica is computing there now, and the engine's place among those
-        computing it (`Computing`)."""
-        reply = await self._run(
-            "pending", _PENDING, [*self._head(), *(_hex(k) for k, _ in anchors)], self.budget_s
-        )
+        """Per engine key, the longest prefix of the request (`Anchor`s; a pair is an
+        anchor without a tail) that a request routed by any replica is computing there
+        now: an anchor's depth, or deeper on the engine first placed on it as far as its
+        tail matches; and the engine's place among those computing that anchor
+        (`Computing`)."""
+        args: list[str | int | float] = self._head()
+        for a in anchors:
+            k, _, tail = Anchor(*a)
+            args += (_hex(k), tail)
+        reply = await self._run("pending", _PENDING, args, self.budget_s)
         if reply is None:
             return LocalFallback(self._why())
         out: dict[EngineKey, Computing] = {}
         seen = Counter[int]()  # per anchor, the engines read so far: the next one's rank
-        for i in range(0, len(reply), 2):
+        for i in range(0, len(reply), 3):
             j = int(reply[i])
             engine = EngineKey.decode(str(reply[i + 1]))
-            at = Computing(int(anchors[j - 1][1]), seen[j])
+            at = Computing(int(anchors[j - 1][1]) + int(reply[i + 2]), seen[j])
             seen[j] += 1
             held = out.get(engine)
             if held is None or (-at.blocks, at.rank) < (-held.blocks, held.rank):

@@ -17,9 +17,11 @@ Layout under the base B:
     B..'bk:'..r      HASH  request id -> '<engine>:<rank>|<prefill>|<context>|<0|1>':
                            replica r's bookings, which are also its share of the sum
     B..'sess:'..s    STRING session -> '<engine>:<rank>', PX
-    B..'spec:'..k    STRING '<engine>:<rank>=<deadline ms>,...': the engines computing
-                           the prefix k, in the order they were first placed on it
-                           (`Computing.rank`); PX = the latest booking's
+    B..'spc:'..k     STRING '<writer>=<tail>|<engine>:<rank>=<deadline ms>,...': the
+                           engines computing the prefix k, in the order they were first
+                           placed on it (`Computing.rank`), and the tail (`Anchor.tail`)
+                           of a request on `writer`, the first of them still computing
+                           it when the tail was written; PX = the latest booking's
     B..'pins'        HASH  prefix key (hex) -> owner tenant
     B..'pinx'        ZSET  prefix key (hex) -> deadline (ms)
     B..'draining'    HASH  '<engine>:<rank>' -> '1'
@@ -138,6 +140,26 @@ local function drop_share(r)
   redis.call('DEL', bk)
 end
 
+-- the leading block fingerprints two anchor tails share (`types.TAIL_FP_CHARS` = 4
+-- hex characters each): a binary search over prefixes, O(log) string compares
+local function common(a, b)
+  local n = math.floor(math.min(#a, #b) / 4)
+  if n == 0 or string.sub(a, 1, 4 * n) == string.sub(b, 1, 4 * n) then return n end
+  local lo, hi = 0, n  -- lo fingerprints equal, hi not
+  while hi - lo > 1 do
+    local mid = math.floor((lo + hi) / 2)
+    if string.sub(a, 1, 4 * mid) == string.sub(b, 1, 4 * mid) then lo = mid else hi = mid end
+  end
+  return lo
+end
+
+-- an anchor's entry: its tail's writer (nil: none), the tail, and the members' text
+local function spec_parts(v)
+  local w, t, rest = string.match(v, '^([^=|]*)=([^|]*)|(.*)$')
+  if w == nil or w == '' then return nil, '', rest or '' end
+  return w, t, rest
+end
+
 local reaped = 0
 do
   local dead = redis.call('ZRANGEBYSCORE', LEASES, '-inf', now, 'LIMIT', 0, 64)
@@ -226,7 +248,7 @@ end
 # queued request ends'; then the shortlist in the router's order, 4 per candidate
 # (engine, ceiling, credit, held blocks or ''; `Candidate`: with the prompt and block
 # size, the chosen engine is booked with the prompt beyond what it holds or computes,
-# else with `prefill`), the anchors, 2 each (key, blocks), and the request ends queued
+# else with `prefill`), the anchors, 3 each (key, blocks, tail), and the request ends queued
 # since this replica's last call (`settle`), applied first: they ride on the booking
 # instead of a round trip of their own.
 # With the outside terms (`OutsideTerms`), the session's bound engine and the engines
@@ -243,7 +265,7 @@ if not live() then return {'lost'} end
 renew()
 local rid = ARGV[5]
 local n, m = tonumber(ARGV[18]), tonumber(ARGV[19])
-local at = 21 + 4 * n + 2 * m  -- the first request end
+local at = 21 + 4 * n + 3 * m  -- the first request end
 local settled, prev = settle(at, at + tonumber(ARGV[20]) - 1, rid)
 if prev then
   flush_load()
@@ -274,12 +296,13 @@ local reads = {}
 for i = 1, 4 * n do reads[i] = fields[i] end
 for _, f in ipairs(dorder) do reads[#reads + 1] = f end
 read_load(reads)
-local akeys, ablocks = {}, {}
+local akeys, ablocks, atails = {}, {}, {}
 local whole = 0  -- the request's blocks: its longest anchor
 for j = 1, m do
-  local a = 19 + 4 * n + 2 * j
-  akeys[j] = B .. 'spec:' .. ARGV[a]
+  local a = 18 + 4 * n + 3 * j
+  akeys[j] = B .. 'spc:' .. ARGV[a]
   ablocks[j] = tonumber(ARGV[a + 1])
+  atails[j] = ARGV[a + 2]
   if ablocks[j] > whole then whole = ablocks[j] end
 end
 local pre, score, under = {}, {}, {}
@@ -294,10 +317,13 @@ for i = 1, n do
 end
 local pos = {}
 for i = 1, n do pos[engs[i]] = i end
--- per candidate, the longest of the request's anchors being computed there and its
--- rank among that anchor's live members (the order they were first placed in); per
--- engine outside the shortlist, the same; per anchor, its live members in that order
+-- per candidate, the longest prefix of the request being computed there (an anchor's
+-- depth; on the anchor's tail writer, as far past it as the tails match) and its rank
+-- among that anchor's live members (the order they were first placed in); per engine
+-- outside the shortlist, the same; per anchor, its live members in that order and its
+-- tail's writer (while that writer still computes it) and tail
 local blocks, ranks, pend, prank, members, orders = {}, {}, {}, {}, {}, {}
+local writers, wtails = {}, {}
 local function deeper(b, r, b0, r0)
   return b > (b0 or 0) or (b == b0 and r < r0)
 end
@@ -307,13 +333,18 @@ if m > 0 then
     local live_j, order_j = {}, {}
     members[j], orders[j] = live_j, order_j
     if specs[j] then
-      local b = ablocks[j]
-      for e, d in string.gmatch(specs[j], '([^,=]+)=([^,]+)') do
+      local w, t, rest = spec_parts(specs[j])
+      for e, d in string.gmatch(rest, '([^,=]+)=([^,]+)') do
         d = tonumber(d)
         if d > now and not live_j[e] then
           local r = #order_j
           live_j[e] = d
           order_j[r + 1] = e
+          local b = ablocks[j]
+          if e == w then
+            writers[j], wtails[j] = w, t
+            b = b + common(t, atails[j])
+          end
           local i = pos[e]
           if i then
             if deeper(b, r, blocks[i], ranks[i]) then blocks[i], ranks[i] = b, r end
@@ -401,14 +432,18 @@ if m > 0 then
   -- per anchor, its live members in the order they were first placed, with this
   -- engine's deadline moved on (never back) or this engine last; the key's TTL is the
   -- latest booking's
+  -- latest booking's; the tail stays its writer's while the writer computes it, else
+  -- it becomes this request's
   local until_ms = now + spec_ttl
   for j = 1, m do
     local live_j, order_j = members[j], orders[j]
+    local w, t = writers[j], wtails[j]
+    if not w then w, t = e, atails[j] end
     if not live_j[e] then order_j[#order_j + 1] = e end
     if (live_j[e] or 0) < until_ms then live_j[e] = until_ms end
     local parts = {}
     for k, x in ipairs(order_j) do parts[k] = x .. '=' .. string.format('%d', live_j[x]) end
-    redis.call('SET', akeys[j], table.concat(parts, ','), 'PX', spec_ttl)
+    redis.call('SET', akeys[j], w .. '=' .. t .. '|' .. table.concat(parts, ','), 'PX', spec_ttl)
   end
 end
 local out = {'ok', chosen <= n and chosen or 0, reason, settled, q, e}
@@ -478,20 +513,31 @@ return out
 """
 )
 
-# ARGV[5..] anchor key suffixes. Returns {j, engine, ...}: anchor j (1-based) is being
-# computed on engine; an anchor's engines in the order they were first placed on it.
+# ARGV[5..] the anchors, 2 each (key suffix, tail). Returns {j, engine, blocks, ...}:
+# anchor j (1-based) is being computed on engine, to `blocks` past the anchor's start
+# (the anchor's depth is the caller's: `blocks` here is how far past it the tails
+# match on the tail's writer, 0 on the others); an anchor's engines in the order they
+# were first placed on it.
 PENDING = (
     PRELUDE
     + r"""
 local out = {}
 if #ARGV < 5 then return out end
-local keys = {}
-for j = 5, #ARGV do keys[#keys + 1] = B .. 'spec:' .. ARGV[j] end
+local keys, tails = {}, {}
+for j = 5, #ARGV, 2 do
+  keys[#keys + 1] = B .. 'spc:' .. ARGV[j]
+  tails[#tails + 1] = ARGV[j + 1]
+end
 local specs = redis.call('MGET', unpack(keys))
 for j = 1, #keys do
   if specs[j] then
-    for e, d in string.gmatch(specs[j], '([^,=]+)=([^,]+)') do
-      if tonumber(d) > now then out[#out + 1] = j; out[#out + 1] = e end
+    local w, t, rest = spec_parts(specs[j])
+    for e, d in string.gmatch(rest, '([^,=]+)=([^,]+)') do
+      if tonumber(d) > now then
+        local past = 0
+        if e == w then past = common(t, tails[j]) end
+        out[#out + 1] = j; out[#out + 1] = e; out[#out + 1] = past
+      end
     end
   end
 end

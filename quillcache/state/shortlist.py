@@ -48,7 +48,15 @@ import numpy.typing as npt
 from quillcache.errors import ConfigError
 from quillcache.routing.shortlist import Preference
 from quillcache.routing.types import View
-from quillcache.state.types import Candidate, EngineKey, LoadWeights, OutsideTerms
+from quillcache.state.types import (
+    TAIL_FP_CHARS,
+    TAIL_MAX_BLOCKS,
+    Anchor,
+    Candidate,
+    EngineKey,
+    LoadWeights,
+    OutsideTerms,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,17 +231,25 @@ def _others(
     return [int(r) for r in part if r != chosen]
 
 
-def anchors(keys: npt.NDArray[np.uint64]) -> list[tuple[int, int]]:
+def anchors(keys: npt.NDArray[np.uint64]) -> list[Anchor]:
     """The anchors a booking records and looks up (docs/state.md, "Anchors"): the key at
-    each power-of-two block count up to the request's length, and the last one."""
+    each power-of-two block count up to the request's length, and the last one; each
+    with the fingerprints of the blocks up to the next (`Anchor.tail`)."""
     n = len(keys)
-    out: list[tuple[int, int]] = []
+    depths: list[int] = []
     b = 1
     while b < n:
-        out.append((int(keys[b - 1]), b))
+        depths.append(b)
         b *= 2
     if n:
-        out.append((int(keys[n - 1]), n))
+        depths.append(n)
+    mask = (1 << (4 * TAIL_FP_CHARS)) - 1
+    fmt = f"{{:0{TAIL_FP_CHARS}x}}"
+    out: list[Anchor] = []
+    for i, d in enumerate(depths):
+        upto = min(depths[i + 1] if i + 1 < len(depths) else d, d + TAIL_MAX_BLOCKS)
+        tail = "".join(fmt.format(int(k) & mask) for k in keys[d:upto])
+        out.append(Anchor(int(keys[d - 1]), d, tail))
     return out
 
 

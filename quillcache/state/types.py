@@ -54,6 +54,26 @@ class Candidate:
     cached_blocks: int | None = None
 
 
+#: Hex characters per block fingerprint in an anchor's tail (`Anchor.tail`); the
+#: scripts compare tails in steps of this many characters.
+TAIL_FP_CHARS = 4
+#: The most blocks an anchor's tail covers: a longer stretch up to the next anchor is
+#: cut (the shared depth found is then at most this far past the anchor).
+TAIL_MAX_BLOCKS = 128
+
+
+class Anchor(NamedTuple):
+    """One of a request's speculative-placement anchors (docs/state.md, "Anchors"):
+    the content key naming its prefix of `blocks` blocks, and `tail`, fingerprints of
+    the blocks after it up to the request's next anchor (`TAIL_FP_CHARS` hex
+    characters each, at most `TAIL_MAX_BLOCKS`), by which another request sharing the
+    anchor finds how far past it the two prompts stay equal."""
+
+    key: int
+    blocks: int
+    tail: str = ""
+
+
 class Computing(NamedTuple):
     """Where an engine stands among those computing a request's prefix now: the longest
     of the request's anchors being computed there, and the engine's place among the

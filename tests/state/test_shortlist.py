@@ -21,6 +21,7 @@ from quillcache.state import EngineKey, LoadWeights, SharedLoad
 from quillcache.state import shortlist as shortlist_module
 from quillcache.state.load_store import SharedLoadStore
 from quillcache.state.shortlist import ShortlistPolicy, anchors, build_shortlist, prefill_tokens
+from quillcache.state.types import TAIL_FP_CHARS, TAIL_MAX_BLOCKS
 
 
 def view(*workers: WorkerView) -> View:
@@ -62,8 +63,18 @@ def test_policy_and_helpers() -> None:
     with pytest.raises(ConfigError):
         ShortlistPolicy(cache_slack=-1)
     keys = np.arange(10, 20, dtype=np.uint64)  # 10 blocks
-    assert anchors(keys) == [(10, 1), (11, 2), (13, 4), (17, 8), (19, 10)]
+    got = anchors(keys)
+    assert [(a.key, a.blocks) for a in got] == [(10, 1), (11, 2), (13, 4), (17, 8), (19, 10)]
+    # each tail: the fingerprints of the blocks up to the next anchor
+    assert [a.tail for a in got] == ["000b", "000c000d", "000e000f00100011", "00120013", ""]
     assert anchors(keys[:0]) == []
+    # a tail is cut at TAIL_MAX_BLOCKS fingerprints, each the key's low bits
+    long = np.arange(1, 1001, dtype=np.uint64) * np.uint64(0x10001)
+    tails = {a.blocks: a.tail for a in anchors(long)}
+    assert len(tails[512]) == TAIL_MAX_BLOCKS * TAIL_FP_CHARS
+    assert tails[512][:TAIL_FP_CHARS] == f"{(513 * 0x10001) & 0xFFFF:04x}"
+    assert len(tails[256]) == TAIL_MAX_BLOCKS * TAIL_FP_CHARS
+    assert len(tails[64]) == 64 * TAIL_FP_CHARS
     assert prefill_tokens(100, 3, 16) == 52 and prefill_tokens(10, 3, 16) == 1
 
 

@@ -261,6 +261,98 @@ def test_engines_computing_the_same_depth_are_taken_in_the_order_first_placed(
     run(main())
 
 
+def test_anchor_tails_find_the_shared_depth_between_anchors(redis_server: RedisServer) -> None:
+    """Two prompts of 41 blocks sharing their first 40: the deepest shared anchor is at
+    32, and the first request's tail there says the two stay equal to block 40, on the
+    engine it was placed on only. The follower books its prefill beyond 40 blocks
+    there, not beyond 32 (four-replica burst, docs/results/state.md, cause 3)."""
+    import numpy as np
+
+    from quillcache.state.shortlist import anchors as anchors_of
+
+    shared = np.arange(1, 41, dtype=np.uint64) * np.uint64(0x9E3779B1)
+    first_keys = np.append(shared, np.uint64(0xAAAA0001))
+    second_keys = np.append(shared, np.uint64(0xBBBB0002))
+    first_anchors, second_anchors = anchors_of(first_keys), anchors_of(second_keys)
+    assert [a.blocks for a in second_anchors] == [1, 2, 4, 8, 16, 32, 41]
+    bs, prompt = 16, 41 * 16 - 3
+    writer, other = EngineKey(3), EngineKey(1)
+
+    async def main() -> None:
+        prefix = fleet()
+        a = RedisFleetState(redis_server.url, prefix=prefix, budget_s=1.0)
+        b = RedisFleetState(redis_server.url, prefix=prefix, budget_s=1.0)
+        await a.start(background=False)
+        await b.start(background=False)
+        try:
+            await a.book(
+                a.new_request_id(),
+                [Candidate(writer, 100, 0.0, 0)],
+                prefill_tokens=prompt,
+                anchors=first_anchors,
+                prompt_tokens=prompt,
+                block_size=bs,
+                spec_ttl_s=0.5,
+            )
+            # a third request on another engine shares the anchors up to 32 only
+            await a.book(
+                a.new_request_id(),
+                [Candidate(other, 100, 0.0, 0)],
+                prefill_tokens=prompt,
+                anchors=second_anchors[:6],
+                spec_ttl_s=60,
+            )
+            assert await b.pending(second_anchors) == {
+                writer: Computing(40, 0),
+                other: Computing(32, 1),
+            }
+            # without tails (pairs), both are at the anchor's depth
+            pairs = [(x.key, x.blocks) for x in second_anchors]
+            assert await b.pending(pairs) == {writer: Computing(32, 0), other: Computing(32, 1)}
+            got = await b.book(
+                b.new_request_id(),
+                [Candidate(other, 100, 1.0, 0), Candidate(writer, 100, 1.0, 0)],
+                prefill_tokens=prompt,
+                anchors=second_anchors,
+                prompt_tokens=prompt,
+                block_size=bs,
+                spec_ttl_s=60,
+            )
+            assert isinstance(got, Booked)
+            assert (got.engine, got.reason, got.prefill_tokens) == (
+                writer,
+                "pending",
+                prompt - 40 * bs,
+            )
+            # a booking on the writer's engine moves its deadline on and keeps the tail
+            assert (await b.pending(first_anchors))[writer] == Computing(41, 0)
+        finally:
+            await a.close()
+            await b.close()
+
+    async def lapsed() -> None:
+        # the writer's placement lapses: the tail becomes the next booking's
+        prefix = fleet()
+        a = RedisFleetState(redis_server.url, prefix=prefix, budget_s=1.0)
+        await a.start(background=False)
+        try:
+            for engine, keys, ttl in ((writer, first_keys, 0.3), (other, second_keys, 60)):
+                await a.book(
+                    a.new_request_id(),
+                    [Candidate(engine, 100, 0.0, 0)],
+                    prefill_tokens=prompt,
+                    anchors=anchors_of(keys),
+                    spec_ttl_s=ttl,
+                )
+                await asyncio.sleep(0.4)
+            assert await a.pending(first_anchors) == {other: Computing(40, 0)}
+        finally:
+            await a.close()
+
+    run(main())
+    run(lapsed())
+
+
 def test_the_prefill_booked_is_the_prompt_beyond_what_the_engine_holds_or_computes(
     redis_server: RedisServer,
 ) -> None:
