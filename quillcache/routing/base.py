@@ -35,6 +35,24 @@ from quillcache.routing.types import (
 )
 
 
+class WatchedRandom(random.Random):
+    """`random.Random` that counts its draws (every method draws through `random` or
+    `getrandbits`; the sequences are `random.Random`'s own), so a run can tell whether
+    its router's seed made any difference (`Router.seed_used`)."""
+
+    def __init__(self, seed: int) -> None:
+        self.draws = 0
+        super().__init__(seed)
+
+    def random(self) -> float:
+        self.draws += 1
+        return super().random()
+
+    def getrandbits(self, k: int, /) -> int:
+        self.draws += 1
+        return super().getrandbits(k)
+
+
 class Router:
     """Base class of every router. Subclasses set `name` and implement `route`."""
 
@@ -52,8 +70,24 @@ class Router:
                 f"router {self.name or type(self).__name__!r} got unknown parameters: "
                 + ", ".join(sorted(params))
             )
-        self.seed = seed
-        self.rng = random.Random(seed)
+        self._seed = seed
+        self._seed_read = False
+        self.rng: random.Random = WatchedRandom(seed)
+
+    @property
+    def seed(self) -> int:
+        """The seed this router was made with (reading it counts as using it)."""
+        self._seed_read = True
+        return self._seed
+
+    @property
+    def seed_used(self) -> bool:
+        """Whether anything so far depended on the seed: a draw from `rng` (the
+        `WatchedRandom` it was made with) or a read of `seed`. False after a run: the
+        same run with any other seed decides the same (the matrix runs such a run once
+        for every seed of a trace's cell)."""
+        rng = self.rng
+        return self._seed_read or not isinstance(rng, WatchedRandom) or rng.draws > 0
 
     def route(self, request: Request, view: View) -> Decision:
         raise NotImplementedError

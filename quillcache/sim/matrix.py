@@ -626,8 +626,21 @@ _KEPT = (
 _KEPT_POLICY = ("replications", "replication_prefill_tokens", "replication_prefill_pct")
 
 
+def seed_free(grid: Grid, ci: int) -> bool:
+    """Whether a cell's workload is the same for every seed (a trace; a generator's
+    depends on its seed): its runs whose router never used its seed are run once."""
+    return grid.workloads[grid.cells[ci].workload].trace_path is not None
+
+
 def run_task(task: Task) -> tuple[dict[str, Any], float]:
     """One (cell, seed, router) run: its kept metrics and the CPU seconds it took."""
+    kept, cpu_s, _ = _run_one(task)
+    return kept, cpu_s
+
+
+def _run_one(task: Task) -> tuple[dict[str, Any], float, bool]:
+    """`run_task`, and whether the run used its seed (`Router.seed_used`)."""
+    from quillcache.routing import create_router
     from quillcache.sim.runner import SimConfig, run
 
     cpu0 = time.process_time()
@@ -650,12 +663,13 @@ def run_task(task: Task) -> tuple[dict[str, Any], float]:
         replicate=replicate,
     )
     try:
-        summary = run(wl, router, "native", config, cost).summary()
+        router_obj = create_router(router, seed=seed)
+        summary = run(wl, router_obj, "native", config, cost).summary()
     except QuillCacheError as exc:  # said with the run it belongs to, in any process
         raise ConfigError(f"cell {cell.name!r}, seed {seed}, router {router}: {exc}") from None
     kept = {"router": router, "seed": seed, **{k: summary[k] for k in _KEPT}}
     kept.update({k: summary[k] for k in _KEPT_POLICY if k in summary})
-    return kept, time.process_time() - cpu0
+    return kept, time.process_time() - cpu0, router_obj.seed_used
 
 
 #: What a task gives back wherever it ran: its kept metrics (None when it failed), the
@@ -665,11 +679,16 @@ TaskResult = tuple[dict[str, Any] | None, float, str | None]
 
 def run_task_guarded(task: Task) -> TaskResult:
     """`run_task`, a failure returned as its message instead of ending the grid."""
+    result, _ = _guarded(task)
+    return result
+
+
+def _guarded(task: Task) -> tuple[TaskResult, bool]:
     cpu0 = time.process_time()
     try:
-        kept, task_cpu = run_task(task)
+        kept, task_cpu, seed_used = _run_one(task)
     except QuillCacheError as exc:
-        return None, time.process_time() - cpu0, str(exc)
+        return (None, time.process_time() - cpu0, str(exc)), True
     except Exception as exc:  # a bug in one run: reported with its cell, not fatal
         ci, seed, router = task
         name = _STATE["grid"].cells[ci].name
@@ -677,8 +696,51 @@ def run_task_guarded(task: Task) -> TaskResult:
             None,
             time.process_time() - cpu0,
             (f"cell {name!r}, seed {seed}, router {router}: {type(exc).__name__}: {exc}"),
-        )
-    return kept, task_cpu, None
+        ), True
+    return (kept, task_cpu, None), seed_used
+
+
+#: Tasks run together, with their indices in the grid's task order: one task, or a
+#: seed-free cell's router over several seeds (`units_of`).
+Unit = list[tuple[int, Task]]
+
+
+def run_unit(unit: Unit) -> list[tuple[int, TaskResult]]:
+    """A unit's results. A unit of several seeds runs its first; when that run did not
+    use its seed, the others are that run (`"same_run_as_seed"` names it; no CPU time),
+    else each runs."""
+    (i0, first), rest = unit[0], unit[1:]
+    result, seed_used = _guarded(first)
+    out = [(i0, result)]
+    kept = result[0]
+    for i, task in rest:
+        if kept is not None and not seed_used:
+            copy = {**kept, "seed": task[1], "same_run_as_seed": first[1]}
+            out.append((i, (copy, 0.0, None)))
+        else:
+            out.append((i, run_task_guarded(task)))
+    return out
+
+
+def units_of(grid: Grid, todo: list[tuple[int, Task]]) -> list[Unit]:
+    """The tasks to run, grouped: a seed-free cell's (`seed_free`) tasks of one router
+    form one unit, in seed order; every other task is a unit of its own. The units come
+    in the order of their first task."""
+    units: list[Unit] = []
+    grouped: dict[tuple[int, str], Unit] = {}
+    for i, task in todo:
+        ci, _, router = task
+        if seed_free(grid, ci):
+            unit = grouped.get((ci, router))
+            if unit is not None:
+                unit.append((i, task))
+                continue
+            grouped[(ci, router)] = unit = []
+            unit.append((i, task))
+            units.append(unit)
+        else:
+            units.append([(i, task)])
+    return units
 
 
 def tasks_of(grid: Grid) -> list[Task]:
@@ -716,11 +778,6 @@ class Outcome:
         return [sum(cpu[i : i + per_cell]) for i in range(0, len(cpu), per_cell)]
 
 
-def _run_indexed(item: tuple[int, Task]) -> tuple[int, TaskResult]:
-    i, task = item
-    return i, run_task_guarded(task)
-
-
 def execute(
     grid: Grid,
     *,
@@ -745,6 +802,7 @@ def execute(
             results[i] = result
         resumed = checkpoint.resumed
     todo = [(i, t) for i, t in enumerate(tasks) if results[i] is None]
+    units = units_of(grid, todo)
     finished = len(tasks) - len(todo)
 
     def finish(i: int, result: TaskResult) -> None:
@@ -766,17 +824,19 @@ def execute(
         if ray is not None:
             from quillcache.sim.matrix_ray import run_on_ray
 
-            where, used = run_on_ray(dict(_STATE), todo, ray, jobs, finish)
+            where, used = run_on_ray(dict(_STATE), units, ray, jobs, finish)
         else:
-            jobs = min(jobs, max(len(todo), 1))
+            jobs = min(jobs, max(len(units), 1))
             parallel = jobs > 1 and "fork" in mp.get_all_start_methods()
             if parallel:
                 with mp.get_context("fork").Pool(jobs) as pool:
-                    for i, result in pool.imap_unordered(_run_indexed, todo):
-                        finish(i, result)
+                    for ran in pool.imap_unordered(run_unit, units):
+                        for i, result in ran:
+                            finish(i, result)
             else:
-                for i, task in todo:
-                    finish(i, run_task_guarded(task))
+                for unit in units:
+                    for i, result in run_unit(unit):
+                        finish(i, result)
             where, used = "local", jobs if parallel else 1
         done = [r for r in results if r is not None]
         assert len(done) == len(tasks), "every task has a result"

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from quillcache.errors import ConfigError
-from quillcache.sim.matrix import Task, TaskResult
+from quillcache.sim.matrix import Task, TaskResult, Unit
 
 RAY_HELP = (
     "local (start a Ray instance on this machine for the run, --jobs CPUs), auto (the "
@@ -35,16 +35,18 @@ def _version() -> str:
         return "unknown"
 
 
-def _run_tasks(state: dict[str, Any], tasks: list[Task], version: str) -> list[TaskResult]:
-    """What each Ray task runs: a batch of the grid's tasks, in this worker process."""
-    from quillcache.sim.matrix import install_state, run_task_guarded
+def _run_units(
+    state: dict[str, Any], units: list[Unit], version: str
+) -> list[tuple[int, TaskResult]]:
+    """What each Ray task runs: a batch of the grid's units, in this worker process."""
+    from quillcache.sim.matrix import install_state, run_unit
 
     mine = _version()
     if mine != version:
         message = f"this node has QuillCache {mine}, the driver {version}: install the same"
-        return [(None, 0.0, message) for _ in tasks]
+        return [(i, (None, 0.0, message)) for unit in units for i, _ in unit]
     install_state(state)
-    return [run_task_guarded(t) for t in tasks]
+    return [item for unit in units for item in run_unit(unit)]
 
 
 def _ray() -> Any:
@@ -72,14 +74,14 @@ def _connect(ray: Any, address: str, jobs: int) -> str:
 
 def run_on_ray(
     state: dict[str, Any],
-    todo: list[tuple[int, Task]],
+    units: list[Unit],
     address: str,
     jobs: int,
     finish: Callable[[int, TaskResult], None],
 ) -> tuple[str, int]:
-    """Every task of `todo` (task index, task) on the cluster `address` names
-    (`RAY_HELP`), each result handed to `finish` with its index as it comes back;
-    where they ran and the cluster's CPUs."""
+    """Every unit (`matrix.units_of`) on the cluster `address` names (`RAY_HELP`), each
+    result handed to `finish` with its task index as it comes back; where they ran and
+    the cluster's CPUs."""
     if not address:
         raise ConfigError(f"--ray needs a value: {RAY_HELP}")
     ray = _ray()
@@ -88,29 +90,31 @@ def run_on_ray(
     where = _connect(ray, address, jobs)
     try:
         cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-        remote = ray.remote(num_cpus=1, max_retries=0)(_run_tasks)
+        remote = ray.remote(num_cpus=1, max_retries=0)(_run_units)
         shared = ray.put(state)
         version = _version()
-        # One task per (cell, seed): its routers share the cell's workload, which a
-        # worker builds once (`matrix._workload_for` keeps the last one).
-        batches: list[list[tuple[int, Task]]] = []
-        for item in todo:
-            if batches and batches[-1][0][1][:2] == item[1][:2]:
-                batches[-1].append(item)
+        # One Ray task per (cell, first seed): its routers share the cell's workload,
+        # which a worker builds once (`matrix._workload_for` keeps the last one).
+        batches: list[list[Unit]] = []
+        for unit in units:
+            if batches and batches[-1][0][0][1][:2] == unit[0][1][:2]:
+                batches[-1].append(unit)
             else:
-                batches.append([item])
-        pending = {
-            remote.remote(shared, [t for _, t in batch], version): batch for batch in batches
-        }
+                batches.append([unit])
+        pending = {remote.remote(shared, batch, version): batch for batch in batches}
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
             for ref in ready:
                 batch = pending.pop(ref)
                 try:
-                    got: list[TaskResult] = ray.get(ref)
+                    got: list[tuple[int, TaskResult]] = ray.get(ref)
                 except Exception as exc:  # the task's worker died, or Ray lost it
-                    got = [(None, 0.0, _describe(exc, state, t)) for _, t in batch]
-                for (i, _), result in zip(batch, got, strict=True):
+                    got = [
+                        (i, (None, 0.0, _describe(exc, state, t)))
+                        for unit in batch
+                        for i, t in unit
+                    ]
+                for i, result in got:
                     finish(i, result)
         return where, cpus
     finally:

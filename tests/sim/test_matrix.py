@@ -357,3 +357,66 @@ def test_progress_lines_without_a_terminal(tmp_path: Path) -> None:
     assert "matrix: 8 of 8 runs (100%)" in proc.stderr
     quiet = _matrix("--matrix", "g.toml", "--out", "q", cwd=tmp_path)
     assert "matrix: " not in quiet.stderr
+
+
+# --- seed-free runs are run once --------------------------------------------------------
+
+
+def test_a_router_that_never_used_its_seed_decides_the_same_with_any_seed(
+    tmp_path: Path,
+) -> None:
+    """The ground for running a trace cell's seed-free runs once: every built-in router
+    that reports `seed_used` False after a run gives the same results with another
+    seed; the randomised ones report True."""
+    from quillcache.routing import BUILTIN_ORDER, create_router
+    from quillcache.sim.matrix import _KEPT
+    from quillcache.sim.trace import load_trace
+    from tests.sim.trace_fixture import write_chained_trace
+
+    path = tmp_path / "t.jsonl"
+    write_chained_trace(path, seed=3)
+    wl = load_trace(path)
+    used = {}
+    for name in BUILTIN_ORDER:
+        results = []
+        for seed in (0, 7):
+            router = create_router(name, seed=seed)
+            config = SimConfig(workers=3, seed=seed)
+            summary = run(wl, router, "native", config, CostModel()).summary()
+            results.append({k: summary[k] for k in _KEPT})
+            used[name] = router.seed_used
+        if not used[name]:
+            assert results[0] == results[1], f"{name} said its seed was not used"
+    assert used["random"] and used["power-of-two"]
+    assert not used["round-robin"] and not used["quillcache"]
+
+
+def test_a_trace_cell_runs_a_seed_free_router_once(tmp_path: Path) -> None:
+    from quillcache.sim.matrix import _STATE, execute, run_task
+    from tests.sim.trace_fixture import write_chained_trace
+
+    write_chained_trace(tmp_path / "t.jsonl", seed=1)
+    (tmp_path / "g.toml").write_text(
+        'routers = ["quillcache", "random"]\nseeds = 3\n'
+        '[workloads.t]\ntrace = "t.jsonl"\n'
+        '[[cells]]\nname = "c"\nworkload = "t"\nsetup = "llama-8b-a100"\nengines = 3\n'
+    )
+    grid = load_grid(str(tmp_path / "g.toml"))
+    outcome = execute(grid, jobs=1)
+    runs = [r for r in outcome.runs if r is not None]
+    own = [r for r in runs if r["router"] == "quillcache"]
+    rnd = [r for r in runs if r["router"] == "random"]
+    assert [r["seed"] for r in own] == [0, 1, 2]
+    assert "same_run_as_seed" not in own[0]
+    assert [r.get("same_run_as_seed") for r in own[1:]] == [0, 0]
+    assert all("same_run_as_seed" not in r for r in rnd)
+    cpu = dict(zip([(r["router"], r["seed"]) for r in runs], outcome.task_cpu_s, strict=True))
+    assert cpu[("quillcache", 1)] == 0.0 and cpu[("random", 1)] > 0.0
+    # a copied run is what running it gives
+    _STATE["grid"] = grid
+    try:
+        direct, _ = run_task((0, 2, "quillcache"))
+    finally:
+        _STATE.clear()
+    copied = {k: v for k, v in own[2].items() if k != "same_run_as_seed"}
+    assert copied == direct
