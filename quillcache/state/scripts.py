@@ -180,6 +180,14 @@ local function renew()
   redis.call('ZADD', LEASES, now + ttl, replica)
 end
 
+-- this replica's lease moved on if it still has one (one call, usually): a lease
+-- already reaped is gone, so XX finds nothing to move; not moved (CH = 0) is also a
+-- lease already this far on (the same ms), which `live` tells apart
+local function renewed()
+  if redis.call('ZADD', LEASES, 'XX', 'GT', 'CH', now + ttl, replica) == 1 then return true end
+  return live()
+end
+
 -- this replica's booking records as this script changes them: request id -> record,
 -- or false (released); written once (`flush_bk`)
 local records = {}
@@ -261,8 +269,7 @@ end
 BOOK = (
     PRELUDE
     + r"""
-if not live() then return {'lost'} end
-renew()
+if not renewed() then return {'lost'} end
 local rid = ARGV[5]
 local n, m = tonumber(ARGV[18]), tonumber(ARGV[19])
 local at = 21 + 4 * n + 3 * m  -- the first request end
@@ -433,17 +440,24 @@ if m > 0 then
   -- engine's deadline moved on (never back) or this engine last; the key's TTL is the
   -- latest booking's
   -- latest booking's; the tail stays its writer's while the writer computes it, else
-  -- it becomes this request's
+  -- it becomes this request's. An anchor this engine computes with more than 3/4 of
+  -- the TTL left and a live writer is not written again: under a burst on one prefix
+  -- most bookings write no anchor (a placement lasts 3/4 to all of the TTL after the
+  -- latest booking)
   local until_ms = now + spec_ttl
+  local fresh_ms = until_ms - math.floor(spec_ttl / 4)
   for j = 1, m do
     local live_j, order_j = members[j], orders[j]
     local w, t = writers[j], wtails[j]
-    if not w then w, t = e, atails[j] end
-    if not live_j[e] then order_j[#order_j + 1] = e end
-    if (live_j[e] or 0) < until_ms then live_j[e] = until_ms end
-    local parts = {}
-    for k, x in ipairs(order_j) do parts[k] = x .. '=' .. string.format('%d', live_j[x]) end
-    redis.call('SET', akeys[j], w .. '=' .. t .. '|' .. table.concat(parts, ','), 'PX', spec_ttl)
+    if not (w and live_j[e] and live_j[e] >= fresh_ms) then
+      if not w then w, t = e, atails[j] end
+      if not live_j[e] then order_j[#order_j + 1] = e end
+      if (live_j[e] or 0) < until_ms then live_j[e] = until_ms end
+      local parts = {}
+      for k, x in ipairs(order_j) do parts[k] = x .. '=' .. string.format('%d', live_j[x]) end
+      local v = w .. '=' .. t .. '|' .. table.concat(parts, ',')
+      redis.call('SET', akeys[j], v, 'PX', spec_ttl)
+    end
   end
 end
 local out = {'ok', chosen <= n and chosen or 0, reason, settled, q, e}
@@ -480,8 +494,7 @@ return {'ok', count}
 SETTLE = (
     PRELUDE
     + r"""
-if not live() then return {'lost'} end
-renew()
+if not renewed() then return {'lost'} end
 local settled = settle(5, #ARGV)
 flush_load()
 flush_bk()
