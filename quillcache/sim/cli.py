@@ -106,6 +106,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     cl.add_argument("--no-speculative", action="store_true", help="no speculative residency")
     cl.add_argument(
+        "--engine-seqs",
+        action="append",
+        default=[],
+        metavar="WORKER=N",
+        help="a worker's sequence slots (max_num_seqs), which its engine runs with and the "
+        "gateway is told (repeatable; the others: the cost model's)",
+    )
+    cl.add_argument(
         "--dp-ranks",
         type=int,
         default=1,
@@ -221,6 +229,25 @@ def _kv(items: list[str], what: str) -> dict[str, Any]:
     return out
 
 
+def _engine_seqs(items: list[str]) -> dict[int, int]:
+    """`--engine-seqs WORKER=N`s; every worker named must exist in every `--workers`
+    count (`SimConfig.check` says so per run)."""
+    from quillcache.errors import ConfigError
+
+    out: dict[int, int] = {}
+    for key, value in _kv(items, "--engine-seqs").items():
+        try:
+            worker = int(key)
+        except ValueError:
+            raise ConfigError(
+                f"--engine-seqs {key}={value}: {key!r} is not a worker number"
+            ) from None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"--engine-seqs {key}={value}: N must be a whole number >= 1")
+        out[worker] = value
+    return out
+
+
 def _int_list(raw: str, what: str, *, allow_unbounded: bool = False) -> list[int]:
     from quillcache.errors import ConfigError
 
@@ -290,6 +317,7 @@ def _run_point(point: Point) -> dict[str, Any]:
     s = _SHARED
     config = SimConfig(
         workers=workers,
+        max_num_seqs=s["engine_seqs"],
         capacity_blocks=capacity or None,
         cpu_blocks=s["cpu_blocks"],
         timing=s["timing"],
@@ -437,6 +465,7 @@ def _run(args: argparse.Namespace, err: Any) -> int:
     if args.dp_ranks > 1 and replicas_list != [0]:
         raise ConfigError("--dp-ranks > 1 is simulated behind one gateway only (no --replicas)")
     _SHARED.update(
+        engine_seqs=_engine_seqs(args.engine_seqs),
         replicate=replicate,
         dp_ranks=args.dp_ranks,
         dp_placement=args.dp_placement,

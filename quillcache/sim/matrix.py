@@ -115,6 +115,7 @@ class Cell:
     time_scale: float = 1.0  # arrival times multiplied by this (0.5: twice the load)
     slow_workers: tuple[tuple[int, float], ...] = ()
     join_at_s: tuple[tuple[int, float], ...] = ()
+    max_num_seqs: tuple[tuple[int, int], ...] = ()  # engine -> its sequence slots
     # hot-prefix replication's knobs (`quillcache.sim.replicate`); None: off
     replicate: tuple[tuple[str, Any], ...] | None = None
 
@@ -130,6 +131,8 @@ class Cell:
             out["slow_workers"] = {str(w): f for w, f in self.slow_workers}
         if self.join_at_s:
             out["join_at_s"] = {str(w): t for w, t in self.join_at_s}
+        if self.max_num_seqs:
+            out["max_num_seqs"] = {str(w): n for w, n in self.max_num_seqs}
         if self.replicate is not None:
             out["replicate"] = dict(self.replicate)
         return out
@@ -466,8 +469,8 @@ def _worker_table(
             raise src.error(f"{path}.{k}", f"worker {w} is not one of the cell's {engines} engines")
         if (
             isinstance(v, bool)
-            or not isinstance(v, (int, float))
-            or not (v > 0 if what == "factor" else v >= 0)
+            or not isinstance(v, int if what == "slots" else (int, float))
+            or not (v > 0 if what in ("factor", "slots") else v >= 0)
         ):
             raise src.error(f"{path}.{k}", f"{v!r} is not a valid {what}")
         out.append((w, float(v)))
@@ -494,6 +497,7 @@ def _cell(
             "time_scale",
             "slow_workers",
             "join_at_s",
+            "max_num_seqs",
             "replicate",
         },
     )
@@ -517,6 +521,7 @@ def _cell(
     join = _worker_table(src, f"{path}.join_at_s", t.get("join_at_s", {}), engines, "time")
     if len(join) >= engines:
         raise src.error(f"{path}.join_at_s", "at least one engine must be there from the start")
+    seqs = _worker_table(src, f"{path}.max_num_seqs", t.get("max_num_seqs", {}), engines, "slots")
     replicate = None
     if "replicate" in t:
         from quillcache.sim.replicate import ReplicateSettings
@@ -527,7 +532,17 @@ def _cell(
         except ConfigError as exc:
             raise src.error(f"{path}.replicate", str(exc)) from None
         replicate = tuple(sorted(opts.items()))
-    return Cell(t["name"], t["workload"], t["setup"], engines, scale, slow, join, replicate)
+    return Cell(
+        t["name"],
+        t["workload"],
+        t["setup"],
+        engines,
+        scale,
+        slow,
+        join,
+        tuple((w, int(n)) for w, n in seqs),
+        replicate,
+    )
 
 
 def trace_dirs(base_dir: Path | None) -> list[Path]:
@@ -660,6 +675,7 @@ def _run_one(task: Task) -> tuple[dict[str, Any], float, bool]:
         seed=seed,
         slow_workers=dict(cell.slow_workers),
         join_at_s=dict(cell.join_at_s),
+        max_num_seqs=dict(cell.max_num_seqs),
         replicate=replicate,
     )
     try:

@@ -106,6 +106,10 @@ def page(
             extra.append(
                 "joining " + ", ".join(f"{w} at {t:g} s" for w, t in c["join_at_s"].items())
             )
+        if c.get("max_num_seqs"):
+            extra.append(
+                "sequence slots " + ", ".join(f"{w}: {n}" for w, n in c["max_num_seqs"].items())
+            )
         kv = f"; KV capacity {c['capacity_blocks']:,} blocks per engine"
         if cell_cpu_s is not None:
             kv += f"; {cell_cpu_s[ci]:,.1f} CPU s for its runs"

@@ -327,9 +327,18 @@ class ReplicaFleet:
         """The engines, whose running requests say which replica's load is which."""
         self._engines = engines
 
-    def add_worker(self, worker: int, *, capacity_blocks: int, model: str = "") -> None:
+    def add_worker(
+        self,
+        worker: int,
+        *,
+        capacity_blocks: int,
+        model: str = "",
+        max_num_seqs: int | None = None,
+    ) -> None:
         for p in [*self.planes, self.shadow]:
-            p.add_worker(worker, capacity_blocks=capacity_blocks, model=model)
+            p.add_worker(
+                worker, capacity_blocks=capacity_blocks, model=model, max_num_seqs=max_num_seqs
+            )
         self._capacity[worker] = capacity_blocks
 
     def ingest(self, worker: int, payloads: Sequence[bytes]) -> None:

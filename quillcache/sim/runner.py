@@ -85,6 +85,9 @@ class SimConfig:
     # worker -> time (s): it registers with the gateway at the first arrival at or after
     # that time, with an empty cache (an engine joining mid-run); before, nothing routes to it
     join_at_s: dict[int, float] = field(default_factory=dict)
+    # worker -> its sequence slots (`max_num_seqs`, per rank), which its engine runs with
+    # and the gateway is told (a fleet of mixed GPUs); the others: the cost model's
+    max_num_seqs: dict[int, int] = field(default_factory=dict)
     # data-parallel ranks per worker, each its own engine (`quillcache.sim.dp`), and who
     # places a request on a rank: the gateway's decision or the engine's own balancer
     dp_ranks: int = 1
@@ -109,6 +112,11 @@ class SimConfig:
         for w, factor in self.slow_workers.items():
             if not factor > 0:
                 raise ConfigError(f"slow worker {w}: the factor must be positive, got {factor}")
+        for w, seqs in self.max_num_seqs.items():
+            if not 0 <= w < self.workers:
+                raise ConfigError(f"max_num_seqs: worker {w} is not one of the {self.workers}")
+            if isinstance(seqs, bool) or not isinstance(seqs, int) or seqs < 1:
+                raise ConfigError(f"max_num_seqs of worker {w} must be a whole number >= 1")
         for w, t in self.join_at_s.items():
             if not t >= 0:
                 raise ConfigError(f"joining worker {w}: the time must be >= 0 s, got {t}")
@@ -163,6 +171,7 @@ def run(
             cost=_slowed(cost, config.slow_workers.get(w, 1.0)),
             cpu_blocks=config.cpu_blocks,
             dp_rank=k,
+            max_num_seqs=config.max_num_seqs.get(w),
         )
         for w in range(config.workers)
         for k in range(config.dp_ranks)
@@ -221,12 +230,17 @@ def run(
 
     def join(w: int, now: float) -> None:
         joined.add(w)
+        seqs = config.max_num_seqs.get(w)
         if config.dp_ranks == 1:
-            add_worker(w, capacity_blocks=capacity, model=workload.model)
+            add_worker(w, capacity_blocks=capacity, model=workload.model, max_num_seqs=seqs)
         else:
             assert isinstance(cp, ControlPlane)  # ranks: one gateway (checked above)
             cp.add_worker(
-                w, capacity_blocks=capacity, model=workload.model, dp_ranks=config.dp_ranks
+                w,
+                capacity_blocks=capacity,
+                model=workload.model,
+                dp_ranks=config.dp_ranks,
+                max_num_seqs=seqs,
             )
         for slot in ranks.slots(w):
             eng = engines[slot]
