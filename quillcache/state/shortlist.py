@@ -243,13 +243,12 @@ def anchors(keys: npt.NDArray[np.uint64]) -> list[Anchor]:
         b *= 2
     if n:
         depths.append(n)
-    mask = (1 << (4 * TAIL_FP_CHARS)) - 1
-    fmt = f"{{:0{TAIL_FP_CHARS}x}}"
+    # each key's low bits, big-endian: its bytes in hex are the fingerprints, in order
+    fps = np.asarray(keys, dtype=np.uint64).astype(f">u{TAIL_FP_CHARS // 2}")
     out: list[Anchor] = []
     for i, d in enumerate(depths):
         upto = min(depths[i + 1] if i + 1 < len(depths) else d, d + TAIL_MAX_BLOCKS)
-        tail = "".join(fmt.format(int(k) & mask) for k in keys[d:upto])
-        out.append(Anchor(int(keys[d - 1]), d, tail))
+        out.append(Anchor(int(keys[d - 1]), d, fps[d:upto].tobytes().hex()))
     return out
 
 
