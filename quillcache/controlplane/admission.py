@@ -17,10 +17,19 @@ estimate, the SLO and how long to wait before retrying), from the same compariso
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
-from quillcache.routing import SLO, Decision, Estimate, Request, View, plan_and_estimate
+from quillcache.routing import (
+    SLO,
+    Action,
+    Decision,
+    Estimate,
+    Request,
+    View,
+    WorkerView,
+    plan_and_estimate,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +86,37 @@ def effective_slo(request: Request, default: SLO | None) -> SLO | None:
     )
 
 
+def loaded_estimate(request: Request, view: View, chosen: WorkerView) -> Estimate:
+    """`plan_and_estimate`'s estimate on `chosen`, its queue term raised to what the
+    engine's batching makes it: the queued prefill and this one share steps with the
+    running decodes, which take budget and add their KV reads to every step
+    (`CostModel.loaded_prefill_time`), and with every sequence slot taken the request
+    waits for one (`slot_wait_time`). The plan's own queue term assumes the whole GPU
+    for the queue; a router may rank engines with it, but admission promises a TTFT, and
+    under overload (running decodes, full slots) that term is the optimistic one."""
+    steps, est = plan_and_estimate(request, view, chosen)
+    cost = view.cost
+    covered = max((s.end for s in steps if s.action is not Action.RECOMPUTE), default=0)
+    cached = min(covered * view.block_size, request.prompt_tokens)
+    new = max(request.prompt_tokens - cached, 1)
+    loaded = cost.loaded_prefill_time(
+        queued_tokens=chosen.queued_prefill_tokens,
+        new_tokens=new,
+        context_tokens=request.prompt_tokens - new,
+        running_decodes=chosen.running_decodes,
+        mean_context_tokens=chosen.mean_context_tokens,
+    )
+    slot = cost.slot_wait_time(
+        chosen.in_flight,
+        chosen.running_decodes,
+        chosen.mean_context_tokens,
+        request.expected_output_tokens,
+        chosen.max_num_seqs,
+    )
+    queue_s = chosen.pace * (loaded + slot) - est.prefill_s
+    return replace(est, queue_s=max(queue_s, est.queue_s))
+
+
 def admit(request: Request, view: View, decision: Decision, default: SLO | None) -> Decision:
     """`decision` when the chosen engine meets the request's SLO (or there is none, or
     the router rejected it already); otherwise a rejection saying which bound the
@@ -88,7 +128,7 @@ def admit(request: Request, view: View, decision: Decision, default: SLO | None)
     if slo is None or (slo.ttft_s is None and slo.tbt_s is None):
         return decision
     chosen = view.by_id(decision.worker, decision.dp_rank or 0)
-    _, est = plan_and_estimate(request, view, chosen)
+    est = loaded_estimate(request, view, chosen)
     miss = slo_miss(slo, est)
     if miss is None:
         return decision

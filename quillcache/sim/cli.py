@@ -10,8 +10,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from quillcache.routing import SLO
 
 UNBOUNDED = 1 << 31  # blocks: more than any run can fill
 
@@ -139,6 +143,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="a replication knob, e.g. high_wait_s=1 (implies --replicate)",
+    )
+    pol.add_argument(
+        "--slo-ttft",
+        type=float,
+        default=None,
+        metavar="S",
+        help="every request's TTFT target (as x-slo-ttft-ms online); the admission stage "
+        "rejects a request whose estimate misses it, with every router (full timing)",
+    )
+    pol.add_argument(
+        "--slo-tbt",
+        type=float,
+        default=None,
+        metavar="S",
+        help="every request's time-between-tokens target (as x-slo-tbt-ms online)",
+    )
+    pol.add_argument(
+        "--no-admission",
+        action="store_true",
+        help="with an SLO, admit every request and only report who met it (the share "
+        "without admission)",
     )
 
     rp = p.add_argument_group("gateway replicas (docs/simulator.md, 'Several replicas')")
@@ -302,6 +327,23 @@ def _workload(args: argparse.Namespace) -> Any:
         raise ConfigError(f"workload {args.workload}: {exc}") from None
 
 
+def _slo(args: argparse.Namespace) -> SLO | None:
+    """`--slo-ttft` / `--slo-tbt` as every request's SLO; None without either."""
+    from quillcache.errors import ConfigError
+    from quillcache.routing import SLO
+
+    if args.slo_ttft is None and args.slo_tbt is None:
+        if args.no_admission:
+            raise ConfigError("--no-admission needs an SLO (--slo-ttft or --slo-tbt)")
+        return None
+    for flag, v in (("--slo-ttft", args.slo_ttft), ("--slo-tbt", args.slo_tbt)):
+        if v is not None and not (0 < v < math.inf):
+            raise ConfigError(f"{flag} must be a positive number of seconds, got {v}")
+    if args.timing != "full":
+        raise ConfigError("an SLO needs --timing full (admission estimates queues)")
+    return SLO(ttft_s=args.slo_ttft, tbt_s=args.slo_tbt)
+
+
 # Forked workers read the workload from here instead of pickling it.
 _SHARED: dict[str, Any] = {}
 
@@ -326,6 +368,8 @@ def _run_point(point: Point) -> dict[str, Any]:
         dp_ranks=s["dp_ranks"],
         dp_placement=s["dp_placement"],
         replicate=s["replicate"],
+        slo=s["slo"],
+        admission=s["admission"],
     )
     res = run(
         s["workload"],
@@ -461,12 +505,15 @@ def _run(args: argparse.Namespace, err: Any) -> int:
         replicate = ReplicateSettings.parse(_kv(args.replicate_opt, "--replicate-opt"))
         if args.timing != "full":
             raise ConfigError("--replicate needs --timing full (replication acts on queues)")
+    slo = _slo(args)
     check_dp(args.dp_ranks, args.dp_placement)
     if args.dp_ranks > 1 and replicas_list != [0]:
         raise ConfigError("--dp-ranks > 1 is simulated behind one gateway only (no --replicas)")
     _SHARED.update(
         engine_seqs=_engine_seqs(args.engine_seqs),
         replicate=replicate,
+        slo=slo,
+        admission=not args.no_admission,
         dp_ranks=args.dp_ranks,
         dp_placement=args.dp_placement,
         lb=lb,
@@ -499,6 +546,8 @@ def _run(args: argparse.Namespace, err: Any) -> int:
     }
     if replicate is not None:
         meta["replicate"] = replicate.as_dict()
+    if slo is not None:
+        meta["slo"] = {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s, "admission": not args.no_admission}
     if args.dp_ranks > 1:
         meta["dp"] = {"ranks": args.dp_ranks, "placement": args.dp_placement}
     if replicas_list != [0]:

@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from quillcache.routing import SLO
+
 
 @dataclass(slots=True)
 class Record:
@@ -60,6 +62,9 @@ class RunResult:
     kv_exceeds_gpu: bool = False  # more than the cost model's GPU holds beside the weights
     # what a policy spent (`quillcache.sim.replicate.Replicator.stats`); empty: none ran
     policy: dict[str, Any] = field(default_factory=dict)
+    # every request's SLO (`SimConfig.slo`), and whether the admission stage applied it
+    slo: SLO | None = None
+    admission: bool = True
 
     def summary(self, *, perf: bool = False) -> dict[str, Any]:
         """Deterministic metrics (same inputs and seed, same values); wall-clock ones
@@ -124,6 +129,8 @@ class RunResult:
                     sum(r.output_tokens for r in served) / span if span > 0 else 0.0
                 ),
             )
+            if self.slo is not None:
+                out.update(_slo_report(self.slo, self.admission, recs, served))
         if perf:
             m = np.array(self.match_ns, dtype=np.float64) / 1e3
             a = np.array(self.apply_ns, dtype=np.float64) / 1e3
@@ -150,4 +157,32 @@ def _regret(served: list[Record]) -> dict[str, Any]:
         "prefill_tokens_avoidable": avoidable,
         "regret_tokens": regret,
         "regret_tokens_per_request": _r(regret / len(served) if served else 0.0, 2),
+    }
+
+
+def meets(rec: Record, slo: SLO) -> bool:
+    """Whether a served request met every bound of `slo`: its TTFT, and its mean time
+    between tokens over the decode (one output token has none)."""
+    if slo.ttft_s is not None and rec.first_token_s - rec.arrival_s > slo.ttft_s:
+        return False
+    if slo.tbt_s is not None and rec.output_tokens > 1:
+        tbt = (rec.finish_s - rec.first_token_s) / (rec.output_tokens - 1)
+        if tbt > slo.tbt_s:
+            return False
+    return True
+
+
+def _slo_report(
+    slo: SLO, admission: bool, recs: list[Record], served: list[Record]
+) -> dict[str, Any]:
+    """The SLO's outcome: the share of the served requests that met it (with
+    admission, the admitted ones: what the stage promises), and the share of all
+    requests that were served and met it (goodput: a rejection is not a success)."""
+    met = sum(meets(r, slo) for r in served)
+    return {
+        "slo_ttft_s": slo.ttft_s,
+        "slo_tbt_s": slo.tbt_s,
+        "slo_admission": admission,
+        "slo_met_share": _r(met / len(served) if served else 0.0),
+        "slo_goodput_share": _r(met / len(recs) if recs else 0.0),
     }

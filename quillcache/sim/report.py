@@ -18,6 +18,7 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
     sweep_cap = any("capacity_point" in r for r in results)
     replicas = any("replicas" in r for r in results)
     replicate = any("replications" in r for r in results)
+    slo = any("slo_met_share" in r for r in results)
     t = Table(
         title=f"{meta['workload']}: {meta['requests']} requests, "
         f"block size {meta['block_size']}, timing {meta['timing']}",
@@ -40,6 +41,8 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
         cols += ["copies", "copy tok", "copy tok %"]
     if full:
         cols += ["TTFT mean", "p50", "p99", "E2E mean", "req/s"]
+    if slo:
+        cols += ["SLO met", "goodput"]
     cols += ["rejected", "share CV", "match µs", "wall s"]
     for c in cols:
         t.add_column(c, justify="left" if c in ("router", "backend") else "right")
@@ -76,6 +79,11 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
                 _f(r["ttft_p99_s"], ".3f"),
                 _f(r["e2e_mean_s"], ".2f"),
                 _f(r["throughput_rps"], ".2f"),
+            ]
+        if slo:
+            row += [
+                _f(_pct(r.get("slo_met_share")), ".1f") + "%",
+                _f(_pct(r.get("slo_goodput_share")), ".1f") + "%",
             ]
         row += [
             str(r["rejected"]),

@@ -30,7 +30,7 @@ from quillcache.controlplane import ControlPlane, OpLatencies
 from quillcache.costmodel import CostModel
 from quillcache.errors import ConfigError
 from quillcache.index import ApplyStats, IndexBackend
-from quillcache.routing import Action, Decision, Request, Router, create_router
+from quillcache.routing import SLO, Action, Decision, Request, Router, create_router
 from quillcache.sim.dp import EnginePlacement, Placement, RankLoad
 from quillcache.sim.dp import check as check_dp
 from quillcache.sim.engine import EngineModel, Running
@@ -94,6 +94,12 @@ class SimConfig:
     dp_placement: Placement = "gateway"
     # hot-prefix replication (`quillcache.sim.replicate`); None: off
     replicate: ReplicateSettings | None = None
+    # every request's SLO (as `x-slo-ttft-ms` / `x-slo-tbt-ms` give it online); None: none.
+    # With `admission`, the control plane's admission stage rejects a request whose
+    # estimate on the chosen engine misses it (`controlplane.admission`, every router);
+    # without, the requests are routed as if they had none and only the report reads it
+    slo: SLO | None = None
+    admission: bool = True
 
     def check(self) -> None:
         if self.workers <= 0:
@@ -122,6 +128,14 @@ class SimConfig:
                 raise ConfigError(f"joining worker {w}: the time must be >= 0 s, got {t}")
         if len(self.join_at_s) >= self.workers:
             raise ConfigError("at least one worker must be there from the start")
+        if self.slo is not None:
+            for name, bound in (("TTFT", self.slo.ttft_s), ("TBT", self.slo.tbt_s)):
+                if bound is not None and not (0 < bound < math.inf):
+                    raise ConfigError(f"the {name} SLO must be a positive number of seconds")
+            if self.slo.ttft_s is None and self.slo.tbt_s is None:
+                raise ConfigError("an SLO needs a TTFT or a TBT bound")
+            if self.timing != "full":
+                raise ConfigError("SLOs are simulated with full timing only (no queues)")
 
     def capacity_for(self, cost: CostModel, block_size: int) -> int:
         if self.capacity_blocks is not None:
@@ -259,7 +273,8 @@ def run(
         if config.timing == "none":
             records = _order_only(workload, cp, ranks, engines, config, progress, joins)
         elif config.timing == "full":
-            records = _timed(workload, cp, ranks, engines, progress, joins, replicator, joined)
+            slo = config.slo if config.admission else None
+            records = _timed(workload, cp, ranks, engines, progress, joins, replicator, joined, slo)
         else:
             raise ConfigError(f"timing must be 'full' or 'none', got {config.timing!r}")
         wall = time.perf_counter() - t0
@@ -291,6 +306,8 @@ def run(
         kv_gib_per_engine=cost.kv_gib(capacity, bs),
         kv_exceeds_gpu=cost.kv_memory_warning(capacity, bs) is not None,
         policy=replicator.stats() if replicator is not None else {},
+        slo=config.slo,
+        admission=config.admission,
     )
 
 
@@ -369,10 +386,11 @@ class _Joins:
             self._join(w, now)
 
 
-def _request(r: Any, parent_hints: bool) -> Request:
+def _request(r: Any, parent_hints: bool, slo: SLO | None = None) -> Request:
     """The router's request; with `parent_hints`, the first request it waits for is its
     parent (closed loop: the previous turn, the planner, the first call of a join)."""
     return Request(
+        slo=slo,
         request_id=r.rid,
         content_keys=r.keys,
         prompt_tokens=r.prompt_tokens,
@@ -465,6 +483,7 @@ def _timed(
     joins: _Joins,
     replicator: Replicator | None = None,
     joined: set[int] | None = None,
+    slo: SLO | None = None,
 ) -> list[Record]:
     records: dict[int, Record] = {}
     order: list[Record] = []
@@ -564,7 +583,7 @@ def _timed(
             for target, rreq in replicator.tick(now, cp.index, joined):
                 engines[target].enqueue(rreq)
                 queued(target, now)
-        decision = cp.route(_request(r, workload.parent_hints), now)
+        decision = cp.route(_request(r, workload.parent_hints, slo), now)
         worker = decision.worker
         if worker is None:
             rec.rejected = decision.reason or "rejected"

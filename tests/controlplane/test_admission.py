@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quillcache.controlplane import ControlPlane
-from quillcache.controlplane.admission import admit, effective_slo
+from quillcache.controlplane.admission import admit, effective_slo, loaded_estimate
 from quillcache.errors import ConfigError
 from quillcache.events.encode import BlockStored, encode_batch
 from quillcache.hashing.reference import content_keys, namespace_id
@@ -65,12 +65,12 @@ def _plane(router: str, **options: Any) -> ControlPlane:
 
 
 def _unconstrained(router: str) -> tuple[Decision, Estimate]:
-    """The router's choice without any SLO, and the cost model's estimate for it."""
+    """The router's choice without any SLO, and the admission stage's estimate for it."""
     plane = _plane(router)
     view = plane.view(_request())
     d = plane.route(_request())
     assert d.worker is not None and d.dp_rank is not None
-    _, est = plan_and_estimate(_request(), view, view.by_id(d.worker, d.dp_rank))
+    est = loaded_estimate(_request(), view, view.by_id(d.worker, d.dp_rank))
     plane.close()
     return d, est
 
@@ -138,10 +138,59 @@ def test_admission_rejects_exactly_when_an_estimate_exceeds_a_bound(
         request.slo = slo
     decision = create_router("round-robin").route(request, view)
     out = admit(request, view, decision, None if own else slo)
+    # the reference: the plan's estimate, its TTFT at least the queue and the prefill
+    # sharing steps with the decodes (nothing cached here, no slot wait: in_flight 0)
     _, est = plan_and_estimate(request, view, w)
-    assert out.rejected == (est.ttft_s > ttft or est.tbt_s > tbt)
+    loaded = COST.loaded_prefill_time(
+        queued_tokens=queued,
+        new_tokens=645,
+        context_tokens=0,
+        running_decodes=decodes,
+        mean_context_tokens=2_000,
+    )
+    est_ttft = max(est.ttft_s, est.transfer_s + loaded)
+    assert out.rejected == (est_ttft > ttft or est.tbt_s > tbt)
     if not out.rejected:
         assert out is decision
+
+
+@settings(max_examples=60)
+@given(
+    queued=st.integers(0, 100_000),
+    decodes=st.integers(0, 300),
+    in_flight=st.integers(0, 600),
+    cached=st.integers(0, 40),
+)
+def test_the_stage_estimate_is_never_below_the_plans_and_grows_with_decodes(
+    queued: int, decodes: int, in_flight: int, cached: int
+) -> None:
+    """Admission promises a TTFT: its estimate takes the running decodes and the
+    sequence slots into account, so it is at least the plan's (which assumes the whole
+    GPU for the queue), more with more decodes sharing the steps."""
+    request = Request(1, np.arange(1, 41, dtype=np.uint64), 645, expected_output_tokens=128)
+
+    def est(d: int) -> Estimate:
+        w = WorkerView(
+            3,
+            queued_prefill_tokens=queued,
+            running_decodes=d,
+            in_flight=max(in_flight, d),
+            mean_context_tokens=2_000,
+            gpu_blocks=cached,
+        )
+        return loaded_estimate(request, View([w], 16, COST), w)
+
+    w = WorkerView(3, queued_prefill_tokens=queued, running_decodes=decodes, gpu_blocks=cached)
+    w.in_flight, w.mean_context_tokens = max(in_flight, decodes), 2_000
+    _, plan_est = plan_and_estimate(request, View([w], 16, COST), w)
+    mine = est(decodes)
+    assert mine.ttft_s >= plan_est.ttft_s
+    assert (mine.prefill_s, mine.transfer_s, mine.tbt_s) == (
+        plan_est.prefill_s,
+        plan_est.transfer_s,
+        plan_est.tbt_s,
+    )
+    assert est(decodes + 50).ttft_s > mine.ttft_s
 
 
 def test_no_bound_no_estimate_and_rejections_pass_through() -> None:

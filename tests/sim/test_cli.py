@@ -144,6 +144,10 @@ def test_trace_capacity_sweep_with_plot(tmp_path) -> None:
         (["--trace", "/no/such/file.jsonl"], "cannot read trace"),
         (["--cost", "gpu.nope=1"], "unknown cost-model field"),
         (["--router-opt", "mooncake.bogus=1"], "bogus"),
+        (["--no-admission"], "--no-admission needs an SLO"),
+        (["--slo-ttft", "-1"], "--slo-ttft must be a positive number"),
+        (["--slo-tbt", "nan"], "--slo-tbt must be a positive number"),
+        (["--slo-ttft", "2", "--timing", "none"], "an SLO needs --timing full"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(args: list[str], needle: str) -> None:

@@ -1,0 +1,81 @@
+"""SLO admission in the simulator (`SimConfig.slo`): the control plane's admission stage
+after every router, under overload, against the same run without it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from quillcache.costmodel import CostModel
+from quillcache.errors import ConfigError
+from quillcache.routing import BUILTIN_ORDER, SLO
+from quillcache.sim.generators import shared_prefix
+from quillcache.sim.metrics import Record, meets
+from quillcache.sim.runner import SimConfig, run
+
+# `quillcache simulate --workload shared-prefix`'s shape (2,560-token prompts, 128 output
+# tokens): 4 engines serve it at about 35 requests a second, so 75 a second is twice
+# what they can take and their queues grow for the whole run
+OVERLOAD = dict(
+    requests=1500,
+    prefix_groups=64,
+    shared_prefix_blocks=128,
+    unique_blocks=32,
+    zipf=1.0,
+    rate=75.0,
+    output_tokens=128,
+)
+TTFT_SLO = SLO(ttft_s=2.0)
+
+
+def _summary(router: str, admission: bool) -> dict[str, object]:
+    config = SimConfig(workers=4, slo=TTFT_SLO, admission=admission)
+    res = run(shared_prefix(**OVERLOAD), router, "native", config, CostModel())
+    return res.summary()
+
+
+@pytest.mark.parametrize("router", BUILTIN_ORDER)
+def test_admission_keeps_the_admitted_within_the_slo_under_twice_the_load(router: str) -> None:
+    held = _summary(router, admission=True)
+    free = _summary(router, admission=False)
+    assert free["rejected"] == 0
+    assert isinstance(free["slo_met_share"], float) and free["slo_met_share"] < 0.5, free
+    assert held["rejected"] > 0
+    assert isinstance(held["slo_met_share"], float) and held["slo_met_share"] >= 0.95, held
+    # rejecting early serves more requests within their SLO than serving them all late
+    assert held["slo_goodput_share"] > free["slo_goodput_share"]
+
+
+def test_without_an_slo_the_report_has_no_slo_columns() -> None:
+    config = SimConfig(workers=4)
+    res = run(shared_prefix(requests=100), "round-robin", "native", config, CostModel())
+    assert not any(k.startswith("slo_") for k in res.summary())
+
+
+def _rec(ttft: float, decode: float, out: int) -> Record:
+    return Record(1, 0, 10.0, 100, 6, out, first_token_s=10.0 + ttft, finish_s=10.0 + ttft + decode)
+
+
+def test_a_request_meets_its_slo_by_ttft_and_mean_time_between_tokens() -> None:
+    slo = SLO(ttft_s=1.0, tbt_s=0.05)
+    assert meets(_rec(0.9, 0.049 * 10, 11), slo)
+    assert not meets(_rec(1.1, 0.0, 11), slo)
+    assert not meets(_rec(0.5, 0.051 * 10, 11), slo)
+    assert meets(_rec(0.5, 9.0, 1), slo)  # one output token: no time between tokens
+    assert meets(_rec(5.0, 0.01, 11), SLO(tbt_s=0.05))
+
+
+@pytest.mark.parametrize(
+    "slo, timing, needle",
+    [
+        (SLO(ttft_s=-1.0), "full", "TTFT SLO must be a positive"),
+        (SLO(ttft_s=math.inf), "full", "TTFT SLO must be a positive"),
+        (SLO(tbt_s=0.0), "full", "TBT SLO must be a positive"),
+        (SLO(), "full", "needs a TTFT or a TBT bound"),
+        (SLO(ttft_s=1.0), "none", "full timing only"),
+    ],
+)
+def test_bad_slos_are_a_config_error(slo: SLO, timing: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        SimConfig(slo=slo, timing=timing).check()  # type: ignore[arg-type]
