@@ -30,6 +30,9 @@ from pydantic import (
 
 from quillcache.errors import ConfigError
 from quillcache.gateway.lmcache_ctl import LmcacheSettings
+from quillcache.policy.budget import BURST_S, ENGINE_TOKENS_PER_S, TENANT_TOKENS_PER_S
+from quillcache.policy.retention import TOUCH_MAX_INTERVAL_S, TOUCH_MIN_INTERVAL_S, TOUCH_SAFETY
+from quillcache.policy.targets import RETENTION_MAX_TOKENS, SESSION_MAX_TTL_S
 from quillcache.tokenization.multimodal import MultimodalConfig
 
 
@@ -167,27 +170,27 @@ class PolicyConfig(BaseModel):
         default=65536, ge=0, description="tokens each tenant may keep pinned; beyond: a 409"
     )
     session_max_ttl_s: float = Field(
-        default=3600.0,
+        default=SESSION_MAX_TTL_S,
         gt=0,
         description="the longest retention a session hint may ask for; above: a 400",
     )
     retention_max_tokens: int = Field(
-        default=4 << 20,
+        default=RETENTION_MAX_TOKENS,
         ge=0,
         description="the prompt tokens kept for pins and sessions under retention, in all",
     )
     engine_tokens_per_s: float = Field(
-        default=4096.0,
+        default=ENGINE_TOKENS_PER_S,
         ge=0,
         description="prefill tokens a second its warm requests may cost one engine",
     )
     tenant_tokens_per_s: float = Field(
-        default=2048.0,
+        default=TENANT_TOKENS_PER_S,
         ge=0,
         description="prefill tokens a second its warm requests may spend for one tenant",
     )
     budget_burst_s: float = Field(
-        default=8.0, gt=0, description="the buckets hold this many seconds of their rate"
+        default=BURST_S, gt=0, description="the buckets hold this many seconds of their rate"
     )
     holder_max_wait_s: float = Field(
         default=1.0,
@@ -196,13 +199,17 @@ class PolicyConfig(BaseModel):
         "is at most this",
     )
     touch_min_interval_s: float = Field(
-        default=2.0, gt=0, description="the most often one holder of a target is touched"
+        default=TOUCH_MIN_INTERVAL_S,
+        gt=0,
+        description="the most often one holder of a target is touched",
     )
     touch_max_interval_s: float = Field(
-        default=120.0, gt=0, description="a holder under no eviction pressure: this often"
+        default=TOUCH_MAX_INTERVAL_S,
+        gt=0,
+        description="a holder under no eviction pressure: this often",
     )
     touch_safety: float = Field(
-        default=0.25,
+        default=TOUCH_SAFETY,
         gt=0,
         le=1,
         description="touch within this share of the time the holder's LRU takes to turn over",

@@ -15,6 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+#: The budgets' defaults (the gateway's `PolicyConfig`, the simulator's
+#: `RetainSettings`): prefill tokens a second per engine and per tenant, and the
+#: seconds of that rate a bucket holds.
+ENGINE_TOKENS_PER_S = 4096.0
+TENANT_TOKENS_PER_S = 2048.0
+BURST_S = 8.0
+
 
 class TokenBuckets:
     """Token buckets by key, refilled at `rate` per second up to `burst`."""

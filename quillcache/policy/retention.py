@@ -25,6 +25,13 @@ from dataclasses import dataclass
 
 from quillcache.policy.targets import KeyArray, Target, TargetId, TargetKind
 
+#: The touch timing's defaults (the gateway's `PolicyConfig`, the simulator's
+#: `RetainSettings`): at most every 2 s, every 2 min under no pressure, within a
+#: quarter of the LRU's turnover time.
+TOUCH_MIN_INTERVAL_S = 2.0
+TOUCH_MAX_INTERVAL_S = 120.0
+TOUCH_SAFETY = 0.25
+
 
 class WarmAction(enum.Enum):
     RETAIN = "retain"  # touch a holder before its LRU evicts the prefix

@@ -27,6 +27,11 @@ from quillcache.errors import QuillCacheError
 
 KeyArray = npt.NDArray[np.uint64]
 
+#: The store's default bound in prompt tokens, and the longest retention a session hint
+#: may ask for (the gateway's `PolicyConfig`, the simulator's `RetainSettings`).
+RETENTION_MAX_TOKENS = 4 << 20
+SESSION_MAX_TTL_S = 3600.0
+
 
 class TargetKind(enum.Enum):
     PIN = "pin"

@@ -145,6 +145,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a replication knob, e.g. high_wait_s=1 (implies --replicate)",
     )
     pol.add_argument(
+        "--retain",
+        action="store_true",
+        help="session retention: every session asks for its prefix to be kept warm on "
+        "its engine (touched before the LRU evicts it) for session_ttl_s (full timing)",
+    )
+    pol.add_argument(
+        "--retain-opt",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a retention knob, e.g. session_ttl_s=600 (implies --retain)",
+    )
+    pol.add_argument(
         "--slo-ttft",
         type=float,
         default=None,
@@ -368,6 +381,7 @@ def _run_point(point: Point) -> dict[str, Any]:
         dp_ranks=s["dp_ranks"],
         dp_placement=s["dp_placement"],
         replicate=s["replicate"],
+        retain=s["retain"],
         slo=s["slo"],
         admission=s["admission"],
     )
@@ -505,6 +519,15 @@ def _run(args: argparse.Namespace, err: Any) -> int:
         replicate = ReplicateSettings.parse(_kv(args.replicate_opt, "--replicate-opt"))
         if args.timing != "full":
             raise ConfigError("--replicate needs --timing full (replication acts on queues)")
+    retain = None
+    if args.retain or args.retain_opt:
+        from quillcache.sim.retain import RetainSettings
+
+        retain = RetainSettings.parse(_kv(args.retain_opt, "--retain-opt"))
+        if args.timing != "full":
+            raise ConfigError("--retain needs --timing full (retention acts on queues)")
+        if replicas_list != [0]:
+            raise ConfigError("--retain is simulated behind one gateway only (no --replicas)")
     slo = _slo(args)
     check_dp(args.dp_ranks, args.dp_placement)
     if args.dp_ranks > 1 and replicas_list != [0]:
@@ -512,6 +535,7 @@ def _run(args: argparse.Namespace, err: Any) -> int:
     _SHARED.update(
         engine_seqs=_engine_seqs(args.engine_seqs),
         replicate=replicate,
+        retain=retain,
         slo=slo,
         admission=not args.no_admission,
         dp_ranks=args.dp_ranks,
@@ -546,6 +570,8 @@ def _run(args: argparse.Namespace, err: Any) -> int:
     }
     if replicate is not None:
         meta["replicate"] = replicate.as_dict()
+    if retain is not None:
+        meta["retain"] = retain.as_dict()
     if slo is not None:
         meta["slo"] = {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s, "admission": not args.no_admission}
     if args.dp_ranks > 1:

@@ -207,11 +207,21 @@ def multi_turn(
     seed: int = 0,
     model: str = DEFAULT_MODEL,
     closed_loop: bool = True,
+    background_rate: float = 0.0,
+    background_len: int = 2048,
+    background_output_len: int = 64,
 ) -> Workload:
     """Chat sessions: turn k's prompt = system + (user, answer) x k + user. Sessions share
     one system prompt; session starts are Poisson at `rate`; each next turn comes an
     exponential think time after the previous one finished (closed loop) or, open
-    loop, after the previous one's arrival."""
+    loop, after the previous one's arrival.
+
+    `background_rate` > 0 adds other traffic: one-off prompts of `background_len`
+    random tokens (no session), Poisson at that rate from 0 until one think time after
+    the last turn's open-loop time. They fill the engines' caches, so a session whose
+    think (tool) time outlasts its engine's LRU turnover comes back to an evicted
+    prefix, unless something keeps it warm. Drawn from a generator of their own: the
+    sessions are the same with or without them."""
     rng = np.random.default_rng(seed)
     system = _tokens(rng, system_prompt_len)
     starts = _poisson_arrivals(rng, sessions, rate)
@@ -227,6 +237,14 @@ def multi_turn(
             history = np.concatenate([history, _tokens(rng, output_len)])
             think = float(rng.exponential(think_time_s))
             t += think
+    if background_rate < 0 or background_len < 0 or background_output_len < 1:
+        raise ConfigError("background rate and length must be >= 0, its output >= 1 token")
+    if background_rate > 0:
+        bg = np.random.default_rng([seed, 1])
+        until = max(it.t for it in items) + think_time_s
+        n = int(bg.poisson(background_rate * until))
+        for at in np.sort(bg.uniform(0.0, until, size=n)).tolist():
+            items.append(_Item(at, _tokens(bg, background_len), background_output_len, None))
     params = dict(
         sessions=sessions,
         turns=turns,
@@ -239,6 +257,12 @@ def multi_turn(
         seed=seed,
         closed_loop=closed_loop,
     )
+    if background_rate > 0:
+        params.update(
+            background_rate=background_rate,
+            background_len=background_len,
+            background_output_len=background_output_len,
+        )
     return _finish("multi-turn", items, block_size, model, params, closed_loop=closed_loop)
 
 

@@ -27,6 +27,9 @@ class Record:
     # the decision beside the KV-optimal row (`quillcache.controlplane.explain`)
     avoided_tokens: int = 0  # the chosen engine's usable prefix
     avoidable_tokens: int = 0  # the longest usable prefix among the routable engines
+    # the leading full blocks it shares with its first parent (the previous turn, the
+    # planner); -1 without a parent
+    parent_blocks: int = -1
 
 
 def _pct(a: np.ndarray, q: float) -> float:
@@ -101,14 +104,16 @@ class RunResult:
             "index_blocks": self.index_blocks,
             "events_applied": self.events_applied,
             **_regret(served),
+            **_followups(served),
         }
         if self.policy:
             computed = out["prefill_tokens_computed"]
-            spent = self.policy.get("replication_prefill_tokens", 0)
-            out.update(
-                self.policy,
-                replication_prefill_pct=_r(100.0 * spent / computed if computed else 0.0, 3),
-            )
+            out.update(self.policy)
+            for policy in ("replication", "retention"):
+                spent = self.policy.get(f"{policy}_prefill_tokens")
+                if spent is not None:
+                    pct = 100.0 * spent / computed if computed else 0.0
+                    out[f"{policy}_prefill_pct"] = _r(pct, 3)
         if self.timing == "full":
             ttft = np.array([r.first_token_s - r.arrival_s for r in served])
             e2e = np.array([r.finish_s - r.arrival_s for r in served])
@@ -131,6 +136,11 @@ class RunResult:
             )
             if self.slo is not None:
                 out.update(_slo_report(self.slo, self.admission, recs, served))
+            follow = np.array(
+                [r.first_token_s - r.arrival_s for r in served if r.parent_blocks > 0]
+            )
+            if len(follow):
+                out["followup_ttft_mean_s"] = _r(_mean(follow))
         if perf:
             m = np.array(self.match_ns, dtype=np.float64) / 1e3
             a = np.array(self.apply_ns, dtype=np.float64) / 1e3
@@ -142,6 +152,19 @@ class RunResult:
                 wall_s=_r(self.wall_s, 3),
             )
         return out
+
+
+def _followups(served: list[Record]) -> dict[str, Any]:
+    """Requests that follow a parent sharing part of their prefix (a session's next
+    turn, an agent's calls after its planner): how many, and the share of those shared
+    blocks they found cached (what keeping the parent's prefix on its engine, and
+    routing the follow-up there, is for). Empty for a workload without any."""
+    follow = [r for r in served if r.parent_blocks > 0]
+    if not follow:
+        return {}
+    shared = sum(r.parent_blocks for r in follow)
+    found = sum(min(r.hit_blocks, r.parent_blocks) for r in follow)
+    return {"followups": len(follow), "followup_reuse_share": _r(found / shared)}
 
 
 def _regret(served: list[Record]) -> dict[str, Any]:

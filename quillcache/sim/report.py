@@ -19,6 +19,8 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
     replicas = any("replicas" in r for r in results)
     replicate = any("replications" in r for r in results)
     slo = any("slo_met_share" in r for r in results)
+    retain = any("retention_touches" in r for r in results)
+    followups = any("followup_reuse_share" in r for r in results)
     t = Table(
         title=f"{meta['workload']}: {meta['requests']} requests, "
         f"block size {meta['block_size']}, timing {meta['timing']}",
@@ -39,6 +41,10 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
     cols += ["KV GiB", "block hit", "token hit", "prefill tok", "KV-opt", "regret/req"]
     if replicate:
         cols += ["copies", "copy tok", "copy tok %"]
+    if followups:
+        cols.append("follow-up reuse")
+    if retain:
+        cols += ["touches", "touch tok %"]
     if full:
         cols += ["TTFT mean", "p50", "p99", "E2E mean", "req/s"]
     if slo:
@@ -71,6 +77,13 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any], *, sweep_workers:
                 str(r.get("replications", "")),
                 f"{r.get('replication_prefill_tokens', 0):,}",
                 _f(r.get("replication_prefill_pct"), ".2f") + "%",
+            ]
+        if followups:
+            row.append(_f(_pct(r.get("followup_reuse_share")), ".1f") + "%")
+        if retain:
+            row += [
+                str(r.get("retention_touches", 0) + r.get("retention_prefetches", 0)),
+                _f(r.get("retention_prefill_pct"), ".2f") + "%",
             ]
         if full:
             row += [

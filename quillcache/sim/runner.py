@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+import numpy as np
+
 from quillcache.controlplane import ControlPlane, OpLatencies
 from quillcache.costmodel import CostModel
 from quillcache.errors import ConfigError
@@ -36,11 +38,13 @@ from quillcache.sim.dp import check as check_dp
 from quillcache.sim.engine import EngineModel, Running
 from quillcache.sim.metrics import Record, RunResult
 from quillcache.sim.release import Arrivals
+from quillcache.sim.requests import SimRequest
 from quillcache.sim.workload import Workload
 
 if TYPE_CHECKING:
     from quillcache.sim.replicas import ReplicaConfig
     from quillcache.sim.replicate import ReplicateSettings, Replicator
+    from quillcache.sim.retain import Retainer, RetainSettings
 
 Timing = Literal["full", "none"]
 Progress = Callable[[int], None]
@@ -100,6 +104,8 @@ class SimConfig:
     # without, the requests are routed as if they had none and only the report reads it
     slo: SLO | None = None
     admission: bool = True
+    # session retention (`quillcache.sim.retain`): every session's hint; None: off
+    retain: RetainSettings | None = None
 
     def check(self) -> None:
         if self.workers <= 0:
@@ -110,6 +116,12 @@ class SimConfig:
             if self.dp_ranks != 1:
                 raise ConfigError("replication is simulated with one rank per worker only")
             self.replicate.check()
+        if self.retain is not None:
+            if self.timing != "full":
+                raise ConfigError("retention is simulated with full timing only (no queues)")
+            if self.dp_ranks != 1:
+                raise ConfigError("retention is simulated with one rank per worker only")
+            self.retain.check()
         check_dp(self.dp_ranks, self.dp_placement)
         for what, table in (("slow worker", self.slow_workers), ("joining worker", self.join_at_s)):
             for w in table:
@@ -241,6 +253,14 @@ def run(
         from quillcache.sim.replicate import Replicator
 
         replicator = Replicator(config.replicate, engines)
+    retainer = None
+    if config.retain is not None:
+        if fleet is not None:
+            raise ConfigError("retention is simulated behind one gateway only (no replicas)")
+        from quillcache.sim.retain import Retainer
+
+        assert isinstance(cp, ControlPlane)
+        retainer = Retainer(config.retain, engines, cp)
 
     def join(w: int, now: float) -> None:
         joined.add(w)
@@ -274,7 +294,8 @@ def run(
             records = _order_only(workload, cp, ranks, engines, config, progress, joins)
         elif config.timing == "full":
             slo = config.slo if config.admission else None
-            records = _timed(workload, cp, ranks, engines, progress, joins, replicator, joined, slo)
+            policies = _Policies(replicator, retainer, joined)
+            records = _timed(workload, cp, ranks, engines, progress, joins, policies, slo)
         else:
             raise ConfigError(f"timing must be 'full' or 'none', got {config.timing!r}")
         wall = time.perf_counter() - t0
@@ -305,7 +326,10 @@ def run(
         sweep=sweep,
         kv_gib_per_engine=cost.kv_gib(capacity, bs),
         kv_exceeds_gpu=cost.kv_memory_warning(capacity, bs) is not None,
-        policy=replicator.stats() if replicator is not None else {},
+        policy={
+            **(replicator.stats() if replicator is not None else {}),
+            **(retainer.stats() if retainer is not None else {}),
+        },
         slo=config.slo,
         admission=config.admission,
     )
@@ -401,6 +425,25 @@ def _request(r: Any, parent_hints: bool, slo: SLO | None = None) -> Request:
     )
 
 
+class _ParentShare:
+    """The leading full blocks a request shares with its first parent (closed loop: the
+    previous turn, the planner): what it can find cached if the parent's prompt stayed
+    on its engine. -1 for a request without a parent."""
+
+    def __init__(self, requests: Sequence[SimRequest]) -> None:
+        self._keys = {r.rid: r.keys for r in requests}
+
+    def __call__(self, r: SimRequest) -> int:
+        if not r.parents:
+            return -1
+        parent = self._keys.get(r.parents[0])
+        if parent is None:
+            return -1
+        n = min(len(r.keys), len(parent))
+        differ = np.flatnonzero(r.keys[:n] != parent[:n])
+        return int(differ[0]) if len(differ) else n
+
+
 def _order_only(
     workload: Workload,
     cp: Plane,
@@ -417,11 +460,13 @@ def _order_only(
     records: list[Record] = []
     bs = workload.block_size
     arrivals = Arrivals(workload.requests)
+    shared = _ParentShare(workload.requests)
     n = -1
     while arrivals:
         r = arrivals.pop()
         n += 1
         rec = Record(r.rid, -1, r.arrival_s, r.prompt_tokens, r.prompt_blocks, r.output_tokens)
+        rec.parent_blocks = shared(r)
         records.append(rec)
         # order-only: a request is served, hence finished, the moment it arrives
         arrivals.finished(r.rid, r.arrival_s, r.arrival_s)
@@ -465,6 +510,43 @@ def _vllm_load(engines: list[EngineModel]) -> Callable[[int], RankLoad]:
 
 
 @dataclass(slots=True)
+class _Policies:
+    """The policies acting in a timed run, and the workers registered so far (their
+    targets)."""
+
+    replicator: Replicator | None = None
+    retainer: Retainer | None = None
+    joined: set[int] = field(default_factory=set)
+
+    def owns(self, rid: int) -> bool:
+        """Whether `rid` is a policy's own request (no record, no route)."""
+        if self.retainer is not None and self.retainer.is_touch(rid):
+            return True
+        return self.replicator is not None and self.replicator.is_replica(rid)
+
+    def finished(self, run: Running) -> None:
+        rid = run.req.rid
+        if self.retainer is not None and self.retainer.is_touch(rid):
+            self.retainer.finished(run)
+        elif self.replicator is not None:
+            self.replicator.finished(run)
+
+    def due(
+        self, now: float, index: IndexBackend, *, arrival: bool
+    ) -> list[tuple[int, SimRequest]]:
+        """The policies' requests to queue at `now`, with their engines. Replication
+        decides at arrivals (it acts on their heat); retention at step ends too (an
+        engine evicts only while it works, and a session waits out its tool call with no
+        arrival of its own)."""
+        out: list[tuple[int, SimRequest]] = []
+        if arrival and self.replicator is not None and self.replicator.due(now):
+            out += self.replicator.tick(now, index, self.joined)
+        if self.retainer is not None and self.retainer.due(now):
+            out += self.retainer.tick(now)
+        return out
+
+
+@dataclass(slots=True)
 class _Step:
     start_s: float
     step_s: float
@@ -481,10 +563,10 @@ def _timed(
     engines: list[EngineModel],
     progress: Progress | None,
     joins: _Joins,
-    replicator: Replicator | None = None,
-    joined: set[int] | None = None,
+    policies: _Policies | None = None,
     slo: SLO | None = None,
 ) -> list[Record]:
+    policies = policies or _Policies()
     records: dict[int, Record] = {}
     order: list[Record] = []
     heap: list[tuple[float, int, int, int]] = []  # (end time, seq, worker, version)
@@ -527,8 +609,8 @@ def _timed(
             if run.first_token_s >= 0 and run.req.rid in records:
                 cp.prefill_done(run.req.rid, now_s=run.first_token_s)
         for run in finished:
-            if replicator is not None and replicator.is_replica(run.req.rid):
-                replicator.finished(run)  # not a workload request: no record, no route
+            if policies.owns(run.req.rid):
+                policies.finished(run)  # not a workload request: no record, no route
                 continue
             rec = records[run.req.rid]
             rec.hit_blocks = run.hit_blocks
@@ -561,6 +643,7 @@ def _timed(
                 heapq.heappush(heap, (st.start_s + st.step_s * done, seq, w, versions[w]))
 
     arrivals = Arrivals(workload.requests)
+    shared = _ParentShare(workload.requests)
     i = 0
     while arrivals or heap:
         next_arrival = arrivals.next_s()
@@ -571,26 +654,30 @@ def _timed(
             st = steps[done_w]
             assert st is not None
             end_step(done_w, end, st.steps)
+            if policies.retainer is not None:
+                for target, preq in policies.due(end, cp.index, arrival=False):
+                    engines[target].enqueue(preq)
+                    queued(target, end)
             continue
         r = arrivals.pop()
         i += 1
         now = r.arrival_s
         rec = Record(r.rid, -1, now, r.prompt_tokens, r.prompt_blocks, r.output_tokens)
+        rec.parent_blocks = shared(r)
         records[r.rid] = rec
         order.append(rec)
         joins.due(now)
-        if replicator is not None and joined is not None and replicator.due(now):
-            for target, rreq in replicator.tick(now, cp.index, joined):
-                engines[target].enqueue(rreq)
-                queued(target, now)
+        for target, preq in policies.due(now, cp.index, arrival=True):
+            engines[target].enqueue(preq)
+            queued(target, now)
         decision = cp.route(_request(r, workload.parent_hints, slo), now)
         worker = decision.worker
         if worker is None:
             rec.rejected = decision.reason or "rejected"
             arrivals.finished(r.rid, now, now)
             continue
-        if replicator is not None:
-            replicator.observe(r, now)
+        if policies.replicator is not None:
+            policies.replicator.observe(r, now)
         w = ranks.slot(decision, _vllm_load(engines))  # the engine slot from here on
         eng = engines[w]
         if not eng.fits_ever(r):
@@ -602,6 +689,8 @@ def _timed(
         _explained(rec, decision)
         eng.enqueue(r, _peer_end(decision))
         queued(w, now)
+        if policies.retainer is not None:
+            policies.retainer.turn(r, w, now)
         if progress is not None and i % 256 == 0:
             progress(i)
     return order
