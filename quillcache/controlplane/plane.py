@@ -952,6 +952,18 @@ class ControlPlane:
         n = len(keys)
         return {m.worker for m in self.match(keys) if m.medium == medium and m.blocks >= n}
 
+    def computing(self, keys: KeyArray) -> set[int]:
+        """The workers on which a routed request is computing all of `keys` right now
+        (speculative residency: routed, not yet prefilled)."""
+        n = len(keys)
+        if not n or not len(self._pending):
+            return set()
+        rows, blocks = self._pending.prefixes(as_key_array(keys))
+        busy = {int(r) for r, b in zip(rows.tolist(), blocks.tolist(), strict=True) if b >= n}
+        if not busy:
+            return set()
+        return {w for w, state in self._workers.items() if busy.intersection(state.rows)}
+
     def queue_wait_s(self, worker: int) -> float:
         """The worker's estimated queue wait: its queued prefill at the cost model's
         speed (booked and reported load); infinite for a worker not (or no longer)

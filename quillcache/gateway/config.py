@@ -31,7 +31,12 @@ from pydantic import (
 from quillcache.errors import ConfigError
 from quillcache.gateway.lmcache_ctl import LmcacheSettings
 from quillcache.policy.budget import BURST_S, ENGINE_TOKENS_PER_S, TENANT_TOKENS_PER_S
-from quillcache.policy.retention import TOUCH_MAX_INTERVAL_S, TOUCH_MIN_INTERVAL_S, TOUCH_SAFETY
+from quillcache.policy.retention import (
+    MAX_ENGINE_SHARE,
+    TOUCH_MAX_INTERVAL_S,
+    TOUCH_MIN_INTERVAL_S,
+    TOUCH_SAFETY,
+)
 from quillcache.policy.targets import RETENTION_MAX_TOKENS, SESSION_MAX_TTL_S
 from quillcache.tokenization.multimodal import MultimodalConfig
 
@@ -213,6 +218,13 @@ class PolicyConfig(BaseModel):
         gt=0,
         le=1,
         description="touch within this share of the time the holder's LRU takes to turn over",
+    )
+    retention_max_engine_share: float = Field(
+        default=MAX_ENGINE_SHARE,
+        gt=0,
+        le=1,
+        description="the share of an engine's KV capacity retention keeps at most (pins "
+        "first, then the latest sessions; the rest is left to the engine's LRU)",
     )
     timeout_s: float = Field(default=30.0, gt=0, description="one warm request at most")
     max_concurrent: int = Field(default=8, ge=1, description="warm requests in flight at most")

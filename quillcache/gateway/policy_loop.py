@@ -231,6 +231,8 @@ class PolicyEngine:
         due = plan(
             self.store,
             holders_of=self.plane.holders,
+            computing_of=self.plane.computing,
+            room_blocks=self._room_blocks,
             interval_s=self._interval_s,
             place=self._place,
             now_s=now,
@@ -320,6 +322,12 @@ class PolicyEngine:
         state = self.plane.worker(engine)
         size = state.capacity_blocks or state.resident_blocks
         return self.timing.interval_s(size, self.rates.rate(engine))
+
+    def _room_blocks(self, engine: int) -> float:
+        """The blocks retention may keep on `engine`: its share of the engine's capacity
+        (unbounded while the capacity is not known)."""
+        capacity = self.plane.worker(engine).capacity_blocks
+        return self.config.retention_max_engine_share * capacity if capacity else math.inf
 
     def _place(self, target: Target) -> int | None:
         """Where a pin nobody holds goes: the healthy engine serving its model with the

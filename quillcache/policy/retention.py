@@ -31,6 +31,8 @@ from quillcache.policy.targets import KeyArray, Target, TargetId, TargetKind
 TOUCH_MIN_INTERVAL_S = 2.0
 TOUCH_MAX_INTERVAL_S = 120.0
 TOUCH_SAFETY = 0.25
+#: The share of an engine's KV capacity retention keeps at most (the rest is its LRU's).
+MAX_ENGINE_SHARE = 0.5
 
 
 class WarmAction(enum.Enum):
@@ -100,10 +102,12 @@ def plan(
     targets: Iterable[Target],
     *,
     holders_of: Callable[[KeyArray], set[int]],
+    computing_of: Callable[[KeyArray], set[int]],
     interval_s: Callable[[int], float],
     place: Callable[[Target], int | None],
     now_s: float,
     min_interval_s: float,
+    room_blocks: Callable[[int], float] = lambda engine: math.inf,
 ) -> list[Warm]:
     """The warm requests due at `now_s`, in the targets' order.
 
@@ -113,24 +117,68 @@ def plan(
     - A target whose engines hold none of it is prefetched (a pin onto `place(target)`,
       a session onto its engine), unless it was warmed there within `min_interval_s`
       (its events may not have arrived yet).
+    - An engine on which a routed request is computing the whole prefix
+      (`computing_of`: a session's turn still queued or in prefill) is neither touched
+      nor prefetched: that request uses the prefix, and a queue longer than
+      `min_interval_s` would otherwise have it computed twice.
+    - An engine keeps at most `room_blocks(engine)` blocks of targets: pins first,
+      then the sessions that expire last (their latest turns); the rest are left to
+      its LRU. Without the bound, a router that puts many sessions on one engine has
+      their touches fill its cache, every eviction then costs a prefetch of a whole
+      prefix, and the budget goes on prefetches instead of cheap touches.
     """
-    out: list[Warm] = []
+    targets = list(targets)
+    wanted: list[tuple[set[int], int | None]] = []  # per target: engines kept, placed onto
     for t in targets:
-        holders = holders_of(t.keys)
+        computing = computing_of(t.keys)
+        holders = holders_of(t.keys) - computing
         if t.kind is TargetKind.SESSION:
             if t.engine is None:
+                wanted.append((set(), None))
                 continue
             keep = holders & {t.engine}
         else:
             keep = holders
+        onto = None
+        if not keep and not (computing and (t.kind is TargetKind.PIN or t.engine in computing)):
+            onto = t.engine if t.kind is TargetKind.SESSION else place(t)
+        wanted.append((keep, onto))
+    fits = _fitting(targets, wanted, room_blocks)
+    out: list[Warm] = []
+    for i, t in enumerate(targets):
+        keep, onto = wanted[i]
         for engine in sorted(keep):
+            if (i, engine) not in fits:
+                continue
             if now_s - t.touched_s.get(engine, -math.inf) >= interval_s(engine):
                 out.append(Warm(t.id, engine, WarmAction.RETAIN))
-        if keep:
-            continue
-        onto = t.engine if t.kind is TargetKind.SESSION else place(t)
-        if onto is None:
+        if onto is None or (i, onto) not in fits:
             continue
         if now_s - t.touched_s.get(onto, -math.inf) >= min_interval_s:
             out.append(Warm(t.id, onto, WarmAction.PREFETCH))
     return out
+
+
+def _fitting(
+    targets: list[Target],
+    wanted: list[tuple[set[int], int | None]],
+    room_blocks: Callable[[int], float],
+) -> set[tuple[int, int]]:
+    """(target position, engine) for each target an engine has room to keep: pins
+    first, then by expiry, the latest first (ties: the targets' order)."""
+    order = sorted(
+        range(len(targets)),
+        key=lambda i: (targets[i].kind is not TargetKind.PIN, -targets[i].expires_s, i),
+    )
+    left: dict[int, float] = {}
+    fits: set[tuple[int, int]] = set()
+    for i in order:
+        keep, onto = wanted[i]
+        blocks = len(targets[i].keys)
+        for engine in sorted(keep | ({onto} if onto is not None else set())):
+            room = left[engine] if engine in left else room_blocks(engine)
+            if blocks <= room:
+                room -= blocks
+                fits.add((i, engine))
+            left[engine] = room
+    return fits

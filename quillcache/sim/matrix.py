@@ -118,6 +118,11 @@ class Cell:
     max_num_seqs: tuple[tuple[int, int], ...] = ()  # engine -> its sequence slots
     # hot-prefix replication's knobs (`quillcache.sim.replicate`); None: off
     replicate: tuple[tuple[str, Any], ...] | None = None
+    # session retention's knobs (`quillcache.sim.retain`); None: off
+    retain: tuple[tuple[str, Any], ...] | None = None
+    # every request's SLO and whether the admission stage holds it (`SimConfig.slo`):
+    # (("admission", bool), ("tbt_s", x | None), ("ttft_s", x | None)); None: none
+    slo: tuple[tuple[str, Any], ...] | None = None
 
     def key(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -135,6 +140,10 @@ class Cell:
             out["max_num_seqs"] = {str(w): n for w, n in self.max_num_seqs}
         if self.replicate is not None:
             out["replicate"] = dict(self.replicate)
+        if self.retain is not None:
+            out["retain"] = dict(self.retain)
+        if self.slo is not None:
+            out["slo"] = dict(self.slo)
         return out
 
 
@@ -499,6 +508,8 @@ def _cell(
             "join_at_s",
             "max_num_seqs",
             "replicate",
+            "retain",
+            "slo",
         },
     )
     for k in ("name", "workload", "setup", "engines"):
@@ -532,6 +543,17 @@ def _cell(
         except ConfigError as exc:
             raise src.error(f"{path}.replicate", str(exc)) from None
         replicate = tuple(sorted(opts.items()))
+    retain = None
+    if "retain" in t:
+        from quillcache.sim.retain import RetainSettings
+
+        opts = _table(src, f"{path}.retain", t["retain"])
+        try:
+            RetainSettings.parse(opts)
+        except ConfigError as exc:
+            raise src.error(f"{path}.retain", str(exc)) from None
+        retain = tuple(sorted(opts.items()))
+    slo = _cell_slo(src, f"{path}.slo", t["slo"]) if "slo" in t else None
     return Cell(
         t["name"],
         t["workload"],
@@ -542,7 +564,32 @@ def _cell(
         join,
         tuple((w, int(n)) for w, n in seqs),
         replicate,
+        retain,
+        slo,
     )
+
+
+def _cell_slo(src: _Source, path: str, value: Any) -> tuple[tuple[str, Any], ...]:
+    """A cell's `slo = { ttft_s = 2.0, tbt_s = 0.1, admission = true }`: at least one
+    bound, each a positive number of seconds; `admission` (default true) false only
+    reads the SLO in the report."""
+    t = _table(src, path, value)
+    _known(src, f"{path}.", t, {"ttft_s", "tbt_s", "admission"})
+    bounds: dict[str, float | None] = {}
+    for k in ("ttft_s", "tbt_s"):
+        v = t.get(k)
+        ok = v is None or (
+            not isinstance(v, bool) and isinstance(v, (int, float)) and 0 < v < math.inf
+        )
+        if not ok:
+            raise src.error(f"{path}.{k}", f"must be a positive number of seconds, got {v!r}")
+        bounds[k] = None if v is None else float(v)
+    if bounds["ttft_s"] is None and bounds["tbt_s"] is None:
+        raise src.error(path, "needs ttft_s or tbt_s")
+    admission = t.get("admission", True)
+    if not isinstance(admission, bool):
+        raise src.error(f"{path}.admission", "must be true or false")
+    return (("admission", admission), ("tbt_s", bounds["tbt_s"]), ("ttft_s", bounds["ttft_s"]))
 
 
 def trace_dirs(base_dir: Path | None) -> list[Path]:
@@ -637,8 +684,20 @@ _KEPT = (
     "kv_optimal_share",
     "regret_tokens_per_request",
 )
-#: Kept when the cell runs a policy (`Cell.replicate`).
-_KEPT_POLICY = ("replications", "replication_prefill_tokens", "replication_prefill_pct")
+#: Kept when the cell runs a policy (`Cell.replicate`, `Cell.retain`, `Cell.slo`) or its
+#: workload has follow-ups (closed loop).
+_KEPT_POLICY = (
+    "replications",
+    "replication_prefill_tokens",
+    "replication_prefill_pct",
+    "retention_touches",
+    "retention_prefetches",
+    "retention_prefill_pct",
+    "followup_reuse_share",
+    "followup_ttft_mean_s",
+    "slo_met_share",
+    "slo_goodput_share",
+)
 
 
 def seed_free(grid: Grid, ci: int) -> bool:
@@ -670,6 +729,17 @@ def _run_one(task: Task) -> tuple[dict[str, Any], float, bool]:
         from quillcache.sim.replicate import ReplicateSettings
 
         replicate = ReplicateSettings.parse(dict(cell.replicate))
+    retain = None
+    if cell.retain is not None:
+        from quillcache.sim.retain import RetainSettings
+
+        retain = RetainSettings.parse(dict(cell.retain))
+    slo, admission = None, True
+    if cell.slo is not None:
+        from quillcache.routing import SLO
+
+        spec = dict(cell.slo)
+        slo, admission = SLO(ttft_s=spec["ttft_s"], tbt_s=spec["tbt_s"]), spec["admission"]
     config = SimConfig(
         workers=cell.engines,
         seed=seed,
@@ -677,6 +747,9 @@ def _run_one(task: Task) -> tuple[dict[str, Any], float, bool]:
         join_at_s=dict(cell.join_at_s),
         max_num_seqs=dict(cell.max_num_seqs),
         replicate=replicate,
+        retain=retain,
+        slo=slo,
+        admission=admission,
     )
     try:
         router_obj = create_router(router, seed=seed)
@@ -940,6 +1013,17 @@ def summarize(
                 row["replication_prefill_pct"] = _r(
                     _mean([r["replication_prefill_pct"] for r in mine]), 3
                 )
+            if cell.retain is not None:
+                row["retention_touches"] = sum(
+                    r["retention_touches"] + r["retention_prefetches"] for r in mine
+                )
+                row["retention_prefill_pct"] = _r(
+                    _mean([r["retention_prefill_pct"] for r in mine]), 3
+                )
+            for metric in ("followup_reuse_share", "slo_met_share", "slo_goodput_share"):
+                vals = [r[metric] for r in mine if r.get(metric) is not None]
+                if vals:
+                    row[metric] = _r(_mean(vals), 4)
             routers[router] = row
         cells.append(
             {

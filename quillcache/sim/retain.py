@@ -34,6 +34,7 @@ from quillcache.policy.budget import (
     ActuationBudget,
 )
 from quillcache.policy.retention import (
+    MAX_ENGINE_SHARE,
     TOUCH_MAX_INTERVAL_S,
     TOUCH_MIN_INTERVAL_S,
     TOUCH_SAFETY,
@@ -73,6 +74,7 @@ class RetainSettings:
     touch_min_interval_s: float = TOUCH_MIN_INTERVAL_S
     touch_max_interval_s: float = TOUCH_MAX_INTERVAL_S
     touch_safety: float = TOUCH_SAFETY
+    max_engine_share: float = MAX_ENGINE_SHARE
     max_tokens: int = RETENTION_MAX_TOKENS
     engine_tokens_per_s: float = ENGINE_TOKENS_PER_S
     tenant_tokens_per_s: float = TENANT_TOKENS_PER_S
@@ -105,8 +107,9 @@ class RetainSettings:
                 raise ConfigError(f"retention {name} must be positive, got {getattr(self, name)}")
         if self.touch_min_interval_s > self.touch_max_interval_s:
             raise ConfigError("retention touch_min_interval_s must not exceed touch_max_interval_s")
-        if not 0 < self.touch_safety <= 1:
-            raise ConfigError(f"retention touch_safety must be in (0, 1], got {self.touch_safety}")
+        for name in ("touch_safety", "max_engine_share"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ConfigError(f"retention {name} must be in (0, 1], got {getattr(self, name)}")
         for name in ("max_tokens", "engine_tokens_per_s", "tenant_tokens_per_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"retention {name} must be >= 0, got {getattr(self, name)}")
@@ -201,6 +204,8 @@ class Retainer:
         due = plan(
             self.store,
             holders_of=self.plane.holders,
+            computing_of=self.plane.computing,
+            room_blocks=self._room_blocks,
             interval_s=self._interval_s,
             place=lambda _target: None,  # sessions go to their own engine
             now_s=now_s,
@@ -231,6 +236,10 @@ class Retainer:
 
     def _next_rid(self) -> int:
         return TOUCH_RID_BASE - next(self._rids)
+
+    def _room_blocks(self, engine: int) -> float:
+        """As the gateway's: its share of the engine's capacity."""
+        return self.settings.max_engine_share * self.plane.worker(engine).capacity_blocks
 
     def _interval_s(self, engine: int) -> float:
         """As the gateway's: the engine's capacity (else what it holds, by the index)

@@ -127,3 +127,25 @@ def test_longest_pinned_prefix_matches_a_reference(
         stage.add(np.array(chain, dtype=np.uint64))
     got = stage.longest(np.array(keys, dtype=np.uint64))
     assert got == _longest_reference(keys, chains)
+
+
+def test_computing_names_the_workers_a_routed_request_computes_a_prefix_on() -> None:
+    """`ControlPlane.computing`: the retention policy leaves a prefix to the request
+    computing it (routed, not yet prefilled), whole prefixes only, on any dp rank."""
+    plane = ControlPlane(index="native", router="round-robin", block_size=16)
+    plane.add_worker(0, capacity_blocks=100)
+    plane.add_worker(7, capacity_blocks=100, dp_ranks=2)
+    keys = np.arange(1, 9, dtype=np.uint64)
+    assert plane.computing(keys) == set()
+    first = plane.route(Request(1, keys, 8 * 16 + 3))
+    second = plane.route(Request(2, keys, 8 * 16 + 3))
+    assert {first.worker, second.worker} == {0, 7}
+    assert plane.computing(keys) == {0, 7}
+    assert plane.computing(keys[:4]) == {0, 7}  # a prefix of what they compute
+    longer = np.arange(1, 12, dtype=np.uint64)
+    assert plane.computing(longer) == set()  # more than anyone computes
+    plane.prefill_done(1)
+    assert plane.computing(keys) == {first.worker, second.worker} - {first.worker}
+    plane.finish(2)
+    assert plane.computing(keys) == set()
+    assert plane.computing(np.array([], dtype=np.uint64)) == set()

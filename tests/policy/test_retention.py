@@ -84,6 +84,7 @@ def test_plan_retains_holders_and_places_what_nobody_holds() -> None:
     out = plan(
         [pin, lost, session],
         holders_of=lambda keys: by_keys[tuple(keys.tolist())],
+        computing_of=lambda keys: set(),
         interval_s=lambda engine: 5.0,
         place=lambda t: 3,
         now_s=10.0,
@@ -99,12 +100,44 @@ def test_plan_retains_holders_and_places_what_nobody_holds() -> None:
     again = plan(
         [lost],
         holders_of=lambda keys: set(),
+        computing_of=lambda keys: set(),
         interval_s=lambda engine: 5.0,
         place=lambda t: 3,
         now_s=10.0,
         min_interval_s=2.0,
     )
     assert again == []
+
+
+def test_plan_leaves_a_prefix_being_computed_to_the_request_computing_it() -> None:
+    """A session's turn queued on its engine longer than `min_interval_s`: the turn will
+    compute (or is using) the prefix there, so no prefetch or touch doubles it; a pin
+    being placed anywhere is not placed again."""
+    session = target("s", kind=TargetKind.SESSION, engine=2)
+    pin = target("pin")
+    session.touched_s = {2: 0.0}
+    pin.touched_s = {3: 0.0}
+
+    def due(holders: set[int], computing: set[int], t: Target) -> list[tuple[int, WarmAction]]:
+        out = plan(
+            [t],
+            holders_of=lambda keys: holders,
+            computing_of=lambda keys: computing,
+            interval_s=lambda engine: 5.0,
+            place=lambda t: 3,
+            now_s=10.0,
+            min_interval_s=2.0,
+        )
+        return [(w.engine, w.action) for w in out]
+
+    assert due(set(), set(), session) == [(2, WarmAction.PREFETCH)]
+    assert due(set(), {2}, session) == []
+    assert due(set(), {1}, session) == [(2, WarmAction.PREFETCH)]  # elsewhere: not its turn
+    assert due({2}, {2}, session) == []  # held and in use there: no touch needed
+    assert due({2}, set(), session) == [(2, WarmAction.RETAIN)]
+    assert due(set(), set(), pin) == [(3, WarmAction.PREFETCH)]
+    assert due(set(), {1}, pin) == []
+    assert due({0, 1}, {1}, pin) == [(0, WarmAction.RETAIN)]
 
 
 @settings(max_examples=200, deadline=None)
@@ -136,3 +169,59 @@ def test_budget_takes_from_both_or_neither() -> None:
     assert budget.engines.level(1, 0.0) == 100.0  # engine 1 was not charged
     assert budget.take(1, "b", 20, 0.0)
     assert math.isclose(budget.tenants.level("a", 0.2), 20.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.booleans(),  # a pin (else a session)
+            st.integers(1, 8),  # its blocks
+            st.integers(0, 2),  # its engine / the engine holding it
+            st.floats(0.0, 50.0),  # its expiry
+            st.booleans(),  # held there (else: prefetched there)
+        ),
+        max_size=12,
+    ),
+    st.integers(0, 20),
+)
+def test_an_engine_keeps_targets_within_its_room_pins_then_the_latest_sessions(
+    specs: list[tuple[bool, int, int, float, bool]], room: int
+) -> None:
+    """Against a reference: per engine, walk pins then sessions by expiry (latest
+    first), keep each one that still fits the room; exactly those get a warm."""
+    targets, held = [], {}
+    for i, (is_pin, blocks, engine, expiry, is_held) in enumerate(specs):
+        kind = TargetKind.PIN if is_pin else TargetKind.SESSION
+        t = target(f"t{i}", blocks * 16, kind=kind, engine=engine, expires_s=100 + expiry)
+        t.keys = np.arange(1, blocks + 1, dtype=np.uint64) + np.uint64(1000 * (i + 1))
+        targets.append(t)
+        held[int(t.keys[0])] = {engine} if is_held else set()
+    out = plan(
+        targets,
+        holders_of=lambda keys: held[int(keys[0])],
+        computing_of=lambda keys: set(),
+        interval_s=lambda engine: 1.0,
+        place=lambda t: 2 - (int(t.keys[0]) // 1000) % 2,  # a pin held nowhere: 1 or 2
+        now_s=10.0,
+        min_interval_s=1.0,
+        room_blocks=lambda engine: float(room),
+    )
+    where = {}
+    for i, t in enumerate(targets):
+        on = specs[i][2] if (t.kind is TargetKind.SESSION or specs[i][4]) else None
+        where[i] = on if on is not None else 2 - (int(t.keys[0]) // 1000) % 2
+    expected = set()
+    left = {e: room for e in range(3)}
+    order = sorted(
+        range(len(targets)),
+        key=lambda i: (targets[i].kind is not TargetKind.PIN, -targets[i].expires_s, i),
+    )
+    for i in order:
+        if len(targets[i].keys) <= left[where[i]]:
+            left[where[i]] -= len(targets[i].keys)
+            expected.add((targets[i].name, where[i]))
+    assert {(w.target[2], w.engine) for w in out} == expected
+    # and in the targets' order
+    names = [w.target[2] for w in out]
+    assert names == sorted(names, key=lambda n: int(n[1:]))

@@ -79,3 +79,67 @@ def test_a_request_meets_its_slo_by_ttft_and_mean_time_between_tokens() -> None:
 def test_bad_slos_are_a_config_error(slo: SLO, timing: str, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         SimConfig(slo=slo, timing=timing).check()  # type: ignore[arg-type]
+
+
+GRID = """\
+routers = ["quillcache", "round-robin"]
+seeds = 1
+
+[workloads.busy]
+generator = "shared-prefix"
+requests = 1500
+prefix_groups = 64
+shared_prefix_blocks = 128
+unique_blocks = 32
+zipf = 1.0
+rate = 75.0
+
+[[cells]]
+name = "held"
+workload = "busy"
+setup = "llama-8b-a100"
+engines = 4
+slo = { ttft_s = 2.0 }
+
+[[cells]]
+name = "free"
+workload = "busy"
+setup = "llama-8b-a100"
+engines = 4
+slo = { ttft_s = 2.0, admission = false }
+"""
+
+
+def test_a_grid_cell_holds_its_slo() -> None:
+    from quillcache.sim import matrix
+
+    grid = matrix.parse_grid(GRID)
+    held, free = grid.cells
+    assert held.key()["slo"] == {"admission": True, "tbt_s": None, "ttft_s": 2.0}
+    assert free.key()["slo"]["admission"] is False
+    matrix._STATE["grid"] = grid
+    runs = [matrix.run_task((c, 0, r))[0] for c in (0, 1) for r in grid.routers]
+    cells = matrix.summarize(grid, runs)["cells"]
+    for router in grid.routers:
+        assert cells[0]["routers"][router]["slo_met_share"] >= 0.95
+        assert cells[1]["routers"][router]["slo_met_share"] < 0.5
+        assert cells[1]["routers"][router]["rejected"] == 0
+
+
+@pytest.mark.parametrize(
+    "slo, needle",
+    [
+        ("{ ttft_s = -2.0 }", "slo.ttft_s: must be a positive number"),
+        ("{ tbt_s = true }", "slo.tbt_s: must be a positive number"),
+        ("{ admission = false }", "slo: needs ttft_s or tbt_s"),
+        ('{ ttft_s = 1.0, admission = "yes" }', "slo.admission: must be true or false"),
+        ("{ ttft_s = 1.0, nope = 1 }", "nope"),
+        ("2.0", "slo: must be a table"),
+    ],
+)
+def test_bad_cell_slos_name_the_key(slo: str, needle: str) -> None:
+    from quillcache.sim import matrix
+
+    text = GRID.replace("slo = { ttft_s = 2.0 }", f"slo = {slo}")
+    with pytest.raises(ConfigError, match=needle):
+        matrix.parse_grid(text)
