@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
 from quillcache.up import Proc, engine_args, gateway_args, launch
+
+if TYPE_CHECKING:
+    from tests.online.fleet import Fleet
 
 ADMIN = "test-admin-token"
 
@@ -85,6 +89,18 @@ def make_shared_stack(tmp_path: Path, relay: str = "native") -> Iterator[Stack]:
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
     yield from make_stack(tmp_path)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    """A Redis, engines and gateway replicas sharing it (`tests/online/fleet.py`)."""
+    from tests.online.fleet import Fleet
+
+    f = Fleet(tmp_path)
+    try:
+        yield f
+    finally:
+        f.close()
 
 
 @pytest.fixture(scope="module")

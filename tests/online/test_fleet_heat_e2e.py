@@ -13,18 +13,15 @@ well under the decay time."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
-import pytest
 
 from quillcache.gateway.tenancy import hash_key
 from quillcache.up import Proc
 from tests.online.conftest import metric
-from tests.online.test_replicas_e2e import Fleet
+from tests.online.fleet import Fleet
 from tests.online.test_replication_e2e import BLOCK, KEYS, SYSTEM, SYSTEM_BLOCKS, served_by, text
 
 WARMS = "quillcache_policy_warm_requests_total"
@@ -39,15 +36,6 @@ POLICY = {
         "cooldown_s": 0.5,
     },
 }
-
-
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    f = Fleet(tmp_path)
-    try:
-        yield f
-    finally:
-        f.close()
 
 
 def _gateways(fleet: Fleet, shared: bool) -> list[Proc]:

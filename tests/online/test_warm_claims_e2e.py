@@ -7,27 +7,15 @@ once per replica. Real redis-server, engine simulator and gateways as processes.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.online.conftest import metric
+from tests.online.fleet import Fleet, prompt
 from tests.online.helpers import wait_for
-from tests.online.test_replicas_e2e import Fleet, prompt
 
 WARMS = "quillcache_policy_warm_requests_total"
 INTERVAL_S = 1.0  # touch_max_interval_s: an engine under no eviction pressure
-
-
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    f = Fleet(tmp_path)
-    try:
-        yield f
-    finally:
-        f.close()
 
 
 def warms(fleet: Fleet, outcome: str) -> float:
