@@ -89,4 +89,71 @@ engines = 8
 join_at_s = { 7 = 25.0 }
 """
 
-NAMED: dict[str, str] = {"quick": QUICK, "full": FULL, "degenerate": DEGENERATE}
+# The policy engine's decisions beside none, with every router (docs/simulator.md,
+# "Policies"): what each policy is worth and what it costs, on the shapes its results
+# were measured on. Admission cells are judged on the SLO columns: every router
+# rejects there, so no TTFT winner is named.
+POLICIES = """\
+description = "session retention and SLO admission, each beside the same cell without it"
+seeds = 3
+
+[workloads.sessions-and-background]
+# 30 agent sessions with 30 s tool waits beside 8 one-off 2,048-token prompts a second
+generator = "multi-turn"
+sessions = 30
+turns = 4
+system_prompt_len = 64
+user_len = 512
+think_time_s = 30.0
+rate = 1.0
+background_rate = 8.0
+
+[workloads.twice-the-load]
+# simulate's shared-prefix at 75 requests a second: twice what 4 engines serve
+generator = "shared-prefix"
+requests = 1500
+prefix_groups = 64
+shared_prefix_blocks = 128
+unique_blocks = 32
+zipf = 1.0
+rate = 75.0
+
+[setups.llama-8b-a100-3000-blocks]
+# caches the background turns over in about 12 s, well within a tool wait
+base = "llama-8b-a100"
+cost = { "engine.kv_capacity_blocks" = 3000 }
+
+[[cells]]
+name = "sessions, no retention"
+workload = "sessions-and-background"
+setup = "llama-8b-a100-3000-blocks"
+engines = 4
+
+[[cells]]
+name = "sessions, retention"
+workload = "sessions-and-background"
+setup = "llama-8b-a100-3000-blocks"
+engines = 4
+retain = {}
+
+[[cells]]
+name = "2x load, 2 s TTFT SLO, no admission"
+workload = "twice-the-load"
+setup = "llama-8b-a100"
+engines = 4
+slo = { ttft_s = 2.0, admission = false }
+
+[[cells]]
+name = "2x load, 2 s TTFT SLO, admission"
+workload = "twice-the-load"
+setup = "llama-8b-a100"
+engines = 4
+slo = { ttft_s = 2.0 }
+"""
+
+NAMED: dict[str, str] = {
+    "quick": QUICK,
+    "full": FULL,
+    "degenerate": DEGENERATE,
+    "policies": POLICIES,
+}

@@ -34,6 +34,28 @@ def _loss(v: dict[str, Any]) -> str:
     return verdict
 
 
+#: A cell's policy metrics (`matrix.summarize`), shown when its runs have them.
+_POLICY_COLUMNS = (
+    ("followup_reuse_share", "follow-up reuse"),
+    ("retention_touches", "touches"),
+    ("retention_prefill_pct", "touch prefill"),
+    ("replications", "replicas"),
+    ("replication_prefill_pct", "replica prefill"),
+    ("slo_met_share", "SLO met"),
+    ("slo_goodput_share", "goodput"),
+)
+
+
+def _policy_value(key: str, x: float | None) -> str:
+    if x is None:
+        return "-"
+    if key.endswith("_share"):
+        return _share(x)
+    if key.endswith("_pct"):
+        return f"{x:.1f} %"
+    return f"{x:,.0f}"
+
+
 def page(
     results: dict[str, Any],
     *,
@@ -115,6 +137,15 @@ def page(
             kv += f"; {cell_cpu_s[ci]:,.1f} CPU s for its runs"
         if c["kv_exceeds_gpu"]:
             kv += " (**more than the GPU holds**)"
+        if c.get("retain") is not None:
+            extra.append("session retention")
+        if c.get("slo") is not None:
+            slo = c["slo"]
+            bounds = ", ".join(
+                f"{b.upper()} {slo[f'{b}_s']:g} s" for b in ("ttft", "tbt") if slo[f"{b}_s"]
+            )
+            extra.append(f"SLO {bounds}" + ("" if slo["admission"] else ", no admission"))
+        cols = [k for k, _ in _POLICY_COLUMNS if any(k in r for r in c["routers"].values())]
         lines += [
             f"#### {c['name']}",
             "",
@@ -122,8 +153,9 @@ def page(
             f"x{c['time_scale']:g}{kv}" + (f"; {'; '.join(extra)}" if extra else "") + ".",
             "",
             "| router | TTFT mean (s) | ± | TTFT p99 (s) | ± | block hit | busiest engine "
-            "| rejected | KV-optimal | regret (tokens/req) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| rejected | KV-optimal | regret (tokens/req) |"
+            + "".join(f" {dict(_POLICY_COLUMNS)[k]} |" for k in cols),
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(cols),
         ]
         for name, r in c["routers"].items():
             marks = "".join(f" ({m} winner)" for m in ("mean", "p99") if c[m].get("winner") == name)
@@ -134,6 +166,7 @@ def page(
                 f"{r['max_worker_share'] * 100:.0f} % | {r['rejected']} | "
                 f"{_share(r.get('kv_optimal_share'))} | "
                 f"{_tokens(r.get('regret_tokens_per_request'))} |"
+                + "".join(f" {_policy_value(k, r.get(k))} |" for k in cols)
             )
         lines += [
             "",

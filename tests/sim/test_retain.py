@@ -5,6 +5,7 @@ than the engines' LRU turnover, against the same run without it."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -225,3 +226,26 @@ def test_a_grid_cell_runs_retention() -> None:
         text = GRID.replace("session_ttl_s = 120.0", bad)
         with pytest.raises(ConfigError, match=needle):
             matrix.parse_grid(text)
+
+
+def test_the_results_page_shows_a_policy_cells_columns(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    (tmp_path / "g.toml").write_text(GRID)
+    proc = subprocess.run(
+        [sys.executable, "-m", "quillcache", "simulate", "--matrix", "g.toml", "--out", "o"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    page = next((tmp_path / "o").glob("*.md")).read_text()
+    plain, retained = page.split("#### plain")[1].split("#### retained")
+    assert "touches" not in plain and "follow-up reuse" in plain  # closed loop: always
+    assert "session retention" in retained
+    header = next(line for line in retained.splitlines() if line.startswith("| router"))
+    assert header.endswith("| follow-up reuse | touches | touch prefill |")
+    row = next(line for line in retained.splitlines() if line.startswith("| quillcache"))
+    assert row.count("|") == header.count("|")
