@@ -1020,7 +1020,12 @@ def summarize(
                 row["retention_prefill_pct"] = _r(
                     _mean([r["retention_prefill_pct"] for r in mine]), 3
                 )
-            for metric in ("followup_reuse_share", "slo_met_share", "slo_goodput_share"):
+            for metric in (
+                "followup_reuse_share",
+                "followup_ttft_mean_s",
+                "slo_met_share",
+                "slo_goodput_share",
+            ):
                 vals = [r[metric] for r in mine if r.get(metric) is not None]
                 if vals:
                     row[metric] = _r(_mean(vals), 4)

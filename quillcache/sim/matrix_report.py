@@ -37,6 +37,7 @@ def _loss(v: dict[str, Any]) -> str:
 #: A cell's policy metrics (`matrix.summarize`), shown when its runs have them.
 _POLICY_COLUMNS = (
     ("followup_reuse_share", "follow-up reuse"),
+    ("followup_ttft_mean_s", "follow-up TTFT (s)"),
     ("retention_touches", "touches"),
     ("retention_prefill_pct", "touch prefill"),
     ("replications", "replicas"),
@@ -53,6 +54,8 @@ def _policy_value(key: str, x: float | None) -> str:
         return _share(x)
     if key.endswith("_pct"):
         return f"{x:.1f} %"
+    if key.endswith("_s"):
+        return _s(x)
     return f"{x:,.0f}"
 
 

@@ -246,6 +246,6 @@ def test_the_results_page_shows_a_policy_cells_columns(tmp_path: Path) -> None:
     assert "touches" not in plain and "follow-up reuse" in plain  # closed loop: always
     assert "session retention" in retained
     header = next(line for line in retained.splitlines() if line.startswith("| router"))
-    assert header.endswith("| follow-up reuse | touches | touch prefill |")
+    assert header.endswith("| follow-up reuse | follow-up TTFT (s) | touches | touch prefill |")
     row = next(line for line in retained.splitlines() if line.startswith("| quillcache"))
     assert row.count("|") == header.count("|")
