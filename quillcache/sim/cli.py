@@ -173,6 +173,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="every request's time-between-tokens target (as x-slo-tbt-ms online)",
     )
     pol.add_argument(
+        "--slo-queue",
+        action="store_true",
+        help="a request the admission stage refuses while waiting could help waits, "
+        "retried against what is left of its SLO (the gateway's slo_admission: queue)",
+    )
+    pol.add_argument(
         "--no-admission",
         action="store_true",
         help="with an SLO, admit every request and only report who met it (the share "
@@ -345,6 +351,8 @@ def _slo(args: argparse.Namespace) -> SLO | None:
     from quillcache.errors import ConfigError
     from quillcache.routing import SLO
 
+    if args.slo_queue and (args.slo_ttft is None or args.no_admission):
+        raise ConfigError("--slo-queue needs --slo-ttft and admission (no --no-admission)")
     if args.slo_ttft is None and args.slo_tbt is None:
         if args.no_admission:
             raise ConfigError("--no-admission needs an SLO (--slo-ttft or --slo-tbt)")
@@ -384,6 +392,7 @@ def _run_point(point: Point) -> dict[str, Any]:
         retain=s["retain"],
         slo=s["slo"],
         admission=s["admission"],
+        slo_queue=s["slo_queue"],
     )
     res = run(
         s["workload"],
@@ -538,6 +547,7 @@ def _run(args: argparse.Namespace, err: Any) -> int:
         retain=retain,
         slo=slo,
         admission=not args.no_admission,
+        slo_queue=args.slo_queue,
         dp_ranks=args.dp_ranks,
         dp_placement=args.dp_placement,
         lb=lb,
@@ -573,7 +583,12 @@ def _run(args: argparse.Namespace, err: Any) -> int:
     if retain is not None:
         meta["retain"] = retain.as_dict()
     if slo is not None:
-        meta["slo"] = {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s, "admission": not args.no_admission}
+        meta["slo"] = {
+            "ttft_s": slo.ttft_s,
+            "tbt_s": slo.tbt_s,
+            "admission": not args.no_admission,
+            "queue": args.slo_queue,
+        }
     if args.dp_ranks > 1:
         meta["dp"] = {"ranks": args.dp_ranks, "placement": args.dp_placement}
     if replicas_list != [0]:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import numpy as np
 
 from quillcache.controlplane import ControlPlane, OpLatencies
+from quillcache.controlplane.admission import missed
 from quillcache.costmodel import CostModel
 from quillcache.errors import ConfigError
 from quillcache.index import ApplyStats, IndexBackend
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from quillcache.sim.replicas import ReplicaConfig
     from quillcache.sim.replicate import ReplicateSettings, Replicator
     from quillcache.sim.retain import Retainer, RetainSettings
+    from quillcache.sim.slo_wait import SloWaiters
 
 Timing = Literal["full", "none"]
 Progress = Callable[[int], None]
@@ -104,6 +106,12 @@ class SimConfig:
     # without, the requests are routed as if they had none and only the report reads it
     slo: SLO | None = None
     admission: bool = True
+    # the gateway's `slo_admission: queue`: a request the stage refuses while waiting
+    # could help waits, retried every `slo_queue_tick_s` against what is left of its
+    # TTFT SLO, at most `slo_queue_max` at once (`quillcache.sim.slo_wait`)
+    slo_queue: bool = False
+    slo_queue_max: int = 1024
+    slo_queue_tick_s: float = 0.01
     # session retention (`quillcache.sim.retain`): every session's hint; None: off
     retain: RetainSettings | None = None
 
@@ -148,6 +156,15 @@ class SimConfig:
                 raise ConfigError("an SLO needs a TTFT or a TBT bound")
             if self.timing != "full":
                 raise ConfigError("SLOs are simulated with full timing only (no queues)")
+        if self.slo_queue:
+            if self.slo is None or self.slo.ttft_s is None or not self.admission:
+                raise ConfigError("the SLO queue needs a TTFT SLO and admission")
+            if isinstance(self.slo_queue_max, bool) or self.slo_queue_max < 1:
+                raise ConfigError(f"slo_queue_max must be >= 1, got {self.slo_queue_max}")
+            if not 0 < self.slo_queue_tick_s <= 1.0:
+                raise ConfigError(
+                    f"slo_queue_tick_s must be in (0, 1] s, got {self.slo_queue_tick_s}"
+                )
 
     def capacity_for(self, cost: CostModel, block_size: int) -> int:
         if self.capacity_blocks is not None:
@@ -289,13 +306,18 @@ def run(
             join(w, 0.0)
     joins = _Joins(sorted((t, w) for w, t in config.join_at_s.items()), join)
     t0 = time.perf_counter()
+    waiters = None
     try:
         if config.timing == "none":
             records = _order_only(workload, cp, ranks, engines, config, progress, joins)
         elif config.timing == "full":
             slo = config.slo if config.admission else None
             policies = _Policies(replicator, retainer, joined)
-            records = _timed(workload, cp, ranks, engines, progress, joins, policies, slo)
+            if config.slo_queue and slo is not None:
+                from quillcache.sim.slo_wait import SloWaiters
+
+                waiters = SloWaiters(slo, config.slo_queue_max, config.slo_queue_tick_s)
+            records = _timed(workload, cp, ranks, engines, progress, joins, policies, slo, waiters)
         else:
             raise ConfigError(f"timing must be 'full' or 'none', got {config.timing!r}")
         wall = time.perf_counter() - t0
@@ -329,6 +351,7 @@ def run(
         policy={
             **(replicator.stats() if replicator is not None else {}),
             **(retainer.stats() if retainer is not None else {}),
+            **(waiters.stats() if waiters is not None else {}),
         },
         slo=config.slo,
         admission=config.admission,
@@ -408,6 +431,13 @@ class _Joins:
         while self._pending and self._pending[0][0] <= now:
             _, w = self._pending.popleft()
             self._join(w, now)
+
+
+def waits(request: Request, decision: Decision) -> bool:
+    """Whether a refusal of the admission stage is one waiting could help (a TTFT miss
+    by the chosen engine's queue: `SloMiss.waiting_helps`)."""
+    miss = missed(request, decision, None)
+    return miss is not None and miss.waiting_helps
 
 
 def _request(r: Any, parent_hints: bool, slo: SLO | None = None) -> Request:
@@ -565,6 +595,7 @@ def _timed(
     joins: _Joins,
     policies: _Policies | None = None,
     slo: SLO | None = None,
+    waiters: SloWaiters | None = None,
 ) -> list[Record]:
     policies = policies or _Policies()
     records: dict[int, Record] = {}
@@ -642,6 +673,48 @@ def _timed(
                 seq += 1
                 heapq.heappush(heap, (st.start_s + st.step_s * done, seq, w, versions[w]))
 
+    def serve(r: SimRequest, now: float, req_slo: SLO | None) -> tuple[Request, Decision | None]:
+        """Route `r` at `now` with `req_slo` and queue it on its engine; the refusal, if
+        the stage or the engine's capacity refused it."""
+        request = _request(r, workload.parent_hints, req_slo)
+        decision = cp.route(request, now)
+        worker = decision.worker
+        if worker is None:
+            return request, decision
+        if policies.replicator is not None:
+            policies.replicator.observe(r, now)
+        w = ranks.slot(decision, _vllm_load(engines))  # the engine slot from here on
+        eng = engines[w]
+        rec = records[r.rid]
+        if not eng.fits_ever(r):
+            cp.finish(r.rid)
+            refuse(r, "prompt + output exceed the worker's KV capacity", now)
+            return request, None
+        rec.worker = worker
+        _explained(rec, decision)
+        eng.enqueue(r, _peer_end(decision))
+        queued(w, now)
+        if policies.retainer is not None:
+            policies.retainer.turn(r, w, now)
+        return request, None
+
+    def refuse(r: SimRequest, reason: str, now: float) -> None:
+        records[r.rid].rejected = reason
+        arrivals.finished(r.rid, now, now)
+
+    def retry(now: float) -> None:
+        """The SLO queue's round: each waiter, in order, routed against what is left
+        of its SLO; refused once waiting cannot help it any more."""
+        assert waiters is not None
+        for r, left in waiters.take(now):
+            request, decision = serve(r, now, left)
+            if decision is None:
+                continue
+            if waits(request, decision):
+                waiters.keep(r)
+            else:
+                refuse(r, (decision.reason or "rejected") + " (after waiting)", now)
+
     arrivals = Arrivals(workload.requests)
     shared = _ParentShare(workload.requests)
     i = 0
@@ -658,6 +731,8 @@ def _timed(
                 for target, preq in policies.due(end, cp.index, arrival=False):
                     engines[target].enqueue(preq)
                     queued(target, end)
+            if waiters is not None and waiters.due(end):
+                retry(end)
             continue
         r = arrivals.pop()
         i += 1
@@ -670,27 +745,13 @@ def _timed(
         for target, preq in policies.due(now, cp.index, arrival=True):
             engines[target].enqueue(preq)
             queued(target, now)
-        decision = cp.route(_request(r, workload.parent_hints, slo), now)
-        worker = decision.worker
-        if worker is None:
-            rec.rejected = decision.reason or "rejected"
-            arrivals.finished(r.rid, now, now)
-            continue
-        if policies.replicator is not None:
-            policies.replicator.observe(r, now)
-        w = ranks.slot(decision, _vllm_load(engines))  # the engine slot from here on
-        eng = engines[w]
-        if not eng.fits_ever(r):
-            rec.rejected = "prompt + output exceed the worker's KV capacity"
-            cp.finish(r.rid)
-            arrivals.finished(r.rid, now, now)
-            continue
-        rec.worker = worker
-        _explained(rec, decision)
-        eng.enqueue(r, _peer_end(decision))
-        queued(w, now)
-        if policies.retainer is not None:
-            policies.retainer.turn(r, w, now)
+        if waiters is not None and waiters.due(now):
+            retry(now)
+        request, decision = serve(r, now, slo)
+        if decision is not None:
+            if waiters is not None and waits(request, decision) and waiters.add(r, now):
+                continue
+            refuse(r, decision.reason or "rejected", now)
         if progress is not None and i % 256 == 0:
             progress(i)
     return order

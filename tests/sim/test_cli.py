@@ -148,6 +148,8 @@ def test_trace_capacity_sweep_with_plot(tmp_path) -> None:
         (["--slo-ttft", "-1"], "--slo-ttft must be a positive number"),
         (["--slo-tbt", "nan"], "--slo-tbt must be a positive number"),
         (["--slo-ttft", "2", "--timing", "none"], "an SLO needs --timing full"),
+        (["--slo-queue"], "--slo-queue needs --slo-ttft"),
+        (["--slo-ttft", "2", "--slo-queue", "--no-admission"], "--slo-queue needs"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(args: list[str], needle: str) -> None:

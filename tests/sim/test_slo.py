@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from quillcache.costmodel import CostModel
@@ -143,3 +144,56 @@ def test_bad_cell_slos_name_the_key(slo: str, needle: str) -> None:
     text = GRID.replace("slo = { ttft_s = 2.0 }", f"slo = {slo}")
     with pytest.raises(ConfigError, match=needle):
         matrix.parse_grid(text)
+
+
+def test_the_slo_queue_serves_some_of_what_admission_refused() -> None:
+    wl = shared_prefix(**OVERLOAD)  # type: ignore[arg-type]
+    refused = run(wl, "quillcache", "native", SimConfig(workers=4, slo=TTFT_SLO), CostModel())
+    queued = run(
+        wl, "quillcache", "native", SimConfig(workers=4, slo=TTFT_SLO, slo_queue=True), CostModel()
+    )
+    a, b = refused.summary(), queued.summary()
+    assert "slo_waited" not in a
+    assert b["slo_waited"] > 0 and 0 < b["slo_waiting_most"] <= 1024
+    assert b["rejected"] < a["rejected"]
+    assert b["requests"] == a["requests"]
+    late = sum("after waiting" in r.rejected for r in queued.records if r.rejected)
+    assert 0 < late < b["slo_waited"]  # some waiters were refused in the end, not all
+
+
+def test_the_slo_queue_holds_its_waiters_in_arrival_order_with_what_is_left() -> None:
+    from quillcache.sim.requests import make_request
+    from quillcache.sim.slo_wait import SloWaiters
+
+    reqs = [make_request(i, 0.0, 4, 16, 0, tokens=np.arange(32, dtype=np.uint32)) for i in range(3)]
+    q = SloWaiters(SLO(ttft_s=2.0, tbt_s=0.1), max_waiting=2, tick_s=0.5)
+    assert not q.due(0.0)
+    assert q.add(reqs[0], 1.0) and q.add(reqs[1], 1.2)
+    assert not q.add(reqs[2], 1.3)  # full
+    assert not q.due(1.4) and q.due(1.5)
+    got = q.take(1.5)
+    assert [r.rid for r, _ in got] == [0, 1]
+    assert [left for _, left in got] == [SLO(ttft_s=1.5, tbt_s=0.1), SLO(ttft_s=1.7, tbt_s=0.1)]
+    assert len(q) == 0 and not q.due(9.0)
+    q.keep(reqs[1])
+    assert not q.due(1.9) and q.due(2.0)
+    assert [left for _, left in q.take(2.0)] == [SLO(ttft_s=1.2, tbt_s=0.1)]  # since 1.2
+    assert q.stats() == {"slo_waited": 2, "slo_waiting_most": 2}
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (dict(slo=None), "needs a TTFT SLO"),
+        (dict(slo=SLO(tbt_s=0.1)), "needs a TTFT SLO"),
+        (dict(admission=False), "needs a TTFT SLO and admission"),
+        (dict(slo_queue_max=0), "slo_queue_max"),
+        (dict(slo_queue_tick_s=5.0), "slo_queue_tick_s"),
+    ],
+)
+def test_bad_slo_queues_are_a_config_error(change: dict[str, object], needle: str) -> None:
+    config = SimConfig(slo=TTFT_SLO, slo_queue=True)
+    for k, v in change.items():
+        setattr(config, k, v)
+    with pytest.raises(ConfigError, match=needle):
+        config.check()
