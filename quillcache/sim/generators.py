@@ -43,6 +43,39 @@ def _poisson_arrivals(rng: np.random.Generator, n: int, rate: float) -> npt.NDAr
     return np.cumsum(rng.exponential(1.0 / rate, size=n))
 
 
+def _bursty_arrivals(
+    rng: np.random.Generator, n: int, rate: float, factor: float, period_s: float, share: float
+) -> npt.NDArray[np.float64]:
+    """Poisson arrivals whose rate is `rate * factor` for the first `share` of every
+    `period_s` and lower for the rest, so the mean stays `rate` (an on/off modulated
+    Poisson process: traffic in bursts). Each piece is drawn on its own (memoryless)."""
+    if rate <= 0:
+        raise ConfigError(f"arrival rate must be positive, got {rate}")
+    if not (factor >= 1 and period_s > 0 and 0 < share < 1 and factor * share <= 1):
+        raise ConfigError(
+            "bursts need burst_factor >= 1, burst_period_s > 0, 0 < burst_share < 1 and "
+            f"burst_factor x burst_share <= 1 (the mean rate), got {factor}, {period_s}, {share}"
+        )
+    on, off = rate * factor, rate * (1 - factor * share) / (1 - share)
+    out: list[float] = []
+    t = 0.0
+    while len(out) < n:
+        k, into = divmod(t, period_s)
+        bursting = into < share * period_s
+        end = k * period_s + (share * period_s if bursting else period_s)
+        r = on if bursting else off
+        if r <= 0:
+            t = end
+            continue
+        t_next = t + float(rng.exponential(1.0 / r))
+        if t_next < end:
+            out.append(t_next)
+            t = t_next
+        else:
+            t = end
+    return np.asarray(out, dtype=np.float64)
+
+
 class _Item(NamedTuple):
     """A request before sorting: its open-loop arrival, and for closed loop the items
     (indices into the item list) it waits for and its wait after them."""
@@ -124,10 +157,16 @@ def shared_prefix(
     pinned_groups: int = 0,
     seed: int = 0,
     model: str = DEFAULT_MODEL,
+    burst_factor: float = 1.0,
+    burst_period_s: float = 10.0,
+    burst_share: float = 0.2,
 ) -> Workload:
     """Requests = one of `prefix_groups` shared prefixes + `unique_blocks` of their own
     (+ a partial block). Groups are drawn uniformly, or Zipf-like with exponent `zipf`
-    (group 0 the most popular). Every engine pins the first `pinned_groups` prefixes."""
+    (group 0 the most popular). Every engine pins the first `pinned_groups` prefixes.
+    `burst_factor` > 1: arrivals come in bursts, `burst_factor` times the mean rate for
+    the first `burst_share` of every `burst_period_s`, fewer between (the mean stays
+    `rate`)."""
     if min(requests, prefix_groups, block_size) <= 0 or shared_prefix_blocks < 0:
         raise ConfigError("requests, prefix groups and block size must be positive")
     rng = np.random.default_rng(seed)
@@ -137,7 +176,10 @@ def shared_prefix(
         groups = rng.choice(prefix_groups, size=requests, p=w / w.sum())
     else:
         groups = rng.integers(0, prefix_groups, size=requests)
-    arrivals = _poisson_arrivals(rng, requests, rate)
+    if burst_factor == 1.0:
+        arrivals = _poisson_arrivals(rng, requests, rate)
+    else:
+        arrivals = _bursty_arrivals(rng, requests, rate, burst_factor, burst_period_s, burst_share)
     tail = unique_blocks * block_size + block_size // 2
     items = _group_items(rng, prefixes, groups, arrivals, tail, output_tokens)
     params = dict(
@@ -152,6 +194,10 @@ def shared_prefix(
         pinned_groups=pinned_groups,
         seed=seed,
     )
+    if burst_factor != 1.0:
+        params.update(
+            burst_factor=burst_factor, burst_period_s=burst_period_s, burst_share=burst_share
+        )
     wl = _finish("shared-prefix", items, block_size, model, params)
     ns = sim_namespace(block_size, model)
     wl.pinned = [
