@@ -533,26 +533,11 @@ def _cell(
     if len(join) >= engines:
         raise src.error(f"{path}.join_at_s", "at least one engine must be there from the start")
     seqs = _worker_table(src, f"{path}.max_num_seqs", t.get("max_num_seqs", {}), engines, "slots")
-    replicate = None
-    if "replicate" in t:
-        from quillcache.sim.replicate import ReplicateSettings
+    from quillcache.sim.replicate import ReplicateSettings
+    from quillcache.sim.retain import RetainSettings
 
-        opts = _table(src, f"{path}.replicate", t["replicate"])
-        try:
-            ReplicateSettings.parse(opts)
-        except ConfigError as exc:
-            raise src.error(f"{path}.replicate", str(exc)) from None
-        replicate = tuple(sorted(opts.items()))
-    retain = None
-    if "retain" in t:
-        from quillcache.sim.retain import RetainSettings
-
-        opts = _table(src, f"{path}.retain", t["retain"])
-        try:
-            RetainSettings.parse(opts)
-        except ConfigError as exc:
-            raise src.error(f"{path}.retain", str(exc)) from None
-        retain = tuple(sorted(opts.items()))
+    replicate = _policy(src, path, t, "replicate", ReplicateSettings.parse)
+    retain = _policy(src, path, t, "retain", RetainSettings.parse)
     slo = _cell_slo(src, f"{path}.slo", t["slo"]) if "slo" in t else None
     return Cell(
         t["name"],
@@ -567,6 +552,21 @@ def _cell(
         retain,
         slo,
     )
+
+
+def _policy(
+    src: _Source, path: str, t: dict[str, Any], key: str, parse: Callable[[dict[str, Any]], Any]
+) -> tuple[tuple[str, Any], ...] | None:
+    """A cell's policy table (`replicate`, `retain`), checked by its settings' `parse`,
+    as sorted (knob, value) pairs; None when the cell has none."""
+    if key not in t:
+        return None
+    opts = _table(src, f"{path}.{key}", t[key])
+    try:
+        parse(opts)
+    except ConfigError as exc:
+        raise src.error(f"{path}.{key}", str(exc)) from None
+    return tuple(sorted(opts.items()))
 
 
 def _cell_slo(src: _Source, path: str, value: Any) -> tuple[tuple[str, Any], ...]:

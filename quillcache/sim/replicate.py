@@ -24,6 +24,7 @@ from quillcache.index import IndexBackend
 from quillcache.policy.heat import HeatTracker
 from quillcache.policy.replication import EngineLoad, ReplicationConfig, ReplicationPolicy
 from quillcache.sim.engine import EngineModel, Running
+from quillcache.sim.options import numeric_options
 from quillcache.sim.requests import SimRequest
 
 #: Replica requests' ids are at or below this (workload ids are >= 0, pins -1 - g).
@@ -51,16 +52,8 @@ class ReplicateSettings:
     @classmethod
     def parse(cls, options: dict[str, Any]) -> ReplicateSettings:
         """From KEY=VALUE options (`--replicate-opt`, a grid cell's `replicate`)."""
-        known = {f.name: f.type for f in fields(cls)}
-        out: dict[str, Any] = {}
-        for k, v in options.items():
-            if k not in known:
-                raise ConfigError(f"replication option {k!r} unknown; known: {', '.join(known)}")
-            ints = k in ("min_blocks", "max_entries", "max_replicas")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (ints and v != int(v)):
-                raise ConfigError(f"replication option {k}: {v!r} is not a number")
-            out[k] = int(v) if ints else float(v)
-        s = cls(**out)
+        ints = frozenset({"min_blocks", "max_entries", "max_replicas"})
+        s = cls(**numeric_options(cls, options, what="replication", ints=ints))
         s.check()
         return s
 

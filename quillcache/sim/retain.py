@@ -53,6 +53,7 @@ from quillcache.policy.targets import (
     TargetStore,
 )
 from quillcache.sim.engine import EngineModel, Running
+from quillcache.sim.options import numeric_options
 from quillcache.sim.replicate import prefix_request
 from quillcache.sim.requests import SimRequest
 
@@ -83,16 +84,8 @@ class RetainSettings:
     @classmethod
     def parse(cls, options: dict[str, Any]) -> RetainSettings:
         """From KEY=VALUE options (`--retain-opt`, a grid cell's `retain`)."""
-        known = {f.name for f in fields(cls)}
-        out: dict[str, Any] = {}
-        for k, v in options.items():
-            if k not in known:
-                raise ConfigError(f"retention option {k!r} unknown; known: {', '.join(known)}")
-            ints = k == "max_tokens"
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (ints and v != int(v)):
-                raise ConfigError(f"retention option {k}: {v!r} is not a number")
-            out[k] = int(v) if ints else float(v)
-        s = cls(**out)
+        ints = frozenset({"max_tokens"})
+        s = cls(**numeric_options(cls, options, what="retention", ints=ints))
         s.check()
         return s
 
