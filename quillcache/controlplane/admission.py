@@ -89,18 +89,21 @@ def effective_slo(request: Request, default: SLO | None) -> SLO | None:
 def loaded_estimate(request: Request, view: View, chosen: WorkerView) -> Estimate:
     """`plan_and_estimate`'s estimate on `chosen`, its queue term raised to what the
     engine's batching makes it: the queued prefill and this one share steps with the
-    running decodes, which take budget and add their KV reads to every step
-    (`CostModel.loaded_prefill_time`), and with every sequence slot taken the request
-    waits for one (`slot_wait_time`). The plan's own queue term assumes the whole GPU
-    for the queue; a router may rank engines with it, but admission promises a TTFT, and
-    under overload (running decodes, full slots) that term is the optimistic one."""
+    running decodes, which take budget and add their KV reads to every step, the step
+    in progress is not joined and the request's last step is packed with later
+    arrivals (`CostModel.packed_prefill_time`), and with every sequence slot taken the
+    request waits for one (`slot_wait_time`). The plan's own queue term assumes the
+    whole GPU for the queue; a router may rank engines with it, but admission promises a
+    TTFT, and under overload (running decodes, full slots, packed steps) that term is
+    the optimistic one."""
     steps, est = plan_and_estimate(request, view, chosen)
     cost = view.cost
     covered = max((s.end for s in steps if s.action is not Action.RECOMPUTE), default=0)
     cached = min(covered * view.block_size, request.prompt_tokens)
     new = max(request.prompt_tokens - cached, 1)
-    loaded = cost.loaded_prefill_time(
+    loaded = cost.packed_prefill_time(
         queued_tokens=chosen.queued_prefill_tokens,
+        queued_pairs=chosen.queued_prefill_pairs,
         new_tokens=new,
         context_tokens=request.prompt_tokens - new,
         running_decodes=chosen.running_decodes,

@@ -2,7 +2,12 @@
 in-process store every plane uses today.
 
 Load is what routing books and engines report: requests in flight, queued prefill
-tokens, running decodes, KV usage, the running decodes' mean context. Routers never
+tokens, running decodes, KV usage, the running decodes' mean context, and the queued
+prefill's attention pairs (`costmodel.prefill_pairs` of each queued request).
+
+A booked request is named by its prefill tokens and its prompt tokens (the cached
+context is the difference): the store derives its pairs, so that what a booking adds a
+prefill or a release takes away exactly. Routers never
 read a store; the plane reads it into the columns of a `View` (one row per worker, in
 `LOAD_FIELDS` order). A store shared by several gateway replicas (Redis) implements
 the same interface, so the routers and the plane's bookkeeping stay as they are.
@@ -19,10 +24,11 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from quillcache.costmodel.model import booked_pairs
 from quillcache.errors import ConfigError
 from quillcache.routing.types import LOAD_FIELDS
 
-IN_FLIGHT, QUEUED, DECODES, KV_USAGE, MEAN_CONTEXT = range(len(LOAD_FIELDS))
+IN_FLIGHT, QUEUED, DECODES, KV_USAGE, MEAN_CONTEXT, PAIRS = range(len(LOAD_FIELDS))
 _COLUMN = {name: i for i, name in enumerate(LOAD_FIELDS)}
 
 
@@ -46,15 +52,18 @@ class LoadStore(Protocol):
         those fields of the row: one change, however many fields."""
         ...
 
-    def book(self, row: int, prefill_tokens: float) -> None:
+    def book(self, row: int, prefill_tokens: float, prompt_tokens: float) -> None:
         """A request was routed here: one more in flight, its prefill queued."""
         ...
 
-    def prefilled(self, row: int, prefill_tokens: float, context_tokens: float) -> None:
-        """A booked request finished its prefill and decodes now."""
+    def prefilled(self, row: int, prefill_tokens: float, prompt_tokens: float) -> None:
+        """A booked request finished its prefill and decodes now (its context: the
+        prompt)."""
         ...
 
-    def release(self, row: int, prefill_tokens: float, prefilled: bool) -> None:
+    def release(
+        self, row: int, prefill_tokens: float, prompt_tokens: float, prefilled: bool
+    ) -> None:
         """A booked request ended (done or failed)."""
         ...
 
@@ -98,28 +107,37 @@ class LocalLoadStore:
             r[column] = value
         self._changed(row)
 
-    def book(self, row: int, prefill_tokens: float) -> None:
+    def book(self, row: int, prefill_tokens: float, prompt_tokens: float) -> None:
         r = self._m[row]
         r[IN_FLIGHT] += 1
         r[QUEUED] += prefill_tokens
+        r[PAIRS] += booked_pairs(prefill_tokens, prompt_tokens)
         self._changed(row)
 
-    def prefilled(self, row: int, prefill_tokens: float, context_tokens: float) -> None:
+    def prefilled(self, row: int, prefill_tokens: float, prompt_tokens: float) -> None:
         r = self._m[row]
-        r[QUEUED] = max(r[QUEUED] - prefill_tokens, 0.0)
+        self._unqueue(r, prefill_tokens, prompt_tokens)
         decodes = r[DECODES]
-        r[MEAN_CONTEXT] = (r[MEAN_CONTEXT] * decodes + context_tokens) / (decodes + 1)
+        r[MEAN_CONTEXT] = (r[MEAN_CONTEXT] * decodes + prompt_tokens) / (decodes + 1)
         r[DECODES] = decodes + 1
         self._changed(row)
 
-    def release(self, row: int, prefill_tokens: float, prefilled: bool) -> None:
+    def release(
+        self, row: int, prefill_tokens: float, prompt_tokens: float, prefilled: bool
+    ) -> None:
         r = self._m[row]
         r[IN_FLIGHT] = max(r[IN_FLIGHT] - 1, 0.0)
         if prefilled:
             r[DECODES] = max(r[DECODES] - 1, 0.0)
         else:
-            r[QUEUED] = max(r[QUEUED] - prefill_tokens, 0.0)
+            self._unqueue(r, prefill_tokens, prompt_tokens)
         self._changed(row)
+
+    @staticmethod
+    def _unqueue(r: npt.NDArray[np.float64], prefill_tokens: float, prompt_tokens: float) -> None:
+        r[QUEUED] = max(r[QUEUED] - prefill_tokens, 0.0)
+        pairs = booked_pairs(prefill_tokens, prompt_tokens)
+        r[PAIRS] = max(r[PAIRS] - pairs, 0.0)
 
     def value(self, row: int, column: int) -> float:
         return float(self._m[row, column])

@@ -51,6 +51,7 @@ from quillcache.controlplane.load import (
     IN_FLIGHT,
     KV_USAGE,
     MEAN_CONTEXT,
+    PAIRS,
     QUEUED,
     LoadStore,
     LocalLoadStore,
@@ -132,6 +133,10 @@ class WorkerState:
     @property
     def running_decodes(self) -> float:
         return self._sum(DECODES)
+
+    @property
+    def queued_prefill_pairs(self) -> float:
+        return self._sum(PAIRS)
 
     @property
     def kv_usage(self) -> float:
@@ -322,7 +327,7 @@ class _Tracked:
     row: int  # the plane row of the chosen (worker, dp rank)
     keys: npt.NDArray[np.uint64]  # empty when not speculating
     prefill_tokens: int
-    context_tokens: int
+    context_tokens: int  # its prompt: the context it decodes with
     expires_s: float
     prefilled: bool = False
     routed_s: float = 0.0  # the `now_s` it was routed at
@@ -520,7 +525,7 @@ class ControlPlane:
             return
         per_row: list[dict[int, float]] = [{} for _ in state.rows]
         for column, value in columns.items():
-            if column not in (IN_FLIGHT, QUEUED, DECODES):
+            if column not in (IN_FLIGHT, QUEUED, DECODES, PAIRS):
                 for values in per_row:
                     values[column] = value
                 continue
@@ -805,13 +810,13 @@ class ControlPlane:
         was_pending = t.pending
         self._unpend(t)
         if self.track_load and t.worker in self._workers:
-            self.load.release(t.row, t.prefill_tokens, t.prefilled)
+            self.load.release(t.row, t.prefill_tokens, t.context_tokens, t.prefilled)
         t.worker, t.row = worker, row
         t.load_at_route = None  # the other row's load: teaches nothing about this one
         if was_pending and not t.prefilled:
             self._pend(t)
         if self.track_load:
-            self.load.book(row, t.prefill_tokens)
+            self.load.book(row, t.prefill_tokens, t.context_tokens)
             if t.prefilled:
                 self.load.prefilled(row, t.prefill_tokens, t.context_tokens)
 
@@ -849,7 +854,7 @@ class ControlPlane:
         if not t.prefilled:
             self._unpend(t)
         if self.track_load and t.worker in self._workers:
-            self.load.release(t.row, t.prefill_tokens, t.prefilled)
+            self.load.release(t.row, t.prefill_tokens, t.context_tokens, t.prefilled)
 
     def _track(self, request: Request, decision: Decision, row: int, now_s: float) -> None:
         if not (self.track_load or self.speculative):
@@ -880,7 +885,7 @@ class ControlPlane:
         if self.speculative and not self.speculate_when_booked:
             self._pend(t)
         if self.track_load:
-            self.load.book(row, prefill_tokens)
+            self.load.book(row, prefill_tokens, request.prompt_tokens)
 
     def _expected_ttft_s(self, t: _Tracked) -> float:
         """The TTFT the cost model expects of a request at the fleet's speed, from its
@@ -888,13 +893,14 @@ class ControlPlane:
         running decodes, and the wait for a sequence slot when all were taken (what a
         busy engine adds to every request there, which a pace must not be blamed for)."""
         assert t.load_at_route is not None
-        in_flight, queued, decodes, _, mean_context = t.load_at_route
+        in_flight, queued, decodes, _, mean_context, pairs = t.load_at_route
         cost = self.cost
         return cost.loaded_prefill_time(
-            queued_tokens=int(queued),
+            queued_tokens=queued,
+            queued_pairs=pairs,
             new_tokens=t.prefill_tokens,
             context_tokens=t.context_tokens - t.prefill_tokens,
-            running_decodes=int(decodes),
+            running_decodes=decodes,
             mean_context_tokens=mean_context,
         ) + cost.slot_wait_time(
             in_flight, decodes, mean_context, t.output_tokens, float(self._fleet.m[t.row, SLOTS])
@@ -971,7 +977,7 @@ class ControlPlane:
         state = self._workers.get(worker)
         if state is None:
             return math.inf
-        return self.cost.queue_time(int(state.queued_prefill_tokens))
+        return self.cost.queue_time(state.queued_prefill_tokens, state.queued_prefill_pairs)
 
     def _pinned_only(
         self, request: Request, only: AbstractSet[int] | None

@@ -9,7 +9,7 @@ from quillcache.costmodel.config import (
     ModelSpec,
     TransferSpec,
 )
-from quillcache.costmodel.model import CostModel, TtftEstimate
+from quillcache.costmodel.model import CostModel, TtftEstimate, booked_pairs, prefill_pairs
 
 __all__ = [
     "CostModel",
@@ -19,4 +19,6 @@ __all__ = [
     "ModelSpec",
     "TransferSpec",
     "TtftEstimate",
+    "booked_pairs",
+    "prefill_pairs",
 ]

@@ -8,6 +8,7 @@ every running sequence's KV). Parameters and their sources: `docs/simulator.md`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -20,6 +21,26 @@ Column = npt.NDArray[np.float64] | npt.NDArray[np.int64]
 Floats = npt.NDArray[np.float64]
 
 GIB = 1024**3
+
+
+@overload
+def prefill_pairs(new_tokens: float, context_tokens: float) -> float: ...
+@overload
+def prefill_pairs(new_tokens: Column, context_tokens: Column) -> Floats: ...
+def prefill_pairs(new_tokens: Any, context_tokens: Any) -> Any:
+    """The attention (query, key) pairs of prefilling `new_tokens` after
+    `context_tokens` cached ones: each new token attends to the context and to the new
+    tokens up to itself. What an engine's queue books per request, so that its queue is
+    priced as the requests it holds, not as one prompt of their summed length."""
+    return new_tokens * (context_tokens + (new_tokens + 1) / 2.0)
+
+
+def booked_pairs(prefill_tokens: float, prompt_tokens: float) -> float:
+    """`prefill_pairs` of a request booked with `prefill_tokens` to compute of a prompt
+    of `prompt_tokens` (the rest cached); a prompt given as shorter than its prefill
+    (not known) counts as no context. What every load store books, so that a prefill
+    or a release takes away exactly what the booking added."""
+    return prefill_pairs(prefill_tokens, max(prompt_tokens - prefill_tokens, 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +106,20 @@ class CostModel:
         """Pure compute time to prefill `new_tokens` after `context_tokens` cached ones."""
         if new_tokens <= 0:
             return 0.0
-        pairs = new_tokens * (context_tokens + (new_tokens + 1) / 2.0)
+        pairs = prefill_pairs(new_tokens, context_tokens)
         flops = self._linear_flops_per_token * new_tokens + self._attn_flops_per_pair * pairs
+        return flops / self._flops_per_s
+
+    def queued_compute_s(self, queued_tokens: float, queued_pairs: float) -> float:
+        """Pure compute time of an engine's queued prefill: `queued_tokens` new tokens of
+        several requests whose attention pairs sum to `queued_pairs` (`prefill_pairs`
+        of each). Every queued token attends at least to itself, so fewer pairs than
+        tokens (an engine that reports its queued tokens but not their pairs) count as
+        that many."""
+        if queued_tokens <= 0:
+            return 0.0
+        pairs = max(queued_pairs, queued_tokens)
+        flops = self._linear_flops_per_token * queued_tokens + self._attn_flops_per_pair * pairs
         return flops / self._flops_per_s
 
     def step_time(
@@ -123,10 +156,11 @@ class CostModel:
     def loaded_prefill_time(
         self,
         *,
-        queued_tokens: int,
+        queued_tokens: float,
+        queued_pairs: float,
         new_tokens: int,
         context_tokens: int,
-        running_decodes: int,
+        running_decodes: float,
         mean_context_tokens: float,
     ) -> float:
         """Time until a new request's prefill completes on a busy worker: its queued
@@ -136,13 +170,63 @@ class CostModel:
         total = queued_tokens + new_tokens
         budget = max(self.chunk_budget - running_decodes, 1)
         steps = -(-total // budget)
-        compute = self.prefill_compute_s(queued_tokens) + self.prefill_compute_s(
+        compute = self.queued_compute_s(queued_tokens, queued_pairs) + self.prefill_compute_s(
             new_tokens, context_tokens
         )
         per_step = self.overhead_s + (
             running_decodes * mean_context_tokens * self._kv_read_s_per_token
         )
         return steps * per_step + max(compute, steps * self._weight_read_s)
+
+    def packed_prefill_time(
+        self,
+        *,
+        queued_tokens: float,
+        queued_pairs: float,
+        new_tokens: int,
+        context_tokens: int,
+        running_decodes: float,
+        mean_context_tokens: float,
+    ) -> float:
+        """`loaded_prefill_time` as a promise, with two things chunked prefill does
+        to a request that finds prefill queued ahead of it:
+
+        - the step in progress was planned before it came and is not joined: with
+          less than a step's budget queued, the whole queue may be in that step, and
+          the request's own prefill starts at the next one;
+        - its last step is planned after later requests have joined the queue, and the
+          engine fills that step's budget with their chunks (first come, first served);
+          its first token comes when the whole step ends.
+
+        How much of that last step's room later requests take is not known here; the
+        queue ahead is the sign of how fast work arrives, so the room counts as filled
+        in the share the queue is of a step's budget (all of it from a full step
+        queued on). The filling work costs the compute per token of the queue and the
+        request. With nothing queued ahead its prefill starts at the next step, and the
+        estimate is `loaded_prefill_time`'s."""
+        loaded = self.loaded_prefill_time(
+            queued_tokens=queued_tokens,
+            queued_pairs=queued_pairs,
+            new_tokens=new_tokens,
+            context_tokens=context_tokens,
+            running_decodes=running_decodes,
+            mean_context_tokens=mean_context_tokens,
+        )
+        if queued_tokens <= 0:
+            return loaded
+        own = max(new_tokens, 1)
+        total = queued_tokens + own
+        budget = max(self.chunk_budget - running_decodes, 1)
+        steps = max(-(-total // budget), 1 - (-own // budget))
+        compute = self.queued_compute_s(queued_tokens, queued_pairs) + self.prefill_compute_s(
+            own, context_tokens
+        )
+        filled = (steps * budget - total) * min(queued_tokens / budget, 1.0)
+        compute += filled * (compute / total)
+        per_step = self.overhead_s + (
+            running_decodes * mean_context_tokens * self._kv_read_s_per_token
+        )
+        return max(loaded, steps * per_step + max(compute, steps * self._weight_read_s))
 
     # --- transfer ----------------------------------------------------------------
 
@@ -199,13 +283,17 @@ class CostModel:
 
     # --- router-facing estimate ----------------------------------------------------
 
-    def queue_time(self, queued_prefill_tokens: int) -> float:
-        """Time until a new request's prefill starts: the worker's queued prefill work
-        (assumed to run at full chunk budget, context ignored)."""
+    def queue_time(self, queued_prefill_tokens: float, queued_prefill_pairs: float) -> float:
+        """Time until a new request's prefill starts: the worker's queued prefill work,
+        each queued request's tokens attending to its own context
+        (`queued_compute_s`), at the full chunk budget."""
         if queued_prefill_tokens <= 0:
             return 0.0
         steps = -(-queued_prefill_tokens // self.chunk_budget)
-        return self.prefill_compute_s(queued_prefill_tokens) + steps * self.overhead_s
+        return (
+            self.queued_compute_s(queued_prefill_tokens, queued_prefill_pairs)
+            + steps * self.overhead_s
+        )
 
     def estimate_ttft(
         self,
@@ -214,14 +302,15 @@ class CostModel:
         cached_tokens: int,
         fetched_blocks: int = 0,
         fetch_tier: str = "cpu",
-        queued_prefill_tokens: int = 0,
+        queued_prefill_tokens: float = 0,
+        queued_prefill_pairs: float = 0,
         running_decodes: int = 0,
         mean_context_tokens: float = 0.0,
     ) -> TtftEstimate:
         """Estimate TTFT on one worker. `cached_tokens` includes fetched blocks' tokens."""
         new = max(prompt_tokens - cached_tokens, 1)  # the engine always computes >= 1 token
         return TtftEstimate(
-            queue_s=self.queue_time(queued_prefill_tokens),
+            queue_s=self.queue_time(queued_prefill_tokens, queued_prefill_pairs),
             transfer_s=self.transfer_time(fetched_blocks, fetch_tier),
             prefill_s=self.prefill_time(new, prompt_tokens - new),
             decode_s=self.decode_step_time(running_decodes + 1, mean_context_tokens),
@@ -232,14 +321,21 @@ class CostModel:
     # results are bit-identical to a loop (`tests/costmodel/test_arrays.py`).
 
     def prefill_compute_s_array(self, new_tokens: Column, context_tokens: Column) -> Floats:
-        pairs = new_tokens * (context_tokens + (new_tokens + 1) / 2.0)
+        pairs = prefill_pairs(new_tokens, context_tokens)
         flops = self._linear_flops_per_token * new_tokens + self._attn_flops_per_pair * pairs
         return np.where(new_tokens <= 0, 0.0, flops / self._flops_per_s)
 
-    def queue_time_array(self, queued_prefill_tokens: Column) -> Floats:
+    def queued_compute_s_array(self, queued_tokens: Column, queued_pairs: Column) -> Floats:
+        pairs = np.maximum(queued_pairs, queued_tokens)
+        flops = self._linear_flops_per_token * queued_tokens + self._attn_flops_per_pair * pairs
+        return np.where(queued_tokens <= 0, 0.0, flops / self._flops_per_s)
+
+    def queue_time_array(
+        self, queued_prefill_tokens: Column, queued_prefill_pairs: Column
+    ) -> Floats:
         q = queued_prefill_tokens
         steps = -(-q // self.chunk_budget)
-        t = self.prefill_compute_s_array(q, np.zeros_like(q)) + steps * self.overhead_s
+        t = self.queued_compute_s_array(q, queued_prefill_pairs) + steps * self.overhead_s
         return np.where(q <= 0, 0.0, t)
 
     def prefill_time_array(self, new_tokens: Column, context_tokens: Column) -> Floats:
@@ -253,6 +349,7 @@ class CostModel:
         self,
         *,
         queued_tokens: Column,
+        queued_pairs: Column,
         new_tokens: Column,
         context_tokens: Column,
         running_decodes: Column,
@@ -262,8 +359,8 @@ class CostModel:
         total = queued_tokens + new_tokens
         budget = np.maximum(self.chunk_budget - running_decodes, 1)
         steps = -(-total // budget)
-        compute = self.prefill_compute_s_array(
-            queued_tokens, np.zeros_like(queued_tokens)
+        compute = self.queued_compute_s_array(
+            queued_tokens, queued_pairs
         ) + self.prefill_compute_s_array(new_tokens, context_tokens)
         per_step = self.overhead_s + (
             running_decodes * mean_context_tokens * self._kv_read_s_per_token

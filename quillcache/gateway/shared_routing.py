@@ -222,7 +222,7 @@ class SharedRouting:
         self._bookings[request.request_id] = _Booking(
             bid, key, booked_prefill, request.prompt_tokens
         )
-        self.store.own_booked(key, booked_prefill)
+        self.store.own_booked(key, booked_prefill, request.prompt_tokens)
         booked_worker = self.ids.to_worker.get(key.engine, worker)
         moved = (booked_worker, key.rank) != (worker, rank)
         self.moved += moved

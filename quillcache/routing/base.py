@@ -160,7 +160,7 @@ def estimate_ttft_s(request: Request, view: View, worker: WorkerView) -> float:
                 covered = peer_blocks
     new_tokens = max(request.prompt_tokens - min(covered * bs, request.prompt_tokens), 1)
     return (
-        cost.queue_time(worker.queued_prefill_tokens)
+        cost.queue_time(worker.queued_prefill_tokens, worker.queued_prefill_pairs)
         + transfer_s
         + cost.prefill_time(new_tokens, request.prompt_tokens - new_tokens)
     )
@@ -224,7 +224,7 @@ def estimate_ttft_s_array(request: Request, view: View) -> npt.NDArray[np.float6
     )
     new = np.maximum(prompt - np.minimum(covered * bs, prompt), 1)
     return (
-        cost.queue_time_array(c.queued_prefill_tokens)
+        cost.queue_time_array(c.queued_prefill_tokens, c.queued_prefill_pairs)
         + transfer
         + cost.prefill_time_array(new, prompt - new)
     )
@@ -333,6 +333,7 @@ def plan_and_estimate(
         worker.cpu_blocks,
         worker.disk_blocks,
         worker.queued_prefill_tokens,
+        worker.queued_prefill_pairs,
         worker.running_decodes,
         worker.mean_context_tokens,
         worker.pace,
@@ -349,7 +350,7 @@ def plan_and_estimate_at(
     gpu = int(c.gpu_blocks[i])
     if with_pending:
         gpu = max(gpu, int(c.pending_blocks[i]))
-    _, queued, decodes, _, mean_context = c.load[i].tolist()
+    _, queued, decodes, _, mean_context, pairs = c.load[i].tolist()
     return _plan(
         request,
         view,
@@ -358,6 +359,7 @@ def plan_and_estimate_at(
         int(c.cpu_blocks[i]),
         int(c.disk_blocks[i]),
         as_count(queued),
+        pairs,
         as_count(decodes),
         mean_context,
         float(c.fleet[i, PACE_COLUMN]),
@@ -372,6 +374,7 @@ def _plan(
     cpu_blocks: int,
     disk_blocks: int,
     queued_prefill_tokens: Any,
+    queued_prefill_pairs: float,
     running_decodes: Any,
     mean_context_tokens: float,
     pace: float,
@@ -407,7 +410,7 @@ def _plan(
     new_tokens = max(request.prompt_tokens - cached_tokens, 1)
     # (pace 1.0 multiplies exactly)
     estimate = Estimate(
-        queue_s=pace * cost.queue_time(queued_prefill_tokens),
+        queue_s=pace * cost.queue_time(queued_prefill_tokens, queued_prefill_pairs),
         transfer_s=transfer_s,
         prefill_s=pace * cost.prefill_time(new_tokens, request.prompt_tokens - new_tokens),
         tbt_s=pace

@@ -42,7 +42,7 @@ class PrebleE2(Router):
         new_tokens = np.maximum(prompt - gpu * bs, 1)
         decodes = c.running_decodes
         busy = np.maximum(decodes, 1)
-        load = cost.queue_time_array(c.queued_prefill_tokens) + decodes * (
+        load = cost.queue_time_array(c.queued_prefill_tokens, c.queued_prefill_pairs) + decodes * (
             cost.decode_step_time_array(busy, c.mean_context_tokens) / busy
         )
         free = c.capacity_blocks * (1.0 - c.kv_usage)

@@ -161,6 +161,7 @@ class QuillCacheRouter(Router):
         if self.interference:
             ttft = transfer_s + pace * cost.loaded_prefill_time(
                 queued_tokens=w.queued_prefill_tokens,
+                queued_pairs=w.queued_prefill_pairs,
                 new_tokens=new,
                 context_tokens=request.prompt_tokens - new,
                 running_decodes=w.running_decodes,
@@ -169,7 +170,7 @@ class QuillCacheRouter(Router):
         else:
             ttft = (
                 transfer_s
-                + pace * cost.queue_time(w.queued_prefill_tokens)
+                + pace * cost.queue_time(w.queued_prefill_tokens, w.queued_prefill_pairs)
                 + pace * cost.prefill_time(new, request.prompt_tokens - new)
             )
         out = request.expected_output_tokens
@@ -232,6 +233,7 @@ class QuillCacheRouter(Router):
         if self.interference:
             ttft = transfer + pace * cost.loaded_prefill_time_array(
                 queued_tokens=c.queued_prefill_tokens,
+                queued_pairs=c.queued_prefill_pairs,
                 new_tokens=new,
                 context_tokens=prompt - new,
                 running_decodes=decodes,
@@ -240,7 +242,7 @@ class QuillCacheRouter(Router):
         else:
             ttft = (
                 transfer
-                + pace * cost.queue_time_array(c.queued_prefill_tokens)
+                + pace * cost.queue_time_array(c.queued_prefill_tokens, c.queued_prefill_pairs)
                 + pace * cost.prefill_time_array(new, prompt - new)
             )
         out = request.expected_output_tokens

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from quillcache.costmodel.model import CostModel, prefill_pairs
 from quillcache.routing.types import Request, View
 
 
@@ -125,12 +126,12 @@ def cost_preferences(
     else:
         held = gpu
     # the queue one more request adds where its whole prefix is held
-    step_held = cost.queue_time(max(prompt - min(blocks * bs, prompt), 1))
+    step_held = _one_more(cost, prompt, blocks * bs)
     out = []
     for j, r in enumerate(order):
         s = float(row_scores[j])
         rival = second if s <= lowest else lowest  # the best row other than r
-        step = cost.queue_time(max(prompt - min(min(held[j], blocks) * bs, prompt), 1))
+        step = _one_more(cost, prompt, min(held[j], blocks) * bs)
         requests = _preferred_for(s, rival, step)
         more = 0.0
         if scores_if_held is not None:
@@ -141,6 +142,13 @@ def cost_preferences(
 
 #: Up to this many rows, `cost_preferences` works on Python lists.
 SMALL_VIEW = 64
+
+
+def _one_more(cost: CostModel, prompt: int, cached: int) -> float:
+    """The queue one more request of `prompt` tokens adds where `cached` of them are
+    held: its uncached tokens, attending to the cached ones."""
+    new = max(prompt - min(cached, prompt), 1)
+    return cost.queue_time(new, prefill_pairs(new, prompt - new))
 
 
 def _others(n: int, position: int) -> Iterator[int]:

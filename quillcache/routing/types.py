@@ -98,6 +98,10 @@ class WorkerView:
     # its engine's sequence slots (`max_num_seqs`, when configured per engine; 0: the
     # cost model's)
     max_num_seqs: int = 0
+    # the attention (query, key) pairs of its queued prefill, summed over the queued
+    # requests (`costmodel.prefill_pairs` of each): prices the queue as the requests it
+    # holds, each attending to its own context
+    queued_prefill_pairs: float = 0.0
 
     @property
     def local_blocks(self) -> int:
@@ -112,6 +116,7 @@ LOAD_FIELDS: tuple[str, ...] = (
     "running_decodes",
     "kv_usage",
     "mean_context_tokens",
+    "queued_prefill_pairs",
 )
 #: The plane's own per-worker columns (`WorkerColumns.fleet`), in order.
 FLEET_FIELDS: tuple[str, ...] = (
@@ -165,6 +170,10 @@ class WorkerColumns:
     @property
     def mean_context_tokens(self) -> npt.NDArray[np.float64]:
         return self.load[:, 4]
+
+    @property
+    def queued_prefill_pairs(self) -> npt.NDArray[np.float64]:
+        return self.load[:, 5]
 
     @property
     def local_blocks(self) -> npt.NDArray[np.int64]:
@@ -359,8 +368,9 @@ class View:
                     rank,
                     pace,
                     int(slots),
+                    pairs,
                 )
-                for wid, (in_flight, queued, decodes, kv_usage, mean_context), (
+                for wid, (in_flight, queued, decodes, kv_usage, mean_context, pairs), (
                     capacity,
                     resident,
                     known,
@@ -393,7 +403,7 @@ class View:
 
     def _make(self, i: int) -> WorkerView:
         c = self.columns
-        in_flight, queued, decodes, kv_usage, mean_context = c.load[i].tolist()
+        in_flight, queued, decodes, kv_usage, mean_context, pairs = c.load[i].tolist()
         capacity, resident, known, pace, slots = c.fleet[i].tolist()
         wid = int(c.worker[i])
         rank = int(c.dp_rank[i])
@@ -415,6 +425,7 @@ class View:
             rank,
             pace,
             int(slots),
+            pairs,
         )
 
     @property

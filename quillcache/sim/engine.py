@@ -33,7 +33,7 @@ from itertools import islice
 
 import numpy as np
 
-from quillcache.costmodel import CostModel
+from quillcache.costmodel import CostModel, prefill_pairs
 from quillcache.sim import wire
 from quillcache.sim.requests import SimRequest
 
@@ -481,6 +481,25 @@ class EngineModel:
             self._finish(r)
         return done
 
+    def queued_prefill_pairs(self) -> float:
+        """The attention pairs of the prefill still to run (`costmodel.prefill_pairs`
+        of each request): a waiting one's uncached tokens after its provisional hit, a
+        running one's tokens not computed yet after those it has."""
+        bs = self.block_size
+        pairs = 0.0
+        for r in self.waiting:
+            new = max(r.req.prompt_tokens - r.hit_blocks * bs, 1)
+            pairs += prefill_pairs(new, r.req.prompt_tokens - new)
+        for r in self.running:
+            left = r.req.prompt_tokens - r.computed
+            if left > 0:
+                pairs += prefill_pairs(left, r.computed)
+        return pairs
+
+    def queue_time(self) -> float:
+        """The cost model's wait for the queued prefill here."""
+        return self.cost.queue_time(max(self.queued_prefill_tokens, 0), self.queued_prefill_pairs())
+
     def load(self) -> dict[str, float]:
         decoding = [r for r in self.running if r.computed >= r.req.prompt_tokens]
         mean_ctx = (
@@ -494,4 +513,5 @@ class EngineModel:
             "running_decodes": len(decoding),
             "kv_usage": self.kv_usage,
             "mean_context_tokens": mean_ctx,
+            "queued_prefill_pairs": self.queued_prefill_pairs(),
         }

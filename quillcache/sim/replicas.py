@@ -47,7 +47,7 @@ from quillcache._native import PendingPrefixes
 from quillcache.controlplane import ControlPlane, OpLatencies
 from quillcache.controlplane.explain import explain
 from quillcache.controlplane.load import LocalLoadStore
-from quillcache.costmodel import CostModel
+from quillcache.costmodel import CostModel, prefill_pairs
 from quillcache.errors import ConfigError
 from quillcache.index import ApplyStats, IndexBackend
 from quillcache.index.inputs import as_key_array
@@ -203,7 +203,7 @@ def share_sessions(routers: Sequence[Router]) -> None:
 
 
 # Load columns the replicas count per request (the additive ones).
-_COUNTED = ("in_flight", "queued_prefill_tokens", "running_decodes")
+_COUNTED = ("in_flight", "queued_prefill_tokens", "running_decodes", "queued_prefill_pairs")
 
 
 def _queued(run: Running, waiting: bool, block_size: int) -> int:
@@ -211,6 +211,12 @@ def _queued(run: Running, waiting: bool, block_size: int) -> int:
     if waiting:
         return max(run.req.prompt_tokens - run.hit_blocks * block_size, 1)
     return max(run.req.prompt_tokens - run.computed, 0)
+
+
+def _queued_pairs(run: Running, waiting: bool, block_size: int) -> float:
+    """The attention pairs of the run's part (`EngineModel.queued_prefill_pairs`)."""
+    new = _queued(run, waiting, block_size)
+    return prefill_pairs(new, run.req.prompt_tokens - new) if new > 0 else 0.0
 
 
 @dataclass
@@ -450,6 +456,7 @@ class ReplicaFleet:
                     row[1] += _queued(run, waiting, bs)
                     if not waiting and run.computed >= run.req.prompt_tokens:
                         row[2] += 1
+                    row[3] += _queued_pairs(run, waiting, bs)
         return out
 
     def _private_load(self, replica: int, now_s: float) -> None:

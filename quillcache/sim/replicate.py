@@ -137,10 +137,7 @@ class Replicator:
         hot = self.heat.hot(now_s, s.min_rate, min_blocks=s.min_blocks)
         if not hot:
             return []
-        loads = [
-            EngineLoad(w, self.engines[w].cost.queue_time(self.engines[w].queued_prefill_tokens))
-            for w in sorted(routable)
-        ]
+        loads = [EngineLoad(w, self.engines[w].queue_time()) for w in sorted(routable)]
         holders = {
             h.key: {
                 m.worker for m in index.match(h.keys) if m.medium == "GPU" and m.blocks >= h.blocks

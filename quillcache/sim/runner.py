@@ -30,7 +30,7 @@ import numpy as np
 
 from quillcache.controlplane import ControlPlane, OpLatencies
 from quillcache.controlplane.admission import missed
-from quillcache.costmodel import CostModel
+from quillcache.costmodel import CostModel, prefill_pairs
 from quillcache.errors import ConfigError
 from quillcache.index import ApplyStats, IndexBackend
 from quillcache.routing import SLO, Action, Decision, Request, Router, create_router
@@ -484,9 +484,10 @@ def _order_only(
     joins: _Joins,
 ) -> list[Record]:
     window = config.load_window or 4 * config.workers
-    recent: deque[tuple[int, int]] = deque()
+    recent: deque[tuple[int, int, float]] = deque()
     in_flight = [0] * len(engines)
     queued = [0] * len(engines)
+    pairs = [0.0] * len(engines)
     records: list[Record] = []
     bs = workload.block_size
     arrivals = Arrivals(workload.requests)
@@ -517,15 +518,28 @@ def _order_only(
         rec.first_token_s = rec.finish_s = r.arrival_s
         # load proxy: what each worker received among the last `window` requests
         work = max(r.prompt_tokens - run.hit_blocks * bs, 1)
-        recent.append((s, work))
+        work_pairs = prefill_pairs(work, r.prompt_tokens - work)
+        recent.append((s, work, work_pairs))
         in_flight[s] += 1
         queued[s] += work
-        ranks.report(s, in_flight=in_flight[s], queued_prefill_tokens=queued[s])
+        pairs[s] += work_pairs
+        ranks.report(
+            s,
+            in_flight=in_flight[s],
+            queued_prefill_tokens=queued[s],
+            queued_prefill_pairs=pairs[s],
+        )
         if len(recent) > window:
-            os, owork = recent.popleft()
+            os, owork, opairs = recent.popleft()
             in_flight[os] -= 1
             queued[os] -= owork
-            ranks.report(os, in_flight=in_flight[os], queued_prefill_tokens=queued[os])
+            pairs[os] = max(pairs[os] - opairs, 0.0)
+            ranks.report(
+                os,
+                in_flight=in_flight[os],
+                queued_prefill_tokens=queued[os],
+                queued_prefill_pairs=pairs[os],
+            )
         if progress is not None and n % 256 == 0:
             progress(n)
     return records

@@ -30,12 +30,15 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 import numpy.typing as npt
 
-from quillcache.controlplane.load import DECODES, IN_FLIGHT, MEAN_CONTEXT, QUEUED
+from quillcache.controlplane.load import DECODES, IN_FLIGHT, MEAN_CONTEXT, PAIRS, QUEUED
+from quillcache.costmodel.model import booked_pairs
 from quillcache.routing.types import LOAD_FIELDS
 from quillcache.state.types import EngineKey, SharedLoad
 
-_N, _Q, _D, _C = range(4)  # the booked part's columns: in flight, queued, decodes, context
-_COUNTS = [IN_FLIGHT, QUEUED, DECODES]
+# the booked part's columns: in flight, queued, decodes, context, queued pairs
+_N, _Q, _D, _C, _P = range(5)
+_COUNTS = [IN_FLIGHT, QUEUED, DECODES, PAIRS]  # what the plane reads of _N, _Q, _D, _P
+_BOOKED_COUNTS = [_N, _Q, _D, _P]
 
 RowOf = Callable[[EngineKey], int | None]
 
@@ -46,7 +49,7 @@ class SharedLoadStore:
     def __init__(self, rows: int = 64) -> None:
         rows = max(rows, 1)
         self._m = np.zeros((rows, len(LOAD_FIELDS)), dtype=np.float64)  # what the plane reads
-        self._booked = np.zeros((rows, 4), dtype=np.float64)  # the booked part in `_m`
+        self._booked = np.zeros((rows, 5), dtype=np.float64)  # the booked part in `_m`
         self._row_of: RowOf = lambda key: None
         self.polls = 0  # snapshots applied (shared or local)
         self._listeners: list[Callable[[int], None]] = []
@@ -82,13 +85,15 @@ class SharedLoadStore:
             r[column] = value
         self._changed(row)
 
-    def book(self, row: int, prefill_tokens: float) -> None:
+    def book(self, row: int, prefill_tokens: float, prompt_tokens: float) -> None:
         """Ignored: the booking step books the row it took (`own_booked`)."""
 
-    def prefilled(self, row: int, prefill_tokens: float, context_tokens: float) -> None:
+    def prefilled(self, row: int, prefill_tokens: float, prompt_tokens: float) -> None:
         """Ignored: see `own_prefilled`."""
 
-    def release(self, row: int, prefill_tokens: float, prefilled: bool) -> None:
+    def release(
+        self, row: int, prefill_tokens: float, prompt_tokens: float, prefilled: bool
+    ) -> None:
         """Ignored: see `own_released`."""
 
     def value(self, row: int, column: int) -> float:
@@ -106,7 +111,7 @@ class SharedLoadStore:
             row = self._row_of(key)
             if row is not None and row < len(new):
                 new[row] = (ld.in_flight, ld.queued_prefill_tokens, ld.running_decodes,
-                            ld.context_tokens)  # fmt: skip
+                            ld.context_tokens, ld.queued_prefill_pairs)  # fmt: skip
         self._move(slice(None), new)
         self.polls += 1
 
@@ -121,34 +126,39 @@ class SharedLoadStore:
             if row is None or row >= len(booked):
                 continue
             n, q, d = ld.in_flight, ld.queued_prefill_tokens, ld.running_decodes
-            c = ld.context_tokens
-            if booked[row].tolist() == [n, q, d, c] and self._still(m[row].tolist(), c, d):
+            c, p = ld.context_tokens, ld.queued_prefill_pairs
+            if booked[row].tolist() == [n, q, d, c, p] and self._still(m[row].tolist(), c, d):
                 continue
-            self._move_row(row, n, q, d, c)
+            self._move_row(row, n, q, d, c, p)
 
-    def own_booked(self, key: EngineKey, prefill_tokens: int) -> None:
-        self._step(key, n=1, q=prefill_tokens)
+    def own_booked(self, key: EngineKey, prefill_tokens: int, prompt_tokens: int) -> None:
+        p = booked_pairs(prefill_tokens, prompt_tokens)
+        self._step(key, n=1, q=prefill_tokens, p=p)
 
-    def own_prefilled(self, key: EngineKey, prefill_tokens: int, context_tokens: int) -> None:
-        self._step(key, q=-prefill_tokens, d=1, c=context_tokens)
+    def own_prefilled(self, key: EngineKey, prefill_tokens: int, prompt_tokens: int) -> None:
+        p = booked_pairs(prefill_tokens, prompt_tokens)
+        self._step(key, q=-prefill_tokens, p=-p, d=1, c=prompt_tokens)
 
     def own_released(
-        self, key: EngineKey, prefill_tokens: int, context_tokens: int, prefilled: bool
+        self, key: EngineKey, prefill_tokens: int, prompt_tokens: int, prefilled: bool
     ) -> None:
         if prefilled:
-            self._step(key, n=-1, d=-1, c=-context_tokens)
+            self._step(key, n=-1, d=-1, c=-prompt_tokens)
         else:
-            self._step(key, n=-1, q=-prefill_tokens)
+            p = booked_pairs(prefill_tokens, prompt_tokens)
+            self._step(key, n=-1, q=-prefill_tokens, p=-p)
 
     def booked(self, key: EngineKey) -> SharedLoad:
         """The booked part of a key's load as this store holds it (tests, /admin)."""
         row = self._row_of(key)
         if row is None or row >= len(self._booked):
             return SharedLoad()
-        n, q, d, c = (round(float(v)) for v in self._booked[row])
-        return SharedLoad(n, q, d, c)
+        n, q, d, c, p = (round(float(v)) for v in self._booked[row])
+        return SharedLoad(n, q, d, c, p)
 
-    def _step(self, key: EngineKey, n: int = 0, q: int = 0, d: int = 0, c: int = 0) -> None:
+    def _step(
+        self, key: EngineKey, n: int = 0, q: int = 0, d: int = 0, c: int = 0, p: float = 0.0
+    ) -> None:
         row = self._row_of(key)
         if row is None or row >= len(self._booked):
             return
@@ -159,6 +169,7 @@ class SharedLoadStore:
             max(float(b[_Q]) + q, 0.0),
             max(float(b[_D]) + d, 0.0),
             max(float(b[_C]) + c, 0.0),
+            max(float(b[_P]) + p, 0.0),
         )
 
     @staticmethod
@@ -169,17 +180,18 @@ class SharedLoadStore:
             m[IN_FLIGHT] >= 0.0
             and m[QUEUED] >= 0.0
             and m[DECODES] >= 0.0
+            and m[PAIRS] >= 0.0
             and m[MEAN_CONTEXT] == (c / d if d > 0 else 0.0)
         )
 
-    def _move_row(self, row: int, n: float, q: float, d: float, c: float) -> None:
+    def _move_row(self, row: int, n: float, q: float, d: float, c: float, p: float) -> None:
         """`_move` of one row in scalars: a booking moves a few rows, and numpy's
         per-call overhead on a one-row slice is many times the arithmetic."""
         b, m = self._booked[row], self._m[row]
-        for col, new, at in ((IN_FLIGHT, n, _N), (QUEUED, q, _Q), (DECODES, d, _D)):
+        for col, new, at in ((IN_FLIGHT, n, _N), (QUEUED, q, _Q), (DECODES, d, _D), (PAIRS, p, _P)):
             m[col] = max(float(m[col]) + new - float(b[at]), 0.0)
         m[MEAN_CONTEXT] = c / d if d > 0 else 0.0
-        b[_N], b[_Q], b[_D], b[_C] = n, q, d, c
+        b[_N], b[_Q], b[_D], b[_C], b[_P] = n, q, d, c, p
         self._changed(row)
 
     def _move(self, rows: slice, new: npt.NDArray[np.float64]) -> None:
@@ -188,7 +200,7 @@ class SharedLoadStore:
         booked decodes."""
         delta = new - self._booked[rows]
         m = self._m[rows]
-        m[:, _COUNTS] = np.maximum(m[:, _COUNTS] + delta[:, :3], 0.0)
+        m[:, _COUNTS] = np.maximum(m[:, _COUNTS] + delta[:, _BOOKED_COUNTS], 0.0)
         decodes = new[:, _D]
         m[:, MEAN_CONTEXT] = np.divide(
             new[:, _C], decodes, out=np.zeros_like(decodes), where=decodes > 0

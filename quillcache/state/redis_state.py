@@ -37,6 +37,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from quillcache.costmodel.model import booked_pairs
 from quillcache.errors import ConfigError
 from quillcache.gateway.secret import GatewaySecret, fingerprint
 from quillcache.state import scripts
@@ -64,7 +65,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_WEIGHTS = LoadWeights()
 _CEILING_MAX = 1e300  # what an infinite ceiling is sent as (Lua's tonumber has no "inf")
-_FIELDS = {"n": 0, "q": 1, "d": 2, "c": 3}
+_FIELDS = {"n": 0, "q": 1, "d": 2, "c": 3, "a": 4}
 
 
 def _candidate_args(c: Candidate) -> tuple[str, str, str, str]:
@@ -128,8 +129,13 @@ class _Entry:
 
     engine: EngineKey
     prefill_tokens: int
-    context_tokens: int
+    context_tokens: int  # its prompt
     prefilled: bool = False
+
+    @property
+    def pairs(self) -> int:
+        """Its queued prefill's attention pairs, as the scripts book them (`attn`)."""
+        return int(booked_pairs(self.prefill_tokens, self.context_tokens))
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,8 +415,8 @@ class RedisFleetState:
             booked_prefill = int(reply[4])
             v = reply[6:]  # integers already (hiredis, or redis-py's RESP parser)
             loads = tuple(
-                SharedLoad(v[j], v[j + 1], v[j + 2], v[j + 3])
-                for j in range(0, 4 * len(shortlist), 4)
+                SharedLoad(v[j], v[j + 1], v[j + 2], v[j + 3], v[j + 4])
+                for j in range(0, 5 * len(shortlist), 5)
             )
             engine = shortlist[i].engine if i >= 0 else EngineKey.decode(reply[5])
             for c, ld in zip(shortlist, loads, strict=True):
@@ -448,7 +454,13 @@ class RedisFleetState:
         if e is None or e.prefilled:
             return False
         e.prefilled = True
-        self._adjust(e.engine, queued=-e.prefill_tokens, decodes=1, context=e.context_tokens)
+        self._adjust(
+            e.engine,
+            queued=-e.prefill_tokens,
+            pairs=-e.pairs,
+            decodes=1,
+            context=e.context_tokens,
+        )
         self._queue_end(request_id, "p")
         return True
 
@@ -461,7 +473,7 @@ class RedisFleetState:
         if e.prefilled:
             self._adjust(e.engine, in_flight=-1, decodes=-1, context=-e.context_tokens)
         else:
-            self._adjust(e.engine, in_flight=-1, queued=-e.prefill_tokens)
+            self._adjust(e.engine, in_flight=-1, queued=-e.prefill_tokens, pairs=-e.pairs)
         self._queue_end(request_id, "r")
         return True
 
@@ -585,7 +597,7 @@ class RedisFleetState:
         rows: dict[EngineKey, list[int]] = {}
         for i in range(2, len(reply), 2):
             name, _, f = str(reply[i]).partition("|")
-            row = rows.setdefault(EngineKey.decode(name), [0, 0, 0, 0])
+            row = rows.setdefault(EngineKey.decode(name), [0, 0, 0, 0, 0])
             row[_FIELDS[f]] = int(reply[i + 1])
         out = {k: SharedLoad(*v) for k, v in rows.items()}
         self._known = dict(out)
@@ -924,7 +936,8 @@ class RedisFleetState:
         self, rid: str, engine: EngineKey, prefill: int, context: int, session: str | None
     ) -> None:
         self._book[rid] = _Entry(engine, int(prefill), int(context))
-        self._adjust(engine, in_flight=1, queued=int(prefill))
+        e = self._book[rid]
+        self._adjust(engine, in_flight=1, queued=e.prefill_tokens, pairs=e.pairs)
         if session:
             if len(self._sessions) > 100_000:
                 self._sessions.clear()
@@ -937,6 +950,7 @@ class RedisFleetState:
         queued: int = 0,
         decodes: int = 0,
         context: int = 0,
+        pairs: int = 0,
     ) -> None:
         """Keep the last known loads (the fallback's view) moving with this replica's
         own bookings."""
@@ -946,6 +960,7 @@ class RedisFleetState:
             max(ld.queued_prefill_tokens + queued, 0),
             max(ld.running_decodes + decodes, 0),
             max(ld.context_tokens + context, 0),
+            max(ld.queued_prefill_pairs + pairs, 0),
         )
 
     def _down(self, op: str, exc: BaseException) -> None:

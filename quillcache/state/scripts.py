@@ -13,7 +13,8 @@ a standalone Redis (and Valkey) allows.
 
 Layout under the base B:
     B..'leases'      ZSET  replica -> lease deadline (ms)
-    B..'load'        HASH  '<engine>:<rank>|n|q|d|c' -> sum over live replicas
+    B..'load'        HASH  '<engine>:<rank>|n|q|d|c|a' -> sum over live replicas (a:
+                           the queued prefill's attention pairs, `prefill_pairs`)
     B..'bk:'..r      HASH  request id -> '<engine>:<rank>|<prefill>|<context>|<0|1>':
                            replica r's bookings, which are also its share of the sum
     B..'sess:'..s    STRING session -> '<engine>:<rank>', PX
@@ -104,13 +105,20 @@ local function flush_load()
         dels[#dels + 1] = f
       else
         sets[#sets + 1] = f
-        sets[#sets + 1] = v
+        -- every field is an integer; Lua's own number format keeps 14 digits
+        sets[#sets + 1] = string.format('%.0f', v)
       end
     end
   end
   if #sets > 0 then many('HSET', LOAD, sets) end
   if #dels > 0 then many('HDEL', LOAD, dels) end
   delta, dorder = {}, {}
+end
+
+-- the attention pairs of a prefill of q tokens of a prompt of c (`booked_pairs`, the
+-- same operations in the same order: an integer, exact in a double)
+local function attn(q, c)
+  return q * (math.max(c - q, 0) + (q + 1) / 2)
 end
 
 -- a booked request's load, added (sign 1) or taken away (sign -1)
@@ -121,6 +129,7 @@ local function apply(e, q, c, p, sign)
     add(e .. '|c', sign * c)
   else
     add(e .. '|q', sign * q)
+    add(e .. '|a', sign * attn(q, c))
   end
 end
 
@@ -237,6 +246,7 @@ local function settle(from, to, also)
         codes[#codes + 1] = '-'
       else
         add(e .. '|q', -q)
+        add(e .. '|a', -attn(q, c))
         add(e .. '|d', 1)
         add(e .. '|c', c)
         records[rid] = e .. '|' .. q .. '|' .. c .. '|1'
@@ -265,7 +275,7 @@ end
 # by engine and rank; not a draining one), for the session and pending steps only.
 # Returns {'lost'} | {'dup', engine, settle codes}
 #       | {'ok', index (1-based; 0: an engine outside the shortlist), reason,
-#          settle codes, booked prefill, engine, n1, q1, d1, c1, ...} (the shortlist's)
+#          settle codes, booked prefill, engine, n1, q1, d1, c1, a1, ...} (the shortlist's)
 BOOK = (
     PRELUDE
     + r"""
@@ -293,14 +303,15 @@ for i = 1, n do
   ceils[i] = tonumber(ARGV[a + 1])
   credits[i] = tonumber(ARGV[a + 2]) or 0
   helds[i] = tonumber(ARGV[a + 3])
-  fields[4 * i - 3] = e .. '|n'
-  fields[4 * i - 2] = e .. '|q'
-  fields[4 * i - 1] = e .. '|d'
-  fields[4 * i] = e .. '|c'
+  fields[5 * i - 4] = e .. '|n'
+  fields[5 * i - 3] = e .. '|q'
+  fields[5 * i - 2] = e .. '|d'
+  fields[5 * i - 1] = e .. '|c'
+  fields[5 * i] = e .. '|a'
 end
 -- the fields the request ends change, read with the shortlist's
 local reads = {}
-for i = 1, 4 * n do reads[i] = fields[i] end
+for i = 1, 5 * n do reads[i] = fields[i] end
 for _, f in ipairs(dorder) do reads[#reads + 1] = f end
 read_load(reads)
 local akeys, ablocks, atails = {}, {}, {}
@@ -319,8 +330,8 @@ local function weigh(i, fn, fq, fd)
   under[i] = score[i] < ceils[i]
 end
 for i = 1, n do
-  for x = 4 * i - 3, 4 * i do pre[x] = value(fields[x]) end
-  weigh(i, fields[4 * i - 3], fields[4 * i - 2], fields[4 * i - 1])
+  for x = 5 * i - 4, 5 * i do pre[x] = value(fields[x]) end
+  weigh(i, fields[5 * i - 4], fields[5 * i - 3], fields[5 * i - 2])
 end
 local pos = {}
 for i = 1, n do pos[engs[i]] = i end
@@ -461,7 +472,7 @@ if m > 0 then
   end
 end
 local out = {'ok', chosen <= n and chosen or 0, reason, settled, q, e}
-for i = 1, 4 * n do out[#out + 1] = pre[i] end
+for i = 1, 5 * n do out[#out + 1] = pre[i] end
 return out
 """
 )

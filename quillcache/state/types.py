@@ -139,6 +139,7 @@ class SharedLoad:
     queued_prefill_tokens: int = 0
     running_decodes: int = 0
     context_tokens: int = 0  # sum over the running decodes
+    queued_prefill_pairs: int = 0  # the queued prefill's attention pairs (`prefill_pairs`)
 
     @property
     def mean_context_tokens(self) -> float:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from quillcache.controlplane import ControlPlane
 from quillcache.controlplane.admission import admit, effective_slo, loaded_estimate
+from quillcache.costmodel import prefill_pairs
 from quillcache.errors import ConfigError
 from quillcache.events.encode import BlockStored, encode_batch
 from quillcache.hashing.reference import content_keys, namespace_id
@@ -122,14 +123,21 @@ def test_the_routers_disagree_on_this_fleet() -> None:
     ttft=st.floats(0.001, 20.0),
     tbt=st.floats(0.001, 0.5),
     queued=st.integers(0, 200_000),
+    context=st.sampled_from([0, 500, 30_000]),
     decodes=st.integers(0, 300),
     own=st.booleans(),
 )
 def test_admission_rejects_exactly_when_an_estimate_exceeds_a_bound(
-    ttft: float, tbt: float, queued: int, decodes: int, own: bool
+    ttft: float, tbt: float, queued: int, context: int, decodes: int, own: bool
 ) -> None:
+    # the queue: requests of 1,000 new tokens each after `context` cached ones
+    pairs = -(-queued // 1_000) * prefill_pairs(1_000, context)
     w = WorkerView(
-        3, queued_prefill_tokens=queued, running_decodes=decodes, mean_context_tokens=2_000
+        3,
+        queued_prefill_tokens=queued,
+        queued_prefill_pairs=pairs,
+        running_decodes=decodes,
+        mean_context_tokens=2_000,
     )
     view = View([w], 16, COST)
     request = Request(1, np.arange(1, 41, dtype=np.uint64), 645)
@@ -139,10 +147,12 @@ def test_admission_rejects_exactly_when_an_estimate_exceeds_a_bound(
     decision = create_router("round-robin").route(request, view)
     out = admit(request, view, decision, None if own else slo)
     # the reference: the plan's estimate, its TTFT at least the queue and the prefill
-    # sharing steps with the decodes (nothing cached here, no slot wait: in_flight 0)
+    # sharing steps with the decodes, as a promise (packed steps; nothing cached here,
+    # no slot wait: in_flight 0)
     _, est = plan_and_estimate(request, view, w)
-    loaded = COST.loaded_prefill_time(
+    loaded = COST.packed_prefill_time(
         queued_tokens=queued,
+        queued_pairs=pairs,
         new_tokens=645,
         context_tokens=0,
         running_decodes=decodes,

@@ -67,6 +67,7 @@ def expected_view(
                     media.get((w, rank), {}),
                     rank not in s.stale_ranks,
                     rank,
+                    queued_prefill_pairs=r["queued_prefill_pairs"],
                 )
             )
     return out

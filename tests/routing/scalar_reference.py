@@ -217,7 +217,9 @@ def preble(r: PrebleE2, request: Request, view: View, turn: int) -> int:
 
     def total(w: WorkerView) -> tuple[float, int]:
         new_tokens = max(request.prompt_tokens - w.gpu_blocks * bs, 1)
-        load = cost.queue_time(w.queued_prefill_tokens) + w.running_decodes * (
+        load = cost.queue_time(
+            w.queued_prefill_tokens, w.queued_prefill_pairs
+        ) + w.running_decodes * (
             cost.decode_step_time(max(w.running_decodes, 1), w.mean_context_tokens)
             / max(w.running_decodes, 1)
         )

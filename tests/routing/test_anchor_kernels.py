@@ -19,6 +19,7 @@ from quillcache.routing import Request, View
 from quillcache.routing.dynamo import DynamoKvCost
 from quillcache.routing.llmd import LlmdPrecisePrefix, llm_d_scores
 from quillcache.routing.sglang import SglangCacheAware
+from quillcache.routing.types import LOAD_FIELDS
 from tests.routing.test_kernels import fleets
 
 weights = st.one_of(st.sampled_from([0.0, 0.25, 0.5, 1.0]), st.floats(0, 1))
@@ -107,7 +108,7 @@ def test_sglang_kernel_is_the_numpy_choice(
 
 
 def test_sglang_kernel_refuses_nan() -> None:
-    load = np.zeros((2, 5))
+    load = np.zeros((2, len(LOAD_FIELDS)))
     load[1, 0] = np.nan
     ids = np.array([0, 1], dtype=np.uint64)
     zeros = np.zeros(2, dtype=np.int64)

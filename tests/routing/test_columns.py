@@ -51,10 +51,12 @@ REFERENCES: dict[str, tuple[Callable[..., int], dict[str, Any]]] = {
 def tied_worker_views(draw: st.DrawFn, worker: int, n_blocks: int) -> WorkerView:
     """Few distinct values, so that ties (and tie-breaking draws) are common."""
     gpu = draw(st.sampled_from([0, n_blocks]))
+    queued = draw(st.sampled_from([0, 160]))
     return WorkerView(
         worker=worker,
         in_flight=draw(st.integers(0, 2)),
-        queued_prefill_tokens=draw(st.sampled_from([0, 160])),
+        queued_prefill_tokens=queued,
+        queued_prefill_pairs=queued * draw(st.sampled_from([80.5, 4_000.5])),
         running_decodes=draw(st.integers(0, 1)),
         kv_usage=draw(st.sampled_from([0.0, 0.5])),
         capacity_blocks=100,

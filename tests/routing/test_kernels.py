@@ -16,7 +16,13 @@ from quillcache.routing import Request, View, WorkerView
 from quillcache.routing.base import estimate_ttft_s_array, first_min
 from quillcache.routing.quill import QuillCacheRouter
 from quillcache.routing.ttft import lowest_ttft_at
-from quillcache.routing.types import FLEET_FIELDS, PACE_COLUMN, SLOTS_COLUMN, WorkerColumns
+from quillcache.routing.types import (
+    FLEET_FIELDS,
+    LOAD_FIELDS,
+    PACE_COLUMN,
+    SLOTS_COLUMN,
+    WorkerColumns,
+)
 
 BLOCK = 16
 COSTS = [
@@ -55,13 +61,16 @@ def fleets(draw: st.DrawFn) -> tuple[Request, View]:
     def tier() -> np.ndarray:
         return np.asarray(draw(st.lists(st.integers(0, blocks + 3), min_size=n, max_size=n)))
 
-    load = np.zeros((n, 5))
+    load = np.zeros((n, len(LOAD_FIELDS)))
     for i in range(n):
         load[i, 0] = draw(st.one_of(st.integers(0, 64).map(float), st.floats(0, 64)))
         load[i, 1] = draw(loads)
         load[i, 2] = draw(st.one_of(st.integers(0, 600).map(float), st.floats(0, 9_000)))
         load[i, 3] = draw(st.floats(0, 1))
         load[i, 4] = draw(st.floats(0, 32_000))
+        # the queued requests' attention pairs: as many as the tokens (no context) up
+        # to long contexts, or fewer (an engine that reports tokens only)
+        load[i, 5] = load[i, 1] * draw(st.sampled_from([0.0, 1.0, 40.0, 3_000.0, 60_000.0]))
     fleet = np.zeros((n, len(FLEET_FIELDS)))
     # most engines at the fleet's pace, some learned slower (`controlplane/pace.py`)
     fleet[:, PACE_COLUMN] = draw(
@@ -206,12 +215,12 @@ def test_the_kernel_refuses_columns_of_different_lengths() -> None:
     ids = np.arange(3, dtype=np.uint64)
     tiers = np.zeros(3, dtype=np.int64)
     with pytest.raises(ValueError, match="disagree"):
-        kernel.ttft(ids, np.zeros((2, 5)), tiers, tiers, tiers, tiers, 1, 16, 16)
-    with pytest.raises(ValueError, match="5 columns"):
+        kernel.ttft(ids, np.zeros((2, len(LOAD_FIELDS))), tiers, tiers, tiers, tiers, 1, 16, 16)
+    with pytest.raises(ValueError, match=f"{len(LOAD_FIELDS)} columns"):
         kernel.ttft(ids, np.zeros((3, 4)), tiers, tiers, tiers, tiers, 1, 16, 16)
     with pytest.raises(ValueError, match="no rows"):
         empty = np.zeros(0, dtype=np.int64)
-        kernel.ttft(ids[:0], np.zeros((0, 5)), empty, empty, empty, empty, 1, 16, 16)
+        kernel.ttft(ids[:0], np.zeros((0, len(LOAD_FIELDS))), empty, empty, empty, empty, 1, 16, 16)
 
 
 def test_a_cost_model_pickles_with_its_kernel() -> None:
@@ -222,7 +231,7 @@ def test_a_cost_model_pickles_with_its_kernel() -> None:
     assert copy.config == cost.config
     ids = np.arange(2, dtype=np.uint64)
     tiers = np.array([0, 3], dtype=np.int64)
-    args = (ids, np.ones((2, 5)), tiers, tiers, tiers, tiers, 3, 50, 16)
+    args = (ids, np.ones((2, len(LOAD_FIELDS))), tiers, tiers, tiers, tiers, 3, 50, 16)
     assert copy.kernel.ttft(*args)[1].tolist() == cost.kernel.ttft(*args)[1].tolist()
 
 

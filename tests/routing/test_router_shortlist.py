@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quillcache.costmodel import CostModel
+from quillcache.costmodel import CostModel, prefill_pairs
 from quillcache.identity import content_keys, namespace
 from quillcache.routing import Request, Router, create_router
 from quillcache.routing.shortlist import (
@@ -48,7 +48,9 @@ def reference(
     for r in rows[:size]:
         rival = min((scores[o] for o in range(n) if o != r), default=math.inf)
         held = min(v.workers[r].gpu_blocks, len(req.content_keys))
-        step = v.cost.queue_time(max(req.prompt_tokens - held * BS, 1))
+        new = max(req.prompt_tokens - held * BS, 1)
+        # the request queued there: its uncached tokens, attending to the cached ones
+        step = v.cost.queue_time(new, prefill_pairs(new, req.prompt_tokens - new))
         lead = max(rival - scores[r], 0.0) if math.isfinite(rival) else 0.0
         out.append((r, 1.0 + lead / step))
     return out
@@ -90,7 +92,8 @@ def test_a_prefix_being_computed_earns_the_credit_the_held_scores_give() -> None
     scores = np.asarray([1.0, 1.0, 1.0])
     held = np.asarray([0.2, 0.2, 0.2])
     got = cost_preferences(req, v, scores, 0, 3, scores_if_held=held)
-    step_held = v.cost.queue_time(max(req.prompt_tokens - len(req.content_keys) * BS, 1))
+    new = max(req.prompt_tokens - len(req.content_keys) * BS, 1)
+    step_held = v.cost.queue_time(new, prefill_pairs(new, req.prompt_tokens - new))
     assert [p.requests for p in got] == [1.0, 1.0, 1.0]
     assert got[0].pending_requests == pytest.approx((1.0 - 0.2) / step_held)
 

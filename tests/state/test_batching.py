@@ -13,6 +13,11 @@ from quillcache.state import Booked, EngineKey, RedisFleetState, SharedLoad
 from tests.state.helpers import fleet, loads_of, run, shortlist
 from tests.state.server import RedisServer
 
+# a queued request's attention pairs, by hand: n new tokens after c cached ones attend to
+# the c and to the new ones up to themselves, n * (c + (n + 1) / 2)
+PAIRS_7_OF_9 = 7 * (2 + 4)  # 7 new of a 9-token prompt
+PAIRS_5_OF_11 = 5 * (6 + 3)
+
 
 async def script_calls(url: str) -> int:
     """EVALSHA + EVAL calls the server has answered so far."""
@@ -41,7 +46,7 @@ def test_one_round_trip_per_request_the_ends_ride_on_bookings(redis_server: Redi
                 assert s.release_soon(rid) and not s.release_soon(rid)
             assert await script_calls(redis_server.url) - before == 100
             # the last request's end is still queued: its load is in Redis until sent
-            assert await loads_of(s) == {EngineKey(0): SharedLoad(1, 7, 0, 0)}
+            assert await loads_of(s) == {EngineKey(0): SharedLoad(1, 7, 0, 0, PAIRS_7_OF_9)}
             await s.flush()
             assert await loads_of(s) == {}
             # one release per request; its prefill, queued with it, was not sent
@@ -63,7 +68,7 @@ def test_a_batch_goes_on_its_own_after_settle_s(redis_server: RedisServer) -> No
             for rid in rids:
                 await s.book(rid, shortlist(1e9), prefill_tokens=5, context_tokens=11)
             await s.release(rids.pop())  # every script cached in Redis: no NOSCRIPT below
-            assert await loads_of(s) == {EngineKey(0): SharedLoad(3, 15, 0, 0)}
+            assert await loads_of(s) == {EngineKey(0): SharedLoad(3, 15, 0, 0, 3 * PAIRS_5_OF_11)}
             before = await script_calls(redis_server.url)
             s.prefill_done_soon(rids[0])
             s.release_soon(rids[1])
@@ -71,7 +76,7 @@ def test_a_batch_goes_on_its_own_after_settle_s(redis_server: RedisServer) -> No
             assert await script_calls(redis_server.url) == before  # not sent yet
             await asyncio.sleep(0.3)
             assert await script_calls(redis_server.url) - before == 1  # both in one script
-            assert await loads_of(s) == {EngineKey(0): SharedLoad(2, 5, 1, 11)}
+            assert await loads_of(s) == {EngineKey(0): SharedLoad(2, 5, 1, 11, PAIRS_5_OF_11)}
             assert s.stats.end_batches == 2 and s.stats.ends_applied == 3
         finally:
             await s.close()

@@ -85,16 +85,18 @@ class Model:
         return d is not None and d > self.now
 
     def loads(self) -> dict[EngineKey, SharedLoad]:
-        rows: dict[EngineKey, list[int]] = {}
+        rows: dict[EngineKey, list[float]] = {}
         for r in self.replicas:
             for e, q, c, p in r.share.values():
-                row = rows.setdefault(e, [0, 0, 0, 0])
+                row = rows.setdefault(e, [0, 0, 0, 0, 0])
                 row[0] += 1
                 if p:
                     row[2] += 1
                     row[3] += c
                 else:
                     row[1] += q
+                    # its attention pairs: q new tokens after the prompt's other ones
+                    row[4] += q * (max(c - q, 0) + (q + 1) / 2)
         return {e: SharedLoad(*v) for e, v in rows.items() if any(v)}
 
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quillcache.controlplane.load import DECODES, IN_FLIGHT, MEAN_CONTEXT, QUEUED
+from quillcache.controlplane.load import DECODES, IN_FLIGHT, MEAN_CONTEXT, PAIRS, QUEUED
 from quillcache.costmodel import CostModel
 from quillcache.errors import ConfigError
 from quillcache.routing.types import View, WorkerView
@@ -22,6 +22,9 @@ from quillcache.state import shortlist as shortlist_module
 from quillcache.state.load_store import SharedLoadStore
 from quillcache.state.shortlist import ShortlistPolicy, anchors, build_shortlist, prefill_tokens
 from quillcache.state.types import TAIL_FP_CHARS, TAIL_MAX_BLOCKS
+
+# the attention pairs of 100 new tokens after 200 cached ones, by hand
+P100 = 100 * (200 + 50.5)
 
 
 def view(*workers: WorkerView) -> View:
@@ -84,20 +87,24 @@ def test_the_store_keeps_the_engines_gauges_above_the_booked_load() -> None:
     store.bind(rows.get)
     for r in (0, 1):
         store.add(r)
-    store.own_booked(EngineKey(5, 0), 100)
+    store.own_booked(EngineKey(5, 0), 100, 300)  # 100 new tokens of a 300-token prompt
     assert store.value(0, IN_FLIGHT) == 1 and store.value(0, QUEUED) == 100
+    assert store.value(0, PAIRS) == P100  # attention pairs move with the tokens
     store.report(0, {IN_FLIGHT: 3.0})  # the scrape merge put the engine's count on top
-    store.apply_snapshot({EngineKey(5, 0): SharedLoad(4, 400, 0, 0)})  # the fleet's
+    store.apply_snapshot({EngineKey(5, 0): SharedLoad(4, 400, 0, 0, 4 * P100)})  # the fleet's
     assert store.value(0, IN_FLIGHT) == 6  # moved by the booked difference (1 -> 4)
-    assert store.booked(EngineKey(5, 0)) == SharedLoad(4, 400, 0, 0)
+    assert store.value(0, PAIRS) == 4 * P100
+    assert store.booked(EngineKey(5, 0)) == SharedLoad(4, 400, 0, 0, 4 * P100)
     store.own_prefilled(EngineKey(5, 0), 100, 300)
     assert store.value(0, DECODES) == 1 and store.value(0, MEAN_CONTEXT) == 300
+    assert store.value(0, PAIRS) == 3 * P100
     store.own_released(EngineKey(5, 0), 100, 300, prefilled=True)
-    assert store.booked(EngineKey(5, 0)) == SharedLoad(3, 300, 0, 0)
+    assert store.booked(EngineKey(5, 0)) == SharedLoad(3, 300, 0, 0, 3 * P100)
     store.apply_snapshot({})  # the fleet holds nothing: back to the engine's part
     assert store.value(0, IN_FLIGHT) == 2 and store.value(0, QUEUED) == 0
-    store.own_booked(EngineKey(9, 0), 1)  # an engine this replica does not know: ignored
-    store.book(1, 50)  # the plane's own calls are ignored: the booking step books
+    assert store.value(0, PAIRS) == 0
+    store.own_booked(EngineKey(9, 0), 1, 1)  # an engine this replica does not know: ignored
+    store.book(1, 50, 50)  # the plane's own calls are ignored: the booking step books
     assert store.value(1, IN_FLIGHT) == 0
 
 
@@ -155,25 +162,30 @@ class _AlwaysMoves(SharedLoadStore):
             if row is not None and row < len(self._booked):
                 self._move_row(
                     row, ld.in_flight, ld.queued_prefill_tokens, ld.running_decodes,
-                    ld.context_tokens,
+                    ld.context_tokens, ld.queued_prefill_pairs,
                 )  # fmt: skip
 
 
 # few values, so that replies often repeat what a store holds
 _LOADS = st.sampled_from(
-    [SharedLoad(), SharedLoad(1, 100, 0, 0), SharedLoad(1, 0, 1, 300), SharedLoad(2, 100, 1, 300)]
+    [
+        SharedLoad(),
+        SharedLoad(1, 100, 0, 0, P100),
+        SharedLoad(1, 0, 1, 300),
+        SharedLoad(2, 100, 1, 300, P100),
+    ]
 )
 _KEYS = st.sampled_from([EngineKey(5, 0), EngineKey(5, 1), EngineKey(7, 0)])
 _OPS = st.one_of(
     st.tuples(st.just("some"), st.lists(st.tuples(_KEYS, _LOADS), max_size=3)),
     st.tuples(st.just("snapshot"), st.dictionaries(_KEYS, _LOADS, max_size=3)),
-    st.tuples(st.just("booked"), _KEYS, st.just(100)),
+    st.tuples(st.just("booked"), _KEYS, st.just(100), st.just(300)),
     st.tuples(st.just("prefilled"), _KEYS, st.just(100), st.just(300)),
     st.tuples(st.just("released"), _KEYS, st.just(100), st.just(300), st.booleans()),
     st.tuples(
         st.just("report"),
         st.integers(0, 2),
-        st.sampled_from([IN_FLIGHT, QUEUED, DECODES, MEAN_CONTEXT]),
+        st.sampled_from([IN_FLIGHT, QUEUED, DECODES, MEAN_CONTEXT, PAIRS]),
         st.sampled_from([0.0, 1.0, 250.0]),
     ),
 )
@@ -206,7 +218,7 @@ def test_a_booking_reply_that_repeats_the_store_leaves_it_and_its_rows_alone(
             elif kind == "snapshot":
                 store.apply_snapshot(a[0])
             elif kind == "booked":
-                store.own_booked(a[0], a[1])
+                store.own_booked(a[0], a[1], a[2])
             elif kind == "prefilled":
                 store.own_prefilled(a[0], a[1], a[2])
             elif kind == "released":

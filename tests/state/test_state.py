@@ -41,7 +41,9 @@ def test_book_prefill_release_round_trips(
             out = await s.book(rid, shortlist(2, 2), prefill_tokens=300, context_tokens=500)
             assert isinstance(out, Booked) and out.engine == EngineKey(0) and out.reason == "under"
             assert out.loads == (SharedLoad(), SharedLoad())
-            assert await loads_of(s) == {EngineKey(0): SharedLoad(1, 300, 0, 0)}
+            assert await loads_of(s) == {
+                EngineKey(0): SharedLoad(1, 300, 0, 0, 300 * (200 + 150.5))
+            }
             assert await s.prefill_done(rid) == Shared("ok")
             assert await loads_of(s) == {EngineKey(0): SharedLoad(1, 0, 1, 500)}
             assert await s.prefill_done(rid) == Shared("already prefilled")
@@ -56,7 +58,9 @@ def test_book_prefill_release_round_trips(
             assert again.engine == EngineKey(1)
             assert await s.release(rid) == Shared("ok")
             assert await s.release(rid) == Shared("unknown request")
-            assert await loads_of(s) == {EngineKey(1): SharedLoad(1, 10, 0, 0)}
+            assert await loads_of(s) == {
+                EngineKey(1): SharedLoad(1, 10, 0, 0, 10 * 5.5)
+            }  # no prompt: no context
             assert await s.release(rid2) == Shared("ok")
             assert await loads_of(s) == {}
             assert s.stats.booked == 2 and not s.stats.fallbacks

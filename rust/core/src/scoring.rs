@@ -16,8 +16,9 @@ pub const IN_FLIGHT: usize = 0;
 pub const QUEUED_PREFILL_TOKENS: usize = 1;
 pub const RUNNING_DECODES: usize = 2;
 pub const MEAN_CONTEXT_TOKENS: usize = 4;
+pub const QUEUED_PREFILL_PAIRS: usize = 5;
 /// Fields per row of the load matrix.
-pub const LOAD_WIDTH: usize = 5;
+pub const LOAD_WIDTH: usize = 6;
 
 /// The constants `CostModel` derives from its configuration.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -236,9 +237,21 @@ impl CostParams {
         }
     }
 
-    fn queue_time(&self, queued: f64) -> f64 {
+    /// `queued_compute_s_array` for one row: every queued token attends at least to
+    /// itself, so fewer pairs than tokens count as that many.
+    fn queued_compute_s(&self, queued: f64, pairs: f64) -> f64 {
+        let pairs = maximum(pairs, queued);
+        let flops = self.linear_flops_per_token * queued + self.attn_flops_per_pair * pairs;
+        if queued <= 0.0 {
+            0.0
+        } else {
+            flops / self.flops_per_s
+        }
+    }
+
+    fn queue_time(&self, queued: f64, pairs: f64) -> f64 {
         let steps = -floor_divide(-queued, self.chunk_budget as f64);
-        let t = self.prefill_compute_s(queued, 0.0) + steps * self.overhead_s;
+        let t = self.queued_compute_s(queued, pairs) + steps * self.overhead_s;
         if queued <= 0.0 {
             0.0
         } else {
@@ -265,6 +278,7 @@ impl CostParams {
     fn loaded_prefill_time(
         &self,
         queued: f64,
+        pairs: f64,
         new: i64,
         new_compute: f64,
         decodes: f64,
@@ -274,7 +288,7 @@ impl CostParams {
         let total = queued + new as f64;
         let budget = maximum(self.chunk_budget as f64 - decodes, 1.0);
         let steps = -floor_divide(-total, budget);
-        let compute = self.prefill_compute_s(queued, 0.0) + new_compute;
+        let compute = self.queued_compute_s(queued, pairs) + new_compute;
         let per_step = self.overhead_s + decodes * mean_context * self.kv_read_s_per_token;
         steps * per_step + maximum(compute, steps * self.weight_read_s)
     }
@@ -442,8 +456,10 @@ pub fn ttft_estimates(
             let (covered, transfer) =
                 params.covered(rows, ask, i, gpu, peers.get(i).copied().unwrap_or(0));
             let new = new_tokens(ask, covered);
-            params.queue_time(rows.field(i, QUEUED_PREFILL_TOKENS))
-                + transfer
+            params.queue_time(
+                rows.field(i, QUEUED_PREFILL_TOKENS),
+                rows.field(i, QUEUED_PREFILL_PAIRS),
+            ) + transfer
                 + prefill.get(new, |new| params.prefill_time(new, ask.prompt_tokens - new))
         })
         .collect())
@@ -454,6 +470,7 @@ pub fn ttft_estimates(
 struct RowLoad {
     in_flight: f64,
     queued: f64,
+    pairs: f64,
     decodes: f64,
     mean_context: f64,
 }
@@ -463,6 +480,7 @@ impl RowLoad {
         Self {
             in_flight: rows.field(i, IN_FLIGHT),
             queued: rows.field(i, QUEUED_PREFILL_TOKENS),
+            pairs: rows.field(i, QUEUED_PREFILL_PAIRS),
             decodes: rows.field(i, RUNNING_DECODES),
             mean_context: rows.field(i, MEAN_CONTEXT_TOKENS),
         }
@@ -520,6 +538,7 @@ impl<'a> QuillScorer<'a> {
         let RowLoad {
             in_flight,
             queued,
+            pairs,
             decodes,
             mean_context,
         } = load;
@@ -552,10 +571,18 @@ impl<'a> QuillScorer<'a> {
         // (pace 1.0 multiplies exactly: a uniform fleet's scores are bit for bit the same)
         let ttft = if knobs.interference {
             transfer
-                + pace * params.loaded_prefill_time(queued, new, new_compute, decodes, mean_context)
+                + pace
+                    * params.loaded_prefill_time(
+                        queued,
+                        pairs,
+                        new,
+                        new_compute,
+                        decodes,
+                        mean_context,
+                    )
         } else {
             transfer
-                + pace * params.queue_time(queued)
+                + pace * params.queue_time(queued, pairs)
                 + pace
                     * self
                         .prefill
@@ -589,9 +616,12 @@ impl<'a> QuillScorer<'a> {
     /// that order. It is taken at pace 1.0, the least a pace can be (`walkable`): a
     /// slower engine's score is only larger.
     fn bound(&mut self, i: usize, queued: f64, batch: bool) -> f64 {
+        // the fewest pairs `queued` tokens can have (each attends to itself): a later
+        // row in the walk, with at least as many queued tokens, has at least as many
         let idle = RowLoad {
             in_flight: 0.0,
             queued,
+            pairs: queued,
             decodes: 0.0,
             mean_context: 0.0,
         };
@@ -812,8 +842,10 @@ pub fn ttft_lowest_walk(
         let gpu = rows.gpu[i].min(ask.blocks);
         let (covered, transfer) = params.covered(rows, ask, i, gpu, 0);
         let new = new_tokens(ask, covered);
-        params.queue_time(rows.field(i, QUEUED_PREFILL_TOKENS))
-            + transfer
+        params.queue_time(
+            rows.field(i, QUEUED_PREFILL_TOKENS),
+            rows.field(i, QUEUED_PREFILL_PAIRS),
+        ) + transfer
             + prefill.get(new, |new| params.prefill_time(new, ask.prompt_tokens - new))
     };
     lowest_walk(rows, false, special, by_queue, |i, _| estimate(i))
