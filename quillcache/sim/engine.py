@@ -121,6 +121,7 @@ class EngineModel:
         self.waiting: deque[Running] = deque()
         self.running: list[Running] = []
         self.queued_prefill_tokens = 0
+        self.queued_pairs = 0.0  # their attention pairs (`queued_prefill_pairs`)
         # counters
         self.evictions = 0
 
@@ -389,7 +390,20 @@ class EngineModel:
         run.hit_blocks = gpu + cpu  # provisional, fixed at admission
         self.waiting.append(run)
         self.queued_prefill_tokens += max(req.prompt_tokens - run.hit_blocks * self.block_size, 1)
+        self.queued_pairs += self._waiting_pairs(run)
         return run
+
+    def _waiting_pairs(self, run: Running) -> float:
+        """A waiting request's part of the queue's attention pairs: its uncached tokens
+        after its provisional hit."""
+        new = max(run.req.prompt_tokens - run.hit_blocks * self.block_size, 1)
+        return prefill_pairs(new, run.req.prompt_tokens - new)
+
+    @staticmethod
+    def _running_pairs(run: Running) -> float:
+        """An admitted request's part: its tokens not computed yet, after those it has."""
+        left = run.req.prompt_tokens - run.computed
+        return prefill_pairs(left, run.computed) if left > 0 else 0.0
 
     def abort(self, run: Running) -> None:
         """Drop a queued or running request (client went away) and free its blocks;
@@ -399,9 +413,11 @@ class EngineModel:
             self.queued_prefill_tokens -= max(
                 run.req.prompt_tokens - run.hit_blocks * self.block_size, 1
             )
+            self.queued_pairs -= self._waiting_pairs(run)
         elif run in self.running:
             self.running.remove(run)
             self.queued_prefill_tokens -= max(run.req.prompt_tokens - run.computed, 0)
+            self.queued_pairs -= self._running_pairs(run)
             self._finish(run)
 
     def has_work(self) -> bool:
@@ -431,11 +447,13 @@ class EngineModel:
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             run = self.waiting[0]
             provisional = max(run.req.prompt_tokens - run.hit_blocks * self.block_size, 1)
+            provisional_pairs = self._waiting_pairs(run)
             if not self._admit(run, self.blocks_needed(run.req)):
                 break
             self.waiting.popleft()
             self.queued_prefill_tokens -= provisional
             self.queued_prefill_tokens += max(run.req.prompt_tokens - run.computed, 0)
+            self.queued_pairs += self._running_pairs(run) - provisional_pairs
             self.running.append(run)
             extra_s += run.extra_s
             left = run.req.prompt_tokens - run.computed
@@ -462,6 +480,7 @@ class EngineModel:
         """Apply `steps` steps ending at `end_s`; returns the requests that finished."""
         done: list[Running] = []
         for r, n in chunks:
+            self.queued_pairs -= prefill_pairs(n, r.computed)  # this chunk's
             r.computed += n
             self.queued_prefill_tokens -= n
             full = min(r.computed // self.block_size, len(r.keys))
@@ -483,18 +502,9 @@ class EngineModel:
 
     def queued_prefill_pairs(self) -> float:
         """The attention pairs of the prefill still to run (`costmodel.prefill_pairs`
-        of each request): a waiting one's uncached tokens after its provisional hit, a
-        running one's tokens not computed yet after those it has."""
-        bs = self.block_size
-        pairs = 0.0
-        for r in self.waiting:
-            new = max(r.req.prompt_tokens - r.hit_blocks * bs, 1)
-            pairs += prefill_pairs(new, r.req.prompt_tokens - new)
-        for r in self.running:
-            left = r.req.prompt_tokens - r.computed
-            if left > 0:
-                pairs += prefill_pairs(left, r.computed)
-        return pairs
+        of each request), kept as requests queue, are admitted and compute chunks (a
+        chunk of a request takes away exactly its part: the pairs are integers)."""
+        return max(self.queued_pairs, 0.0)
 
     def queue_time(self) -> float:
         """The cost model's wait for the queued prefill here."""
