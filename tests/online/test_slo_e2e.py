@@ -193,10 +193,12 @@ def test_untrusted_client_cannot_loosen_the_default_slo(stack: Stack) -> None:
 def test_queue_mode_waits_while_the_slo_can_still_be_met(
     tmp_path: Path, admission: str, relay: str
 ) -> None:
-    """`slo_admission: queue`: behind four long prefills (about 2.5 s of work, estimated
-    at 3.1 s) a request with a 3 s target waits and is served within it; one with a 1 s
-    target waits until no wait can help, then gets its 429; one whose own prefill
-    misses its target is refused at once. With `reject` the first is a 429 too."""
+    """`slo_admission: queue`: behind four long prefills (about 2.5 s of work) a
+    request whose target is a little under the gateway's estimate waits and is served
+    within it: the estimate counts the prefill in progress whole until its first byte,
+    so once that byte is out the request fits. One with a 1 s target waits until no
+    wait can help, then gets its 429; one whose own prefill misses its target is refused
+    at once. With `reject` the first is a 429 too."""
     with contextlib.contextmanager(make_stack)(tmp_path, relay) as s:
         s.engine()
         gw = s.start_gateway(
@@ -218,13 +220,19 @@ def test_queue_mode_waits_while_the_slo_can_still_be_met(
         time.sleep(0.3)  # routed and booked on the engine
         other = client(gw.url)
         try:
+            # the estimate now: a 1 ms target no wait can meet is refused at once with it
+            with pytest.raises(openai.RateLimitError) as probe:
+                complete(other, prompt("probe", 64), extra_headers={"x-slo-ttft-ms": "1"})
+            found = re.search(r"estimated TTFT ([\d.]+)s", probe.value.message)
+            assert found is not None, probe.value.message
+            target_ms = str(round(float(found.group(1)) * 1000) - 150)
             started = time.perf_counter()
             if admission == "queue":
-                complete(other, prompt("waits", 64), extra_headers={"x-slo-ttft-ms": "3000"})
-                assert time.perf_counter() - started <= 3.5
+                complete(other, prompt("waits", 64), extra_headers={"x-slo-ttft-ms": target_ms})
+                assert time.perf_counter() - started <= int(target_ms) / 1000 + 0.5
             else:
                 with pytest.raises(openai.RateLimitError):
-                    complete(other, prompt("waits", 64), extra_headers={"x-slo-ttft-ms": "3000"})
+                    complete(other, prompt("waits", 64), extra_headers={"x-slo-ttft-ms": target_ms})
                 assert time.perf_counter() - started < 0.5
             for t in threads:
                 t.join(timeout=120)

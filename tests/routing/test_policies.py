@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quillcache.controlplane.admission import admit
-from quillcache.costmodel import CostModel, CostModelConfig
+from quillcache.controlplane.admission import admit, loaded_estimate
+from quillcache.costmodel import CostModel, CostModelConfig, prefill_pairs
 from quillcache.routing import (
     SLO,
     Action,
@@ -188,20 +188,28 @@ def test_preble_exploits_long_matches_and_explores_otherwise() -> None:
 @settings(max_examples=30)
 def test_mooncake_rejects_exactly_when_the_best_estimate_misses_the_slo(slo: float) -> None:
     # Mooncake's early rejection, now the control plane's admission stage after its
-    # argmin: the same outcome as when the router rejected by itself
+    # argmin: the router picks the least estimate, admission prices that engine's queue
+    # as batching makes it (never below the router's figure) and rejects exactly when
+    # that misses the SLO
     r = create_router("mooncake", ttft_slo_s=slo)
+    pairs = prefill_pairs(4_000, 0)  # queues of 4,000-token prompts
     v = _view(
-        WorkerView(0, queued_prefill_tokens=40_000), WorkerView(1, queued_prefill_tokens=9_000)
+        WorkerView(0, queued_prefill_tokens=40_000, queued_prefill_pairs=10 * pairs),
+        WorkerView(1, queued_prefill_tokens=8_000, queued_prefill_pairs=2 * pairs),
     )
     req = _req(100)
     best = min(estimate_ttft_s(req, v, w) for w in v.workers)
-    assert not r.route(req, v).rejected  # the router itself only chooses
-    d = admit(req, v, r.route(req, v), default_slo(r))
-    assert d.rejected == (best > slo)
+    chosen = r.route(req, v)
+    assert not chosen.rejected  # the router itself only chooses
+    assert chosen.worker == 1 and estimate_ttft_s(req, v, v.by_id(1)) == best
+    loaded = loaded_estimate(req, v, v.by_id(1))
+    assert loaded.ttft_s >= best
+    d = admit(req, v, chosen, default_slo(r))
+    assert d.rejected == (loaded.ttft_s > slo)
     if d.rejected:
-        assert "SLO" in d.reason and d.estimate is not None and d.estimate.ttft_s == best
+        assert "SLO" in d.reason and d.estimate == loaded
     # a request's own SLO takes precedence
-    req.slo = SLO(ttft_s=best * 2)
+    req.slo = SLO(ttft_s=loaded.ttft_s * 2)
     assert not admit(req, v, r.route(req, v), default_slo(r)).rejected
 
 
