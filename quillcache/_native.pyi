@@ -574,7 +574,7 @@ class CostKernel:
         continuing: bool,
         mean_decodes: float,
         expected_output_tokens: int,
-        session_batch: npt.NDArray[np.float64] | None,
+        session_kv_tokens: npt.NDArray[np.float64] | None,
         pace: npt.NDArray[np.float64] | None,
         slots: npt.NDArray[np.float64] | None = None,
     ) -> tuple[int, npt.NDArray[np.float64]]:
@@ -600,7 +600,7 @@ class CostKernel:
         continuing: bool,
         mean_decodes: float,
         expected_output_tokens: int,
-        session_batch: npt.NDArray[np.float64] | None,
+        session_kv_tokens: npt.NDArray[np.float64] | None,
         pace: npt.NDArray[np.float64] | None,
         slots: npt.NDArray[np.float64] | None = None,
     ) -> int | None:

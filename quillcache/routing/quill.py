@@ -22,7 +22,9 @@ Timed operation (the score of each worker; the lowest wins):
 7. sessions (requests with a session id): a session's next turns come back to the
    worker holding its history, so a *new* session chooses a home for all of them: it
    also weighs the decode batch it will join there, estimated from the live sessions
-   homed on each worker. A continuing session is not moved for decode balance (its
+   homed on each worker (each bringing the fleet's decodes per live session, at the
+   fleet's mean decode context: an engine whose sessions are between turns, or still
+   queued for their prefill, decodes nothing right now but will). A continuing session is not moved for decode balance (its
    home was chosen for that); only its TTFT and the work it adds count
    (`continuing_work_weight` scales that work term; 0 = move whenever the queue at
    home outweighs the recompute elsewhere, which scatters agent fan-out calls: see
@@ -39,6 +41,7 @@ Ties go to the longer reusable prefix, then to fewer requests in flight.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -113,7 +116,8 @@ class QuillCacheRouter(Router):
         self._lambda = work_weight
         self._mean_decodes = 0.0
         self._continuing = False  # a session seen within the TTL
-        self._session_decodes: dict[int, float] = {}  # worker -> decodes its sessions bring
+        # worker -> KV tokens its sessions' decodes read each step (a new session's home)
+        self._session_kv_tokens: dict[int, float] = {}
         # session id -> (worker it was last sent to, when), least recently seen first
         self._homes: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self._live: dict[int, int] = {}  # worker -> live sessions homed there
@@ -193,15 +197,11 @@ class QuillCacheRouter(Router):
                 * overlap
                 * (pace * cost.kv_read_s(request.prompt_tokens + out / 2))
             )
-        if self.home_decode_weight and self._session_decodes:
+        if self.home_decode_weight and self._session_kv_tokens:
             # A new session's home: every turn decodes in the batch its sessions make,
             # each step reading their KV.
-            batch = self._session_decodes.get(w.worker, 0.0)
-            extra += (
-                self.home_decode_weight
-                * out
-                * (pace * cost.kv_read_s(batch * w.mean_context_tokens))
-            )
+            batch = self._session_kv_tokens.get(w.worker, 0.0)
+            extra += self.home_decode_weight * out * (pace * cost.kv_read_s(batch))
         return extra + ttft
 
     def estimates(self, request: Request, view: View) -> npt.NDArray[np.float64]:
@@ -264,12 +264,10 @@ class QuillCacheRouter(Router):
                     * (pace * cost.kv_read_s(prompt + out / 2))
                 )
                 extra = np.where(piling, extra + term, extra)
-        if self.home_decode_weight and self._session_decodes:
-            homes = self._session_decodes
+        if self.home_decode_weight and self._session_kv_tokens:
+            homes = self._session_kv_tokens
             batch = np.asarray([homes.get(w, 0.0) for w in c.worker.tolist()])
-            extra = extra + self.home_decode_weight * out * (
-                pace * cost.kv_read_s_array(batch * mean_context)
-            )
+            extra = extra + self.home_decode_weight * out * (pace * cost.kv_read_s_array(batch))
         return extra + ttft
 
     def scored(self, request: Request, view: View) -> tuple[int, npt.NDArray[np.float64]]:
@@ -335,11 +333,11 @@ class QuillCacheRouter(Router):
         """The kernel's arguments after the columns: the knobs, then this request's
         state, then the rows' own sequence slots (`CostKernel.quill`'s order)."""
         batch = None
-        if self.home_decode_weight and self._session_decodes:
+        if self.home_decode_weight and self._session_kv_tokens:
             rows_of = _rows_by_worker(view.columns.worker)
             batch = np.zeros(len(view.columns.worker))
-            for w, decodes in self._session_decodes.items():
-                batch[rows_of(w)] = decodes
+            for w, tokens in self._session_kv_tokens.items():
+                batch[rows_of(w)] = tokens
         return (
             self._settings,
             self._lambda,
@@ -371,9 +369,9 @@ class QuillCacheRouter(Router):
             )
         sid = self._session_key(request) if self.sessions else None
         self._continuing = False
-        self._session_decodes = {}
+        self._session_kv_tokens = {}
         if sid is not None:
-            self._session_load(sid, view, decodes)
+            self._session_load(sid, view)
         at = self.chosen(request, view)
         if self.sessions:
             worker = int(c.worker[at])
@@ -452,10 +450,14 @@ class QuillCacheRouter(Router):
         if len(placed) > PARENTS_REMEMBERED:
             placed.popitem(last=False)
 
-    def _session_load(self, sid: str, view: View, decodes: float) -> None:
+    def _session_load(self, sid: str, view: View) -> None:
         """Forget sessions idle for longer than the TTL, take this one out of its home
-        (it is being placed now) and, for a new session, estimate the decodes each
-        worker's live sessions bring: live sessions x decodes per live session."""
+        (it is being placed now) and, for a new session, estimate the KV each worker's
+        live sessions' decodes read per step: live sessions x the fleet's decode KV
+        (running decodes x their context, summed) per live session. The fleet's, not
+        the worker's own running decodes: an engine whose sessions are between turns or
+        queued for their prefill decodes nothing at this instant, and its own context
+        would price its batch at nothing."""
         homes, live = self._homes, self._live
         horizon = view.now_s - self.session_ttl_s
         while homes:
@@ -475,9 +477,12 @@ class QuillCacheRouter(Router):
         rows = {w: len(rows_of(w)) for w, k in live.items() if k}
         total = sum(live[w] * n for w, n in rows.items())
         if total:
-            per_session = decodes / total
+            c = view.columns
+            # fsum: correctly rounded, so any summation order gives the same number
+            kv = math.fsum((c.running_decodes * c.mean_context_tokens).tolist())
+            per_session = kv / total
             # a worker absent here brings 0 * per_session = 0.0, what .get() defaults to
-            self._session_decodes = {w: live[w] * per_session for w, n in rows.items() if n}
+            self._session_kv_tokens = {w: live[w] * per_session for w, n in rows.items() if n}
 
 
 #: Requests whose placement a router keeps for the parent hints of later ones.

@@ -163,7 +163,7 @@ def quill(r: QuillCacheRouter, request: Request, view: View, turn: int) -> int:
         r._lambda = min(r._lambda * (r.work_base + waiting / len(workers)), r.max_work_weight)
     sid = str(request.session_id) if request.session_id is not None else None
     r._continuing = False
-    r._session_decodes = {}
+    r._session_kv_tokens = {}
     if r.sessions and sid is not None:
         homes, live = r._homes, r._live
         horizon = view.now_s - r.session_ttl_s
@@ -180,9 +180,9 @@ def quill(r: QuillCacheRouter, request: Request, view: View, turn: int) -> int:
         else:
             total = sum(live.get(w.worker, 0) for w in workers)
             if total:
-                per_session = sum(w.running_decodes for w in workers) / total
-                r._session_decodes = {
-                    w.worker: live.get(w.worker, 0) * per_session for w in workers
+                kv = math.fsum(w.running_decodes * w.mean_context_tokens for w in workers)
+                r._session_kv_tokens = {
+                    w.worker: live.get(w.worker, 0) * (kv / total) for w in workers
                 }
     best = min(
         workers,

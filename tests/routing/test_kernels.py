@@ -6,6 +6,8 @@ beyond one chunk budget, every tier, peer fetch on and off, every knob of the ro
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -158,7 +160,7 @@ def test_quill_kernel_is_the_numpy_estimate(
     router._continuing = continuing
     router._mean_decodes = mean_decodes
     ids = view.columns.worker.tolist()
-    router._session_decodes = {w: d for w, d in zip(ids, homes, strict=False)}
+    router._session_kv_tokens = {w: d for w, d in zip(ids, homes, strict=False)}
     want = router.estimates(request, view)
     at, got = router.scored(request, view)
     assert got.tolist() == want.tolist()
@@ -241,18 +243,17 @@ def test_a_cost_model_pickles_with_its_kernel() -> None:
     shuffled=st.booleans(),
     counts=st.lists(st.integers(0, 5), min_size=1, max_size=14),
     strangers=st.lists(st.integers(0, 2**64 - 1), max_size=3),
-    decodes=st.floats(0, 5_000),
 )
 def test_a_new_sessions_homes_count_every_row_of_its_workers(
     fleet: tuple[Request, View],
     shuffled: bool,
     counts: list[int],
     strangers: list[int],
-    decodes: float,
 ) -> None:
-    """The decodes a new session's home brings, per row, as the per-row sum over the
-    view computes them: ranks of one engine each count, workers outside the view do
-    not, a view out of id order too."""
+    """The KV a new session's home's decodes read per step, per row, as the per-row
+    sum over the view computes it (the fleet's decode KV per live session): ranks of
+    one engine each count, workers outside the view do not, a view out of id order
+    too."""
     request, view = fleet
     c = view.columns
     if shuffled:
@@ -274,9 +275,12 @@ def test_a_new_sessions_homes_count_every_row_of_its_workers(
     live = dict(zip(list(dict.fromkeys(ids)) + strangers, counts, strict=False))
     router = QuillCacheRouter()
     router._live = dict(live)
-    router._session_load("new", view, decodes)
+    router._session_load("new", view)
     total = sum(live.get(w, 0) for w in ids)
-    want = [live.get(w, 0) * (decodes / total) if total else 0.0 for w in ids]
-    assert [router._session_decodes.get(w, 0.0) for w in ids] == want
+    kv = math.fsum(
+        d * ctx for d, ctx in zip(c.running_decodes.tolist(), c.mean_context_tokens.tolist())
+    )
+    want = [live.get(w, 0) * (kv / total) if total else 0.0 for w in ids]
+    assert [router._session_kv_tokens.get(w, 0.0) for w in ids] == want
     _, got = router.scored(request, view)
     assert got.tolist() == router.estimates(request, view).tolist()

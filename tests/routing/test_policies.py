@@ -14,6 +14,7 @@ from quillcache.costmodel import CostModel, CostModelConfig, prefill_pairs
 from quillcache.routing import (
     SLO,
     Action,
+    QuillCacheRouter,
     Request,
     View,
     WorkerView,
@@ -331,6 +332,29 @@ def test_quillcache_homes_new_sessions_where_few_sessions_live() -> None:
     for s in range(4):
         fresh.route(_req(20, rid=s, session=f"s{s}"), busy_1)
     assert fresh.route(new2, later).worker == 0
+
+
+def test_quillcache_prices_a_home_whose_sessions_are_not_decoding_yet() -> None:
+    """A new session's home term counts the sessions homed on an engine even while
+    none of them decodes (their prefills queued there, or between turns): at the
+    fleet's decode context, not the engine's own (zero when nothing decodes), or the
+    engine that looks idle in decode collects every new session's prefill."""
+    r = create_router("quillcache")
+    assert isinstance(r, QuillCacheRouter)
+    queued = WorkerView(0, in_flight=3, queued_prefill_tokens=12_000)  # 3 sessions' prefills
+    decoding = _decoding(1, 10)  # 3 sessions decoding
+    idle = WorkerView(2)  # no session homed
+    view = _view(queued, decoding, idle)
+    r._live = {0: 3, 1: 3}
+    new = _req(20, rid=9, session="s9")
+    new.expected_output_tokens = 300
+    r._session_load("s9", view)
+    with_homes = r.estimates(new, view)
+    r._session_kv_tokens = {}
+    without = r.estimates(new, view)
+    term = (with_homes - without).tolist()
+    assert term[0] > 0 and term[0] == pytest.approx(term[1], rel=1e-12)
+    assert term[2] == 0
 
 
 def test_quillcache_pile_up_counts_only_decodes_still_running_after_the_prefill() -> None:

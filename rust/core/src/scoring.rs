@@ -73,7 +73,7 @@ impl Rows<'_> {
         self.worker.is_empty()
     }
 
-    fn check(&self, session_batch: Option<&[f64]>) -> Result<(), RowsError> {
+    fn check(&self, session_kv_tokens: Option<&[f64]>) -> Result<(), RowsError> {
         let n = self.worker.len();
         let lens = [
             self.load.len() / LOAD_WIDTH,
@@ -81,7 +81,7 @@ impl Rows<'_> {
             self.cpu.len(),
             self.disk.len(),
             self.pending.len(),
-            session_batch.map_or(n, <[f64]>::len),
+            session_kv_tokens.map_or(n, <[f64]>::len),
         ];
         if !self.load.len().is_multiple_of(LOAD_WIDTH) || lens.iter().any(|&l| l != n) {
             return Err(RowsError::Lengths(format!(
@@ -602,7 +602,7 @@ impl<'a> QuillScorer<'a> {
         }
         if let Some(batch) = batch {
             extra +=
-                self.home_weight * (pace * (batch * mean_context * params.kv_read_s_per_token));
+                self.home_weight * (pace * (batch * params.kv_read_s_per_token));
         }
         extra + ttft
     }
@@ -656,8 +656,9 @@ impl<'a> QuillScorer<'a> {
 /// What `quill` reads per row besides the view's columns.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RowTerms<'a> {
-    /// Per row, the decodes a new session's home would bring (None: no home term).
-    pub session_batch: Option<&'a [f64]>,
+    /// Per row, the KV tokens a new session's home's decodes read each step (None: no
+    /// home term).
+    pub session_kv_tokens: Option<&'a [f64]>,
     /// Per row, how many times slower than the fleet its engine is (None: 1.0).
     pub pace: Option<&'a [f64]>,
     /// Per row, its engine's sequence slots (`max_num_seqs`; None or 0: the cost
@@ -675,7 +676,7 @@ struct RowTerm {
 
 impl RowTerms<'_> {
     fn check(&self, rows: &Rows<'_>) -> Result<(), RowsError> {
-        rows.check(self.session_batch)?;
+        rows.check(self.session_kv_tokens)?;
         for (what, column) in [("paces", self.pace), ("slot counts", self.slots)] {
             if let Some(c) = column {
                 if c.len() != rows.len() {
@@ -699,7 +700,7 @@ impl RowTerms<'_> {
     }
 
     fn batch(&self, i: usize) -> Option<f64> {
-        self.session_batch.map(|b| b[i])
+        self.session_kv_tokens.map(|b| b[i])
     }
 
     fn pace(&self, i: usize) -> f64 {
@@ -816,7 +817,7 @@ pub fn quill_lowest_walk(
         Eval::Score => scorer.estimate(i, RowLoad::of(rows, i), terms.row(i)),
         Eval::Bound => {
             let queued = rows.field(i, QUEUED_PREFILL_TOKENS);
-            scorer.bound(i, queued, terms.session_batch.is_some())
+            scorer.bound(i, queued, terms.session_kv_tokens.is_some())
         }
     })
 }

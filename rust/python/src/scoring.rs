@@ -42,7 +42,7 @@ fn walk_args<'a>(
 
 /// `quill`'s per-row terms, borrowed for one call.
 fn row_terms<'a>(
-    session_batch: &'a Option<PyReadonlyArray1<'_, f64>>,
+    session_kv_tokens: &'a Option<PyReadonlyArray1<'_, f64>>,
     pace: &'a Option<PyReadonlyArray1<'_, f64>>,
     slots: &'a Option<PyReadonlyArray1<'_, f64>>,
 ) -> PyResult<RowTerms<'a>> {
@@ -53,9 +53,9 @@ fn row_terms<'a>(
         )));
     }
     Ok(RowTerms {
-        session_batch: session_batch
+        session_kv_tokens: session_kv_tokens
             .as_ref()
-            .map(|b| slice("session_batch", b))
+            .map(|b| slice("session_kv_tokens", b))
             .transpose()?,
         pace: pace.as_ref().map(|p| slice("pace", p)).transpose()?,
         slots,
@@ -249,10 +249,11 @@ impl CostKernel {
 
     /// `(position, estimates)`: `QuillCacheRouter.estimates` per row, and the row with
     /// the lowest (then the longest prefix held or being computed, fewest in flight,
-    /// lowest id). `session_batch`: per row, the decodes a new session's home brings.
+    /// lowest id). `session_kv_tokens`: per row, the KV tokens a new session's home's
+    /// decodes read each step.
     #[pyo3(signature = (
         worker, load, gpu, cpu, disk, pending, blocks, prompt_tokens, block_size, settings,
-        lambda_, continuing, mean_decodes, expected_output_tokens, session_batch, pace, slots=None
+        lambda_, continuing, mean_decodes, expected_output_tokens, session_kv_tokens, pace, slots=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn quill<'py>(
@@ -272,7 +273,7 @@ impl CostKernel {
         continuing: bool,
         mean_decodes: f64,
         expected_output_tokens: i64,
-        session_batch: Option<PyReadonlyArray1<'py, f64>>,
+        session_kv_tokens: Option<PyReadonlyArray1<'py, f64>>,
         pace: Option<PyReadonlyArray1<'py, f64>>,
         slots: Option<PyReadonlyArray1<'py, f64>>,
     ) -> PyResult<(usize, Bound<'py, PyArray1<f64>>)> {
@@ -291,7 +292,7 @@ impl CostKernel {
             block_size,
         };
         let knobs = settings.knobs(lambda_, continuing, mean_decodes, expected_output_tokens);
-        let terms = row_terms(&session_batch, &pace, &slots)?;
+        let terms = row_terms(&session_kv_tokens, &pace, &slots)?;
         let estimates = scoring::quill_estimates(&self.params, &rows, &ask, &knobs, terms)
             .map_err(rows_error)?;
         let at = scoring::lowest(&estimates, &rows, true).map_err(rows_error)?;
@@ -306,7 +307,7 @@ impl CostKernel {
     #[pyo3(signature = (
         order, position, special, worker, load, gpu, cpu, disk, pending, blocks,
         prompt_tokens, block_size, settings, lambda_, continuing, mean_decodes,
-        expected_output_tokens, session_batch, pace, slots=None
+        expected_output_tokens, session_kv_tokens, pace, slots=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn quill_lowest<'py>(
@@ -328,7 +329,7 @@ impl CostKernel {
         continuing: bool,
         mean_decodes: f64,
         expected_output_tokens: i64,
-        session_batch: Option<PyReadonlyArray1<'py, f64>>,
+        session_kv_tokens: Option<PyReadonlyArray1<'py, f64>>,
         pace: Option<PyReadonlyArray1<'py, f64>>,
         slots: Option<PyReadonlyArray1<'py, f64>>,
     ) -> PyResult<Option<usize>> {
@@ -347,7 +348,7 @@ impl CostKernel {
             block_size,
         };
         let knobs = settings.knobs(lambda_, continuing, mean_decodes, expected_output_tokens);
-        let terms = row_terms(&session_batch, &pace, &slots)?;
+        let terms = row_terms(&session_kv_tokens, &pace, &slots)?;
         let position = slice("position", &position)?;
         let (special, by_queue) = walk_args(&order, position, &special)?;
         scoring::quill_lowest_walk(&self.params, &rows, &ask, &knobs, terms, &special, by_queue)
