@@ -601,8 +601,7 @@ impl<'a> QuillScorer<'a> {
             extra += knobs.decode_weight * excess * overlap * (pace * self.kv_read);
         }
         if let Some(batch) = batch {
-            extra +=
-                self.home_weight * (pace * (batch * params.kv_read_s_per_token));
+            extra += self.home_weight * (pace * (batch * params.kv_read_s_per_token));
         }
         extra + ttft
     }
