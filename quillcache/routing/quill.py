@@ -24,11 +24,15 @@ Timed operation (the score of each worker; the lowest wins):
    also weighs the decode batch it will join there, estimated from the live sessions
    homed on each worker (each bringing the fleet's decodes per live session, at the
    fleet's mean decode context: an engine whose sessions are between turns, or still
-   queued for their prefill, decodes nothing right now but will). A continuing session is not moved for decode balance (its
-   home was chosen for that); only its TTFT and the work it adds count
-   (`continuing_work_weight` scales that work term; 0 = move whenever the queue at
-   home outweighs the recompute elsewhere, which scatters agent fan-out calls: see
-   docs/simulator.md).
+   queued for their prefill, decodes nothing right now but will). A continuing session
+   is not moved for decode balance (its home was chosen for that); only its TTFT and
+   the work it adds count (`continuing_work_weight` scales that work term; 0 = move
+   whenever the queue at home outweighs the recompute elsewhere, which scatters agent
+   fan-out calls: see docs/simulator.md). A request of a session routed less than
+   `concurrent_session_s` after the session's previous one is not a turn but runs
+   beside it (an agent's parallel calls, many users behind one id): it is scored as a
+   lone request, decode balance included, or every such request piles onto the
+   session's engine.
 
 Order-only replay (`View.order_only`: no time, load fields are a proxy of recent
 assignments): nothing to trade latency against, so it makes the cache-optimal choice:
@@ -78,6 +82,7 @@ class QuillCacheRouter(Router):
         home_decode_weight: float = 1.0,
         pressure_weight: float = 0.02,
         continuing_work_weight: float = 1.0,
+        concurrent_session_s: float = 0.1,
         **kw: Any,
     ) -> None:
         super().__init__(**kw)
@@ -87,6 +92,8 @@ class QuillCacheRouter(Router):
             raise ConfigError(f"continuing_work_weight must be >= 0, got {continuing_work_weight}")
         if session_ttl_s <= 0:
             raise ConfigError(f"session_ttl_s must be positive, got {session_ttl_s}")
+        if not concurrent_session_s >= 0:
+            raise ConfigError(f"concurrent_session_s must be >= 0, got {concurrent_session_s}")
         self.speculative = speculative
         self.interference = interference
         self.work_weight = work_weight
@@ -97,6 +104,7 @@ class QuillCacheRouter(Router):
         self.decode_weight = decode_weight
         self.sessions = sessions
         self.session_ttl_s = session_ttl_s
+        self.concurrent_session_s = concurrent_session_s
         self.home_decode_weight = home_decode_weight
         self.pressure_weight = pressure_weight
         self.continuing_work_weight = continuing_work_weight
@@ -452,7 +460,9 @@ class QuillCacheRouter(Router):
 
     def _session_load(self, sid: str, view: View) -> None:
         """Forget sessions idle for longer than the TTL, take this one out of its home
-        (it is being placed now) and, for a new session, estimate the KV each worker's
+        (it is being placed now; a turn when its previous request was routed at least
+        `concurrent_session_s` ago, else a request beside it) and, for a new session,
+        estimate the KV each worker's
         live sessions' decodes read per step: live sessions x the fleet's decode KV
         (running decodes x their context, summed) per live session. The fleet's, not
         the worker's own running decodes: an engine whose sessions are between turns or
@@ -469,7 +479,8 @@ class QuillCacheRouter(Router):
         home = homes.pop(sid, None)
         if home is not None:
             live[home[0]] -= 1
-            self._continuing = True
+            # a turn, unless the session's previous request was routed just now
+            self._continuing = view.now_s - home[1] >= self.concurrent_session_s
             return
         # per live worker, its rows in the view (one per dp rank; the ids are sorted):
         # what a sum over the rows counts, without visiting every row

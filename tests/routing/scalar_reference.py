@@ -176,7 +176,7 @@ def quill(r: QuillCacheRouter, request: Request, view: View, turn: int) -> int:
         home = homes.pop(sid, None)
         if home is not None:
             live[home[0]] -= 1
-            r._continuing = True
+            r._continuing = view.now_s - home[1] >= r.concurrent_session_s
         else:
             total = sum(live.get(w.worker, 0) for w in workers)
             if total:

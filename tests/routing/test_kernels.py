@@ -277,9 +277,8 @@ def test_a_new_sessions_homes_count_every_row_of_its_workers(
     router._live = dict(live)
     router._session_load("new", view)
     total = sum(live.get(w, 0) for w in ids)
-    kv = math.fsum(
-        d * ctx for d, ctx in zip(c.running_decodes.tolist(), c.mean_context_tokens.tolist())
-    )
+    decodes, contexts = c.running_decodes.tolist(), c.mean_context_tokens.tolist()
+    kv = math.fsum(d * ctx for d, ctx in zip(decodes, contexts, strict=True))
     want = [live.get(w, 0) * (kv / total) if total else 0.0 for w in ids]
     assert [router._session_kv_tokens.get(w, 0.0) for w in ids] == want
     _, got = router.scored(request, view)

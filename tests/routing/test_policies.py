@@ -301,7 +301,8 @@ def _decoding(worker: int, decodes: int, **kw: int) -> WorkerView:
 
 def test_quillcache_keeps_a_continuing_session_at_its_home() -> None:
     # worker 0 holds the prefix but decodes far above the mean (see the pile-up test)
-    view = _view(_decoding(0, 150, gpu_blocks=55), *(WorkerView(w) for w in (1, 2, 3)))
+    busy = (_decoding(0, 150, gpu_blocks=55), *(WorkerView(w) for w in (1, 2, 3)))
+    view = View(workers=list(busy), block_size=BLOCK, cost=COST, now_s=30.0)  # a turn later
     req = _req(60, session="chat-1")
     req.expected_output_tokens = 200
     r = create_router("quillcache")
@@ -357,6 +358,29 @@ def test_quillcache_prices_a_home_whose_sessions_are_not_decoding_yet() -> None:
     assert term[2] == 0
 
 
+def test_quillcache_balances_a_sessions_concurrent_requests_like_lone_ones() -> None:
+    """A session's next turn stays home however many decodes run there (its home was
+    chosen for them); a request routed just after the session's previous one runs
+    beside it, and goes where its decodes do not pile up, as a lone request would."""
+    decoding = _decoding(0, 40)  # the session's home: no queue, 40 decodes
+    queued = WorkerView(1, in_flight=2, queued_prefill_tokens=3_000)
+
+    def routed_at(now_s: float) -> int:
+        r = create_router("quillcache")
+        assert isinstance(r, QuillCacheRouter)
+        r._homes["s"] = (0, 100.0)  # the session's previous request, routed at 100 s
+        r._live = {0: 1}
+        view = View(workers=[decoding, queued], block_size=BLOCK, cost=COST, now_s=now_s)
+        req = Request(0, np.arange(1, 126, dtype=np.uint64), 2_000, session_id="s")
+        req.expected_output_tokens = 200
+        return r.route(req, view).worker
+
+    assert routed_at(110.0) == 0  # a turn: stays home
+    assert routed_at(100.05) == 1  # beside the previous one: balanced
+    lone = Request(0, np.arange(1, 126, dtype=np.uint64), 2_000, expected_output_tokens=200)
+    assert create_router("quillcache").route(lone, _view(decoding, queued)).worker == 1
+
+
 def test_quillcache_pile_up_counts_only_decodes_still_running_after_the_prefill() -> None:
     decoding = _decoding(0, 40)  # no queue, but 40 decodes above the others
     queued = WorkerView(1, in_flight=2, queued_prefill_tokens=3_000)
@@ -377,7 +401,8 @@ def test_quillcache_continuing_work_weight_lets_a_session_leave_a_queue() -> Non
     # 0 moves it as soon as the queue outweighs the recompute (pure TTFT argmin)
     queued = 90 * BLOCK
     busy_home = WorkerView(0, gpu_blocks=58, queued_prefill_tokens=queued, in_flight=1)
-    view = _view(busy_home, *(WorkerView(w) for w in (1, 2, 3)))
+    others = (WorkerView(w) for w in (1, 2, 3))
+    view = View(workers=[busy_home, *others], block_size=BLOCK, cost=COST, now_s=30.0)
     idle = _view(*(WorkerView(w) for w in range(4)))
     for weight, expect_home in ((1.0, True), (0.0, False)):
         r = create_router("quillcache", continuing_work_weight=weight)
