@@ -37,7 +37,7 @@ from quillcache.gateway.outcomes import DecisionLog, LatencySamples
 from quillcache.gateway.peer_snapshot import SnapshotHeader, SourceEntry, chunks, encode
 from quillcache.gateway.policy_loop import PolicyEngine, ttl_of
 from quillcache.gateway.tenancy import Identity, TenantPolicy, valid_tenant
-from quillcache.gateway.workers import DiscoveryError, Worker, WorkerPool
+from quillcache.gateway.workers import DiscoveryError, EventSourceError, Worker, WorkerPool
 from quillcache.index.native import NativeIndex
 from quillcache.policy.targets import Target, TargetBudgetError, TargetKind
 from quillcache.routing import Request as RouteRequest
@@ -108,6 +108,8 @@ class AdminApi:
             raise ApiError(409, f"engine {cfg.url} is already a worker", "ConflictError")
         try:
             w = await self.pool.add(cfg)
+        except EventSourceError as exc:
+            raise ApiError(409, str(exc), "ConflictError") from None
         except DiscoveryError as exc:
             raise ApiError(400, str(exc)) from None
         self.on_worker_added(w)

@@ -212,6 +212,12 @@ class DiscoveryError(ConfigError):
     """An engine could not be reached or described itself in a way we cannot use."""
 
 
+class EventSourceError(ConfigError):
+    """An engine's KV-event source could not be opened (its endpoint cannot be bound or
+    connected, e.g. a port the previous socket still holds): nothing of the engine was
+    added, and adding it again may succeed once the endpoint is free."""
+
+
 class WorkerPool:
     def __init__(
         self,
@@ -333,19 +339,28 @@ class WorkerPool:
         self._serving = {}
         self._limits = {}
         subscribed = []
-        for src in w.sources:
-            src = ZmqSourceConfig(
-                worker=w.id,
-                endpoint=src.endpoint,
-                replay_endpoint=src.replay_endpoint,
-                dp_rank=src.dp_rank,
-                topic=src.topic,
-                bind=src.bind,
-                allowed_publishers=self._publishers_of(w) if src.bind else None,
-            )
-            resume = self.resume_seqs.get((w.id, src.dp_rank), -1)
-            self.ingestor.add_zmq_source(src, resume_from=resume)
-            subscribed.append(src)
+        try:
+            for src in w.sources:
+                src = ZmqSourceConfig(
+                    worker=w.id,
+                    endpoint=src.endpoint,
+                    replay_endpoint=src.replay_endpoint,
+                    dp_rank=src.dp_rank,
+                    topic=src.topic,
+                    bind=src.bind,
+                    allowed_publishers=self._publishers_of(w) if src.bind else None,
+                )
+                resume = self.resume_seqs.get((w.id, src.dp_rank), -1)
+                self.ingestor.add_zmq_source(src, resume_from=resume)
+                subscribed.append(src)
+        except OSError as exc:
+            # all or nothing: a worker without its events would route blind, and a
+            # retry would add it a second time under the next id
+            self._forget(w.id)
+            self._next_id = w.id
+            raise EventSourceError(
+                f"engine {w.url}: {exc}; nothing was added (add it again once the endpoint is free)"
+            ) from None
         w.sources = subscribed
         log.info("worker %d: %s serving %s", w.id, w.url, sorted(w.models))
         return w
@@ -367,6 +382,11 @@ class WorkerPool:
 
     def remove(self, worker_id: int) -> Worker:
         w = self.get(worker_id)
+        self._forget(worker_id)
+        return w
+
+    def _forget(self, worker_id: int) -> None:
+        """Undo `attach`: its sources, its control-plane rows, its probe."""
         self.ingestor.remove_worker(worker_id)
         self.cp.remove_worker(worker_id)
         del self.workers[worker_id]
@@ -376,7 +396,6 @@ class WorkerPool:
         self._models = None
         self._serving = {}
         self._limits = {}
-        return w
 
     def get(self, worker_id: int) -> Worker:
         try:

@@ -363,6 +363,20 @@ def test_admin_adds_drains_and_removes_workers(stack: Stack) -> None:
     gw = stack.start_gateway({"router": "round-robin"})
     second = stack.engine()  # started after the gateway: added through the admin API
     admin = stack.admin()
+    # its KV endpoint to bind is held by another socket: a 409 that adds nothing (no
+    # worker without events, no id used up), and the same engine is added afterwards
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        refused = admin.post(
+            "/admin/workers",
+            json={"url": second.url, "kv_endpoint": f"tcp://127.0.0.1:{taken}", "kv_bind": True},
+        )
+    assert refused.status_code == 409, refused.text
+    error = refused.json()["error"]
+    assert error["type"] == "ConflictError" and "nothing was added" in error["message"]
+    assert [w["id"] for w in admin.get("/admin/workers").json()["workers"]] == [0]
     added = admin.post("/admin/workers", json={"url": second.url})
     assert added.status_code == 201 and added.json()["id"] == 1
     bad = admin.post("/admin/workers", json={"url": "not-a-url"})
