@@ -462,12 +462,11 @@ class QuillCacheRouter(Router):
         """Forget sessions idle for longer than the TTL, take this one out of its home
         (it is being placed now; a turn when its previous request was routed at least
         `concurrent_session_s` ago, else a request beside it) and, for a new session,
-        estimate the KV each worker's
-        live sessions' decodes read per step: live sessions x the fleet's decode KV
-        (running decodes x their context, summed) per live session. The fleet's, not
-        the worker's own running decodes: an engine whose sessions are between turns or
-        queued for their prefill decodes nothing at this instant, and its own context
-        would price its batch at nothing."""
+        estimate the KV each worker's live sessions' decodes read per step: live
+        sessions x the fleet's decode KV (running decodes x their context, summed) per
+        live session. The fleet's, not the worker's own running decodes: an engine
+        whose sessions are between turns or queued for their prefill decodes nothing
+        at this instant, and its own context would price its batch at nothing."""
         homes, live = self._homes, self._live
         horizon = view.now_s - self.session_ttl_s
         while homes:
