@@ -279,7 +279,8 @@ class PolicyEngine:
             ]
             by_key = {c.prefix.key: c for c in copies}
             held = {c.prefix.key: self.plane.holders(c.keys) for c in copies}
-            decided = policy.decide([c.prefix for c in copies], held, loads, now)
+            computing = {c.prefix.key: self.plane.computing(c.keys) for c in copies}
+            decided = policy.decide([c.prefix for c in copies], held, loads, now, computing)
             for r in decided:
                 self.replicas_decided += 1
                 c = by_key[r.prefix_key]

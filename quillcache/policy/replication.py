@@ -21,7 +21,13 @@ Decision, each time `decide` is called (hottest prefix first):
   `low_wait_s` that does not hold it (ties: lowest worker id), unless it was replicated
   less than `cooldown_s` ago or already has `max_replicas` extra replicas (those the
   policy made that still hold it, or were made within the cooldown: still in flight);
-- an engine receives at most one replica per call (its wait does not show it yet).
+- an engine receives at most one replica per call (its wait does not show it yet);
+- while a routed request computes the prefix on an engine that does not hold it
+  (`computing`: the router has already spread the prefix's queue there), no replica is
+  made: that engine is a holder once its prefill ends, and the holders' waits are then
+  read again. A copy made beside the router's own spill doubles it: on the simulated
+  hot-prefix burst it made the TTFT p99 worse where the router had spread the burst
+  already (docs/results/simulator.md).
 A prefix nobody holds is not replicated (routing places it). State is kept for the
 prefixes passed in, and dropped for one absent from the input once its cooldown is over.
 """
@@ -110,10 +116,12 @@ class ReplicationPolicy:
         holders: Holders,
         loads: Sequence[EngineLoad],
         now_s: float,
+        computing: Holders | None = None,
     ) -> list[Replicate]:
         """The replicas to make now. `hot`: the hot prefixes (`HeatTracker.hot`);
         `holders`: who holds each (engines outside `loads` are ignored); `loads`: every
-        routable engine's wait."""
+        routable engine's wait; `computing`: the engines on which a routed request is
+        computing each prefix right now (None: not known)."""
         cfg = self.config
         wait = {ld.worker: ld.wait_s for ld in loads}
         taken: set[int] = set()  # targets used in this call
@@ -123,8 +131,7 @@ class ReplicationPolicy:
             if h.key in seen:
                 continue
             seen.add(h.key)
-            held = holders.get(h.key, ()) if isinstance(holders, Mapping) else holders(h)
-            have = {w for w in held if w in wait}
+            have = {w for w in _of(holders, h) if w in wait}
             st = self._state.get(h.key)
             if not have:
                 continue
@@ -137,6 +144,10 @@ class ReplicationPolicy:
                 st.active = False
             if not st.active or now_s - st.last_action_s < cfg.cooldown_s:
                 continue
+            if computing is not None and any(
+                w in wait and w not in have for w in _of(computing, h)
+            ):
+                continue  # the router's own spill is landing: read the waits after it
             st.made = {w: t for w, t in st.made.items() if w in have or now_s - t < cfg.cooldown_s}
             if len(st.made) >= cfg.max_replicas:
                 continue
@@ -157,3 +168,8 @@ class ReplicationPolicy:
             if now_s - s.last_action_s >= cfg.cooldown_s:
                 del self._state[key]
         return out
+
+
+def _of(engines: Holders, prefix: HotPrefix) -> Collection[int]:
+    """The engines `engines` names for `prefix`."""
+    return engines.get(prefix.key, ()) if isinstance(engines, Mapping) else engines(prefix)

@@ -49,7 +49,7 @@ from quillcache.controlplane.explain import explain
 from quillcache.controlplane.load import LocalLoadStore
 from quillcache.costmodel import CostModel, prefill_pairs
 from quillcache.errors import ConfigError
-from quillcache.index import ApplyStats, IndexBackend
+from quillcache.index import ApplyStats, IndexBackend, KeyArray
 from quillcache.index.inputs import as_key_array
 from quillcache.routing import Decision, Request, Router, View, create_router
 from quillcache.sim.engine import EngineModel, Running
@@ -402,6 +402,11 @@ class ReplicaFleet:
             self.planes[i].finish(request_id)
         if self.union is not None:
             self.union.finish(request_id)
+
+    def computing(self, keys: KeyArray) -> set[int]:
+        """Where a request routed by any replica is computing all of `keys` (each
+        replica's plane knows its own requests)."""
+        return set().union(*(p.computing(keys) for p in self.planes))
 
     def close(self) -> None:
         for p in [*self.planes, self.shadow]:

@@ -16,11 +16,12 @@ beside the requests' own.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
 from quillcache.errors import ConfigError
-from quillcache.index import IndexBackend
+from quillcache.index import IndexBackend, KeyArray
 from quillcache.policy.heat import HeatTracker
 from quillcache.policy.replication import EngineLoad, ReplicationConfig, ReplicationPolicy
 from quillcache.sim.engine import EngineModel, Running
@@ -99,8 +100,14 @@ def prefix_request(src: SimRequest, blocks: int, rid: int, now_s: float) -> SimR
 class Replicator:
     """Heat, policy and the replica requests of one timed run."""
 
-    def __init__(self, settings: ReplicateSettings, engines: list[EngineModel]) -> None:
+    def __init__(
+        self,
+        settings: ReplicateSettings,
+        engines: list[EngineModel],
+        computing: Callable[[KeyArray], set[int]] | None = None,
+    ) -> None:
         self.settings = settings
+        self.computing = computing  # the plane's: where a routed request computes keys
         self.heat = HeatTracker(half_life_s=settings.half_life_s, max_entries=settings.max_entries)
         self.policy = ReplicationPolicy(settings.policy_config())
         self.engines = engines
@@ -145,7 +152,10 @@ class Replicator:
             for h in hot
         }
         out = []
-        for act in self.policy.decide(hot, holders, loads, now_s):
+        computing = None
+        if self.computing is not None:
+            computing = {h.key: self.computing(h.keys) for h in hot}
+        for act in self.policy.decide(hot, holders, loads, now_s, computing):
             src = self._source.get(act.prefix_key)
             if src is None:  # cannot happen while the tracker holds the anchor
                 continue

@@ -32,7 +32,7 @@ from quillcache.controlplane import ControlPlane, OpLatencies
 from quillcache.controlplane.admission import missed
 from quillcache.costmodel import CostModel, prefill_pairs
 from quillcache.errors import ConfigError
-from quillcache.index import ApplyStats, IndexBackend
+from quillcache.index import ApplyStats, IndexBackend, KeyArray
 from quillcache.routing import SLO, Action, Decision, Request, Router, create_router
 from quillcache.sim.dp import EnginePlacement, Placement, RankLoad
 from quillcache.sim.dp import check as check_dp
@@ -70,6 +70,8 @@ class Plane(Protocol):
     def prefill_done(self, request_id: int | str, now_s: float | None = None) -> None: ...
 
     def finish(self, request_id: int | str) -> None: ...
+
+    def computing(self, keys: KeyArray) -> set[int]: ...
 
     def close(self) -> None: ...
 
@@ -269,7 +271,7 @@ def run(
     if config.replicate is not None:
         from quillcache.sim.replicate import Replicator
 
-        replicator = Replicator(config.replicate, engines)
+        replicator = Replicator(config.replicate, engines, cp.computing)
     retainer = None
     if config.retain is not None:
         if fleet is not None:

@@ -68,6 +68,23 @@ def test_cooldown_replica_cap_and_hysteresis() -> None:
     assert pol.decide([prefix(7)], holders, loads(1.5, 0, 0, 0), 80.0) == []
 
 
+def test_no_copy_while_the_router_spreads_the_prefix_itself() -> None:
+    pol = ReplicationPolicy(CFG)
+    holders = {7: {0}}
+    # engine 1 computes the prefix for a routed request (the router's own spill): a
+    # copy onto 2 would double it
+    assert pol.decide([prefix(7)], holders, loads(5, 3, 0, 0), 0.0, {7: {0, 1}}) == []
+    # an engine outside the routable ones, or a holder computing it again, is no spill
+    assert pol.decide([prefix(7)], holders, loads(5, 3, 0, 0), 0.0, {7: {0, 9}}) == [
+        Replicate(7, 8, 2)
+    ]
+    # the spill landed and the holders are still overloaded: a copy is made
+    pol = ReplicationPolicy(CFG)
+    assert pol.decide([prefix(7)], holders, loads(5, 3, 0, 0), 0.0, {7: {1}}) == []
+    got = pol.decide([prefix(7)], {7: {0, 1}}, loads(5, 3, 0, 0), 0.5, lambda h: set())
+    assert got == [Replicate(7, 8, 2)]
+
+
 def test_one_replica_per_engine_per_call_hottest_first() -> None:
     pol = ReplicationPolicy(CFG)
     hot = [prefix(1, rate=1.0), prefix(2, rate=9.0)]
@@ -98,6 +115,7 @@ rounds = st.lists(
         st.floats(0.1, 8.0),  # time step
         st.lists(st.floats(0.0, 6.0), min_size=4, max_size=4),  # waits of 4 engines
         st.lists(st.sets(st.integers(0, 3), max_size=3), min_size=3, max_size=3),  # holders
+        st.lists(st.sets(st.integers(0, 4), max_size=2), min_size=3, max_size=3),  # computing
     ),
     min_size=1,
     max_size=40,
@@ -107,7 +125,7 @@ rounds = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(rounds=rounds, max_replicas=st.integers(0, 3))
 def test_invariants(
-    rounds: list[tuple[float, list[float], list[set[int]]]], max_replicas: int
+    rounds: list[tuple[float, list[float], list[set[int]], list[set[int]]]], max_replicas: int
 ) -> None:
     cfg = ReplicationConfig(
         high_wait_s=2.0, low_wait_s=0.5, cooldown_s=10.0, max_replicas=max_replicas
@@ -117,10 +135,11 @@ def test_invariants(
     now = 0.0
     last: dict[int, float] = {}
     hot = [prefix(k, rate=float(k)) for k in range(3)]
-    for dt, waits, held in rounds:
+    for dt, waits, held, busy in rounds:
         now += dt
         holders = {k: held[k] for k in range(3)}
-        got = pol.decide(hot, holders, loads(*waits), now)
+        computing = {k: busy[k] for k in range(3)}
+        got = pol.decide(hot, holders, loads(*waits), now, computing)
         targets = [a.target_worker for a in got]
         assert len(targets) == len(set(targets))  # one replica per engine per call
         for a in got:
@@ -132,6 +151,8 @@ def test_invariants(
             # no thrash: one action per prefix per cooldown
             assert now - last.get(a.prefix_key, -1e9) >= cfg.cooldown_s
             last[a.prefix_key] = now
+            # no copy beside a routed request computing it on a routable non-holder
+            assert computing[a.prefix_key] <= holders[a.prefix_key] | {4}
         assert len(got) <= (3 if max_replicas else 0)
         # a policy with no history acts only on prefixes whose every holder is overloaded
         for a in fresh.decide(hot, holders, loads(*waits), 0.0):
