@@ -577,10 +577,12 @@ class CostKernel:
         session_kv_tokens: npt.NDArray[np.float64] | None,
         pace: npt.NDArray[np.float64] | None,
         slots: npt.NDArray[np.float64] | None = None,
+        fleet: npt.NDArray[np.float64] | None = None,
     ) -> tuple[int, npt.NDArray[np.float64]]:
         """(position, estimates): QuillCache's score per row and the row that wins.
         `slots`: per row, its engine's sequence slots (0: the cost model's
-        `max_num_seqs`; a ValueError for anything else below 1)."""
+        `max_num_seqs`; a ValueError for anything else below 1). `fleet`: the view's
+        fleet columns (`WorkerColumns.fleet`, C-contiguous), for the eviction term."""
     def quill_lowest(
         self,
         order: LoadOrder,
@@ -603,6 +605,7 @@ class CostKernel:
         session_kv_tokens: npt.NDArray[np.float64] | None,
         pace: npt.NDArray[np.float64] | None,
         slots: npt.NDArray[np.float64] | None = None,
+        fleet: npt.NDArray[np.float64] | None = None,
     ) -> int | None:
         """`quill`'s position, walking `special` then the rest in `order` (by queued
         prefill tokens; `position[row]` < 0: not a candidate) until no row left can
@@ -624,6 +627,7 @@ class QuillSettings:
         continuing_work_weight: float,
         decode_weight: float,
         home_decode_weight: float,
+        evict_weight: float = 0.0,
     ) -> Self: ...
 
 @final

@@ -32,7 +32,16 @@ Timed operation (the score of each worker; the lowest wins):
    `concurrent_session_s` after the session's previous one is not a turn but runs
    beside it (an agent's parallel calls, many users behind one id): it is scored as a
    lone request, decode balance included, or every such request piles onto the
-   session's engine.
+   session's engine;
+8. the cache a choice pushes out: the blocks a request places on an engine beyond its
+   free blocks (capacity minus resident, where both are known) evict cached ones, each
+   recomputed if it is needed again: `evict_weight` (the chance it would be) x their
+   prefill. Without it, an engine that has never served a request lacks even a block
+   every request shares (the Mooncake trace's first block), so at light load it is
+   never chosen while one that has it is free, and the engines in use evict prefixes
+   their follow-ups would reuse while others' caches stay empty. Off by default (0):
+   it wins that time to first token back but costs end-to-end latency, more the
+   larger the weight (docs/routing.md, docs/results/simulator.md).
 
 Order-only replay (`View.order_only`: no time, load fields are a proxy of recent
 assignments): nothing to trade latency against, so it makes the cache-optimal choice:
@@ -83,6 +92,7 @@ class QuillCacheRouter(Router):
         pressure_weight: float = 0.02,
         continuing_work_weight: float = 1.0,
         concurrent_session_s: float = 0.1,
+        evict_weight: float = 0.0,
         **kw: Any,
     ) -> None:
         super().__init__(**kw)
@@ -94,6 +104,8 @@ class QuillCacheRouter(Router):
             raise ConfigError(f"session_ttl_s must be positive, got {session_ttl_s}")
         if not concurrent_session_s >= 0:
             raise ConfigError(f"concurrent_session_s must be >= 0, got {concurrent_session_s}")
+        if not (evict_weight >= 0 and math.isfinite(evict_weight)):
+            raise ConfigError(f"evict_weight must be >= 0 and finite, got {evict_weight}")
         self.speculative = speculative
         self.interference = interference
         self.work_weight = work_weight
@@ -108,6 +120,7 @@ class QuillCacheRouter(Router):
         self.home_decode_weight = home_decode_weight
         self.pressure_weight = pressure_weight
         self.continuing_work_weight = continuing_work_weight
+        self.evict_weight = evict_weight
         # the knobs the native kernel reads, fixed from here on
         self._settings = QuillSettings(
             speculative=speculative,
@@ -119,6 +132,7 @@ class QuillCacheRouter(Router):
             continuing_work_weight=continuing_work_weight,
             decode_weight=decode_weight,
             home_decode_weight=home_decode_weight,
+            evict_weight=evict_weight,
         )
         # per-request state, set by `route` before scoring
         self._lambda = work_weight
@@ -210,6 +224,15 @@ class QuillCacheRouter(Router):
             # each step reading their KV.
             batch = self._session_kv_tokens.get(w.worker, 0.0)
             extra += self.home_decode_weight * out * (pace * cost.kv_read_s(batch))
+        if self.evict_weight:
+            # the blocks it places beyond the free ones push cached blocks out
+            free = (
+                w.capacity_blocks - w.resident_blocks
+                if w.capacity_blocks > 0 and w.residency_known
+                else math.inf
+            )
+            evicted = max((n - gpu) - free, 0.0)
+            extra += self.evict_weight * evicted * cost.prefill_compute_s(bs, 0)
         return extra + ttft
 
     def estimates(self, request: Request, view: View) -> npt.NDArray[np.float64]:
@@ -276,6 +299,12 @@ class QuillCacheRouter(Router):
             homes = self._session_kv_tokens
             batch = np.asarray([homes.get(w, 0.0) for w in c.worker.tolist()])
             extra = extra + self.home_decode_weight * out * (pace * cost.kv_read_s_array(batch))
+        if self.evict_weight:
+            capacity = c.capacity_blocks
+            known = (capacity > 0) & c.residency_known
+            free = np.where(known, capacity - c.resident_blocks, np.inf)
+            evicted = np.maximum((n - np.minimum(gpu, n)) - free, 0.0)
+            extra = extra + self.evict_weight * evicted * cost.prefill_compute_s(bs, 0)
         return extra + ttft
 
     def scored(self, request: Request, view: View) -> tuple[int, npt.NDArray[np.float64]]:
@@ -337,9 +366,11 @@ class QuillCacheRouter(Router):
         npt.NDArray[np.float64] | None,
         npt.NDArray[np.float64] | None,
         npt.NDArray[np.float64] | None,
+        npt.NDArray[np.float64] | None,
     ]:
         """The kernel's arguments after the columns: the knobs, then this request's
-        state, then the rows' own sequence slots (`CostKernel.quill`'s order)."""
+        state, then the rows' own sequence slots and the fleet columns (capacity,
+        resident blocks: the eviction term) (`CostKernel.quill`'s order)."""
         batch = None
         if self.home_decode_weight and self._session_kv_tokens:
             rows_of = _rows_by_worker(view.columns.worker)
@@ -355,6 +386,7 @@ class QuillCacheRouter(Router):
             batch,
             np.ascontiguousarray(view.columns.pace) if view.columns.paced else None,
             np.ascontiguousarray(view.columns.max_num_seqs) if view.columns.slotted else None,
+            np.ascontiguousarray(view.columns.fleet) if self.evict_weight else None,
         )
 
     def route(self, request: Request, view: View) -> Decision:

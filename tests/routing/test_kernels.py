@@ -74,6 +74,11 @@ def fleets(draw: st.DrawFn) -> tuple[Request, View]:
         # to long contexts, or fewer (an engine that reports tokens only)
         load[i, 5] = load[i, 1] * draw(st.sampled_from([0.0, 1.0, 40.0, 3_000.0, 60_000.0]))
     fleet = np.zeros((n, len(FLEET_FIELDS)))
+    # capacity (0: not known), resident blocks (some engines full, some with room) and
+    # whether residency is known: the eviction term's inputs
+    fleet[:, 0] = draw(st.lists(st.sampled_from([0, 8, 30, 10_000]), min_size=n, max_size=n))
+    fleet[:, 1] = [draw(st.integers(0, int(cap) + 4)) for cap in fleet[:, 0]]
+    fleet[:, 2] = draw(st.lists(st.sampled_from([1.0, 1.0, 0.0]), min_size=n, max_size=n))
     # most engines at the fleet's pace, some learned slower (`controlplane/pace.py`)
     fleet[:, PACE_COLUMN] = draw(
         st.lists(st.sampled_from([1.0, 1.0, 1.0, 1.37, 2.5, 10.0]), min_size=n, max_size=n)
@@ -131,6 +136,7 @@ knobs = st.fixed_dictionaries(
         "decode_weight": st.sampled_from([0.0, 1.0, 2.0]),
         "home_decode_weight": st.sampled_from([0.0, 1.0]),
         "continuing_work_weight": st.sampled_from([0.0, 0.5, 1.0]),
+        "evict_weight": st.sampled_from([0.0, 0.25, 1.0]),
     }
 )
 

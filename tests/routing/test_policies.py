@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from quillcache.controlplane.admission import admit, loaded_estimate
 from quillcache.costmodel import CostModel, CostModelConfig, prefill_pairs
+from quillcache.errors import ConfigError
 from quillcache.routing import (
     SLO,
     Action,
@@ -379,6 +380,33 @@ def test_quillcache_balances_a_sessions_concurrent_requests_like_lone_ones() -> 
     assert routed_at(100.05) == 1  # beside the previous one: balanced
     lone = Request(0, np.arange(1, 126, dtype=np.uint64), 2_000, expected_output_tokens=200)
     assert create_router("quillcache").route(lone, _view(decoding, queued)).worker == 1
+
+
+def test_quillcache_places_new_blocks_where_they_evict_nothing() -> None:
+    """Every request shares a first block (the Mooncake trace's): an idle engine that
+    has never served one lacks it. Scored on this request's time alone the full engine
+    holding it wins by that block, and fills again while the empty one stays unused;
+    the blocks placed beyond the free ones are evicted cached blocks, and at a weight
+    of 0.25 their recompute outweighs one block of prefill."""
+    full = WorkerView(0, gpu_blocks=1, capacity_blocks=1_000, resident_blocks=1_000)
+    empty = WorkerView(1, capacity_blocks=1_000)
+    req = _req(24)
+    evicting = {"evict_weight": 0.25}
+    assert create_router("quillcache", **evicting).route(req, _view(full, empty)).worker == 1
+    assert create_router("quillcache").route(req, _view(full, empty)).worker == 0  # off
+    # with room on both, nothing is evicted anywhere: the held block wins
+    roomy = WorkerView(0, gpu_blocks=1, capacity_blocks=1_000, resident_blocks=10)
+    assert create_router("quillcache", **evicting).route(req, _view(roomy, empty)).worker == 0
+    # capacity or residency not known: no eviction is priced
+    for unknown in (
+        WorkerView(0, gpu_blocks=1, capacity_blocks=0, resident_blocks=1_000),
+        WorkerView(
+            0, gpu_blocks=1, capacity_blocks=1_000, resident_blocks=1_000, residency_known=False
+        ),
+    ):
+        assert create_router("quillcache", **evicting).route(req, _view(unknown, empty)).worker == 0
+    with pytest.raises(ConfigError, match="evict_weight"):
+        create_router("quillcache", evict_weight=-1.0)
 
 
 def test_quillcache_pile_up_counts_only_decodes_still_running_after_the_prefill() -> None:

@@ -19,6 +19,12 @@ pub const MEAN_CONTEXT_TOKENS: usize = 4;
 pub const QUEUED_PREFILL_PAIRS: usize = 5;
 /// Fields per row of the load matrix.
 pub const LOAD_WIDTH: usize = 6;
+/// Columns of the fleet matrix (`quillcache.routing.types.FLEET_FIELDS`), in order.
+pub const CAPACITY_BLOCKS: usize = 0;
+pub const RESIDENT_BLOCKS: usize = 1;
+pub const RESIDENCY_KNOWN: usize = 2;
+/// Fields per row of the fleet matrix.
+pub const FLEET_WIDTH: usize = 5;
 
 /// The constants `CostModel` derives from its configuration.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -136,6 +142,10 @@ pub struct QuillKnobs {
     pub mean_decodes: f64,
     pub home_decode_weight: f64,
     pub expected_output_tokens: i64,
+    /// The chance that a cached block a choice evicts would have been reused: its
+    /// recompute, at that chance, is added for every block the request places beyond
+    /// the engine's free blocks (0: no eviction term).
+    pub evict_weight: f64,
 }
 
 /// `np.maximum` on floats: NaN wins.
@@ -497,6 +507,9 @@ struct QuillScorer<'a> {
     out: f64,
     kv_read: f64,
     home_weight: f64,
+    /// The compute of one block's prefill with nothing cached: what an evicted block
+    /// costs when it is needed again.
+    block_compute: f64,
     compute: ByNewTokens,
     prefill: ByNewTokens,
 }
@@ -523,6 +536,7 @@ impl<'a> QuillScorer<'a> {
             out,
             kv_read: (ask.prompt_tokens as f64 + out / 2.0) * params.kv_read_s_per_token,
             home_weight: knobs.home_decode_weight * out,
+            block_compute: params.prefill_compute_s(ask.block_size as f64, 0.0),
             compute: ByNewTokens::new(),
             prefill: ByNewTokens::new(),
         }
@@ -532,7 +546,12 @@ impl<'a> QuillScorer<'a> {
     /// (how many times slower than the fleet the engine is: every term the engine
     /// computes or reads is that many times longer; a transfer is not).
     fn estimate(&mut self, i: usize, load: RowLoad, terms: RowTerm) -> f64 {
-        let RowTerm { batch, pace, slots } = terms;
+        let RowTerm {
+            batch,
+            pace,
+            slots,
+            free,
+        } = terms;
         let (params, rows, ask, knobs) = (self.params, self.rows, self.ask, self.knobs);
         let prompt = ask.prompt_tokens;
         let RowLoad {
@@ -603,6 +622,11 @@ impl<'a> QuillScorer<'a> {
         if let Some(batch) = batch {
             extra += self.home_weight * (pace * (batch * params.kv_read_s_per_token));
         }
+        if knobs.evict_weight != 0.0 {
+            // the blocks it places there beyond the free ones push cached blocks out
+            let evicted = maximum((ask.blocks - gpu) as f64 - free, 0.0);
+            extra += knobs.evict_weight * evicted * self.block_compute;
+        }
         extra + ttft
     }
 
@@ -624,11 +648,13 @@ impl<'a> QuillScorer<'a> {
             decodes: 0.0,
             mean_context: 0.0,
         };
-        // nothing in flight: no wait for a slot, whatever the engine's count
+        // nothing in flight: no wait for a slot, whatever the engine's count; free
+        // blocks without end: nothing evicted (the term only adds)
         let terms = RowTerm {
             batch: batch.then_some(0.0),
             pace: 1.0,
             slots: 0.0,
+            free: f64::INFINITY,
         };
         self.estimate(i, idle, terms)
     }
@@ -646,6 +672,7 @@ impl<'a> QuillScorer<'a> {
             && k.decode_weight >= 0.0
             && k.mean_decodes >= 0.0
             && k.home_decode_weight >= 0.0
+            && k.evict_weight >= 0.0
             && k.expected_output_tokens >= 0
             && self.ask.prompt_tokens >= 0
             && self.params.kv_read_s_per_token >= 0.0
@@ -663,6 +690,10 @@ pub struct RowTerms<'a> {
     /// Per row, its engine's sequence slots (`max_num_seqs`; None or 0: the cost
     /// model's).
     pub slots: Option<&'a [f64]>,
+    /// The fleet matrix (`FLEET_WIDTH` per row, row-major): a row's free blocks are its
+    /// capacity minus its resident blocks, when both are known (a capacity above 0,
+    /// residency known); None, or not known: no eviction term.
+    pub fleet: Option<&'a [f64]>,
 }
 
 /// One row's `RowTerms`.
@@ -671,6 +702,8 @@ struct RowTerm {
     batch: Option<f64>,
     pace: f64,
     slots: f64,
+    /// Free blocks (infinite when not known).
+    free: f64,
 }
 
 impl RowTerms<'_> {
@@ -687,6 +720,15 @@ impl RowTerms<'_> {
                 }
             }
         }
+        if let Some(f) = self.fleet {
+            if f.len() != rows.len() * FLEET_WIDTH {
+                return Err(RowsError::Lengths(format!(
+                    "{} fleet values for {} rows of {FLEET_WIDTH}",
+                    f.len(),
+                    rows.len()
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -695,6 +737,19 @@ impl RowTerms<'_> {
             batch: self.batch(i),
             pace: self.pace(i),
             slots: self.slots.map_or(0.0, |s| s[i]),
+            free: self.free(i),
+        }
+    }
+
+    fn free(&self, i: usize) -> f64 {
+        let Some(f) = self.fleet else {
+            return f64::INFINITY;
+        };
+        let row = &f[i * FLEET_WIDTH..(i + 1) * FLEET_WIDTH];
+        if row[CAPACITY_BLOCKS] > 0.0 && row[RESIDENCY_KNOWN] != 0.0 {
+            row[CAPACITY_BLOCKS] - row[RESIDENT_BLOCKS]
+        } else {
+            f64::INFINITY
         }
     }
 

@@ -45,7 +45,24 @@ fn row_terms<'a>(
     session_kv_tokens: &'a Option<PyReadonlyArray1<'_, f64>>,
     pace: &'a Option<PyReadonlyArray1<'_, f64>>,
     slots: &'a Option<PyReadonlyArray1<'_, f64>>,
+    fleet: &'a Option<PyReadonlyArray2<'_, f64>>,
 ) -> PyResult<RowTerms<'a>> {
+    let fleet =
+        match fleet {
+            Some(f) => {
+                if f.shape()[1] != scoring::FLEET_WIDTH {
+                    return Err(PyValueError::new_err(format!(
+                        "fleet must have {} columns, it has {}",
+                        scoring::FLEET_WIDTH,
+                        f.shape()[1]
+                    )));
+                }
+                Some(f.as_slice().map_err(|_| {
+                    PyValueError::new_err("fleet must be a C-contiguous float64 array")
+                })?)
+            }
+            None => None,
+        };
     let slots = slots.as_ref().map(|s| slice("slots", s)).transpose()?;
     if let Some(bad) = slots.and_then(|s| s.iter().find(|&&x| !(x == 0.0 || x >= 1.0))) {
         return Err(PyValueError::new_err(format!(
@@ -59,6 +76,7 @@ fn row_terms<'a>(
             .transpose()?,
         pace: pace.as_ref().map(|p| slice("pace", p)).transpose()?,
         slots,
+        fleet,
     })
 }
 
@@ -253,7 +271,8 @@ impl CostKernel {
     /// decodes read each step.
     #[pyo3(signature = (
         worker, load, gpu, cpu, disk, pending, blocks, prompt_tokens, block_size, settings,
-        lambda_, continuing, mean_decodes, expected_output_tokens, session_kv_tokens, pace, slots=None
+        lambda_, continuing, mean_decodes, expected_output_tokens, session_kv_tokens, pace, slots=None,
+        fleet=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn quill<'py>(
@@ -276,6 +295,7 @@ impl CostKernel {
         session_kv_tokens: Option<PyReadonlyArray1<'py, f64>>,
         pace: Option<PyReadonlyArray1<'py, f64>>,
         slots: Option<PyReadonlyArray1<'py, f64>>,
+        fleet: Option<PyReadonlyArray2<'py, f64>>,
     ) -> PyResult<(usize, Bound<'py, PyArray1<f64>>)> {
         let columns = Columns {
             worker,
@@ -292,7 +312,7 @@ impl CostKernel {
             block_size,
         };
         let knobs = settings.knobs(lambda_, continuing, mean_decodes, expected_output_tokens);
-        let terms = row_terms(&session_kv_tokens, &pace, &slots)?;
+        let terms = row_terms(&session_kv_tokens, &pace, &slots, &fleet)?;
         let estimates = scoring::quill_estimates(&self.params, &rows, &ask, &knobs, terms)
             .map_err(rows_error)?;
         let at = scoring::lowest(&estimates, &rows, true).map_err(rows_error)?;
@@ -307,7 +327,7 @@ impl CostKernel {
     #[pyo3(signature = (
         order, position, special, worker, load, gpu, cpu, disk, pending, blocks,
         prompt_tokens, block_size, settings, lambda_, continuing, mean_decodes,
-        expected_output_tokens, session_kv_tokens, pace, slots=None
+        expected_output_tokens, session_kv_tokens, pace, slots=None, fleet=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn quill_lowest<'py>(
@@ -332,6 +352,7 @@ impl CostKernel {
         session_kv_tokens: Option<PyReadonlyArray1<'py, f64>>,
         pace: Option<PyReadonlyArray1<'py, f64>>,
         slots: Option<PyReadonlyArray1<'py, f64>>,
+        fleet: Option<PyReadonlyArray2<'py, f64>>,
     ) -> PyResult<Option<usize>> {
         let columns = Columns {
             worker,
@@ -348,7 +369,7 @@ impl CostKernel {
             block_size,
         };
         let knobs = settings.knobs(lambda_, continuing, mean_decodes, expected_output_tokens);
-        let terms = row_terms(&session_kv_tokens, &pace, &slots)?;
+        let terms = row_terms(&session_kv_tokens, &pace, &slots, &fleet)?;
         let position = slice("position", &position)?;
         let (special, by_queue) = walk_args(&order, position, &special)?;
         scoring::quill_lowest_walk(&self.params, &rows, &ask, &knobs, terms, &special, by_queue)
@@ -369,6 +390,7 @@ pub struct QuillSettings {
     continuing_work_weight: f64,
     decode_weight: f64,
     home_decode_weight: f64,
+    evict_weight: f64,
 }
 
 impl QuillSettings {
@@ -393,6 +415,7 @@ impl QuillSettings {
             mean_decodes,
             home_decode_weight: self.home_decode_weight,
             expected_output_tokens,
+            evict_weight: self.evict_weight,
         }
     }
 }
@@ -402,7 +425,8 @@ impl QuillSettings {
     #[new]
     #[pyo3(signature = (
         *, speculative, interference, work_weight, per_worker_lambda, work_base,
-        max_work_weight, continuing_work_weight, decode_weight, home_decode_weight
+        max_work_weight, continuing_work_weight, decode_weight, home_decode_weight,
+        evict_weight=0.0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -415,6 +439,7 @@ impl QuillSettings {
         continuing_work_weight: f64,
         decode_weight: f64,
         home_decode_weight: f64,
+        evict_weight: f64,
     ) -> Self {
         Self {
             speculative,
@@ -426,6 +451,7 @@ impl QuillSettings {
             continuing_work_weight,
             decode_weight,
             home_decode_weight,
+            evict_weight,
         }
     }
 }
