@@ -152,9 +152,8 @@ class Replicator:
             for h in hot
         }
         out = []
-        computing = None
-        if self.computing is not None:
-            computing = {h.key: self.computing(h.keys) for h in hot}
+        of = self.computing
+        computing = None if of is None else (lambda h: of(h.keys))  # asked only when needed
         for act in self.policy.decide(hot, holders, loads, now_s, computing):
             src = self._source.get(act.prefix_key)
             if src is None:  # cannot happen while the tracker holds the anchor
