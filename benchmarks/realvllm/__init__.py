@@ -8,8 +8,16 @@ from benchmarks.realvllm.launcher import (
     VllmEngine,
     VllmUnavailable,
     make_tiny_model,
+    start_behind_gateway,
     start_engines,
     vllm_python,
 )
 
-__all__ = ["VllmEngine", "VllmUnavailable", "make_tiny_model", "start_engines", "vllm_python"]
+__all__ = [
+    "VllmEngine",
+    "VllmUnavailable",
+    "make_tiny_model",
+    "start_behind_gateway",
+    "start_engines",
+    "vllm_python",
+]

@@ -8,6 +8,7 @@ endpoint, on which vLLM's PUB *connects*: the gateway binds the KV port.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -20,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from quillcache.up import LaunchError, Proc
+from quillcache.up import LaunchError, Proc, launch
 
 ENV_VAR = "QUILLCACHE_VLLM_PYTHON"
 BLOCK = 32  # the CPU backend's minimum block size (multiples of 32 only)
@@ -281,6 +282,41 @@ def start_engines(
             e.kill()
         raise
     return engines
+
+
+def start_behind_gateway(
+    python: str,
+    model: Path,
+    workdir: Path,
+    engines: list[VllmEngine],
+    gateway_config: dict[str, Any],
+    *,
+    kv_blocks: int | None = None,
+    timeout_s: float = 300.0,
+) -> Proc:
+    """A gateway for `engines` (`gateway_config` with an `admin_token`), then the engines;
+    returned once the gateway reports every engine healthy.
+
+    The gateway starts first because it binds each engine's KV port: started after the
+    engines it would bind a port chosen minutes earlier, and anything else on the host may
+    have taken that port meanwhile. On failure everything started is killed."""
+    cfg = workdir / "gw.json"
+    # the engines cannot give it yet: the gateway starts before them
+    cfg.write_text(json.dumps({"block_size": BLOCK, **gateway_config}))
+    gw = launch("gateway", ["gateway", "--port", "0", "--config", str(cfg)], workdir)
+    try:
+        start_engines(python, model, workdir, engines, kv_blocks=kv_blocks, timeout_s=timeout_s)
+        auth = {"authorization": f"Bearer {gateway_config['admin_token']}"}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            workers = httpx.get(gw.url + "/admin/workers", headers=auth, timeout=10).json()
+            if sum(w["healthy"] for w in workers["workers"]) == len(engines):
+                return gw
+            time.sleep(0.2)
+        raise LaunchError(f"the gateway did not see {len(engines)} healthy engines: {workers}")
+    except BaseException:
+        gw.kill()
+        raise
 
 
 def _wait_healthy(e: VllmEngine, deadline: float) -> None:

@@ -35,6 +35,7 @@ from quillcache.gateway.lmcache_ctl import LmcacheError
 from quillcache.gateway.metrics import GatewayMetrics
 from quillcache.gateway.outcomes import DecisionLog, LatencySamples
 from quillcache.gateway.peer_snapshot import SnapshotHeader, SourceEntry, chunks, encode
+from quillcache.gateway.pending import PendingEngines
 from quillcache.gateway.policy_loop import PolicyEngine, ttl_of
 from quillcache.gateway.tenancy import Identity, TenantPolicy, valid_tenant
 from quillcache.gateway.workers import DiscoveryError, EventSourceError, Worker, WorkerPool
@@ -69,8 +70,10 @@ class AdminApi:
         decisions: DecisionLog | None = None,
         policy: PolicyEngine | None = None,
         upstream: aiohttp.ClientSession | None = None,
+        pending: PendingEngines | None = None,
     ) -> None:
         self.config = config
+        self.pending = pending if pending is not None else PendingEngines()
         self.decisions = decisions if decisions is not None else DecisionLog()
         self.plane = plane
         self.pool = pool
@@ -91,7 +94,13 @@ class AdminApi:
 
     async def workers(self, request: Request) -> Response:
         if request.method == "GET":
-            return JSONResponse({"workers": [w.as_dict() for w in self.pool.workers.values()]})
+            return JSONResponse(
+                {
+                    "workers": [w.as_dict() for w in self.pool.workers.values()],
+                    # configured engines not described yet, retried (`pending.py`)
+                    "pending": self.pending.as_list(),
+                }
+            )
         body = await self._body(request)
         try:
             cfg = WorkerConfig.model_validate(body)
@@ -120,6 +129,10 @@ class AdminApi:
 
     async def worker(self, request: Request) -> Response:
         if request.method == "DELETE":
+            given = request.path_params["worker_id"]
+            gone = self.pending.remove(int(given)) if given.isdigit() else None
+            if gone is not None:  # a configured engine that never joined: no more retries
+                return JSONResponse({"removed": gone.worker_id, "pending": True})
             removed = self._worker_call(request, self.pool.remove)
             if self.fleet is not None:
                 shared = await self.fleet.engine_removed(removed)

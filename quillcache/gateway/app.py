@@ -59,11 +59,12 @@ from quillcache.gateway.openai_api import CHAT_COMPLETIONS, COMPLETIONS, OpenAIE
 from quillcache.gateway.outcomes import RequestOutcomes
 from quillcache.gateway.parity import ParityChecker
 from quillcache.gateway.peers import PeerDirectory
+from quillcache.gateway.pending import FIRST_RETRY_S, PendingEngine, PendingEngines
 from quillcache.gateway.policy_loop import PolicyEngine
 from quillcache.gateway.readiness import Readiness, readiness
 from quillcache.gateway.secret import load_or_create
 from quillcache.gateway.tenancy import TenantPolicy
-from quillcache.gateway.workers import Worker, WorkerPool
+from quillcache.gateway.workers import DiscoveryError, EventSourceError, Worker, WorkerPool
 from quillcache.identity import content_keys
 from quillcache.policy.budget import ActuationBudget
 from quillcache.policy.targets import KeyArray
@@ -129,6 +130,8 @@ class Gateway:
         # `state: redis://...`: where ready replicas advertise their snapshot endpoint
         self.peers: PeerDirectory | None = None
         self.bootstrap = BootstrapReport()
+        # configured engines not described yet (down at start, a KV port held): retried
+        self.pending = PendingEngines()
         self.started = False
         self.startup_error: QuillCacheError | None = None
 
@@ -165,12 +168,20 @@ class Gateway:
             ),
             auto_decompress=False,
         )
-        described = await self._describe_all(cfg.workers)
+        found = await self._describe_all(cfg.workers)
+        described = [w for w in found if isinstance(w, Worker)]
         sizes = {w.block_size for w in described if w.block_size is not None}
         if cfg.block_size is not None:
             sizes.add(cfg.block_size)
         if len(sizes) > 1:
             raise ConfigError(f"engines disagree on the block size: {sorted(sizes)}")
+        missed = {i: why for i, why in enumerate(found) if isinstance(why, str)}
+        if missed and not sizes:
+            whys = "; ".join(f"{cfg.workers[i].url}: {why}" for i, why in missed.items())
+            raise ConfigError(
+                f"no engine gave its block size ({whys}): set block_size in the config to "
+                "start the gateway before its engines"
+            )
         block_size = cfg.block_size or (sizes.pop() if sizes else 16)
         if cfg.state != "local":
             self.peers = PeerDirectory(cfg.state, cfg.state_prefix, cfg.state_lease_ttl_s)
@@ -228,8 +239,16 @@ class Gateway:
         routing = None
         if fleet is not None:
             routing = fleet.bind(self.cp, self.pool, self.start_parity_check)
-        for w in described:
-            self.pool.attach(w)
+        self.pool.reserve(len(cfg.workers))
+        for i, w in enumerate(found):
+            if isinstance(w, str):
+                self.pending.add(i, cfg.workers[i], w)
+                continue
+            try:
+                self.pool.attach(w, i)
+            except EventSourceError as exc:  # its KV port still held: retried
+                self.pending.add(i, cfg.workers[i], str(exc))
+                continue
             if fleet is not None:
                 fleet.attached(w)
         self.tokenizer = RequestTokenizer(cfg.tokenizer, self.upstream)
@@ -246,17 +265,32 @@ class Gateway:
             asyncio.create_task(self._every(cfg.health_interval_s, self.pool.check_health)),
             asyncio.create_task(self._every(cfg.scrape_interval_s, self.pool.scrape)),
             asyncio.create_task(self._every(cfg.policy.interval_s, self.policy.tick)),
+            asyncio.create_task(self._every(FIRST_RETRY_S / 2, self._join_pending)),
         ]
         for w in list(self.pool.workers.values()):
             self.start_parity_check(w)
         self.started = True
 
-    async def _describe_all(self, workers: list[WorkerConfig]) -> list[Worker]:
+    async def _join_pending(self) -> None:
+        if self.pending.engines:
+            await self.pending.retry_due(self._join)
+
+    async def _join(self, p: PendingEngine) -> Worker:
+        """A pending engine described and attached under its reserved id, as the admin
+        API adds one (`pending.py`)."""
+        w = await self.pool.add(p.config, p.worker_id)
+        if self.fleet is not None:
+            self.fleet.attached(w)
+        self.start_parity_check(w)
+        return w
+
+    async def _describe_all(self, workers: list[WorkerConfig]) -> list[Worker | str]:
         """Every configured engine described, at most `DESCRIBE_AT_ONCE` at a time, on
         connections that are not kept: httpx scans its whole pool on every request, so
         1,024 engines described at once through one pool took O(engines²) (tens of
         seconds, and engines' keep-alive timeouts closed connections under it: their
-        event sources were missed)."""
+        event sources were missed). An engine that cannot be described is why not, a
+        string (`pending.py`)."""
         cfg = self.config
         gate = asyncio.Semaphore(DESCRIBE_AT_ONCE)
         async with httpx.AsyncClient(
@@ -264,9 +298,12 @@ class Gateway:
             limits=httpx.Limits(max_connections=DESCRIBE_AT_ONCE, max_keepalive_connections=0),
         ) as client:
 
-            async def one(w: WorkerConfig) -> Worker:
+            async def one(w: WorkerConfig) -> Worker | str:
                 async with gate:
-                    return await WorkerPool.describe(client, w)
+                    try:
+                        return await WorkerPool.describe(client, w)
+                    except DiscoveryError as exc:
+                        return str(exc)
 
             return list(await asyncio.gather(*(one(w) for w in workers)))
 
@@ -390,6 +427,7 @@ class Gateway:
             ingestor=self.ingestor,
         )
         self.admin = AdminApi(
+            pending=self.pending,
             config=cfg,
             plane=cp,
             pool=pool,
@@ -456,6 +494,7 @@ class Gateway:
     def readiness(self) -> Readiness:
         state = readiness(self.pool.workers.values(), self.ingestor.sources)
         state.bootstrap = self.bootstrap
+        state.pending = self.pending.as_list()
         return state
 
     async def ready(self, request: Request) -> Response:

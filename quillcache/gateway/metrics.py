@@ -373,6 +373,13 @@ def readiness_metrics(state: Any) -> Iterator[Any]:
         [],
     )
     yield gauge(
+        "quillcache_workers_pending",
+        "Configured engines not taken in yet (unreachable at start, or their KV-event "
+        "socket not open): retried until they join.",
+        {(): float(len(state.pending))},
+        [],
+    )
+    yield gauge(
         "quillcache_ready",
         "1 when /ready answers 200: an engine routable and every routable engine's "
         "sources caught up.",

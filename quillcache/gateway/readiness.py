@@ -11,10 +11,11 @@
   blind: every engine looks cold.
 
 Engines that are down or draining get no traffic, so they are not waited for (listed
-in the body); their sources still count in the progress gauges. `caught_up` is a cold
-start latch: a source that loses events later is repaired by replays and shown as
-stale (`quillcache_kv_stale_sources`), it does not take the gateway out of service,
-which would take every replica out at once.
+in the body), nor are configured engines that have not joined yet (`pending.py`);
+their sources still count in the progress gauges. `caught_up` is a cold start latch: a
+source that loses events later is repaired by replays and shown as stale
+(`quillcache_kv_stale_sources`), it does not take the gateway out of service, which
+would take every replica out at once.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class Readiness:
     not_routable: list[dict[str, Any]] = field(default_factory=list)
     # the start-up bootstrap from a peer's snapshot (`bootstrap.BootstrapReport`), if any
     bootstrap: Any = None
+    # configured engines not described yet (`pending.py`): like down engines, not waited
+    # for, listed
+    pending: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:
@@ -46,9 +50,10 @@ class Readiness:
         """What stands between the gateway and ready, one sentence per item."""
         out = []
         if not self.routable:
-            if self.not_routable:
-                down = ", ".join(f"{w['worker']} ({w['why']})" for w in self.not_routable)
-                out.append(f"no routable engine: workers {down}")
+            down = [f"{w['worker']} ({w['why']})" for w in self.not_routable]
+            down += [f"{p['id']} (pending: {p['why']})" for p in self.pending]
+            if down:
+                out.append(f"no routable engine: workers {', '.join(down)}")
             else:
                 out.append("no routable engine: no engine configured")
         for s in self.waiting:
@@ -67,6 +72,7 @@ class Readiness:
             "sources": {"total": self.sources, "caught_up": self.caught_up},
             "waiting_for": self.waiting,
             "not_routable": self.not_routable,
+            "pending": self.pending,
             **({"bootstrap": self.bootstrap.as_dict()} if self.bootstrap is not None else {}),
         }
 

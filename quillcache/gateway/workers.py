@@ -309,18 +309,26 @@ class WorkerPool:
                 )
         return w
 
-    async def add(self, cfg: WorkerConfig) -> Worker:
+    async def add(self, cfg: WorkerConfig, worker_id: int | None = None) -> Worker:
         w = await self.describe(self.client, cfg)
         if w.block_size is not None and w.block_size != self.cp.block_size:
             raise DiscoveryError(
                 f"engine {cfg.url} uses block size {w.block_size}, the gateway {self.cp.block_size}"
             )
-        return self.attach(w)
+        return self.attach(w, worker_id)
 
-    def attach(self, w: Worker) -> Worker:
-        """Register a described engine with the control plane and subscribe to its events."""
-        w.id = self._next_id
-        self._next_id += 1
+    def reserve(self, ids: int) -> None:
+        """Worker ids below `ids` are given only when asked for by number (`attach`):
+        the places of the configured engines, some of which join later."""
+        self._next_id = max(self._next_id, ids)
+
+    def attach(self, w: Worker, worker_id: int | None = None) -> Worker:
+        """Register a described engine with the control plane and subscribe to its events,
+        as `worker_id` (a reserved id) or the next free one."""
+        if worker_id is not None and worker_id in self.workers:
+            raise ConfigError(f"worker id {worker_id} is taken by {self.workers[worker_id].url}")
+        w.id = self._next_id if worker_id is None else worker_id
+        self._next_id = max(self._next_id, w.id + 1)
         ranks = max(len(w.sources), w.config.dp_ranks, 1)
         self.cp.add_worker(
             w.id,
@@ -357,7 +365,8 @@ class WorkerPool:
             # all or nothing: a worker without its events would route blind, and a
             # retry would add it a second time under the next id
             self._forget(w.id)
-            self._next_id = w.id
+            if worker_id is None:
+                self._next_id = w.id
             raise EventSourceError(
                 f"engine {w.url}: {exc}; nothing was added (add it again once the endpoint is free)"
             ) from None

@@ -9,7 +9,6 @@ own OpenAI server and KV events over ZMQ, the gateway tokenizing with vLLM's /to
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -20,10 +19,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.realvllm import VllmEngine, VllmUnavailable, make_tiny_model, start_engines
+from benchmarks.realvllm import (
+    VllmEngine,
+    VllmUnavailable,
+    make_tiny_model,
+    start_behind_gateway,
+    start_engines,
+)
 from benchmarks.realvllm import vllm_python as find_vllm_python
 from benchmarks.realvllm.launcher import BLOCK, ENV_VAR, SERVED_MODEL
-from quillcache.up import Proc, launch
+from quillcache.up import Proc
 from tests.online.conftest import ADMIN, metric
 from tests.online.helpers import wait_for
 
@@ -59,22 +64,16 @@ def vllm_stack(
     engines = [VllmEngine(f"vllm{i}") for i in range(2)]
     gw: Proc | None = None
     try:
-        start_engines(vllm_python, model, wd, engines, kv_blocks=KV_BLOCKS)
-        cfg = wd / "gw.json"
-        cfg.write_text(
-            json.dumps(
-                {
-                    "admin_token": ADMIN,
-                    "tokenizer": "engine",
-                    "router": "quillcache",
-                    "health_interval_s": 0.5,
-                    "workers": [e.worker_config() for e in engines],
-                    "api_keys": [{"key": k, "tenant": t} if t else k for k, t in KEYS.items()],
-                    "secret_file": str(wd / "gateway-secret.json"),
-                }
-            )
-        )
-        gw = launch("gateway", ["gateway", "--port", "0", "--config", str(cfg)], wd)
+        config = {
+            "admin_token": ADMIN,
+            "tokenizer": "engine",
+            "router": "quillcache",
+            "health_interval_s": 0.5,
+            "workers": [e.worker_config() for e in engines],
+            "api_keys": [{"key": k, "tenant": t} if t else k for k, t in KEYS.items()],
+            "secret_file": str(wd / "gateway-secret.json"),
+        }
+        gw = start_behind_gateway(vllm_python, model, wd, engines, config, kv_blocks=KV_BLOCKS)
         yield {"engines": engines, "gateway": gw, "model": model, "wd": wd, "python": vllm_python}
     finally:
         for e in engines:

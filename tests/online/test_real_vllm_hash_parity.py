@@ -9,7 +9,6 @@ the reason when QUILLCACHE_VLLM_PYTHON names no usable vLLM interpreter.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,14 +19,19 @@ import httpx
 import pytest
 import zmq
 
-from benchmarks.realvllm import VllmEngine, VllmUnavailable, make_tiny_model, start_engines
+from benchmarks.realvllm import (
+    VllmEngine,
+    VllmUnavailable,
+    make_tiny_model,
+    start_behind_gateway,
+)
 from benchmarks.realvllm import vllm_python as find_vllm_python
 from benchmarks.realvllm.launcher import BLOCK, ENV_VAR, SERVED_MODEL
 from quillcache._native import decode_batch
 from quillcache.connectors.replay import fetch_replay
 from quillcache.gateway.engine_hashes import PublishedChain, find_chain, judge
 from quillcache.hashing import vllm_event_hashes
-from quillcache.up import Proc, launch
+from quillcache.up import Proc
 from tests.online.conftest import ADMIN
 from tests.online.helpers import wait_for
 
@@ -62,25 +66,19 @@ def hash_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         pytest.skip(f"real-vLLM hash parity skipped: {exc}")
     wd = tmp_path_factory.mktemp("vllm-hash")
     model = make_tiny_model(python, wd / "model")
-    cbor, default = VllmEngine("vllm-cbor"), DefaultHashEngine("vllm-default")
+    engine_env = {"PYTHONHASHSEED": SEED}
+    cbor = VllmEngine("vllm-cbor", env=engine_env)
+    default = DefaultHashEngine("vllm-default", env=engine_env)
     gw: Proc | None = None
     try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("PYTHONHASHSEED", SEED)  # the engines' environment (start_engines)
-            start_engines(python, model, wd, [cbor, default], kv_blocks=64)
-        cfg = wd / "gw.json"
         workers = [{**cbor.worker_config(), "hash_seed": WRONG_SEED}, default.worker_config()]
-        cfg.write_text(
-            json.dumps(
-                {
-                    "admin_token": ADMIN,
-                    "tokenizer": "engine",
-                    "workers": workers,
-                    "secret_file": str(wd / "gateway-secret.json"),
-                }
-            )
-        )
-        gw = launch("gateway", ["gateway", "--port", "0", "--config", str(cfg)], wd)
+        config = {
+            "admin_token": ADMIN,
+            "tokenizer": "engine",
+            "workers": workers,
+            "secret_file": str(wd / "gateway-secret.json"),
+        }
+        gw = start_behind_gateway(python, model, wd, [cbor, default], config, kv_blocks=64)
         yield {"gateway": gw, "engines": [cbor, default]}
     finally:
         for e in (cbor, default):

@@ -25,10 +25,10 @@ import httpx
 import openai
 import pytest
 
-from benchmarks.realvllm import VllmEngine, VllmUnavailable, make_tiny_model, start_engines
+from benchmarks.realvllm import VllmEngine, VllmUnavailable, make_tiny_model, start_behind_gateway
 from benchmarks.realvllm import vllm_python as find_vllm_python
 from benchmarks.realvllm.launcher import BLOCK, ENV_VAR, SERVED_MODEL
-from quillcache.up import Proc, launch
+from quillcache.up import Proc
 from tests.online.conftest import ADMIN, metric
 from tests.online.helpers import wait_for
 
@@ -71,23 +71,17 @@ def policy_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     engine = VllmEngine("vllm-small")
     gw: Proc | None = None
     try:
-        start_engines(python, model, wd, [engine], kv_blocks=KV_BLOCKS)
-        cfg = wd / "gw.json"
-        cfg.write_text(
-            json.dumps(
-                {
-                    "admin_token": ADMIN,
-                    "tokenizer": "engine",
-                    "health_interval_s": 0.5,
-                    "workers": [engine.worker_config()],
-                    "secret_file": str(wd / "gateway-secret.json"),
-                    # touches follow the engine's turnover (its 64 blocks over its rate of
-                    # new blocks), checked every 0.2 s
-                    "policy": {"interval_s": 0.2, "touch_min_interval_s": 0.3},
-                }
-            )
-        )
-        gw = launch("gateway", ["gateway", "--port", "0", "--config", str(cfg)], wd)
+        config = {
+            "admin_token": ADMIN,
+            "tokenizer": "engine",
+            "health_interval_s": 0.5,
+            "workers": [engine.worker_config()],
+            "secret_file": str(wd / "gateway-secret.json"),
+            # touches follow the engine's turnover (its 64 blocks over its rate of
+            # new blocks), checked every 0.2 s
+            "policy": {"interval_s": 0.2, "touch_min_interval_s": 0.3},
+        }
+        gw = start_behind_gateway(python, model, wd, [engine], config, kv_blocks=KV_BLOCKS)
         yield {"gateway": gw, "engine": engine}
     finally:
         engine.kill()

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import os
 import random
 from collections.abc import Iterator
@@ -41,7 +40,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from benchmarks.realvllm import VllmEngine, VllmUnavailable, start_engines
+from benchmarks.realvllm import VllmEngine, VllmUnavailable, start_behind_gateway
 from benchmarks.realvllm import vllm_python as find_vllm_python
 from benchmarks.realvllm.launcher import BLOCK, ENV_VAR, make_tiny_vlm, vision_env
 from quillcache._native import decode_batch
@@ -51,7 +50,7 @@ from quillcache.gateway.engine_hashes import VLLM_DEFAULT_SEED, PublishedChain, 
 from quillcache.hashing import vllm_event_hashes
 from quillcache.tokenization.local import HFTokenizer
 from quillcache.tokenization.multimodal import MmPrompt, MultimodalConfig, MultimodalPrompts
-from quillcache.up import Proc, launch
+from quillcache.up import Proc
 from tests.online.conftest import ADMIN
 from tests.online.helpers import wait_for
 
@@ -102,22 +101,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     engine = VllmEngine("vlm0", served_model=MODEL, extra_args=ENGINE_ARGS, env=env)
     gw: Proc | None = None
     try:
-        start_engines(python, model, wd, [engine], kv_blocks=KV_BLOCKS)
-        cfg = wd / "gw.json"
-        cfg.write_text(
-            json.dumps(
-                {
-                    "admin_token": ADMIN,
-                    "tokenizer": str(model),
-                    "router": "quillcache",
-                    "health_interval_s": 0.5,
-                    "workers": [engine.worker_config()],
-                    "multimodal": MULTIMODAL,
-                    "secret_file": str(wd / "gateway-secret.json"),
-                }
-            )
-        )
-        gw = launch("gateway", ["gateway", "--port", "0", "--config", str(cfg)], wd)
+        config = {
+            "admin_token": ADMIN,
+            "tokenizer": str(model),
+            "router": "quillcache",
+            "health_interval_s": 0.5,
+            "workers": [engine.worker_config()],
+            "multimodal": MULTIMODAL,
+            "secret_file": str(wd / "gateway-secret.json"),
+        }
+        gw = start_behind_gateway(python, model, wd, [engine], config, kv_blocks=KV_BLOCKS)
         mm = MultimodalPrompts(MultimodalConfig(**MULTIMODAL, model_id=str(model)))
         yield Stack(engine, gw, model, mm, HFTokenizer(model))
     finally:
