@@ -38,7 +38,13 @@ from quillcache.gateway.peer_snapshot import SnapshotHeader, SourceEntry, chunks
 from quillcache.gateway.pending import PendingEngines
 from quillcache.gateway.policy_loop import PolicyEngine, ttl_of
 from quillcache.gateway.tenancy import Identity, TenantPolicy, valid_tenant
-from quillcache.gateway.workers import DiscoveryError, EventSourceError, Worker, WorkerPool
+from quillcache.gateway.workers import (
+    DiscoveryError,
+    DuplicateWorkerError,
+    EventSourceError,
+    Worker,
+    WorkerPool,
+)
 from quillcache.index.native import NativeIndex
 from quillcache.policy.targets import Target, TargetBudgetError, TargetKind
 from quillcache.routing import Request as RouteRequest
@@ -113,15 +119,17 @@ class AdminApi:
                 "connects to one gateway cannot serve several replicas): let the engine "
                 "bind its KV-event socket and give its kv_endpoint, or leave it out",
             )
-        if self.fleet is not None and any(w.url == cfg.url for w in self.pool.workers.values()):
-            raise ApiError(409, f"engine {cfg.url} is already a worker", "ConflictError")
         try:
             w = await self.pool.add(cfg)
+        except DuplicateWorkerError as exc:
+            raise ApiError(409, str(exc), "ConflictError") from None
         except EventSourceError as exc:
             raise ApiError(409, str(exc), "ConflictError") from None
         except DiscoveryError as exc:
             raise ApiError(400, str(exc)) from None
         self.on_worker_added(w)
+        for p in [p for p in self.pending.engines.values() if p.config.url == w.url]:
+            self.pending.remove(p.worker_id)  # added by hand: it no longer joins on its own
         body = w.as_dict()
         if self.fleet is not None:
             body["shared"] = await self.fleet.engine_added(w)

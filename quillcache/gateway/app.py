@@ -275,10 +275,25 @@ class Gateway:
         if self.pending.engines:
             await self.pending.retry_due(self._join)
 
-    async def _join(self, p: PendingEngine) -> Worker:
+    async def _join(self, p: PendingEngine) -> Worker | None:
         """A pending engine described and attached under its reserved id, as the admin
-        API adds one (`pending.py`)."""
-        w = await self.pool.add(p.config, p.worker_id)
+        API adds one (`pending.py`); None when it is no longer to join: removed through
+        the admin API while it was being described, or its URL added meanwhile as
+        another worker (the admin API, the fleet)."""
+        w = await WorkerPool.describe(self.pool.client, p.config)
+        if self.pending.engines.get(p.worker_id) is not p:
+            return None
+        same = self.pool.by_url(w.url)
+        if same is not None:
+            log.warning(
+                "engine %s (worker %d) was added meanwhile as worker %d: not joined twice",
+                w.url,
+                p.worker_id,
+                same.id,
+            )
+            return None
+        self.pool.check_block_size(w)
+        self.pool.attach(w, p.worker_id)
         if self.fleet is not None:
             self.fleet.attached(w)
         self.start_parity_check(w)

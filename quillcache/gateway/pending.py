@@ -78,10 +78,10 @@ class PendingEngines:
     def as_list(self) -> list[dict[str, Any]]:
         return [p.as_dict() for p in self.engines.values()]
 
-    async def retry_due(self, join: Callable[[PendingEngine], Awaitable[Worker]]) -> None:
+    async def retry_due(self, join: Callable[[PendingEngine], Awaitable[Worker | None]]) -> None:
         """Try each engine whose wait is over: `join` describes and attaches it, raising a
         `ConfigError` while it cannot (unreachable, its KV port held, another block
-        size)."""
+        size), None when it is no longer to join (it then leaves the list)."""
         now = time.monotonic()
         for p in [p for p in self.engines.values() if p.next_try_s <= now]:
             try:
@@ -97,6 +97,8 @@ class PendingEngines:
                 wait = min(FIRST_RETRY_S * 2 ** (p.attempts - 1), self.retry_max_s)
                 p.next_try_s = time.monotonic() + wait
                 continue
-            if self.engines.pop(p.worker_id, None) is not None:
+            if self.engines.get(p.worker_id) is p:
+                del self.engines[p.worker_id]
+            if w is not None:
                 self.joined += 1
                 log.info("engine %s joined as worker %d after %d attempts", w.url, w.id, p.attempts)

@@ -212,6 +212,10 @@ class DiscoveryError(ConfigError):
     """An engine could not be reached or described itself in a way we cannot use."""
 
 
+class DuplicateWorkerError(ConfigError):
+    """An engine added again while its URL is already a worker's: nothing was added."""
+
+
 class EventSourceError(ConfigError):
     """An engine's KV-event source could not be opened (its endpoint cannot be bound or
     connected, e.g. a port the previous socket still holds): nothing of the engine was
@@ -309,13 +313,29 @@ class WorkerPool:
                 )
         return w
 
-    async def add(self, cfg: WorkerConfig, worker_id: int | None = None) -> Worker:
+    async def add(self, cfg: WorkerConfig) -> Worker:
+        """Describe and attach an engine; `DuplicateWorkerError` when its URL is already a
+        worker's (checked again after the description: it may have joined meanwhile)."""
+        self._check_new(cfg.url)
         w = await self.describe(self.client, cfg)
+        self._check_new(cfg.url)
+        self.check_block_size(w)
+        return self.attach(w)
+
+    def _check_new(self, url: str) -> None:
+        same = self.by_url(url)
+        if same is not None:
+            raise DuplicateWorkerError(f"engine {url} is already worker {same.id}")
+
+    def by_url(self, url: str) -> Worker | None:
+        return next((w for w in self.workers.values() if w.url == url), None)
+
+    def check_block_size(self, w: Worker) -> None:
+        """`DiscoveryError` when a described engine hashes blocks of another size."""
         if w.block_size is not None and w.block_size != self.cp.block_size:
             raise DiscoveryError(
-                f"engine {cfg.url} uses block size {w.block_size}, the gateway {self.cp.block_size}"
+                f"engine {w.url} uses block size {w.block_size}, the gateway {self.cp.block_size}"
             )
-        return self.attach(w, worker_id)
 
     def reserve(self, ids: int) -> None:
         """Worker ids below `ids` are given only when asked for by number (`attach`):

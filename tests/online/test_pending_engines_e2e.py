@@ -6,6 +6,7 @@ serves meanwhile with the engines it has."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -130,5 +131,35 @@ def test_no_engine_and_no_block_size_is_refused_with_what_to_set(tmp_path: Path)
         assert ready.status_code == 503
         assert "pending: engine http://127.0.0.1" in ready.json()["missing"][0], ready.text
         assert http_get(gw.url + "/health").status_code == 200
+    finally:
+        stack.kill_all()
+
+
+def test_an_engine_is_one_worker_however_it_joins(tmp_path: Path) -> None:
+    """A pending engine added by hand once it is up (racing its own retry) ends as one
+    worker, and adding a worker's URL again is a 409 that adds nothing."""
+    stack = Stack(tmp_path)
+    late = [free_port() for _ in range(3)]
+    late_url = f"http://127.0.0.1:{late[0]}"
+    try:
+        up = stack.engine()
+        gw = start_gateway(stack, [{"url": up.url}, {"url": late_url}])
+        with admin(gw) as a:
+            again = a.post("/admin/workers", json={"url": up.url})
+            assert again.status_code == 409, again.text
+            assert "already worker 0" in again.json()["error"]["message"]
+            proc = launch("late", engine_args(port=late[0], kv_ports=(late[1], late[2])), tmp_path)
+            stack.procs.append(proc)
+            added = a.post("/admin/workers", json={"url": late_url})
+            assert added.status_code in (201, 409), added.text  # 409: its retry won
+
+            def urls() -> list[str]:
+                return [w["url"] for w in a.get("/admin/workers").json()["workers"]]
+
+            wait_for(lambda: late_url in urls(), timeout=30, what="the late engine, a worker")
+            time.sleep(2.5)  # past the pending entry's next retries, had it stayed
+            listed = a.get("/admin/workers").json()
+            assert sorted(urls()) == sorted([up.url, late_url]), listed
+            assert listed["pending"] == []
     finally:
         stack.kill_all()
