@@ -633,6 +633,19 @@ class ControlPlane:
         fleet[row, RESIDENT] = max(fleet[row, RESIDENT] - dropped, 0.0)
         return dropped
 
+    def clear_medium(self, worker: int, medium: str) -> int:
+        """Every rank of `worker` dropped its residency in `medium` without an event (an
+        offload tier cleared: LMCache's `/clear`); returns the pairs dropped."""
+        state = self._state(worker)
+        fleet = self._fleet.m
+        dropped = 0
+        for rank, row in enumerate(state.rows):
+            with self._index_lock:
+                gone = self.index.clear_medium(worker, rank, medium)
+            fleet[row, RESIDENT] = max(fleet[row, RESIDENT] - gone, 0.0)
+            dropped += gone
+        return dropped
+
     # --- routing ------------------------------------------------------------------
 
     def view(

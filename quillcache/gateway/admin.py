@@ -31,7 +31,7 @@ from quillcache.gateway.config import GatewayConfig, WorkerConfig
 from quillcache.gateway.fleet import FleetLink
 from quillcache.gateway.httpio import ApiError, json_object, validate_completion
 from quillcache.gateway.identify import RequestIdentifier
-from quillcache.gateway.lmcache_ctl import LmcacheError
+from quillcache.gateway.lmcache_ctl import LmcacheError, indexed_medium
 from quillcache.gateway.metrics import GatewayMetrics
 from quillcache.gateway.outcomes import DecisionLog, LatencySamples
 from quillcache.gateway.peer_snapshot import SnapshotHeader, SourceEntry, chunks, encode
@@ -417,12 +417,24 @@ class AdminApi:
                 f"LMCache's controller refused /clear of {instance!r} ({exc.status}): {exc.detail}",
                 "ConflictError",
             ) from None
+        # LMCache reports no removal for what /clear drops: the index forgets the tier
+        # itself, on the applier thread, in order with the engine's events
+        medium = indexed_medium(where)
+        dropped = 0
+        if medium is not None:
+            plane, worker_id = self.plane, worker.id
+            dropped = await asyncio.wrap_future(
+                self.ingestor.on_applier(lambda: plane.clear_medium(worker_id, medium))
+            )
         log.info(
-            "admin: LMCache /clear of engine %d (instance %r, %s): %d tokens",
+            "admin: LMCache /clear of engine %d (instance %r, %s): %d tokens, %d blocks "
+            "of medium %s dropped from the index",
             worker.id,
             instance,
             where,
             tokens,
+            dropped,
+            medium,
         )
         return JSONResponse(
             {
@@ -432,6 +444,9 @@ class AdminApi:
                 "location": where,
                 "event_id": event,
                 "tokens": tokens,
+                # what the index held of that tier and no longer does
+                "index_medium": medium,
+                "index_blocks_dropped": dropped,
             }
         )
 

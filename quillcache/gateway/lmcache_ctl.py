@@ -31,6 +31,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 CPU_LOCATION = "LocalCPUBackend"
 
 
+def indexed_medium(location: str) -> str | None:
+    """The medium under which the index keeps what LMCache holds at `location`: its CPU
+    tier is reported in the engine's KV events as medium "cpu" (in-process LMCache) or
+    "CPU" (its multiprocess server), one medium; no other tier is reported (None)."""
+    return "CPU" if location == CPU_LOCATION else None
+
+
 class LmcacheSettings(BaseModel):
     """Where LMCache's controller is and which engine is which LMCache instance."""
 

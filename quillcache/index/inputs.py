@@ -51,3 +51,15 @@ def check_source(worker: int, dp_rank: int) -> None:
         raise InvalidIndexInputError(f"worker must be an integer in 0 .. 2**64-1, got {worker!r}")
     if not isinstance(dp_rank, (int, np.integer)) or not 0 <= dp_rank <= _U32_MAX:
         raise InvalidIndexInputError(f"dp_rank must be an integer in 0 .. 2**32-1, got {dp_rank!r}")
+
+
+def check_medium(medium: str) -> str:
+    """`medium` when it is a non-empty name in UTF-8 (the index normalises known ones:
+    "cpu" is CPU); else `InvalidIndexInputError`."""
+    if not isinstance(medium, str) or not medium:
+        raise InvalidIndexInputError(f"medium must be a non-empty string, got {medium!r}")
+    try:
+        medium.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidIndexInputError(f"medium must be valid UTF-8, got {medium!r}") from None
+    return medium

@@ -31,7 +31,12 @@ from quillcache.events.types import (
     normalize_medium,
 )
 from quillcache.hashing.reference import block_key, namespace_id
-from quillcache.index.inputs import InvalidIndexInputError, as_key_array, check_source
+from quillcache.index.inputs import (
+    InvalidIndexInputError,
+    as_key_array,
+    check_medium,
+    check_source,
+)
 from quillcache.index.protocol import KeyArray
 from quillcache.index.types import (
     ApplyStats,
@@ -100,6 +105,30 @@ class MemoryIndex:
     def clear_source(self, worker: int, dp_rank: int = 0) -> int:
         sid = SourceId(worker, dp_rank)
         return self._clear(sid) if sid in self._sources else 0
+
+    def clear_medium(self, worker: int, dp_rank: int, medium: str) -> int:
+        check_source(worker, dp_rank)
+        sid = SourceId(worker, dp_rank)
+        src = self._sources.get(sid)
+        if src is None:
+            return 0
+        holder = (sid, self._medium(normalize_medium(check_medium(medium)), storing=False))
+        dropped = 0
+        let_go: set[int] = set()
+        emptied = []
+        for node in self._nodes.values():
+            if node.holders.pop(holder, None) is None:
+                continue
+            dropped += 1
+            if not any(s == sid for s, _ in node.holders):
+                let_go.add(node.key)
+            if not node.holders:
+                emptied.append(node.key)
+        for hk in [hk for hk, key in src.engine.items() if key in let_go]:
+            del src.engine[hk]
+        for key in emptied:
+            self._collect(key)
+        return dropped
 
     def _clear(self, sid: SourceId) -> int:
         self._sources[sid].engine.clear()

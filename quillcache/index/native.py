@@ -15,7 +15,12 @@ import numpy.typing as npt
 
 from quillcache import _native
 from quillcache.errors import EventDecodeError, QuillCacheError
-from quillcache.index.inputs import InvalidIndexInputError, as_key_array, check_source
+from quillcache.index.inputs import (
+    InvalidIndexInputError,
+    as_key_array,
+    check_medium,
+    check_source,
+)
 from quillcache.index.protocol import KeyArray
 from quillcache.index.types import (
     ApplyStats,
@@ -193,6 +198,10 @@ class NativeIndex:
     def clear_source(self, worker: int, dp_rank: int = 0) -> int:
         check_source(worker, dp_rank)
         return self._inner.clear_source(worker, dp_rank)
+
+    def clear_medium(self, worker: int, dp_rank: int, medium: str) -> int:
+        check_source(worker, dp_rank)
+        return self._inner.clear_medium(worker, dp_rank, check_medium(medium))
 
     def scan(self, prefix: KeyArray) -> list[Entry]:
         return [_entry(t) for t in self._inner.scan(as_key_array(prefix))]

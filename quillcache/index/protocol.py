@@ -98,6 +98,14 @@ class IndexBackend(Protocol):
         """AllBlocksCleared for one source; returns resident pairs dropped."""
         ...
 
+    def clear_medium(self, worker: int, dp_rank: int, medium: str) -> int:
+        """Every residency of one source in `medium` dropped, as if the engine had sent a
+        BlockRemoved of that medium for each of those blocks (every reference at once):
+        the engine-map entries of the blocks it then holds in no medium go too. For a
+        tier cleared without events (LMCache's `/clear`). Returns resident pairs
+        dropped."""
+        ...
+
     def scan(self, prefix: KeyArray) -> list[Entry]:
         """Every block in the subtree under the block named by `prefix[-1]` (itself
         included), sorted by key; the whole index for an empty prefix."""

@@ -155,6 +155,27 @@ def test_clear_and_remove_worker(index: IndexBackend) -> None:
     assert index.apply(1, [payload(removed([1]), dp_rank=1)]).unknown_removals == 1
 
 
+def test_clear_medium_drops_one_tier_of_one_source(index: IndexBackend) -> None:
+    """LMCache's /clear of an engine's CPU tier: its CPU copies go, its GPU copies and
+    another engine's CPU copies stay, and the cleared hashes are forgotten."""
+    t = toks(2)
+    index.apply(1, [payload(stored([1, 2], t), stored([1, 2], t, medium="cpu"))])
+    index.apply(2, [payload(stored([1, 2], t, medium="CPU"))])
+    assert index.clear_medium(1, 0, "cpu") == 2
+    assert blocks_of(index.match(keys(t))) == {(1, 0, "GPU"): 2, (2, 0, "CPU"): 2}
+    assert index.stats().resident_pairs == 4
+    assert index.clear_medium(1, 0, "CPU") == 0  # nothing left there
+    assert index.clear_medium(7, 0, "CPU") == 0  # an unknown source
+    # the GPU copy still maps the hashes: the engine's later removal is known
+    assert index.apply(1, [payload(removed([1, 2]))]).blocks_removed == 2
+    assert index.clear_medium(2, 0, "CPU") == 2
+    assert index.stats().blocks == 0
+    assert index.apply(2, [payload(removed([1], medium="CPU"))]).unknown_removals == 1
+    for bad in ("", 7, None):
+        with pytest.raises(QuillCacheError):
+            index.clear_medium(1, 0, bad)  # type: ignore[arg-type]
+
+
 def test_everything_removed_leaves_nothing(index: IndexBackend) -> None:
     for w in range(3):
         t = toks(5, base=w % 2)

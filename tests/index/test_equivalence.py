@@ -172,7 +172,11 @@ def assert_same_state(ref: IndexBackend, other: IndexBackend) -> None:
 
 def step(data: st.DataObject, stream: Stream, pair: tuple[IndexBackend, IndexBackend]) -> None:
     kind = data.draw(
-        st.sampled_from(["store"] * 6 + ["remove"] * 4 + ["clear", "drop", "pin", "unpin", "bad"]),
+        st.sampled_from(
+            ["store"] * 6
+            + ["remove"] * 4
+            + ["clear", "clear medium", "drop", "pin", "unpin", "bad"]
+        ),
         label="op",
     )
     worker = data.draw(st.integers(0, 2), label="worker")
@@ -200,6 +204,11 @@ def step(data: st.DataObject, stream: Stream, pair: tuple[IndexBackend, IndexBac
         assert results[0] == results[1]
     elif kind == "clear":
         assert pair[0].clear_source(worker, rank) == pair[1].clear_source(worker, rank)
+    elif kind == "clear medium":
+        # lower case as LMCache sends it: the same medium as "CPU"
+        medium = data.draw(st.sampled_from([*MEDIA, "cpu"]), label="cleared medium")
+        dropped = [idx.clear_medium(worker, rank, medium) for idx in pair]
+        assert dropped[0] == dropped[1]
     elif kind == "drop":
         assert pair[0].remove_worker(worker) == pair[1].remove_worker(worker)
     else:

@@ -299,14 +299,24 @@ def test_lmcache_clear_is_an_admin_action_with_the_resets_rules(
         unmapped = a.post(path % 1)
         assert unmapped.status_code == 409
         assert "lmcache.instances" in unmapped.json()["error"]["message"]
+        # the index holds the prompt on engine 0's GPU and, from LMCache's events, on its CPU
+        wait_for(lambda: held(gw, prompt).get((0, "cpu"), 0) > 0, what="the CPU tier indexed")
+        before_clear = held(gw, prompt)
         ok = a.post(path % 0)
         assert ok.status_code == 200, ok.text
+        # LMCache reports no removal: the index forgets the cleared tier itself
+        assert ok.json()["index_medium"] == "CPU"
+        assert ok.json()["index_blocks_dropped"] >= before_clear[(0, "cpu")]
+        after_clear = held(gw, prompt)
+        assert (0, "cpu") not in after_clear, after_clear
+        assert after_clear[(0, "gpu")] == before_clear[(0, "gpu")]
         # every chunk of the tier, not only this prompt's (the gateway's start-up probes)
         assert ok.json()["tokens"] >= len(tokens) and ok.json()["location"] == CPU
         assert ok.json()["event_id"].startswith("Clear")
         assert a.post(path % 0).json()["tokens"] == 0  # nothing left
         other = a.post(path % 0 + "&location=LocalDiskBackend")
         assert other.status_code == 200 and other.json()["tokens"] == 0  # no such tier
+        assert other.json()["index_medium"] is None  # a tier no event reports
     after = controller_post(engines, "/lookup", {"tokens": tokens}).json()["layout_info"]
     assert after == {}
     # the engine's GPU cache is another tier: untouched by LMCache's /clear

@@ -13,6 +13,7 @@ use numpy::PyReadonlyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
+use quillcache_core::events::Medium;
 use quillcache_core::index::SourceKey;
 use quillcache_core::persist::{
     ApplyError, Durability, DurableIndex as CoreDurable, DurableOptions, PersistError,
@@ -249,6 +250,21 @@ impl DurableIndex {
     #[pyo3(signature = (worker, dp_rank=0))]
     fn clear_source(&self, py: Python<'_>, worker: u64, dp_rank: u32) -> PyResult<u64> {
         self.mutate(py, |d| d.clear_source(SourceKey { worker, dp_rank }))
+    }
+
+    /// Every residency of (worker, dp_rank) in `medium` dropped (a tier cleared
+    /// without events); returns the pairs dropped.
+    fn clear_medium(
+        &self,
+        py: Python<'_>,
+        worker: u64,
+        dp_rank: u32,
+        medium: &str,
+    ) -> PyResult<u64> {
+        let medium = Medium::parse(Some(medium));
+        self.mutate(py, |d| {
+            d.clear_medium(SourceKey { worker, dp_rank }, &medium)
+        })
     }
 
     fn scan<'py>(

@@ -11,6 +11,7 @@ use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
+use quillcache_core::events::Medium;
 use quillcache_core::index::{Index, SourceKey};
 
 use crate::convert::{
@@ -190,6 +191,16 @@ impl NativeIndex {
     #[pyo3(signature = (worker, dp_rank=0))]
     fn clear_source(&self, py: Python<'_>, worker: u64, dp_rank: u32) -> u64 {
         py.detach(|| self.write().clear_source(SourceKey { worker, dp_rank }))
+    }
+
+    /// Every residency of (worker, dp_rank) in `medium` dropped (a tier cleared
+    /// without events); returns the pairs dropped.
+    fn clear_medium(&self, py: Python<'_>, worker: u64, dp_rank: u32, medium: &str) -> u64 {
+        let medium = Medium::parse(Some(medium));
+        py.detach(|| {
+            self.write()
+                .clear_medium(SourceKey { worker, dp_rank }, &medium)
+        })
     }
 
     /// `[(key, parent, depth, [(worker, dp_rank, medium, refcount), ...], pinned), ...]`

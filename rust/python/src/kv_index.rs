@@ -14,6 +14,7 @@ use pyo3::types::{PyBytes, PyList};
 
 use quillcache_core::backends::kv_index::KvIndexError;
 use quillcache_core::backends::{open_store, KvErrorKind, KvIndex as CoreKvIndex, KvStore};
+use quillcache_core::events::Medium;
 use quillcache_core::index::{ApplyStats, SourceKey};
 
 use crate::convert::{
@@ -192,6 +193,21 @@ impl KvIndex {
     #[pyo3(signature = (worker, dp_rank=0))]
     fn clear_source(&self, py: Python<'_>, worker: u64, dp_rank: u32) -> PyResult<u64> {
         self.with_mut(py, |ix| ix.clear_source(SourceKey { worker, dp_rank }))
+    }
+
+    /// Every residency of (worker, dp_rank) in `medium` dropped (a tier cleared
+    /// without events); returns the pairs dropped.
+    fn clear_medium(
+        &self,
+        py: Python<'_>,
+        worker: u64,
+        dp_rank: u32,
+        medium: &str,
+    ) -> PyResult<u64> {
+        let medium = Medium::parse(Some(medium));
+        self.with_mut(py, |ix| {
+            ix.clear_medium(SourceKey { worker, dp_rank }, &medium)
+        })
     }
 
     fn scan<'py>(

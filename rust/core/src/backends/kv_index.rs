@@ -513,6 +513,75 @@ impl<S: KvStore> KvIndex<S> {
         Ok(before)
     }
 
+    /// `Index::clear_medium` on the store: one pass over the nodes (an admin action:
+    /// the store keeps no per-source list), then the source's engine entries of the
+    /// blocks it no longer holds.
+    fn clear_medium_inner(&mut self, s: SourceKey, medium: &Medium) -> Result<u64> {
+        let Some(mut src) = self.source(s)? else {
+            return Ok(0);
+        };
+        let medium = self.medium_name(medium, false).to_owned();
+        let mut dropped = 0;
+        let mut let_go: Vec<u64> = Vec::new();
+        for key in self.all_node_keys()? {
+            let Some(mut n) = self.node(key)? else {
+                continue;
+            };
+            let Some(i) = n
+                .holders
+                .iter()
+                .position(|(w, d, m, _)| *w == s.worker && *d == s.dp_rank && *m == medium)
+            else {
+                continue;
+            };
+            let was_visible = n.visible();
+            n.holders.remove(i);
+            dropped += 1;
+            if !n
+                .holders
+                .iter()
+                .any(|(w, d, _, _)| *w == s.worker && *d == s.dp_rank)
+            {
+                let_go.push(key);
+            }
+            if was_visible && !n.visible() {
+                self.meta.blocks -= 1;
+            }
+            self.set_node(key, Some(n));
+            self.collect(key)?;
+        }
+        if !let_go.is_empty() {
+            let_go.sort_unstable();
+            let mut entries: Vec<(u32, u64, u64)> = self
+                .txn
+                .engine
+                .iter()
+                .filter_map(|((es, g, h), (v, _))| (*es == s).then_some((*g, *h, (*v)?)))
+                .collect();
+            for (k, v) in self
+                .store
+                .scan_prefix(&layout::engine_prefix(s.worker, s.dp_rank))?
+            {
+                let (group, hash) = (
+                    u32::from_be_bytes(k[13..17].try_into().expect("4 bytes")),
+                    layout::tail_u64(&k),
+                );
+                if !self.txn.engine.contains_key(&(s, group, hash)) {
+                    entries.extend(layout::u64_of(&v).map(|key| (group, hash, key)));
+                }
+            }
+            for (group, hash, key) in entries {
+                if let_go.binary_search(&key).is_ok() {
+                    self.set_engine(s, group, hash, None);
+                }
+            }
+        }
+        self.meta.pairs -= dropped;
+        src.pairs -= dropped;
+        self.set_source(s, Some(src));
+        Ok(dropped)
+    }
+
     fn drop_source_from(&mut self, key: u64, s: SourceKey, emptied: &mut Vec<u64>) -> Result<u64> {
         let Some(mut n) = self.node(key)? else {
             return Ok(0);
@@ -593,6 +662,11 @@ impl<S: KvStore> KvIndex<S> {
 
     pub fn clear_source(&mut self, s: SourceKey) -> Result<u64> {
         self.transact(|ix| ix.clear_inner(s))
+    }
+
+    /// Every residency of `s` in `medium` dropped (`Index::clear_medium`).
+    pub fn clear_medium(&mut self, s: SourceKey, medium: &Medium) -> Result<u64> {
+        self.transact(|ix| ix.clear_medium_inner(s, medium))
     }
 
     pub fn remove_worker(&mut self, worker: u64) -> Result<u64> {

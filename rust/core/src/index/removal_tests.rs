@@ -283,3 +283,67 @@ fn an_engine_that_evicts_most_of_what_it_held_gives_the_list_back() {
     holds_nothing_of(&idx, 1);
     idx.check_invariants().unwrap();
 }
+
+fn removed_in(hashes: &[u64], medium: Medium) -> EventBatch {
+    batch(Event::BlockRemoved(BlockRemoved {
+        block_hashes: hashes.to_vec(),
+        medium,
+        group_idx: 0,
+    }))
+}
+
+/// Source 1 holds the prompt on GPU and offloaded to CPU, and three more blocks on CPU
+/// only, stored twice (two references); source 2 holds the prompt on CPU.
+fn offloaded() -> Index {
+    let mut idx = Index::new();
+    let tail_parent = Some(hashes(0, 3, 4)[0]);
+    idx.apply_batch(
+        src(1),
+        &stored(&hashes(0, 0, 4), None, toks(0, 0, 4), Medium::Gpu),
+    );
+    idx.apply_batch(
+        src(1),
+        &stored(&hashes(0, 0, 4), None, toks(0, 0, 4), Medium::Cpu),
+    );
+    for _ in 0..2 {
+        idx.apply_batch(
+            src(1),
+            &stored(&hashes(0, 4, 7), tail_parent, toks(0, 4, 7), Medium::Cpu),
+        );
+    }
+    idx.apply_batch(
+        src(2),
+        &stored(&hashes(0, 0, 4), None, toks(0, 0, 4), Medium::Cpu),
+    );
+    idx
+}
+
+#[test]
+fn clearing_a_medium_is_removing_every_block_the_source_holds_there() {
+    let mut cleared = offloaded();
+    assert_eq!(cleared.clear_medium(src(1), &Medium::Cpu), 7);
+    cleared.check_invariants().unwrap();
+    let mut reference = offloaded();
+    for hs in [hashes(0, 0, 4), hashes(0, 4, 7), hashes(0, 4, 7)] {
+        reference.apply_batch(src(1), &removed_in(&hs, Medium::Cpu));
+    }
+    assert!(cleared.state_eq(&reference));
+    // the GPU copy and the other source's CPU copy stay
+    let held: Vec<(u64, String, u32)> = cleared
+        .match_keys(&keys(&toks(0, 0, 7)))
+        .into_iter()
+        .map(|h| {
+            (
+                h.worker,
+                cleared.medium_name(h.medium).to_string(),
+                h.blocks,
+            )
+        })
+        .collect();
+    assert_eq!(held, vec![(1, "GPU".into(), 4), (2, "CPU".into(), 4)]);
+    // nothing there, or an unknown source: nothing dropped
+    assert_eq!(cleared.clear_medium(src(1), &Medium::Cpu), 0);
+    assert_eq!(cleared.clear_medium(src(9), &Medium::Cpu), 0);
+    assert_eq!(cleared.clear_medium(src(1), &Medium::Disk), 0);
+    assert!(cleared.state_eq(&reference));
+}

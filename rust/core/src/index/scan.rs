@@ -2,9 +2,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::holders::{claimed, id_of, medium_of, refcount_of, slot_of};
+use super::holders::{claimed, holder_id, id_of, medium_of, refcount_of, slot_of};
 use super::tree::NIL;
 use super::{Index, SourceKey};
+use crate::events::Medium;
 
 /// One (source, medium) holding a block, with its refcount.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -140,6 +141,51 @@ impl Index {
             Some(slot) => self.clear_slot(slot),
             None => 0,
         }
+    }
+
+    /// Drops every residency source `source` has in `medium` (a tier cleared without
+    /// events, e.g. LMCache's `/clear`): as if the engine had sent a BlockRemoved of
+    /// that medium for each of those blocks, every reference at once, so the engine-map
+    /// entries of the blocks it then holds in no medium go too. Its other media and
+    /// its registration stay. Returns the pairs dropped. Visits the source's list, as
+    /// [`Index::clear_source`] does.
+    pub fn clear_medium(&mut self, source: SourceKey, medium: &Medium) -> u64 {
+        let (Some(slot), Some(m)) = (self.sources.slot(source), self.media.resolve(medium)) else {
+            return 0;
+        };
+        let hid = holder_id(slot, m);
+        let mut ids = self.sources.get(slot).blocks.clone();
+        ids.sort_unstable();
+        ids.dedup();
+        let mut dropped = 0;
+        let mut let_go: BTreeSet<u64> = BTreeSet::new();
+        for id in ids {
+            let mut set = self.tree.holders(id);
+            if set.is_freed() {
+                continue;
+            }
+            let was_visible = self.visible(id);
+            if !set.remove_all(&mut self.tree.spills, hid) {
+                continue;
+            }
+            // the claim on the primary hash, if any, went with the source's last holder
+            self.tree.set_holders(id, set);
+            self.resident_pairs -= 1;
+            self.sources.get_mut(slot).pairs -= 1;
+            dropped += 1;
+            if !self.tree.holders(id).has_slot(&self.tree.spills, slot) {
+                let_go.insert(self.tree.key(id));
+            }
+            self.after_shrink(id, was_visible);
+        }
+        if !let_go.is_empty() {
+            let engine = &mut self.sources.get_mut(slot).engine;
+            if !engine.is_empty() {
+                engine.retain(|_, key| !let_go.contains(key));
+            }
+        }
+        self.after_letting_go(slot);
+        dropped
     }
 
     /// Drops every source of a worker (all dp ranks), registration included.

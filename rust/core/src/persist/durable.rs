@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::events::{decode_batch, EventBatch};
+use crate::events::{decode_batch, EventBatch, Medium};
 use crate::index::{
     ApplyStats, CompactHits, EntryOut, Index, IndexRead, IndexStats, NamedHit, SourceKey,
 };
@@ -40,6 +40,8 @@ pub mod kind {
     /// `u64le` keys of the pinned prefix.
     pub const PIN: u8 = 5;
     pub const UNPIN: u8 = 6;
+    /// The medium's name (UTF-8): every residency of (worker, dp rank) in it dropped.
+    pub const CLEAR_MEDIUM: u8 = 7;
 }
 
 /// `seq` of a record that carries none.
@@ -218,6 +220,11 @@ fn replay(
         }
         kind::CLEAR_SOURCE => {
             index.clear_source(source);
+        }
+        kind::CLEAR_MEDIUM => {
+            let name = std::str::from_utf8(r.payload)
+                .map_err(|_| bad("malformed clear-medium record".into()))?;
+            index.clear_medium(source, &Medium::parse(Some(name)));
         }
         kind::PIN => index.pin(&keys_of(r.payload)),
         kind::UNPIN => index.unpin(&keys_of(r.payload)),
@@ -437,6 +444,15 @@ impl DurableIndex {
     pub fn clear_source(&mut self, source: SourceKey) -> Result<u64, PersistError> {
         self.log_one(kind::CLEAR_SOURCE, source, &[])?;
         Ok(self.index.clear_source(source))
+    }
+
+    pub fn clear_medium(
+        &mut self,
+        source: SourceKey,
+        medium: &Medium,
+    ) -> Result<u64, PersistError> {
+        self.log_one(kind::CLEAR_MEDIUM, source, medium.as_str().as_bytes())?;
+        Ok(self.index.clear_medium(source, medium))
     }
 
     pub fn pin(&mut self, keys: &[u64]) -> Result<(), PersistError> {

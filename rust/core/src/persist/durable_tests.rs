@@ -7,6 +7,7 @@ use std::fs;
 
 use proptest::prelude::*;
 
+use crate::events::Medium;
 use crate::index::{Index, IndexRead, SourceKey};
 
 use super::durable::{ApplyError, DurableIndex, DurableOptions};
@@ -118,6 +119,11 @@ enum Op {
         worker: u64,
         dp: u32,
     },
+    ClearMedium {
+        worker: u64,
+        dp: u32,
+        medium: &'static str,
+    },
     RemoveWorker(u64),
     Snapshot,
     Reopen,
@@ -148,6 +154,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         1 => prop::collection::vec(0u64..u64::MAX, 1..3).prop_map(Op::Pin),
         1 => prop::collection::vec(0u64..u64::MAX, 1..3).prop_map(Op::Unpin),
         1 => (0u64..3, 0u32..2).prop_map(|(worker, dp)| Op::Clear { worker, dp }),
+        1 => (0u64..3, 0u32..2, prop::sample::select(vec!["CPU", "GPU", "DISK"]))
+            .prop_map(|(worker, dp, medium)| Op::ClearMedium { worker, dp, medium }),
         1 => (0u64..3).prop_map(Op::RemoveWorker),
         1 => Just(Op::Snapshot),
         1 => Just(Op::Reopen),
@@ -209,6 +217,11 @@ proptest! {
                 Op::Clear { worker, dp } => {
                     let src = SourceKey { worker, dp_rank: dp };
                     prop_assert_eq!(di.clear_source(src).unwrap(), reference.clear_source(src));
+                }
+                Op::ClearMedium { worker, dp, medium } => {
+                    let src = SourceKey { worker, dp_rank: dp };
+                    let m = Medium::parse(Some(medium));
+                    prop_assert_eq!(di.clear_medium(src, &m).unwrap(), reference.clear_medium(src, &m));
                 }
                 Op::RemoveWorker(w) => {
                     prop_assert_eq!(di.remove_worker(w).unwrap(), reference.remove_worker(w));

@@ -4,6 +4,7 @@
 use proptest::prelude::*;
 
 use crate::backends::mem_kv::MemKv;
+use crate::events::Medium;
 use crate::index::{Index, IndexRead, SourceKey};
 use crate::persist::durable_tests::{encode, Ev, BS};
 
@@ -26,6 +27,11 @@ enum Op {
     Clear {
         worker: u64,
         dp: u32,
+    },
+    ClearMedium {
+        worker: u64,
+        dp: u32,
+        medium: &'static str,
     },
     RemoveWorker(u64),
 }
@@ -54,6 +60,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0usize..50).prop_map(Op::Pin),
         1 => (0usize..50).prop_map(Op::Unpin),
         1 => (0u64..3, 0u32..2).prop_map(|(worker, dp)| Op::Clear { worker, dp }),
+        2 => (0u64..3, 0u32..2, prop::sample::select(vec!["CPU", "GPU", "DISK"]))
+            .prop_map(|(worker, dp, medium)| Op::ClearMedium { worker, dp, medium }),
         1 => (0u64..3).prop_map(Op::RemoveWorker),
     ]
 }
@@ -119,6 +127,18 @@ fn check_against_native<S: KvStore>(
                     dp_rank: dp,
                 };
                 prop_assert_eq!(kv.clear_source(src).unwrap(), reference.clear_source(src));
+            }
+            Op::ClearMedium { worker, dp, medium } => {
+                let src = SourceKey {
+                    worker,
+                    dp_rank: dp,
+                };
+                let m = Medium::parse(Some(medium));
+                prop_assert_eq!(
+                    kv.clear_medium(src, &m).unwrap(),
+                    reference.clear_medium(src, &m)
+                );
+                reference.check_invariants().map_err(TestCaseError::fail)?;
             }
             Op::RemoveWorker(w) => {
                 prop_assert_eq!(kv.remove_worker(w).unwrap(), reference.remove_worker(w));
