@@ -272,15 +272,22 @@ class Gateway:
         self.started = True
 
     async def _join_pending(self) -> None:
-        if self.pending.engines:
-            await self.pending.retry_due(self._join)
+        if not self.pending.engines:
+            return
+        cfg = self.config
+        # unpooled connections, as at start-up (`_describe_all`)
+        async with httpx.AsyncClient(
+            timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
+            limits=httpx.Limits(max_connections=DESCRIBE_AT_ONCE, max_keepalive_connections=0),
+        ) as client:
+            await self.pending.retry_due(lambda p: self._join(client, p), DESCRIBE_AT_ONCE)
 
-    async def _join(self, p: PendingEngine) -> Worker | None:
+    async def _join(self, client: httpx.AsyncClient, p: PendingEngine) -> Worker | None:
         """A pending engine described and attached under its reserved id, as the admin
         API adds one (`pending.py`); None when it is no longer to join: removed through
         the admin API while it was being described, or its URL added meanwhile as
         another worker (the admin API, the fleet)."""
-        w = await WorkerPool.describe(self.pool.client, p.config)
+        w = await WorkerPool.describe(client, p.config)
         if self.pending.engines.get(p.worker_id) is not p:
             return None
         same = self.pool.by_url(w.url)

@@ -17,6 +17,7 @@ What cannot be retried away is refused at start: every engine pending and no
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -57,9 +58,6 @@ class PendingEngines:
         self.engines: dict[int, PendingEngine] = {}
         self.joined = 0  # engines that were pending and joined
 
-    def __len__(self) -> int:
-        return len(self.engines)
-
     def add(self, worker_id: int, config: WorkerConfig, why: str) -> None:
         self.engines[worker_id] = PendingEngine(
             worker_id, config, why, next_try_s=time.monotonic() + FIRST_RETRY_S
@@ -78,27 +76,38 @@ class PendingEngines:
     def as_list(self) -> list[dict[str, Any]]:
         return [p.as_dict() for p in self.engines.values()]
 
-    async def retry_due(self, join: Callable[[PendingEngine], Awaitable[Worker | None]]) -> None:
-        """Try each engine whose wait is over: `join` describes and attaches it, raising a
-        `ConfigError` while it cannot (unreachable, its KV port held, another block
-        size), None when it is no longer to join (it then leaves the list)."""
+    async def retry_due(
+        self, join: Callable[[PendingEngine], Awaitable[Worker | None]], at_once: int = 64
+    ) -> None:
+        """Try each engine whose wait is over, `at_once` at a time (a whole fleet may be
+        pending, some of it behind connect timeouts): `join` describes and attaches it,
+        raising a `ConfigError` while it cannot (unreachable, its KV port held, another
+        block size), None when it is no longer to join (it then leaves the list)."""
         now = time.monotonic()
-        for p in [p for p in self.engines.values() if p.next_try_s <= now]:
-            try:
-                w = await join(p)
-            except ConfigError as exc:  # DiscoveryError, EventSourceError, a block size
-                why = str(exc)
-                if why != p.why:
-                    log.warning(
-                        "engine %s (worker %d) still pending: %s", p.config.url, p.worker_id, why
-                    )
-                p.why = why
-                p.attempts += 1
-                wait = min(FIRST_RETRY_S * 2 ** (p.attempts - 1), self.retry_max_s)
-                p.next_try_s = time.monotonic() + wait
-                continue
+        due = [p for p in self.engines.values() if p.next_try_s <= now]
+        if not due:
+            return
+        gate = asyncio.Semaphore(at_once)
+
+        async def one(p: PendingEngine) -> None:
+            async with gate:
+                try:
+                    w = await join(p)
+                except ConfigError as exc:  # DiscoveryError, EventSourceError, a block size
+                    self._missed(p, str(exc))
+                    return
             if self.engines.get(p.worker_id) is p:
                 del self.engines[p.worker_id]
             if w is not None:
                 self.joined += 1
                 log.info("engine %s joined as worker %d after %d attempts", w.url, w.id, p.attempts)
+
+        await asyncio.gather(*(one(p) for p in due))
+
+    def _missed(self, p: PendingEngine, why: str) -> None:
+        if why != p.why:
+            log.warning("engine %s (worker %d) still pending: %s", p.config.url, p.worker_id, why)
+        p.why = why
+        p.attempts += 1
+        wait = min(FIRST_RETRY_S * 2 ** (p.attempts - 1), self.retry_max_s)
+        p.next_try_s = time.monotonic() + wait
