@@ -102,7 +102,8 @@ class AdminApi:
         if request.method == "GET":
             return JSONResponse(
                 {
-                    "workers": [w.as_dict() for w in self.pool.workers.values()],
+                    # by id: engines that joined late are listed in their place
+                    "workers": [w.as_dict() for _, w in sorted(self.pool.workers.items())],
                     # configured engines not described yet, retried (`pending.py`)
                     "pending": self.pending.as_list(),
                 }

@@ -52,35 +52,36 @@ def test_an_engine_down_at_start_is_pending_and_joins_under_its_id(tmp_path: Pat
     late_url = f"http://127.0.0.1:{late[0]}"
     try:
         up = stack.engine()
-        gw = start_gateway(stack, [{"url": up.url}, {"url": late_url}])
+        # the late engine first: worker 0 joins after worker 1
+        gw = start_gateway(stack, [{"url": late_url}, {"url": up.url}])
         with admin(gw) as a:
             listed = a.get("/admin/workers").json()
-            assert [w["id"] for w in listed["workers"]] == [0]
+            assert [w["id"] for w in listed["workers"]] == [1]
             [pending] = listed["pending"]
-            assert pending["id"] == 1 and pending["url"] == late_url
+            assert pending["id"] == 0 and pending["url"] == late_url
             assert "cannot list /v1/models" in pending["why"], pending
             assert metric(a.get("/metrics").text, "quillcache_workers_pending") == 1
             ready = http_get(gw.url + "/ready")
             assert ready.status_code == 200, ready.text  # the engine it has is enough
-            assert [p["id"] for p in ready.json()["pending"]] == [1]
+            assert [p["id"] for p in ready.json()["pending"]] == [0]
             # it routes meanwhile, to the engine it has
             r = httpx.post(
                 gw.url + "/v1/completions",
                 json={"model": "sim-model", "prompt": prompt("early"), "max_tokens": 2},
                 timeout=30.0,
             )
-            assert r.status_code == 200 and r.headers["x-quillcache-worker"] == "0"
+            assert r.status_code == 200 and r.headers["x-quillcache-worker"] == "1"
 
             proc = launch("late", engine_args(port=late[0], kv_ports=(late[1], late[2])), tmp_path)
             stack.procs.append(proc)
             wait_for(
                 lambda: [w["id"] for w in a.get("/admin/workers").json()["workers"]] == [0, 1],
                 timeout=30,
-                what="the late engine to join as worker 1",
+                what="the late engine to join as worker 0, listed by id",
             )
             assert a.get("/admin/workers").json()["pending"] == []
             assert metric(a.get("/metrics").text, "quillcache_workers_pending") == 0
-            # its events reach the index: what it computes is seen as held by worker 1
+            # its events reach the index: what it computes is seen as held by worker 0
             text = prompt("late")
             r = httpx.post(
                 late_url + "/v1/completions",
@@ -94,7 +95,7 @@ def test_an_engine_down_at_start_is_pending_and_joins_under_its_id(tmp_path: Pat
                 matches = a.post("/admin/lookup", json=body).json()["matches"]
                 return {m["worker"]: m["blocks"] for m in matches}
 
-            wait_for(lambda: held() == {1: 6}, what="the late engine's blocks in the index")
+            wait_for(lambda: held() == {0: 6}, what="the late engine's blocks in the index")
     finally:
         stack.kill_all()
 
