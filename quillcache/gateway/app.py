@@ -274,12 +274,7 @@ class Gateway:
     async def _join_pending(self) -> None:
         if not self.pending.engines:
             return
-        cfg = self.config
-        # unpooled connections, as at start-up (`_describe_all`)
-        async with httpx.AsyncClient(
-            timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
-            limits=httpx.Limits(max_connections=DESCRIBE_AT_ONCE, max_keepalive_connections=0),
-        ) as client:
+        async with self._describe_client() as client:
             await self.pending.retry_due(lambda p: self._join(client, p), DESCRIBE_AT_ONCE)
 
     async def _join(self, client: httpx.AsyncClient, p: PendingEngine) -> Worker | None:
@@ -306,6 +301,15 @@ class Gateway:
         self.start_parity_check(w)
         return w
 
+    def _describe_client(self) -> httpx.AsyncClient:
+        """A client for describing engines (start-up, pending engines): connections not
+        kept, `DESCRIBE_AT_ONCE` at a time (`_describe_all` says why)."""
+        cfg = self.config
+        return httpx.AsyncClient(
+            timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
+            limits=httpx.Limits(max_connections=DESCRIBE_AT_ONCE, max_keepalive_connections=0),
+        )
+
     async def _describe_all(self, workers: list[WorkerConfig]) -> list[Worker | str]:
         """Every configured engine described, at most `DESCRIBE_AT_ONCE` at a time, on
         connections that are not kept: httpx scans its whole pool on every request, so
@@ -313,12 +317,8 @@ class Gateway:
         seconds, and engines' keep-alive timeouts closed connections under it: their
         event sources were missed). An engine that cannot be described is why not, a
         string (`pending.py`)."""
-        cfg = self.config
         gate = asyncio.Semaphore(DESCRIBE_AT_ONCE)
-        async with httpx.AsyncClient(
-            timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
-            limits=httpx.Limits(max_connections=DESCRIBE_AT_ONCE, max_keepalive_connections=0),
-        ) as client:
+        async with self._describe_client() as client:
 
             async def one(w: WorkerConfig) -> Worker | str:
                 async with gate:

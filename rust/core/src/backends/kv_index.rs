@@ -463,30 +463,9 @@ impl<S: KvStore> KvIndex<S> {
             return Ok(0);
         };
         let before = src.pairs;
-        // Pending engine entries of this call, then the stored ones.
         let mut candidates: Vec<u64> = Vec::new();
-        let pending: Vec<((SourceKey, u32, u64), Option<u64>)> = self
-            .txn
-            .engine
-            .iter()
-            .filter(|((es, _, _), _)| *es == s)
-            .map(|(k, (v, _))| (*k, *v))
-            .collect();
-        for (k, v) in pending {
-            candidates.extend(v);
-            self.set_engine(k.0, k.1, k.2, None);
-        }
-        for (k, v) in self
-            .store
-            .scan_prefix(&layout::engine_prefix(s.worker, s.dp_rank))?
-        {
-            let (group, hash) = (
-                u32::from_be_bytes(k[13..17].try_into().expect("4 bytes")),
-                layout::tail_u64(&k),
-            );
-            if !self.txn.engine.contains_key(&(s, group, hash)) {
-                candidates.extend(layout::u64_of(&v));
-            }
+        for (group, hash, key) in self.engine_entries(s)? {
+            candidates.extend(key);
             self.set_engine(s, group, hash, None);
         }
         candidates.sort_unstable();
@@ -552,26 +531,8 @@ impl<S: KvStore> KvIndex<S> {
         }
         if !let_go.is_empty() {
             let_go.sort_unstable();
-            let mut entries: Vec<(u32, u64, u64)> = self
-                .txn
-                .engine
-                .iter()
-                .filter_map(|((es, g, h), (v, _))| (*es == s).then_some((*g, *h, (*v)?)))
-                .collect();
-            for (k, v) in self
-                .store
-                .scan_prefix(&layout::engine_prefix(s.worker, s.dp_rank))?
-            {
-                let (group, hash) = (
-                    u32::from_be_bytes(k[13..17].try_into().expect("4 bytes")),
-                    layout::tail_u64(&k),
-                );
-                if !self.txn.engine.contains_key(&(s, group, hash)) {
-                    entries.extend(layout::u64_of(&v).map(|key| (group, hash, key)));
-                }
-            }
-            for (group, hash, key) in entries {
-                if let_go.binary_search(&key).is_ok() {
+            for (group, hash, key) in self.engine_entries(s)? {
+                if key.is_some_and(|k| let_go.binary_search(&k).is_ok()) {
                     self.set_engine(s, group, hash, None);
                 }
             }
@@ -580,6 +541,31 @@ impl<S: KvStore> KvIndex<S> {
         src.pairs -= dropped;
         self.set_source(s, Some(src));
         Ok(dropped)
+    }
+
+    /// The engine map of `s` as `(group, hash, key)`: this call's pending entries (None:
+    /// deleted in it), then the stored ones it has not touched.
+    fn engine_entries(&self, s: SourceKey) -> Result<Vec<(u32, u64, Option<u64>)>> {
+        let mut out: Vec<(u32, u64, Option<u64>)> = self
+            .txn
+            .engine
+            .iter()
+            .filter(|((es, _, _), _)| *es == s)
+            .map(|((_, group, hash), (v, _))| (*group, *hash, *v))
+            .collect();
+        for (k, v) in self
+            .store
+            .scan_prefix(&layout::engine_prefix(s.worker, s.dp_rank))?
+        {
+            let (group, hash) = (
+                u32::from_be_bytes(k[13..17].try_into().expect("4 bytes")),
+                layout::tail_u64(&k),
+            );
+            if !self.txn.engine.contains_key(&(s, group, hash)) {
+                out.push((group, hash, layout::u64_of(&v)));
+            }
+        }
+        Ok(out)
     }
 
     fn drop_source_from(&mut self, key: u64, s: SourceKey, emptied: &mut Vec<u64>) -> Result<u64> {
