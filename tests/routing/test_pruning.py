@@ -126,6 +126,34 @@ def test_pruned_views_make_the_same_decisions_with_the_eviction_term(data: st.Da
         same_decisions("quillcache", data, evict_weight=data.draw(st.sampled_from([0.25, 2.0])))
 
 
+def test_a_row_with_more_queued_pairs_does_not_end_the_ttft_walk() -> None:
+    """Rows the walk visits by queued tokens can hold the same tokens with more
+    attention pairs (longer contexts), and so a higher estimate than a later row. The
+    walk stops at a row only by a bound that holds for every later one: here engine 2
+    (one queued token of long context) comes between engines 1 and 5, which tie, and 5
+    wins it by having fewer requests in flight."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(routing_base, "PRUNE_FIRST_ROWS", 1)
+        mp.setattr(routing_ttft, "WALK_MIN_ROWS", 1)
+        twins = Twins("mooncake", peer_fetch=False)
+        try:
+            loads = {1: (1.0, 1.0), 2: (2.0, 40.0), 5: (0.0, 1.0)}
+            for w, (in_flight, pairs) in loads.items():
+                twins.add_worker(w, capacity_blocks=500, model=MODEL)
+                twins.update_rank_load(
+                    w,
+                    0,
+                    in_flight=in_flight,
+                    queued_prefill_tokens=1.0,
+                    queued_prefill_pairs=pairs,
+                )
+            pruned, whole = twins.route(Request(0, keys_of(0, 2), 2 * BS), now_s=0.0)
+            assert whole.worker == 5
+            assert pruned == whole
+        finally:
+            twins.close()
+
+
 def same_decisions(name: str, data: st.DataObject, **options: Any) -> None:
     twins = Twins(name, peer_fetch=data.draw(st.booleans()), **options)
     try:

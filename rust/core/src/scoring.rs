@@ -877,10 +877,14 @@ pub fn quill_lowest_walk(
 }
 
 /// `lowest(&ttft_estimates(..), rows, false)` by `lowest_walk`. A row that holds what
-/// the others hold is estimated from its queue alone (queue time, then the same
-/// transfer and prefill), and the queue time never decreases with the queue: the
-/// row's own estimate bounds every later row's. None with peer fetch (a row's estimate
-/// then depends on the best other row) or a NaN estimate: score every row.
+/// the others hold differs from them by its queue alone (queue time, then the same
+/// transfer and prefill). Its bound is its estimate with the fewest attention pairs its
+/// queued tokens can have (each attends to itself): a later row in the walk has at
+/// least as many queued tokens, so at least as many pairs, and the queue time never
+/// decreases with either. Not its own estimate: a row with the same queued tokens but
+/// more pairs would end the walk before a later, cheaper one. None with peer fetch (a
+/// row's estimate then depends on the best other row) or a NaN estimate: score every
+/// row.
 pub fn ttft_lowest_walk(
     params: &CostParams,
     rows: &Rows<'_>,
@@ -893,17 +897,20 @@ pub fn ttft_lowest_walk(
         return Ok(None);
     }
     let mut prefill = ByNewTokens::new();
-    let mut estimate = |i: usize| {
+    let estimate = |i: usize, what: Eval| {
         let gpu = rows.gpu[i].min(ask.blocks);
         let (covered, transfer) = params.covered(rows, ask, i, gpu, 0);
         let new = new_tokens(ask, covered);
-        params.queue_time(
-            rows.field(i, QUEUED_PREFILL_TOKENS),
-            rows.field(i, QUEUED_PREFILL_PAIRS),
-        ) + transfer
+        let queued = rows.field(i, QUEUED_PREFILL_TOKENS);
+        let pairs = match what {
+            Eval::Score => rows.field(i, QUEUED_PREFILL_PAIRS),
+            Eval::Bound => queued,
+        };
+        params.queue_time(queued, pairs)
+            + transfer
             + prefill.get(new, |new| params.prefill_time(new, ask.prompt_tokens - new))
     };
-    lowest_walk(rows, false, special, by_queue, |i, _| estimate(i))
+    lowest_walk(rows, false, special, by_queue, estimate)
 }
 
 /// `(running decodes, requests waiting)` summed over the rows in order, as a loop over
