@@ -121,8 +121,7 @@ class ReplicationSettings(BaseModel):
 
     enabled: bool = Field(
         default=False,
-        description="replicate hot prefixes; off by default: it keeps the prompt tokens of "
-        "every request for the hot ones (no per-request fast path in the relay)",
+        description="replicate hot prefixes; off by default: the copies spend engines' prefill",
     )
     min_rate: float = Field(
         default=2.0, gt=0, description="requests a second that make a prefix hot"

@@ -113,8 +113,9 @@ class RequestIdentifier:
 
     def identify_now(
         self, body: dict[str, Any], chat: bool, headers: Mapping[str, str], identity: Identity
-    ) -> tuple[RouteRequest, int] | None:
-        """`identify` without awaiting, when the gateway tokenizes locally (else None)."""
+    ) -> tuple[RouteRequest, list[int]] | None:
+        """`identify_tokens` without awaiting, when the gateway tokenizes locally (else
+        None)."""
         local = self._tokenizer.local
         if local is None:
             return None
@@ -123,11 +124,11 @@ class RequestIdentifier:
                 return None
             try:
                 mm = self.multimodal.prompt_now(local, body, self.model_root_of(body.get("model")))
-                return self._mm_route_request(body, mm, headers, identity), len(mm.tokens)
+                return self._mm_route_request(body, mm, headers, identity), mm.tokens
             except MultimodalUnavailable as exc:
                 self.multimodal.fallback(exc)
         tokens = self._tokenizer.local_tokens(body, chat)
-        return self._route_request(body, tokens, headers, identity), len(tokens)
+        return self._route_request(body, tokens, headers, identity), tokens
 
     def _mm_route_request(
         self, body: dict[str, Any], mm: MmPrompt, headers: Mapping[str, str], identity: Identity

@@ -93,6 +93,20 @@ class Prepared:
         self.own_slo = self.route_request.slo
 
 
+def _keep_tokens(
+    prepared: Prepared,
+    retention: SessionHint | None,
+    tokens: list[int],
+    body: dict[str, Any],
+    identity: Identity,
+) -> None:
+    """Give `prepared` what the policy engine keeps once it is routed: the prompt's
+    tokens (a retention hint retains them; replication copies hot prefixes from them)
+    and whose they are."""
+    prepared.retention, prepared.tokens = retention, tokens
+    prepared.model, prepared.identity = str(body.get("model") or ""), identity
+
+
 @contextlib.contextmanager
 def _tokenize_errors() -> Iterator[None]:
     """Tokenizing failures as the client's (400) or the engines' (503) errors."""
@@ -214,9 +228,8 @@ class OpenAIEndpoints:
             routing_started,
             self._priority(body, tenant),
         )
-        if keep:
-            prepared.retention, prepared.tokens = retention, tokens
-            prepared.model, prepared.identity = str(body.get("model") or ""), identity
+        if tokens is not None:  # kept: `keep`
+            _keep_tokens(prepared, retention, tokens, body, identity)
         return prepared
 
     @property
@@ -232,16 +245,25 @@ class OpenAIEndpoints:
             return None
         size = len(raw)
         body, raw, candidates, identity, slo, retention = self._checked(headers, raw, chat, tenant)
-        if retention is not None or self._hot_tokens:
-            return None  # `prepare` keeps the tokens a retention hint or replication needs
         check_prompt_bytes(body, chat, size, self.config.max_prompt_bytes)
         routing_started = time.perf_counter()
         with _tokenize_errors():
             identified = self.identifier.identify_now(body, chat, headers, identity)
         assert identified is not None
-        check_context(identified[1], self.pool.context_limit(candidates))
-        identified[0].slo = slo
-        return Prepared(raw, *identified, candidates, routing_started, self._priority(body, tenant))
+        route_request, tokens = identified
+        check_context(len(tokens), self.pool.context_limit(candidates))
+        route_request.slo = slo
+        prepared = Prepared(
+            raw,
+            route_request,
+            len(tokens),
+            candidates,
+            routing_started,
+            self._priority(body, tenant),
+        )
+        if retention is not None or self._hot_tokens:
+            _keep_tokens(prepared, retention, tokens, body, identity)
+        return prepared
 
     def _priority(self, body: dict[str, Any], tenant: str) -> int:
         """The request's place in the SLO queue: the body's `priority` (vLLM's field, kept
