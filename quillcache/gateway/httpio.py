@@ -192,6 +192,11 @@ def check_context(prompt_tokens: int, limit: int | None) -> None:
         )
 
 
+#: `max_tokens` from here on is refused as a bad request (the routing kernels count
+#: tokens in signed 64-bit integers).
+MAX_OUTPUT_TOKENS = 2**63
+
+
 def _completion_problem(body: dict[str, Any], chat: bool) -> str | None:
     if chat:
         messages = body.get("messages")
@@ -212,6 +217,9 @@ def _completion_problem(body: dict[str, Any], chat: bool) -> str | None:
         v = body.get(field)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             return f"'{field}' must be a non-negative integer"
+        if v is not None and v >= MAX_OUTPUT_TOKENS:
+            # no engine's context holds it, and the cost model counts tokens in int64
+            return f"'{field}' must be below 2**63 (at most the model's context length)"
     if "stream" in body and not isinstance(body["stream"], bool):
         return "'stream' must be true or false"
     return None

@@ -133,6 +133,14 @@ def test_shared_prefixes_go_to_the_worker_that_holds_them(shared_stack: Stack) -
         ("/v1/completions", b"[1, 2]", 400),
         ("/v1/completions", b'{"max_tokens": 3}', 400),
         ("/v1/completions", b'{"prompt": "x", "max_tokens": -1}', 400),
+        # beyond the kernels' int64 (2**63): was a 500 (OverflowError)
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 9223372036854775808}', 400),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], '
+            b'"max_completion_tokens": 99999999999999999999999}',
+            400,
+        ),
         ("/v1/completions", b'{"prompt": "x", "stream": "yes"}', 400),
         ("/v1/chat/completions", b'{"messages": []}', 400),
         ("/v1/chat/completions", b'{"messages": ["hi"]}', 400),
