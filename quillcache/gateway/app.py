@@ -251,7 +251,9 @@ class Gateway:
                 continue
             if fleet is not None:
                 fleet.attached(w)
-        self.tokenizer = RequestTokenizer(cfg.tokenizer, self.upstream)
+        self.tokenizer = RequestTokenizer(
+            cfg.tokenizer, self.upstream, timeout_s=cfg.first_byte_timeout_s
+        )
         self._build_parts()
         self.metrics.add_collector(self._collect)
         self.metrics.add_collector(self.policy.collect)

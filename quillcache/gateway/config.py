@@ -288,7 +288,8 @@ class GatewayConfig(BaseModel):
         default=10.0,
         gt=0,
         description="the least time an engine gets for its answer's head (a stream: its first "
-        "frame) before it counts as hung: marked down, the request retried elsewhere once",
+        "frame), and for a /tokenize answer, before it counts as hung: marked down, the "
+        "request retried elsewhere once",
     )
     first_byte_multiplier: float = Field(
         default=4.0,

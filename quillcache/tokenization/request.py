@@ -29,9 +29,14 @@ _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError
 
 
 class RequestTokenizer:
-    def __init__(self, spec: str, client: aiohttp.ClientSession) -> None:
+    """`timeout_s`: how long an engine's /tokenize may take before the engine counts as
+    unreachable (a hung engine keeps its socket open: without a limit the request would
+    wait for the data path's whole request timeout)."""
+
+    def __init__(self, spec: str, client: aiohttp.ClientSession, timeout_s: float = 10.0) -> None:
         self.spec = spec
         self.client = client
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.local: Tokenizer | None = None if spec == "engine" else load_tokenizer(spec)
 
     async def tokens(self, body: dict[str, Any], chat: bool, engine_url: str | None) -> list[int]:
@@ -71,13 +76,19 @@ class RequestTokenizer:
         if "model" in body:
             payload["model"] = body["model"]
         try:
-            async with self.client.post(f"{url}/tokenize", json=payload) as resp:
+            async with self.client.post(
+                f"{url}/tokenize", json=payload, timeout=self.timeout
+            ) as resp:
                 if resp.status != 200:
                     text = await resp.text()
                     raise TokenizationError(f"engine /tokenize answered {resp.status}: {text}")
                 data = await resp.json(content_type=None)
         except _CONNECT_ERRORS as exc:
             raise EngineUnreachable(f"engine {url} unreachable: {exc}") from exc
+        except TimeoutError:  # aiohttp's timeouts are TimeoutErrors
+            raise EngineUnreachable(
+                f"engine {url} did not answer /tokenize within {self.timeout.total} s"
+            ) from None
         except (aiohttp.ClientError, ValueError) as exc:
             raise TokenizationError(f"engine /tokenize failed: {exc}") from exc
         tokens = data.get("tokens") if isinstance(data, dict) else None

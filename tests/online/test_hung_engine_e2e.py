@@ -81,6 +81,36 @@ def test_a_hung_engine_before_its_first_byte_is_retried_elsewhere(
         resume(stack.engines[0])
 
 
+def test_a_hung_engine_s_tokenize_is_asked_elsewhere(stack: Stack) -> None:
+    """With the engines tokenizing, the first routable engine is asked for a text
+    prompt's token ids. It hangs: after the first-byte limit it is marked down and the
+    other engine tokenizes (was: every text request waited for the 600 s request
+    timeout, a healthy engine beside it)."""
+    stack.engine()
+    stack.engine()
+    gw = stack.start_gateway({**HANG_LIMITS, "tokenizer": "engine"})
+    stop(stack.engines[0])
+    try:
+        waits = []
+        for i in range(3):
+            started = time.perf_counter()
+            r = httpx.post(
+                gw.url + "/v1/completions",
+                json={"prompt": f"a text prompt {i}", "max_tokens": 4},
+                timeout=30,
+            )
+            waits.append(time.perf_counter() - started)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-quillcache-worker"] == "1"
+        assert waits[0] < FIRST_BYTE_S + 2.0, waits
+        assert max(waits[1:]) < 1.0, waits  # engine 0 is down: not asked again
+        text = http_get(gw.url + "/metrics").text
+        assert metric(text, "quillcache_upstream_retries_total") == 1  # the tokenize retry
+        assert healthy(stack) == {0: False, 1: True}
+    finally:
+        resume(stack.engines[0])
+
+
 def test_a_stream_whose_engine_hangs_mid_way_ends_with_an_error(stack: Stack) -> None:
     stack.engine()
     stack.engine()
