@@ -42,7 +42,7 @@ from quillcache.gateway.shared_routing import SharedRouting
 from quillcache.gateway.slo import EXTENSION, SloPolicy, SloRejected, read_hints, read_priority
 from quillcache.gateway.slo_queue import SloQueue
 from quillcache.gateway.tenancy import Identity, TenantPolicy
-from quillcache.gateway.workers import Worker, WorkerPool
+from quillcache.gateway.workers import GATEWAY_HEADER, Worker, WorkerPool
 from quillcache.routing import SLO, Action, default_slo
 from quillcache.routing import Request as RouteRequest
 from quillcache.tokenization.request import EngineUnreachable, TokenizationError
@@ -180,7 +180,8 @@ class OpenAIEndpoints:
             }
             for name, lora in sorted(self.pool.models().items())
         ]
-        return JSONResponse({"object": "list", "data": data})
+        # a gateway is never taken for an engine (`Worker.describe`)
+        return JSONResponse({"object": "list", "data": data}, headers={GATEWAY_HEADER: "1"})
 
     # -- one proxied request -------------------------------------------------------------
 

@@ -208,6 +208,11 @@ def server_args_of(info: dict[str, Any]) -> dict[str, Any]:
     return info
 
 
+#: A header the gateway's own `/v1/models` answers with: describing a URL that answers
+#: with it is refused (a gateway is not an engine).
+GATEWAY_HEADER = "x-quillcache-gateway"
+
+
 class DiscoveryError(ConfigError):
     """An engine could not be reached or described itself in a way we cannot use."""
 
@@ -258,9 +263,16 @@ class WorkerPool:
         """Ask an engine what it serves and where its events are (no side effects)."""
         w = Worker(id=-1, config=cfg)
         try:
-            models = (await client.get(f"{cfg.url}/v1/models")).json()["data"]
+            listed = await client.get(f"{cfg.url}/v1/models")
+            gateway = GATEWAY_HEADER in listed.headers
+            models = None if gateway else listed.json()["data"]
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             raise DiscoveryError(f"engine {cfg.url}: cannot list /v1/models: {exc}") from exc
+        if models is None:
+            raise DiscoveryError(
+                f"{cfg.url} is a QuillCache gateway, not an engine: its requests would come "
+                "back through a gateway (itself: a loop); give the engine's own URL"
+            )
         for m in models:
             parent = m.get("parent")
             w.models[m["id"]] = m["id"] if parent else ""

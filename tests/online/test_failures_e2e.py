@@ -381,6 +381,10 @@ def test_admin_adds_drains_and_removes_workers(stack: Stack) -> None:
     assert added.status_code == 201 and added.json()["id"] == 1
     bad = admin.post("/admin/workers", json={"url": "not-a-url"})
     assert bad.status_code == 400 and "url" in bad.json()["error"]["message"]
+    # the gateway itself is no engine: its requests would come back to it, round and round
+    itself = admin.post("/admin/workers", json={"url": gw.url})
+    assert itself.status_code == 400, itself.text
+    assert "is a QuillCache gateway, not an engine" in itself.json()["error"]["message"]
     wait_for(
         lambda: admin.get("/admin/workers/1").json()["parity"] == "ok", what="parity of worker 1"
     )
