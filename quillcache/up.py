@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import secrets
 import shutil
@@ -301,6 +302,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.engines < 1 or args.replicas < 1:
         print("up: --engines and --replicas must be at least 1", file=sys.stderr)
+        return 2
+    if not (math.isfinite(args.time_scale) and args.time_scale >= 0):
+        print(
+            f"up: --time-scale must be a finite number >= 0, got {args.time_scale}", file=sys.stderr
+        )
         return 2
     # SIGTERM (systemd, `timeout`, CI) must stop the children too: make it unwind like Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)

@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any
 from quillcache.errors import ConfigError
 
 if TYPE_CHECKING:
+    from quillcache.costmodel import CostModelConfig
     from quillcache.enginesim.app import EngineApp
+    from quillcache.enginesim.engine import EngineConfig
     from quillcache.enginesim.lmcache_controller import LmcacheControllerSim
 
 
@@ -201,6 +203,36 @@ def _check_lmcache(args: argparse.Namespace) -> None:
         )
 
 
+def _engine_config(
+    args: argparse.Namespace,
+    cost: CostModelConfig | None,
+    fixed: tuple[float, float] | None,
+    sglang_release: str | None,
+) -> EngineConfig:
+    """Every engine's configuration (ConfigError for a value no engine can run with)."""
+    from quillcache.enginesim.engine import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        time_scale=args.time_scale,
+        cost=cost,
+        lora_modules=list(args.lora_modules),
+        fixed_latency_s=fixed,
+        sglang_release=sglang_release,
+        lmcache=args.lmcache,
+        lmcache_chunk_size=args.lmcache_chunk_size,
+        lmcache_cpu_chunks=args.lmcache_cpu_chunks,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        hash_seed=args.hash_seed,
+        kv_groups=args.kv_groups,
+        mm_hasher_algorithm=args.mm_hasher_algorithm,
+    )
+
+
 def _fixed_latency(spec: str | None) -> tuple[float, float] | None:
     if spec is None:
         return None
@@ -237,7 +269,6 @@ def run(args: argparse.Namespace) -> int:
     from quillcache.costmodel import CostModelConfig
     from quillcache.enginesim import fleet, sglang
     from quillcache.enginesim.app import EngineApp
-    from quillcache.enginesim.engine import EngineConfig
     from quillcache.enginesim.publisher import KvEventPublisher, ReplayHub
     from quillcache.tokenization.local import load_tokenizer
 
@@ -256,31 +287,13 @@ def run(args: argparse.Namespace) -> int:
         _check_lmcache(args)
         _check_hashing(args)
         _check_kv_groups(args)
+        config = _engine_config(args, cost, fixed, sglang_release)
         controller = 1 if args.lmcache_controller else 0  # its socket after the engines'
         fleet.check_counts(n + controller, args.port, dp)
         sockets = fleet.listen(args.host, args.port, n + controller) if n + controller > 1 else None
     except ConfigError as exc:
         print(f"engine-sim: {exc}", file=sys.stderr)
         return 2
-    config = EngineConfig(
-        model=args.model,
-        block_size=args.block_size,
-        num_gpu_blocks=args.num_gpu_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        time_scale=args.time_scale,
-        cost=cost,
-        lora_modules=list(args.lora_modules),
-        fixed_latency_s=fixed,
-        sglang_release=sglang_release,
-        lmcache=args.lmcache,
-        lmcache_chunk_size=args.lmcache_chunk_size,
-        lmcache_cpu_chunks=args.lmcache_cpu_chunks,
-        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
-        hash_seed=args.hash_seed,
-        kv_groups=args.kv_groups,
-        mm_hasher_algorithm=args.mm_hasher_algorithm,
-    )
     replay_layout: dict[str, bool] = {"legacy_replay": args.legacy_replay}
     if sglang_release is not None:
         replay_layout = sglang.replay_layout(sglang_release)

@@ -17,6 +17,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from quillcache.costmodel import CostModel, CostModelConfig
 from quillcache.enginesim.lmcache import LmcacheCpuTier
 from quillcache.enginesim.sglang import sglang_batch
 from quillcache.enginesim.vllm_hashes import HASH_ALGORITHMS, VllmHasher
+from quillcache.errors import ConfigError
 from quillcache.events.encode import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 from quillcache.events.sglang import wire_of as sglang_wire_of
 from quillcache.identity import content_keys, namespace
@@ -94,6 +96,15 @@ class EngineConfig:
     hash_seed: str | None = None
     # `--mm-hasher-algorithm`: vLLM's hash of an image (quillcache.tokenization.multimodal)
     mm_hasher_algorithm: HashAlgorithm = "blake3"
+
+    def __post_init__(self) -> None:
+        # a NaN scale killed the engine loop on its first request while /health said 200
+        if not (math.isfinite(self.time_scale) and self.time_scale >= 0):
+            raise ConfigError(f"time_scale must be a finite number >= 0, got {self.time_scale}")
+        for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_model_len"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"{name} must be at least 1, got {value}")
 
 
 @dataclass
