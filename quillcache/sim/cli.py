@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -311,17 +312,66 @@ def _int_list(raw: str, what: str, *, allow_unbounded: bool = False) -> list[int
     return out
 
 
+#: The flags of a generated workload (`--trace` refuses them: they would be ignored).
+_GENERATOR_FLAGS = (
+    "workload",
+    "requests",
+    "prefix_groups",
+    "shared_prefix_blocks",
+    "unique_blocks",
+    "output_tokens",
+    "rate",
+    "zipf",
+    "pin_groups",
+    "block_size",
+    "gen",
+)
+
+
+def _check_run_numbers(args: argparse.Namespace) -> None:
+    """The flags of one run that no generator or trace checks, before any work: the
+    seed, the arrival scaling and rate, and where the results go (a missing directory
+    said at once, not after the run)."""
+    from quillcache.errors import ConfigError
+
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be at least 0, got {args.seed}")
+    if not (0 < args.time_scale < math.inf):
+        raise ConfigError(f"--time-scale must be a positive finite number, got {args.time_scale}")
+    if args.rate is not None and not (0 < args.rate < math.inf):
+        raise ConfigError(f"--rate must be a positive finite number, got {args.rate}")
+    for flag, target in (("--json", args.json), ("--plot", args.plot)):
+        if target is not None and target != "-" and not Path(target).parent.is_dir():
+            raise ConfigError(
+                f"{flag} {target}: the directory {Path(target).parent} does not exist"
+            )
+
+
 def _workload(args: argparse.Namespace) -> Any:
-    from quillcache.sim.generators import GENERATORS
+    from quillcache.errors import ConfigError
+    from quillcache.sim.generators import GENERATORS, checked_params
     from quillcache.sim.trace import load_trace
 
     if args.trace:
-        return load_trace(
+        workload = load_trace(
             args.trace,
             block_size=args.trace_block_size,
             chained=not args.per_block_ids,
             limit=args.limit,
         )
+        defaults = argparse.ArgumentParser()
+        add_arguments(defaults)
+        default = vars(defaults.parse_args([]))
+        ignored = [
+            f"--{d.replace('_', '-')}" for d in _GENERATOR_FLAGS if vars(args)[d] != default[d]
+        ]
+        if ignored:
+            raise ConfigError(
+                f"{', '.join(ignored)} shape a generated workload, not a trace: give them "
+                "without --trace (a trace's own options: --trace-block-size, --limit, "
+                "--per-block-ids, --time-scale)"
+            )
+        return workload
     gen = GENERATORS[args.workload]
     params: dict[str, Any] = {"seed": args.seed, "block_size": args.block_size}
     if args.rate is not None:
@@ -338,11 +388,10 @@ def _workload(args: argparse.Namespace) -> Any:
             pinned_groups=args.pin_groups,
         )
     params.update(_kv(args.gen, "--gen"))
+    params = checked_params(args.workload, params)
     try:
         return gen(**params)
     except TypeError as exc:
-        from quillcache.errors import ConfigError
-
         raise ConfigError(f"workload {args.workload}: {exc}") from None
 
 
@@ -450,6 +499,7 @@ def _run(args: argparse.Namespace, err: Any) -> int:
             listed = create_router(name)
             print(f"{name:20s} {listed.summary}  [{listed.source}]")
         return 0
+    _check_run_numbers(args)
     routers = list(BUILTIN_ORDER) if args.routers == "all" else args.routers.split(",")
     for r in routers:
         if ":" in r:  # a user's router class, as the gateway takes it
@@ -499,8 +549,6 @@ def _run(args: argparse.Namespace, err: Any) -> int:
     if args.no_parent_hints:
         workload = workload.without_parent_hints()
     if args.time_scale != 1.0:
-        if args.time_scale <= 0:
-            raise ConfigError(f"--time-scale must be positive, got {args.time_scale}")
         workload = workload.scaled(args.time_scale)
     if chosen_bs:
         workload = workload.with_engine_blocks(config.engine.block_size)

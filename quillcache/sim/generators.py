@@ -20,7 +20,9 @@ the start plus the delays, as earlier versions did.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+import math
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -374,3 +376,44 @@ GENERATORS: dict[str, Callable[..., Workload]] = {
     "multi-turn": multi_turn,
     "agent-fanout": agent_fanout,
 }
+
+#: Parameters that must be above 0 (the others that are numbers: at least 0).
+_POSITIVE = frozenset({"rate", "block_size"})
+
+
+def checked_params(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """`params` for the generator `name`, or a ConfigError naming the first that is not
+    one of its parameters or not a value it takes: each of the type of its default (a
+    whole number where the default is one), finite, and at least 0 (`rate` and
+    `block_size` above 0). A NaN rate would otherwise surface as a message about
+    something else."""
+    if name not in GENERATORS:
+        raise ConfigError(f"unknown generator {name!r}; known: {', '.join(GENERATORS)}")
+    accepted = {k: p.default for k, p in inspect.signature(GENERATORS[name]).parameters.items()}
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if key not in accepted:
+            known = ", ".join(sorted(set(accepted) - {"model"}))
+            raise ConfigError(f"{key!r} is not a parameter of {name}; known: {known}")
+        out[key] = _checked_value(name, key, value, accepted[key])
+    return out
+
+
+def _checked_value(name: str, key: str, value: Any, default: Any) -> Any:
+    where = f"{name} parameter {key!r}"
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    whole = isinstance(default, int)
+    if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+        kind = "a whole number" if whole else "a number"
+        raise ConfigError(f"{where} must be {kind}, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (key in _POSITIVE and value == 0):
+        bound = "above 0" if key in _POSITIVE else "at least 0"
+        raise ConfigError(f"{where} must be a finite number {bound}, got {value!r}")
+    return value

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from quillcache.costmodel import CostModel, CostModelConfig
 from quillcache.costmodel.setups import SETUPS
 from quillcache.errors import ConfigError, QuillCacheError
-from quillcache.sim.generators import GENERATORS
+from quillcache.sim.generators import GENERATORS, checked_params
 from quillcache.sim.workload import Workload
 
 if TYPE_CHECKING:
@@ -382,6 +382,10 @@ def _workload(src: _Source, path: str, name: str, table: Any) -> WorkloadSpec:
             )
         if isinstance(v, (dict, list)):
             raise src.error(f"{path}.{k}", "must be a number or a string")
+    try:
+        checked_params(gen, params)
+    except ConfigError as exc:
+        raise src.error(path, f"{gen} refuses these parameters: {exc}") from None
     base = dict(BUILTIN_WORKLOADS[gen].params) if gen in BUILTIN_WORKLOADS else {}
     spec = WorkloadSpec(name, gen, tuple({**base, **params}.items()))
     try:

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from quillcache.errors import ConfigError
 from quillcache.sim.agentic import Dependencies, agentic_row
@@ -22,6 +25,26 @@ from quillcache.sim.requests import KeyChainer, SimRequest, attach_layouts, make
 from quillcache.sim.workload import DEFAULT_MODEL, Workload, sim_namespace
 
 MOONCAKE_BLOCK_SIZE = 512
+
+
+def _lines(fh: BinaryIO, path: Path) -> Iterator[tuple[int, str]]:
+    """The file's lines, numbered from 1; ConfigError for a line that is not UTF-8."""
+    for lineno, raw in enumerate(fh, 1):
+        try:
+            yield lineno, raw.decode()
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{path}:{lineno}: not UTF-8 text (a JSONL trace is): {exc}"
+            ) from None
+
+
+def _block_id(h: object) -> int:
+    """A trace's block id: an integer of 64 bits, unsigned (what the simulator keys)."""
+    if not isinstance(h, int) or isinstance(h, bool):
+        raise TypeError(f"hash_ids must be integers, got {h!r}")
+    if not 0 <= h < 2**64:
+        raise ValueError(f"hash_ids must be in [0, 2**64), got {h}")
+    return h
 
 
 def load_trace(
@@ -42,7 +65,7 @@ def load_trace(
     """
     p = Path(path)
     try:
-        fh = p.open()
+        fh = p.open("rb")
     except OSError as exc:
         raise ConfigError(f"cannot read trace {p}: {exc}") from None
     ns = sim_namespace(block_size, model)
@@ -52,7 +75,7 @@ def load_trace(
     deps = Dependencies(p)
     truncated = False
     with fh:
-        for lineno, line in enumerate(fh, 1):
+        for lineno, line in _lines(fh, p):
             if limit is not None and len(reqs) >= limit:
                 truncated = True
                 break
@@ -63,9 +86,11 @@ def load_trace(
                 if not isinstance(rec, dict):
                     raise TypeError(f"a JSON object, got {type(rec).__name__}")
                 ts = None if "timestamp" not in rec else float(rec["timestamp"]) / 1000.0
+                if ts is not None and not math.isfinite(ts):
+                    raise ValueError(f"timestamp {rec['timestamp']} is not a finite number")
                 n_in = int(rec["input_length"])
                 n_out = int(rec["output_length"])
-                ids = [int(h) for h in rec["hash_ids"]]
+                ids = [_block_id(h) for h in rec["hash_ids"]]
             except (ValueError, KeyError, TypeError) as exc:
                 raise ConfigError(
                     f"{p}:{lineno}: not a Mooncake trace record "

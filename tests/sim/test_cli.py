@@ -150,6 +150,21 @@ def test_trace_capacity_sweep_with_plot(tmp_path) -> None:
         (["--slo-ttft", "2", "--timing", "none"], "an SLO needs --timing full"),
         (["--slo-queue"], "--slo-queue needs --slo-ttft"),
         (["--slo-ttft", "2", "--slo-queue", "--no-admission"], "--slo-queue needs"),
+        # each a traceback or a message about something else before
+        (["--seed", "-1"], "--seed must be at least 0"),
+        (["--rate", "nan"], "--rate must be a positive finite number"),
+        (["--time-scale", "nan"], "--time-scale must be a positive finite number"),
+        (["--json", "/no/such/dir/r.json"], "the directory /no/such/dir does not exist"),
+        (["--gen", "rate=NaN"], "parameter 'rate' must be a finite number above 0"),
+        (["--gen", "rate=abc"], "parameter 'rate' must be a number, got 'abc'"),
+        (["--gen", "zipf=-1"], "parameter 'zipf' must be a finite number at least 0"),
+        (["--output-tokens", "-1"], "'output_tokens' must be a finite number"),
+        (["--gen", "turns=3"], "'turns' is not a parameter of shared-prefix; known:"),
+        (
+            ["--workload", "multi-turn", "--gen", "think_time_s=-5"],
+            "'think_time_s' must be a finite number at least 0",
+        ),
+        (["--workload", "agent-fanout", "--gen", "fanout=2.5"], "must be a whole number"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(args: list[str], needle: str) -> None:
@@ -189,3 +204,18 @@ def test_capacities_no_gpu_holds_are_reported_and_warned(tmp_path) -> None:
     none = _sim(*common, "--capacity", "10000", "--timing", "none", "--json", "-")
     assert "warning" not in none.stderr
     assert json.loads(none.stdout)["results"][0]["kv_exceeds_gpu"] is True
+
+
+def test_a_trace_refuses_the_flags_of_a_generated_workload(tmp_path) -> None:
+    """They would be ignored: the whole trace replayed whatever `--requests` said."""
+    trace = tmp_path / "t.jsonl"
+    write_chained_trace(trace, sessions=4)
+    common = ["--trace", str(trace), "--routers", "round-robin", "--no-progress"]
+    for extra, named in (
+        (["--requests", "5"], "--requests"),
+        (["--workload", "multi-turn", "--gen", "turns=2"], "--workload, --gen"),
+    ):
+        proc = _sim(*common, *extra, check=False)
+        assert proc.returncode == 2, proc.stderr
+        assert f"{named} shape a generated workload, not a trace" in proc.stderr
+    assert _sim(*common, "--limit", "3", "--time-scale", "2").returncode == 0

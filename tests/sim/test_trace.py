@@ -67,6 +67,21 @@ def test_every_router_is_bounded_by_the_single_worker_ideal(tmp_path) -> None:
             '{"timestamp": 0, "input_length": 2000, "output_length": 1, "hash_ids": [1]}',
             "cannot cover",
         ),
+        # each a traceback before
+        (
+            '{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [-1]}',
+            "2\\*\\*64",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 512, "output_length": 1, '
+            '"hash_ids": [18446744073709551616]}',
+            "2\\*\\*64",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1.5]}',
+            "integers",
+        ),
+        ('{"timestamp": NaN, "input_length": 512, "output_length": 1, "hash_ids": [1]}', "finite"),
     ],
 )
 def test_bad_traces_are_config_errors(tmp_path, line: str, needle: str) -> None:
@@ -89,3 +104,11 @@ def test_limit_and_time_order(tmp_path) -> None:
     wl = load_trace(path)
     assert [r.arrival_s for r in wl.requests] == [1.0, 2.0, 3.0]
     assert len(load_trace(path, limit=2).requests) == 2
+
+
+def test_a_trace_that_is_not_utf8_is_a_config_error(tmp_path) -> None:
+    path = tmp_path / "binary.jsonl"
+    good = b'{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}\n'
+    path.write_bytes(good + b"\xff\xfe{}\n")
+    with pytest.raises(ConfigError, match=r"binary\.jsonl:2: not UTF-8"):
+        load_trace(path)
