@@ -255,7 +255,7 @@ class AdminApi:
             ttl_s = ttl_of(body.pop("ttl_s", None), cfg.pin_default_ttl_s, cfg.pin_max_ttl_s)
         except ValueError as exc:
             raise ApiError(400, f"{exc} (policy.pin_max_ttl_s)", param="ttl_s") from None
-        tenant, identity, model = self._namespace_of(request, body)
+        tenant, identity, model = self._namespace_of(request, body, served_only=pin)
         route_request, tokens = await self._identified(request, body, identity)
         keys = route_request.content_keys
         if not len(keys):
@@ -563,14 +563,25 @@ class AdminApi:
 
     def _worker_call(self, request: Request, call: Any) -> Worker:
         """`call(worker_id)` with the id of the path; 404 for a bad or unknown id."""
+        given = request.path_params["worker_id"]
         try:
-            return call(int(request.path_params["worker_id"]))
+            worker_id = int(given)
+        except ValueError:
+            raise ApiError(
+                404, f"no worker {given!r}: worker ids are whole numbers", "NotFoundError"
+            ) from None
+        try:
+            return call(worker_id)
         except (ValueError, UnknownWorkerError) as exc:
             raise ApiError(404, str(exc), "NotFoundError") from None
 
-    def _namespace_of(self, request: Request, body: dict[str, Any]) -> tuple[str, Identity, str]:
+    def _namespace_of(
+        self, request: Request, body: dict[str, Any], *, served_only: bool
+    ) -> tuple[str, Identity, str]:
         """The checked body's tenant (named by the tenant header: the admin token vouches
-        for it, as a trusted proxy would), namespace identity and served model."""
+        for it, as a trusted proxy would), namespace identity and model; `served_only`: a
+        model no engine serves is a 404 (a pin nobody could hold; an unpin still goes
+        through, for a pin whose engines have left)."""
         validate_completion(body, "messages" in body)
         tenancy = self.tenancy
         tenant = request.headers.get(tenancy.tenant_header, "")
@@ -583,6 +594,16 @@ class AdminApi:
             if len(served) != 1:
                 raise ApiError(400, f"name the 'model' (served: {', '.join(served)})")
             model = served[0]
+        served_models = self.pool.models()
+        if served_only and served_models and model not in served_models:
+            # a pin or prefetch nobody can hold (as a completion for it gets)
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist; served: {', '.join(sorted(served_models))}",
+                "NotFoundError",
+                code="model_not_found",
+                param="model",
+            )
         return tenant, identity, model
 
     async def _identified(

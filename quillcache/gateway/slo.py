@@ -99,14 +99,25 @@ def _body_hints(body: dict[str, Any]) -> Mapping[str, Any]:
     ext = body.get(EXTENSION)
     if ext is None:
         return {}
-    slo = ext.get("slo") if isinstance(ext, dict) else None
-    if not isinstance(ext, dict) or not isinstance(slo, dict) or set(ext) != {"slo"}:
+    # the session hint (`session_hints`) has taken its own field by now
+    extra = sorted(set(ext) - {"slo"}) if isinstance(ext, dict) else None
+    if extra is None or extra:
+        got = f"got {extra}" if extra else f"got {type(ext).__name__}"
         raise ApiError(
             400,
-            f"'{EXTENSION}' must be an object holding only 'slo': "
+            f"'{EXTENSION}' must be an object of 'slo' and 'session' ({got}): "
+            '{"slo": {"ttft_ms": <ms>, "tbt_ms": <ms>}, "session": {"id": <id>, "ttl_s": <s>}}',
+            code="invalid_extension",
+            param=EXTENSION,
+        )
+    slo = ext.get("slo")
+    if not isinstance(slo, dict):
+        raise ApiError(
+            400,
+            f"'{EXTENSION}.slo' must be an object: "
             '{"slo": {"ttft_ms": <ms>, "tbt_ms": <ms>}}',
             code="invalid_slo",
-            param=EXTENSION,
+            param=f"{EXTENSION}.slo",
         )
     unknown = set(slo) - {f for f, _ in _FIELDS}
     if unknown:

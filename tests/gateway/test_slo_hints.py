@@ -121,3 +121,23 @@ def test_untrusted_priority_never_goes_ahead_of_the_default(priority: int, trust
     assert got == (priority if trusted else max(priority, 0))
     assert SloPolicy("ignore", frozenset(), None, LIMIT_MS).priority(priority, "x") == 0
     assert SloPolicy("honour", frozenset(), None, LIMIT_MS).priority(priority, "x") == priority
+
+
+@pytest.mark.parametrize(
+    ("ext", "code", "named"),
+    [
+        ({"bogus": 1}, "invalid_extension", "['bogus']"),
+        ([1], "invalid_extension", "got list"),
+        ({"slo": 5}, "invalid_slo", "'quillcache.slo' must be an object"),
+    ],
+)
+def test_the_extension_names_what_it_takes(ext: object, code: str, named: str) -> None:
+    """The body's `quillcache` object takes `slo` and `session` (the session hint's
+    reader takes its field first): an error names both, not `slo` alone."""
+    with pytest.raises(ApiError) as refused:
+        read_hints({}, {"prompt": "x", "quillcache": ext}, LIMIT_MS)
+    assert refused.value.status == 400
+    assert refused.value.code == code
+    assert named in refused.value.message
+    if code == "invalid_extension":
+        assert "'slo' and 'session'" in refused.value.message

@@ -404,6 +404,9 @@ def test_admin_adds_drains_and_removes_workers(stack: Stack) -> None:
     assert admin.delete("/admin/workers/1").json() == {"removed": 1}
     assert served() == {"0"}
     assert admin.delete("/admin/workers/1").status_code == 404
+    not_an_id = admin.delete("/admin/workers/abc")
+    assert not_an_id.status_code == 404
+    assert "worker ids are whole numbers" in not_an_id.json()["error"]["message"]
     models = http_get(gw.url + "/v1/models").json()["data"]
     assert [m["id"] for m in models] == ["sim-model"]
     pinned = admin.post("/admin/pins", json={"prompt": "x" * 64})

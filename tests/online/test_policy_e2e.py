@@ -128,6 +128,9 @@ def test_pin_limits_get_a_4xx_naming_them(stack: Stack) -> None:
     assert pin(admin, text("another", 10), tenant="other").status_code == 200  # its own budget
     short = pin(admin, "too short")
     assert short.status_code == 400 and "no whole block" in short.json()["error"]["message"]
+    # a model no engine serves: nobody could hold the pin (it was kept for its TTL)
+    nobody = pin(admin, SYSTEM, model="no-such-model")
+    assert nobody.status_code == 404 and nobody.json()["error"]["code"] == "model_not_found"
     assert len(admin.get("/admin/pins").json()["pins"]) == 2
 
 
