@@ -241,13 +241,11 @@ class AdminApi:
         only). `GET`: the pins and their holders (docs/policy.md)."""
         policy = self.policy
         if request.method == "GET":
-            return JSONResponse(
-                {
-                    "pins": [policy.describe(t) for t in policy.store if t.kind is TargetKind.PIN]
-                    if policy is not None
-                    else []
-                }
-            )
+            mine = [t for t in policy.store if t.kind is TargetKind.PIN] if policy else []
+            listed = [policy.describe(t) for t in mine] if policy is not None else []
+            if self.fleet is not None:  # pins made through other replicas too
+                listed += self.fleet.pins_elsewhere({int(t.keys[-1]) for t in mine if len(t.keys)})
+            return JSONResponse({"pins": listed})
         body = await self._body(request)
         pin = request.method == "POST"
         cfg = self.config.policy

@@ -67,6 +67,7 @@ class FleetLink:
         self._config_read_at = -float("inf")  # loop time of the last config() read
         self._fleet_engines: set[int] = set()  # fleet ids of engines added through the fleet
         self._pins: dict[int, npt.NDArray[np.uint64]] = {}  # prefix key -> its chain, applied
+        self._pin_owners: dict[int, str] = {}  # prefix key -> owner tenant, as last read
         self._task: asyncio.Task[None] | None = None
         metrics.enable_shared_state()
 
@@ -207,7 +208,25 @@ class FleetLink:
                 return False
         for key in [k for k in self._pins if k not in cfg.pins]:
             self._plane.unpin(self._pins.pop(key))
+        self._pin_owners = dict(cfg.pins)
         return True
+
+    def pins_elsewhere(self, here: set[int]) -> list[dict[str, Any]]:
+        """For `GET /admin/pins`: the fleet's pins whose prefix key is not in `here`
+        (the pins this replica keeps warm): made through another replica, which keeps
+        their tokens and warms them; this one prefers their holders all the same."""
+        return [
+            {
+                "kind": "pin",
+                "prefix_key": f"{key:016x}",
+                "owner": self._pin_owners.get(key, ""),
+                "blocks": len(keys),
+                "holders": sorted(self._plane.holders(keys)),
+                "kept_warm_by": "another replica",
+            }
+            for key, keys in sorted(self._pins.items())
+            if key not in here
+        ]
 
     # -- what the admin API changes ------------------------------------------------------
 

@@ -317,6 +317,12 @@ def test_admin_changes_reach_every_replica(fleet: Fleet) -> None:
     wait_for(lambda: workers_of(fleet, b)[e1.url]["draining"] is True, 5.0, "drain seen by b")
     wait_for(lambda: e2.url in workers_of(fleet, b), 5.0, "the added engine seen by b")
     wait_for(lambda: pins_of(fleet, b) == 1, 5.0, "the pin seen by b")
+    # and listed by b, made through a: an admin behind a load balancer sees it either way
+    with fleet.admin(a) as on_a, fleet.admin(b) as on_b:
+        (mine,) = on_a.get("/admin/pins").json()["pins"]
+        (theirs,) = on_b.get("/admin/pins").json()["pins"]
+    assert mine["blocks"] == theirs["blocks"] == 6 and mine["owner"] == theirs["owner"]
+    assert theirs["kept_warm_by"] == "another replica"
     # b routes around the engine a drained
     oa = client(b.url)
     names = fleet.urls_by_id(b)
