@@ -193,6 +193,8 @@ class RequestIdentifier:
         check may not have seen it die yet (real vLLM killed between two checks)."""
         for attempt in range(2):
             w = self._pool.any_routable(candidates)
+            if w is None and self._tokenizer.local is None:
+                raise EngineUnreachable(self._why_none_tokenizes(candidates))
             try:
                 return await self._tokenizer.tokens(body, chat, w.url if w else None)
             except EngineUnreachable:
@@ -203,6 +205,20 @@ class RequestIdentifier:
                     raise
                 self._on_tokenize_retry(w.id)
         raise AssertionError("unreachable")
+
+    def _why_none_tokenizes(self, candidates: frozenset[int] | None) -> str:
+        """Why no engine can tokenize (the engines tokenize and none is routable)."""
+        engines = [
+            w for w in self._pool.workers.values() if candidates is None or w.id in candidates
+        ]
+        draining = sum(1 for w in engines if w.draining)
+        down = sum(1 for w in engines if not w.healthy and not w.draining)
+        if not engines:
+            return "no engine to tokenize with (none serves the model yet)"
+        return (
+            f"no engine to tokenize with: of {len(engines)} serving the model, "
+            f"{draining} draining and {down} down"
+        )
 
 
 def _mm_content_keys(

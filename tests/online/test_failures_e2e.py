@@ -472,3 +472,15 @@ def test_a_python_index_backend_behind_the_gateway(stack: Stack) -> None:
 
     wait_for(lambda: all(known(p) for p in prompts), what="residency in the memory index")
     assert admin.get("/admin/index").json()["index"] == "memory"
+
+
+def test_a_request_no_engine_can_tokenize_says_why(stack: Stack) -> None:
+    """The engines tokenize and the only one is draining: a 503 that says so (was: "no
+    healthy engine", about an engine that is healthy)."""
+    stack.engine()
+    gw = stack.start_gateway({"tokenizer": "engine"})
+    admin = stack.admin()
+    assert admin.post("/admin/workers/0/drain", json={"draining": True}).status_code == 200
+    r = http_post(gw.url + "/v1/completions", json={"prompt": "a text prompt", "max_tokens": 1})
+    assert r.status_code == 503, r.text
+    assert "of 1 serving the model, 1 draining and 0 down" in r.json()["error"]["message"]
