@@ -20,7 +20,7 @@ from typing import Any
 import xxhash
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -52,10 +52,17 @@ def error_response(status: int, message: str, kind: str = "BadRequestError") -> 
 
 
 class _Body(BaseModel):
+    """What vLLM's OpenAI server validates of a request (types, and SamplingParams'
+    bounds: at least 1 token, a temperature of at least 0), and `n` of 1: the
+    simulator answers one choice, so it refuses more rather than answer fewer."""
+
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    n: int = Field(default=1, ge=1, le=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     cache_salt: str | None = None
@@ -67,6 +74,18 @@ class CompletionBody(_Body):
 
 class ChatBody(_Body):
     messages: list[dict[str, Any]] = Field(min_length=1)
+
+    @field_validator("messages")
+    @classmethod
+    def _roles(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        # vLLM's message types: a role (a string) each, content a string, parts or none
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str):
+                raise ValueError(f"message {i} has no 'role'")
+            content = m.get("content")
+            if content is not None and not isinstance(content, str | list):
+                raise ValueError(f"message {i}: 'content' must be a string or a list of parts")
+        return messages
 
 
 class TokenizeBody(BaseModel):
@@ -412,9 +431,9 @@ class EngineApp:
                 text = self.tokenizer.apply_chat_template(body.messages, body.add_generation_prompt)
             else:
                 text = body.prompt or ""
-        except TypeError as exc:
-            return error_response(400, str(exc))
-        tokens = self.tokenizer.encode(text)
+            tokens = self.tokenizer.encode(text)
+        except (TypeError, ValueError) as exc:  # a lone surrogate: not encodable text
+            return error_response(400, f"cannot tokenize the prompt: {exc}")
         return JSONResponse(
             {"count": len(tokens), "max_model_len": self.config.max_model_len, "tokens": tokens}
         )
@@ -423,14 +442,17 @@ class EngineApp:
         body = await _parse(request, CompletionBody)
         if isinstance(body, Response):
             return body
-        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
-            if len(body.prompt) != 1:
-                return error_response(400, "only one prompt per request is supported")
-            prompt_ids = self.tokenizer.encode(body.prompt[0])
-        elif isinstance(body.prompt, str):
-            prompt_ids = self.tokenizer.encode(body.prompt)
-        else:
-            prompt_ids = list(body.prompt)
+        try:
+            if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
+                if len(body.prompt) != 1:
+                    return error_response(400, "only one prompt per request is supported")
+                prompt_ids = self.tokenizer.encode(body.prompt[0])
+            elif isinstance(body.prompt, str):
+                prompt_ids = self.tokenizer.encode(body.prompt)
+            else:
+                prompt_ids = list(body.prompt)
+        except ValueError as exc:  # a lone surrogate: not encodable text
+            return error_response(400, f"cannot tokenize the prompt: {exc}")
         return await self._serve(request, body, prompt_ids, chat=False)
 
     async def chat(self, request: Request) -> Response:
@@ -441,9 +463,10 @@ class EngineApp:
             return await self._chat_with_media(request, body)
         try:
             text = self.tokenizer.apply_chat_template(body.messages, True)
-        except TypeError as exc:
-            return error_response(400, str(exc))
-        return await self._serve(request, body, self.tokenizer.encode(text), chat=True)
+            prompt_ids = self.tokenizer.encode(text)
+        except (TypeError, ValueError) as exc:  # a lone surrogate: not encodable text
+            return error_response(400, f"cannot tokenize the prompt: {exc}")
+        return await self._serve(request, body, prompt_ids, chat=True)
 
     async def _chat_with_media(self, request: Request, body: ChatBody) -> Response:
         """A chat prompt with images, expanded and identified as the gateway does
