@@ -336,6 +336,15 @@ def _check_run_numbers(args: argparse.Namespace) -> None:
 
     if args.seed < 0:
         raise ConfigError(f"--seed must be at least 0, got {args.seed}")
+    if args.cpu_blocks < 0:
+        raise ConfigError(f"--cpu-blocks must be at least 0, got {args.cpu_blocks}")
+    if args.fresh:
+        raise ConfigError("--fresh needs --matrix")
+    if not args.trace:
+        defaults = {"per_block_ids": False, "trace_block_size": 512, "limit": None}
+        given = [f"--{k.replace('_', '-')}" for k, v in defaults.items() if vars(args)[k] != v]
+        if given:
+            raise ConfigError(f"{', '.join(given)} shape a trace's replay: give them with --trace")
     if not (0 < args.time_scale < math.inf):
         raise ConfigError(f"--time-scale must be a positive finite number, got {args.time_scale}")
     if args.rate is not None and not (0 < args.rate < math.inf):
@@ -562,10 +571,14 @@ def _run(args: argparse.Namespace, err: Any) -> int:
     if args.capacity:
         capacities = _int_list(args.capacity, "--capacity", allow_unbounded=True)
     elif args.capacity_tokens:
-        capacities = [
-            c if c == UNBOUNDED else max(c // bs, 1)
-            for c in _int_list(args.capacity_tokens, "--capacity-tokens", allow_unbounded=True)
-        ]
+        tokens = _int_list(args.capacity_tokens, "--capacity-tokens", allow_unbounded=True)
+        for c in tokens:
+            if c != UNBOUNDED and c < bs:
+                raise ConfigError(
+                    f"--capacity-tokens {c} holds no whole block of {bs} tokens: an engine "
+                    "could cache nothing and serve no request"
+                )
+        capacities = [c if c == UNBOUNDED else c // bs for c in tokens]
     else:
         capacities = [0]  # from the cost model
     replicas_list, states, lb, scrape_s = _replica_options(args)

@@ -165,6 +165,12 @@ def test_trace_capacity_sweep_with_plot(tmp_path) -> None:
             "'think_time_s' must be a finite number at least 0",
         ),
         (["--workload", "agent-fanout", "--gen", "fanout=2.5"], "must be a whole number"),
+        # accepted and ignored, or a run that could serve nothing, before
+        (["--cpu-blocks", "-1"], "--cpu-blocks must be at least 0"),
+        (["--fresh"], "--fresh needs --matrix"),
+        (["--per-block-ids"], "--per-block-ids shape a trace's replay"),
+        (["--limit", "5"], "--limit shape a trace's replay"),
+        (["--capacity-tokens", "5"], "--capacity-tokens 5 holds no whole block"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(args: list[str], needle: str) -> None:
