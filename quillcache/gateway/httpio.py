@@ -208,6 +208,12 @@ def _completion_problem(body: dict[str, Any], chat: bool) -> str | None:
         prompt = body.get("prompt")
         if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
             return "'prompt' must be a string, a list with one string, or a list of token ids"
+        if isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int):
+            # a batch of prompts: each may belong on another engine
+            return (
+                "'prompt' holds one prompt per request (a string, a list with one string, "
+                "or token ids): send a batch's prompts as separate requests"
+            )
     if "model" in body and not isinstance(body["model"], str):
         return "'model' must be a string"
     salt = body.get("cache_salt")

@@ -160,6 +160,17 @@ def test_malformed_requests_get_a_4xx_json_error(
     assert error["message"] and error["code"] == status
 
 
+def test_a_batch_of_prompts_is_refused_whoever_tokenizes(shared_stack: Stack) -> None:
+    """Each prompt of a batch may belong on another engine: one prompt per request, said
+    the same way with a local tokenizer as with the engine's (which answered its own
+    error before)."""
+    gw = shared_stack.gateway
+    assert gw is not None
+    resp = http_post(gw.url + "/v1/completions", json={"prompt": ["a batch", "of two"]})
+    assert resp.status_code == 400
+    assert "send a batch's prompts as separate requests" in resp.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_upstream_errors_pass_through_unchanged(
