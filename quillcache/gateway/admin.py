@@ -241,10 +241,15 @@ class AdminApi:
         only). `GET`: the pins and their holders (docs/policy.md)."""
         policy = self.policy
         if request.method == "GET":
-            mine = [t for t in policy.store if t.kind is TargetKind.PIN] if policy else []
-            listed = [policy.describe(t) for t in mine] if policy is not None else []
+            listed: list[dict[str, Any]] = []
+            here: set[int] = set()  # the prefix keys of the pins this replica keeps warm
+            if policy is not None:
+                for t in policy.store:
+                    if t.kind is TargetKind.PIN:
+                        listed.append(policy.describe(t))
+                        here.update(int(k) for k in t.keys[-1:])
             if self.fleet is not None:  # pins made through other replicas too
-                listed += self.fleet.pins_elsewhere({int(t.keys[-1]) for t in mine if len(t.keys)})
+                listed += self.fleet.pins_elsewhere(here)
             return JSONResponse({"pins": listed})
         body = await self._body(request)
         pin = request.method == "POST"

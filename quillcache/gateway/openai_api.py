@@ -93,20 +93,6 @@ class Prepared:
         self.own_slo = self.route_request.slo
 
 
-def _keep_tokens(
-    prepared: Prepared,
-    retention: SessionHint | None,
-    tokens: list[int],
-    body: dict[str, Any],
-    identity: Identity,
-) -> None:
-    """Give `prepared` what the policy engine keeps once it is routed: the prompt's
-    tokens (a retention hint retains them; replication copies hot prefixes from them)
-    and whose they are."""
-    prepared.retention, prepared.tokens = retention, tokens
-    prepared.model, prepared.identity = str(body.get("model") or ""), identity
-
-
 @contextlib.contextmanager
 def _tokenize_errors() -> Iterator[None]:
     """Tokenizing failures as the client's (400) or the engines' (503) errors."""
@@ -206,31 +192,52 @@ class OpenAIEndpoints:
         body, raw, candidates, identity, slo, retention = self._checked(headers, raw, chat, tenant)
         check_prompt_bytes(body, chat, size, self.config.max_prompt_bytes)
         routing_started = time.perf_counter()  # tokenize + hash + route, for /admin/index
-        tokens: list[int] | None = None
-        # the policy engine keeps the tokens of what it retains, and of hot prefixes
-        keep = retention is not None or self._hot_tokens
         with _tokenize_errors():
-            if not keep:
-                route_request, prompt_tokens = await self.identifier.identify(
-                    body, chat, headers, identity, candidates
-                )
-            else:
-                route_request, tokens = await self.identifier.identify_tokens(
-                    body, chat, headers, identity, candidates
-                )
-                prompt_tokens = len(tokens)
-        check_context(prompt_tokens, self.pool.context_limit(candidates))
+            route_request, tokens = await self.identifier.identify_tokens(
+                body, chat, headers, identity, candidates
+            )
+        return self._prepared(
+            raw,
+            body,
+            route_request,
+            tokens,
+            candidates,
+            routing_started,
+            tenant,
+            identity,
+            slo,
+            retention,
+        )
+
+    def _prepared(
+        self,
+        raw: bytes,
+        body: dict[str, Any],
+        route_request: RouteRequest,
+        tokens: list[int],
+        candidates: frozenset[int] | None,
+        routing_started: float,
+        tenant: str,
+        identity: Identity,
+        slo: SLO | None,
+        retention: SessionHint | None,
+    ) -> Prepared:
+        """A tokenized request within its engines' context, ready to route; with the
+        prompt's tokens and owner when the policy engine keeps them once it is routed (a
+        retention hint retains them; replication copies hot prefixes from them)."""
+        check_context(len(tokens), self.pool.context_limit(candidates))
         route_request.slo = slo
         prepared = Prepared(
             raw,
             route_request,
-            prompt_tokens,
+            len(tokens),
             candidates,
             routing_started,
             self._priority(body, tenant),
         )
-        if tokens is not None:  # kept: `keep`
-            _keep_tokens(prepared, retention, tokens, body, identity)
+        if retention is not None or self._hot_tokens:
+            prepared.retention, prepared.tokens = retention, tokens
+            prepared.model, prepared.identity = str(body.get("model") or ""), identity
         return prepared
 
     @property
@@ -252,19 +259,18 @@ class OpenAIEndpoints:
             identified = self.identifier.identify_now(body, chat, headers, identity)
         assert identified is not None
         route_request, tokens = identified
-        check_context(len(tokens), self.pool.context_limit(candidates))
-        route_request.slo = slo
-        prepared = Prepared(
+        return self._prepared(
             raw,
+            body,
             route_request,
-            len(tokens),
+            tokens,
             candidates,
             routing_started,
-            self._priority(body, tenant),
+            tenant,
+            identity,
+            slo,
+            retention,
         )
-        if retention is not None or self._hot_tokens:
-            _keep_tokens(prepared, retention, tokens, body, identity)
-        return prepared
 
     def _priority(self, body: dict[str, Any], tenant: str) -> int:
         """The request's place in the SLO queue: the body's `priority` (vLLM's field, kept

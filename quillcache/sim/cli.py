@@ -328,6 +328,19 @@ _GENERATOR_FLAGS = (
 )
 
 
+def _defaults() -> dict[str, Any]:
+    """Every flag's default, by its `args` name."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return vars(parser.parse_args([]))
+
+
+def _given(args: argparse.Namespace, dests: tuple[str, ...]) -> list[str]:
+    """The flags among `dests` that `args` sets to other than their defaults."""
+    default = _defaults()
+    return [f"--{d.replace('_', '-')}" for d in dests if vars(args)[d] != default[d]]
+
+
 def _check_run_numbers(args: argparse.Namespace) -> None:
     """The flags of one run that no generator or trace checks, before any work: the
     seed, the arrival scaling and rate, and where the results go (a missing directory
@@ -341,8 +354,7 @@ def _check_run_numbers(args: argparse.Namespace) -> None:
     if args.fresh:
         raise ConfigError("--fresh needs --matrix")
     if not args.trace:
-        defaults = {"per_block_ids": False, "trace_block_size": 512, "limit": None}
-        given = [f"--{k.replace('_', '-')}" for k, v in defaults.items() if vars(args)[k] != v]
+        given = _given(args, ("per_block_ids", "trace_block_size", "limit"))
         if given:
             raise ConfigError(f"{', '.join(given)} shape a trace's replay: give them with --trace")
     if not (0 < args.time_scale < math.inf):
@@ -368,12 +380,7 @@ def _workload(args: argparse.Namespace) -> Any:
             chained=not args.per_block_ids,
             limit=args.limit,
         )
-        defaults = argparse.ArgumentParser()
-        add_arguments(defaults)
-        default = vars(defaults.parse_args([]))
-        ignored = [
-            f"--{d.replace('_', '-')}" for d in _GENERATOR_FLAGS if vars(args)[d] != default[d]
-        ]
+        ignored = _given(args, _GENERATOR_FLAGS)
         if ignored:
             raise ConfigError(
                 f"{', '.join(ignored)} shape a generated workload, not a trace: give them "
@@ -479,9 +486,7 @@ def run(args: argparse.Namespace) -> int:
         if args.matrix or args.out is not None or args.ray is not None:
             from quillcache.sim import matrix_cli
 
-            defaults = argparse.ArgumentParser()
-            add_arguments(defaults)
-            matrix_cli.check_options(args, vars(defaults.parse_args([])))
+            matrix_cli.check_options(args, _defaults())
             return matrix_cli.run(args, err)
         return _run(args, err)
     except QuillCacheError as exc:
