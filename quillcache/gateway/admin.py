@@ -249,7 +249,7 @@ class AdminApi:
                         listed.append(policy.describe(t))
                         here.update(int(k) for k in t.keys[-1:])
             if self.fleet is not None:  # pins made through other replicas too
-                listed += self.fleet.pins_elsewhere(here)
+                listed += await self.fleet.pins_elsewhere(here)
             return JSONResponse({"pins": listed})
         body = await self._body(request)
         pin = request.method == "POST"

@@ -211,22 +211,36 @@ class FleetLink:
         self._pin_owners = dict(cfg.pins)
         return True
 
-    def pins_elsewhere(self, here: set[int]) -> list[dict[str, Any]]:
+    async def pins_elsewhere(self, here: set[int]) -> list[dict[str, Any]]:
         """For `GET /admin/pins`: the fleet's pins whose prefix key is not in `here`
         (the pins this replica keeps warm): made through another replica, which keeps
-        their tokens and warms them; this one prefers their holders all the same."""
-        return [
-            {
-                "kind": "pin",
-                "prefix_key": f"{key:016x}",
-                "owner": self._pin_owners.get(key, ""),
-                "blocks": len(keys),
-                "holders": sorted(self._plane.holders(keys)),
-                "kept_warm_by": "another replica",
-            }
-            for key, keys in sorted(self._pins.items())
-            if key not in here
-        ]
+        their tokens and warms them; this one prefers their holders all the same. Their
+        `ttl_left_s` is Redis's (None when Redis cannot be asked now); a pin that
+        expired since the last poll is not listed."""
+        theirs = sorted((k, keys) for k, keys in self._pins.items() if k not in here)
+        got = await self.state.pin_ttls([k for k, _ in theirs])
+        ttls: dict[int, float | None] = (
+            dict.fromkeys((k for k, _ in theirs), None)
+            if isinstance(got, LocalFallback)
+            else dict(got)
+        )
+        out = []
+        for key, keys in theirs:
+            if key not in ttls:  # expired since the last poll
+                continue
+            ttl = ttls[key]
+            out.append(
+                {
+                    "kind": "pin",
+                    "prefix_key": f"{key:016x}",
+                    "owner": self._pin_owners.get(key, ""),
+                    "blocks": len(keys),
+                    "ttl_left_s": ttl,
+                    "holders": sorted(self._plane.holders(keys)),
+                    "kept_warm_by": "another replica",
+                }
+            )
+        return out
 
     # -- what the admin API changes ------------------------------------------------------
 

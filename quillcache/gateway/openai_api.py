@@ -274,10 +274,12 @@ class OpenAIEndpoints:
 
     def _priority(self, body: dict[str, Any], tenant: str) -> int:
         """The request's place in the SLO queue: the body's `priority` (vLLM's field, kept
-        for the engine) as the trust policy lets it count; 0 without a queue."""
+        for the engine) as the trust policy lets it count; 0 without a queue. Checked
+        either way: one that is not an integer is a 400 here, not the engine's."""
+        priority = read_priority(body)
         if self.slo_queue is None:
             return 0
-        return self.slo.priority(read_priority(body), tenant)
+        return self.slo.priority(priority, tenant)
 
     def _checked(
         self, headers: Mapping[str, str], raw: bytes, chat: bool, tenant: str

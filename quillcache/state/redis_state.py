@@ -119,6 +119,7 @@ _PENDING = _Script(scripts.PENDING)
 _PIN = _Script(scripts.PIN)
 _UNPIN = _Script(scripts.UNPIN)
 _CONFIG = _Script(scripts.CONFIG)
+_PIN_TTLS = _Script(scripts.PIN_TTLS)
 _SET_CONFIG = _Script(scripts.SET_CONFIG)
 _SECRET = _Script(scripts.SECRET)
 
@@ -691,6 +692,17 @@ class RedisFleetState:
             for k, v in zip(prefix_keys, reply, strict=True)
             if v
         }
+
+    async def pin_ttls(self, prefix_keys: Sequence[int]) -> dict[int, float] | LocalFallback:
+        """The seconds left of these pins by Redis's clock (those still pinned): a pin
+        made through another replica, whose TTL this replica does not keep."""
+        if not prefix_keys:
+            return {}
+        args = [*self._head(), *(_hex(k) for k in prefix_keys)]
+        reply = await self._run("config", _PIN_TTLS, args, self.admin_timeout_s)
+        if reply is None:
+            return LocalFallback(self._why())
+        return {k: int(ms) / 1000 for k, ms in zip(prefix_keys, reply, strict=True) if int(ms) >= 0}
 
     async def set_draining(
         self, engine: EngineKey, draining: bool = True

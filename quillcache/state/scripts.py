@@ -605,6 +605,21 @@ return {'ok'}
 """
 )
 
+# ARGV[5..] prefix keys (hex). Returns each one's milliseconds left, -1 for one that is
+# not pinned (or has expired).
+PIN_TTLS = (
+    PRELUDE
+    + r"""
+local PINX = B .. 'pinx'
+local out = {}
+for i = 5, #ARGV do
+  local at = redis.call('ZSCORE', PINX, ARGV[i])
+  if at and tonumber(at) > now then out[#out + 1] = tonumber(at) - now else out[#out + 1] = -1 end
+end
+return out
+"""
+)
+
 # Returns {cfgver, #engines*2, engines kv..., #draining*2, draining kv..., pins kv...}
 CONFIG = (
     PRELUDE

@@ -16,6 +16,7 @@ from starlette.datastructures import Headers
 
 from quillcache.gateway.app import Gateway
 from quillcache.gateway.config import GatewayConfig
+from quillcache.gateway.httpio import ApiError
 from quillcache.gateway.openai_api import Prepared
 
 PROMPT = "a system prompt every request of the session starts with " * 4
@@ -67,3 +68,38 @@ def test_the_relay_decides_now_as_the_awaited_path_does(
     assert (now.tokens is not None) == kept
     if kept:
         assert now.model == "m" and now.identity is not None
+
+
+def refusal(now: bool, **fields: Any) -> ApiError:
+    """The ApiError that `prepare_now` (`now`) or `prepare` raises for a completion
+    request with these body `fields` on a gateway with the default SLO admission."""
+
+    async def run() -> ApiError:
+        gw = Gateway(
+            GatewayConfig.model_validate({"workers": [], "tokenizer": "builtin", "block_size": 16})
+        )
+        await gw.startup()
+        try:
+            body = json.dumps({"model": "m", "prompt": PROMPT, "max_tokens": 1, **fields}).encode()
+            try:
+                if now:
+                    gw.openai.prepare_now(Headers({}), body, False, "")
+                else:
+                    await gw.openai.prepare(Headers({}), body, False, "")
+            except ApiError as exc:
+                return exc
+            raise AssertionError(f"{fields} was not refused")
+        finally:
+            await gw.shutdown()
+
+    return asyncio.run(asyncio.wait_for(run(), 30))
+
+
+@pytest.mark.parametrize("now", [True, False], ids=["prepare_now", "prepare"])
+@pytest.mark.parametrize("priority", ["high", 1.5, True, 2**31])
+def test_a_bad_priority_is_refused_without_a_queue_too(now: bool, priority: object) -> None:
+    """With the default `slo_admission: reject` (no queue) the priority orders nothing
+    here, but it goes to the engine: one that is not a 32-bit integer is a 400 naming
+    the field, whichever path decides."""
+    refused = refusal(now, priority=priority)
+    assert refused.status == 400 and refused.param == "priority"

@@ -323,6 +323,9 @@ def test_admin_changes_reach_every_replica(fleet: Fleet) -> None:
         (theirs,) = on_b.get("/admin/pins").json()["pins"]
     assert mine["blocks"] == theirs["blocks"] == 6 and mine["owner"] == theirs["owner"]
     assert theirs["kept_warm_by"] == "another replica"
+    # the TTL left, as Redis counts it, on either replica
+    assert 0 < theirs["ttl_left_s"] <= mine["ttl_left_s"] + 1.0
+    assert mine["ttl_left_s"] - theirs["ttl_left_s"] < 5.0
     # b routes around the engine a drained
     oa = client(b.url)
     names = fleet.urls_by_id(b)

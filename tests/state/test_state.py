@@ -548,6 +548,10 @@ def test_pins_draining_engines_config(redis_server: RedisServer) -> None:
             assert await a.set_draining(EngineKey(3, 1)) == Shared("changed")
             assert await a.set_draining(EngineKey(3, 1)) == Shared("unchanged")
             assert await a.add_engine(12, {"url": "http://127.0.0.1:9"}) == Shared("changed")
+            # the TTL left, by Redis's clock, as any replica reads it (0xBEEF: not pinned)
+            ttls = await b.pin_ttls([0xFEED, 0xBEEF])
+            assert not isinstance(ttls, LocalFallback) and set(ttls) == {0xFEED}
+            assert 0.0 < ttls[0xFEED] <= 0.3
             c1 = await b.config()
             assert not isinstance(c1, LocalFallback)
             assert c1.engines == {12: {"url": "http://127.0.0.1:9"}}
@@ -557,6 +561,7 @@ def test_pins_draining_engines_config(redis_server: RedisServer) -> None:
             await asyncio.sleep(0.4)  # the pin lapses
             c2 = await b.config()
             assert not isinstance(c2, LocalFallback) and c2.pins == {} and c2.version > c1.version
+            assert await b.pin_ttls([0xFEED]) == {}
             await a.set_draining(EngineKey(3, 1), False)
             await a.remove_engine(12)
             c3 = await b.config()
