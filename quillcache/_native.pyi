@@ -531,6 +531,42 @@ class CostKernel:
         allow_peer_fetch: bool,
         max_num_seqs: int,
     ) -> Self: ...
+    def cost_preferences(
+        self,
+        scores: npt.NDArray[np.float64],
+        scores_if_held: npt.NDArray[np.float64] | None,
+        gpu: npt.NDArray[np.int64],
+        pending: npt.NDArray[np.int64],
+        position: int,
+        size: int,
+        prompt_tokens: int,
+        blocks: int,
+        block_size: int,
+    ) -> tuple[list[int], list[float], list[float]] | None:
+        """`quillcache.routing.shortlist.cost_preferences` as (positions, requests,
+        pending requests); None when a score is NaN. ValueError for columns of
+        different lengths or a position outside them."""
+    def load_units(
+        self,
+        worker: npt.NDArray[np.uint64],
+        rank: npt.NDArray[np.int64],
+        load: npt.NDArray[np.float64],
+        gpu: npt.NDArray[np.int64],
+        cpu: npt.NDArray[np.int64],
+        disk: npt.NDArray[np.int64],
+        pending: npt.NDArray[np.int64],
+        positions: list[int],
+        requests: list[float],
+        pending_requests: list[float],
+        weights: tuple[float, float, float],
+        prompt_tokens: int,
+        blocks: int,
+        block_size: int,
+    ) -> tuple[
+        list[int], list[int], list[float], list[float], list[int], tuple[float, float] | None
+    ]:
+        """`quillcache.state.shortlist.shortlist_of` as (workers, ranks, ceilings,
+        credits, held blocks, outside (ceiling, credit) or None for no rows)."""
     def load_sums(self, load: npt.NDArray[np.float64]) -> tuple[float, float]:
         """(running decodes, requests waiting) summed over the rows in order."""
     def ttft(

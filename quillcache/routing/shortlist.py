@@ -25,9 +25,7 @@ being computed there is worth the prefill time it saves, in the same requests.
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,6 +97,40 @@ def cost_preferences(
     prefix divided by the queue of a request whose prefix is held, and
     `pending_requests` is how many more that is. None: a prefix being computed is
     worth nothing to the router."""
+    if not len(scores):
+        return []
+    c = view.columns
+    native = view.cost.kernel.cost_preferences(
+        np.ascontiguousarray(scores, dtype=np.float64),
+        None if scores_if_held is None else np.ascontiguousarray(scores_if_held, np.float64),
+        c.gpu_blocks,
+        c.pending_blocks,
+        position,
+        size,
+        request.prompt_tokens,
+        len(request.content_keys),
+        view.block_size,
+    )
+    if native is None:  # a NaN score: ordered as numpy orders it
+        return reference_preferences(
+            request, view, scores, position, size, scores_if_held=scores_if_held
+        )
+    rows, requests, more = native
+    return [Preference(r, q, m) for r, q, m in zip(rows, requests, more, strict=True)]
+
+
+def reference_preferences(
+    request: Request,
+    view: View,
+    scores: npt.NDArray[np.float64],
+    position: int,
+    size: int,
+    *,
+    scores_if_held: npt.NDArray[np.float64] | None = None,
+) -> list[Preference]:
+    """`cost_preferences` in numpy, the readable reference the native kernel
+    (`CostKernel.cost_preferences`) translates operation for operation; also what
+    orders NaN scores (last, as `np.partition` does)."""
     n = len(scores)
     if n == 0:
         return []
@@ -108,14 +140,8 @@ def cost_preferences(
     prompt = request.prompt_tokens
     blocks = len(request.content_keys)
     k = min(size - 1, n - 1)
-    listed = scores.tolist() if n <= SMALL_VIEW else []
-    if listed and not any(math.isnan(x) for x in listed):
-        # a few rows: Python lists, numpy's per-call cost being many times the work
-        order = [position, *heapq.nsmallest(k, _others(n, position), key=listed.__getitem__)]
-        two = heapq.nsmallest(2, listed)
-    else:
-        order = [position, *_lowest_others(scores, position, k)]
-        two = np.partition(scores, 1)[:2].tolist() if n > 1 else scores.tolist()
+    order = [position, *_lowest_others(scores, position, k)]
+    two = np.partition(scores, 1)[:2].tolist() if n > 1 else scores.tolist()
     lowest, second = (float(two[0]), float(two[1])) if n > 1 else (float(two[0]), math.inf)
     row_scores = scores[order].tolist()
     gpu = c.gpu_blocks[order].tolist()
@@ -140,20 +166,11 @@ def cost_preferences(
     return out
 
 
-#: Up to this many rows, `cost_preferences` works on Python lists.
-SMALL_VIEW = 64
-
-
 def _one_more(cost: CostModel, prompt: int, cached: int) -> float:
     """The queue one more request of `prompt` tokens adds where `cached` of them are
     held: its uncached tokens, attending to the cached ones."""
     new = max(prompt - min(cached, prompt), 1)
     return cost.queue_time(new, prefill_pairs(new, prompt - new))
-
-
-def _others(n: int, position: int) -> Iterator[int]:
-    """The rows of an `n`-row view other than `position`, in view order."""
-    return (i for i in range(n) if i != position)
 
 
 def _lowest_others(scores: npt.NDArray[np.float64], position: int, k: int) -> list[int]:

@@ -126,6 +126,9 @@ FLEET_FIELDS: tuple[str, ...] = (
     "pace",
     "max_num_seqs",
 )
+#: Up to this many rows, `View.position` scans Python lists (numpy's per-call cost on a
+#: few rows is many times the comparison).
+_FEW_ROWS = 64
 #: Where `WorkerColumns.fleet` holds the pace, and the engine's sequence slots.
 PACE_COLUMN = FLEET_FIELDS.index("pace")
 SLOTS_COLUMN = FLEET_FIELDS.index("max_num_seqs")
@@ -473,6 +476,12 @@ class View:
                     return i
             raise KeyError((worker, dp_rank))
         c = self.columns
+        if len(c.worker) <= _FEW_ROWS:  # two numpy calls instead of four
+            ranks = c.dp_rank.tolist()
+            for i, w in enumerate(c.worker.tolist()):
+                if w == worker and ranks[i] == dp_rank:
+                    return i
+            raise KeyError((worker, dp_rank))
         hits = np.flatnonzero((c.worker == worker) & (c.dp_rank == dp_rank))
         if not len(hits):
             raise KeyError((worker, dp_rank))

@@ -164,7 +164,41 @@ def shortlist_of(
     ceiling is its load in the view plus its `requests` times the load one request like
     this one adds there (`LoadWeights` of one request in flight with its prefill
     queued), its credit `pending_requests` times the load of one whose prefix is
-    computed."""
+    computed. The native kernel's (`CostKernel.load_units`); `reference_shortlist_of`
+    is the readable reference it translates."""
+    c = view.columns
+    workers, ranks, ceilings, credits, held, outside = view.cost.kernel.load_units(
+        c.worker,
+        c.dp_rank,
+        np.ascontiguousarray(c.load),
+        c.gpu_blocks,
+        c.cpu_blocks,
+        c.disk_blocks,
+        c.pending_blocks,
+        [p.position for p in preferences],
+        [p.requests for p in preferences],
+        [p.pending_requests for p in preferences],
+        (weights.in_flight, weights.queued_tokens, weights.decodes),
+        prompt_tokens,
+        request_blocks,
+        block_size,
+    )
+    out = [
+        Candidate(EngineKey(w, r), ceiling, credit)
+        for w, r, ceiling, credit in zip(workers, ranks, ceilings, credits, strict=True)
+    ]
+    return Shortlist(out, held, None if outside is None else OutsideTerms(*outside))
+
+
+def reference_shortlist_of(
+    view: View,
+    preferences: list[Preference],
+    request_blocks: int,
+    prompt_tokens: int,
+    block_size: int,
+    weights: LoadWeights,
+) -> Shortlist:
+    """`shortlist_of` in Python and numpy, the reference."""
     c = view.columns
     rows = [p.position for p in preferences]
     load = c.load[rows, :3].tolist()

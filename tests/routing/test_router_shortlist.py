@@ -19,10 +19,11 @@ from quillcache.routing.shortlist import (
     ShortlistContractError,
     check_preferences,
     cost_preferences,
+    reference_preferences,
 )
 from quillcache.routing.types import View, WorkerView
 from quillcache.state import LoadWeights
-from quillcache.state.shortlist import prefill_tokens, shortlist_of
+from quillcache.state.shortlist import prefill_tokens, reference_shortlist_of, shortlist_of
 
 BS = 16
 
@@ -160,3 +161,80 @@ def test_shortlist_of_turns_requests_into_load_units() -> None:
     assert s.candidates[0].credit == pytest.approx(2.0 * held_unit)
     assert s.candidates[1].ceiling == pytest.approx(2.0 + 3.0 + 1.0 + 0.01 * req.prompt_tokens)
     assert s.cached_blocks == [4, 0]
+
+
+# few values, so that scores and prefixes often tie
+_SCORES = st.sampled_from([0.0, 0.1, 0.5, 0.9, 2.0, math.inf])
+
+
+@st.composite
+def shortlist_cases(draw: st.DrawFn) -> tuple[Request, View, np.ndarray, np.ndarray | None, int]:
+    """A view (up to 80 rows: both sides of the small-view bound of the state layer)
+    whose columns draw from few values, its scores, maybe held scores, a position."""
+    n = draw(st.integers(1, 80))
+    blocks = draw(st.integers(1, 12))
+    cells = st.tuples(
+        st.integers(0, 3),  # in flight
+        st.sampled_from([0, 100, 4000]),  # queued prefill tokens
+        st.integers(0, 2),  # running decodes
+        st.integers(0, blocks + 2),  # gpu
+        st.integers(0, blocks),  # cpu
+        st.integers(0, 2),  # disk
+        st.integers(0, blocks + 2),  # pending
+        st.integers(0, 1),  # dp rank
+    )
+    rows = draw(st.lists(cells, min_size=n, max_size=n))
+    v = view(
+        *(
+            WorkerView(1000 + i, in_flight=f, queued_prefill_tokens=q, running_decodes=d,
+                       gpu_blocks=g, cpu_blocks=c, disk_blocks=k, pending_blocks=p, dp_rank=r)
+            for i, (f, q, d, g, c, k, p, r) in enumerate(rows)
+        )
+    )  # fmt: skip
+    v = View(None, BS, CostModel(), columns=v.columns)
+    scores = np.asarray(draw(st.lists(_SCORES, min_size=n, max_size=n)), dtype=np.float64)
+    held = draw(st.one_of(st.none(), st.lists(_SCORES, min_size=n, max_size=n).map(np.asarray)))
+    return (
+        request(blocks=blocks, own=draw(st.integers(0, 20))),
+        v,
+        scores,
+        held,
+        draw(st.integers(0, n - 1)),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=shortlist_cases(), size=st.integers(1, 6))
+def test_the_native_shortlist_is_the_reference_bit_for_bit(
+    case: tuple[Request, View, np.ndarray, np.ndarray | None, int], size: int
+) -> None:
+    """`cost_preferences` and `shortlist_of` (the native kernel's) against
+    `reference_preferences` and `reference_shortlist_of` (numpy): the same rows in the
+    same order, the same counts, ceilings, credits and blocks, exactly."""
+    req, v, scores, held, position = case
+    got = cost_preferences(req, v, scores, position, size, scores_if_held=held)
+    want = reference_preferences(req, v, scores, position, size, scores_if_held=held)
+    assert got == want
+    for weights in (LoadWeights(), LoadWeights(1.0, 0.01, 0.5)):
+        args = (v, want, len(req.content_keys), req.prompt_tokens, BS, weights)
+        assert shortlist_of(*args) == reference_shortlist_of(*args)
+
+
+def test_a_nan_score_is_ordered_by_the_reference() -> None:
+    v = view(WorkerView(0), WorkerView(1), WorkerView(2))
+    scores = np.asarray([math.nan, 0.5, 0.1])
+    got = cost_preferences(request(), v, scores, 1, 3)
+    assert got == reference_preferences(request(), v, scores, 1, 3)
+    assert [p.position for p in got] == [1, 2]  # a NaN row is never preferred
+
+
+def test_native_shortlist_arguments_are_checked() -> None:
+    v = view(WorkerView(0), WorkerView(1))
+    kernel = v.cost.kernel
+    c = v.columns
+    with pytest.raises(ValueError, match="position 2"):
+        kernel.cost_preferences(np.zeros(2), None, c.gpu_blocks, c.pending_blocks, 2, 2, 16, 1, BS)
+    with pytest.raises(ValueError, match="disagree"):
+        kernel.cost_preferences(np.zeros(3), None, c.gpu_blocks, c.pending_blocks, 0, 2, 16, 1, BS)
+    with pytest.raises(ValueError, match="position 5"):
+        shortlist_of(v, [Preference(5, 1.0)], 1, 16, BS, LoadWeights())

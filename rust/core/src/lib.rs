@@ -22,5 +22,6 @@ pub mod load_order;
 pub mod namespace;
 pub mod persist;
 pub mod scoring;
+pub mod shortlist;
 pub mod speculative;
 pub mod vllm_hash;

@@ -259,7 +259,7 @@ impl CostParams {
         }
     }
 
-    fn queue_time(&self, queued: f64, pairs: f64) -> f64 {
+    pub(crate) fn queue_time(&self, queued: f64, pairs: f64) -> f64 {
         let steps = -floor_divide(-queued, self.chunk_budget as f64);
         let t = self.queued_compute_s(queued, pairs) + steps * self.overhead_s;
         if queued <= 0.0 {

@@ -7,6 +7,19 @@ use pyo3::prelude::*;
 
 use crate::load_order::LoadOrder;
 use quillcache_core::scoring::{self, Ask, CostParams, QuillKnobs, RowTerms, Rows, RowsError};
+use quillcache_core::shortlist;
+
+/// A shortlist's rows: view positions, requests, pending requests.
+type Preferences = (Vec<usize>, Vec<f64>, Vec<f64>);
+/// A shortlist in load units: workers, ranks, ceilings, credits, held blocks, outside.
+type LoadUnits = (
+    Vec<u64>,
+    Vec<i64>,
+    Vec<f64>,
+    Vec<f64>,
+    Vec<i64>,
+    Option<(f64, f64)>,
+);
 
 pub(crate) fn slice<'a, T: numpy::Element>(
     what: &str,
@@ -177,6 +190,133 @@ impl CostKernel {
                 max_num_seqs,
             },
         })
+    }
+
+    /// `cost_preferences` (`quillcache_core::shortlist`): the shortlist of a router that
+    /// picks the lowest `scores`, as `(positions, requests, pending_requests)`; None
+    /// when a score is NaN (the reference then orders them as numpy does).
+    #[pyo3(signature = (
+        scores, scores_if_held, gpu, pending, position, size, prompt_tokens, blocks, block_size
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn cost_preferences(
+        &self,
+        scores: PyReadonlyArray1<'_, f64>,
+        scores_if_held: Option<PyReadonlyArray1<'_, f64>>,
+        gpu: PyReadonlyArray1<'_, i64>,
+        pending: PyReadonlyArray1<'_, i64>,
+        position: usize,
+        size: usize,
+        prompt_tokens: i64,
+        blocks: i64,
+        block_size: i64,
+    ) -> PyResult<Option<Preferences>> {
+        let held = match &scores_if_held {
+            Some(h) => Some(slice("scores_if_held", h)?),
+            None => None,
+        };
+        let ask = shortlist::Ask {
+            prompt_tokens,
+            blocks,
+            block_size,
+        };
+        match shortlist::cost_preferences(
+            &self.params,
+            slice("scores", &scores)?,
+            held,
+            &shortlist::Held {
+                gpu: slice("gpu", &gpu)?,
+                pending: slice("pending", &pending)?,
+            },
+            position,
+            size,
+            &ask,
+        ) {
+            Ok(prefs) => Ok(Some((
+                prefs.iter().map(|p| p.position).collect(),
+                prefs.iter().map(|p| p.requests).collect(),
+                prefs.iter().map(|p| p.pending_requests).collect(),
+            ))),
+            Err(shortlist::ShortlistError::NotANumber) => Ok(None),
+            Err(e) => Err(PyValueError::new_err(e.to_string())),
+        }
+    }
+
+    /// `shortlist_of` (`quillcache_core::shortlist::load_units`): the preferences
+    /// `positions`, `requests`, `pending_requests` of a view's rows in the booking's
+    /// load units, as `(workers, ranks, ceilings, credits, held blocks, outside)`,
+    /// `outside` the first row's (ceiling, credit) holding none of the prefix.
+    #[pyo3(signature = (
+        worker, rank, load, gpu, cpu, disk, pending, positions, requests, pending_requests,
+        weights, prompt_tokens, blocks, block_size
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn load_units(
+        &self,
+        worker: PyReadonlyArray1<'_, u64>,
+        rank: PyReadonlyArray1<'_, i64>,
+        load: PyReadonlyArray2<'_, f64>,
+        gpu: PyReadonlyArray1<'_, i64>,
+        cpu: PyReadonlyArray1<'_, i64>,
+        disk: PyReadonlyArray1<'_, i64>,
+        pending: PyReadonlyArray1<'_, i64>,
+        positions: Vec<usize>,
+        requests: Vec<f64>,
+        pending_requests: Vec<f64>,
+        weights: (f64, f64, f64),
+        prompt_tokens: i64,
+        blocks: i64,
+        block_size: i64,
+    ) -> PyResult<LoadUnits> {
+        if requests.len() != positions.len() || pending_requests.len() != positions.len() {
+            return Err(PyValueError::new_err(format!(
+                "{} positions, {} requests, {} pending requests",
+                positions.len(),
+                requests.len(),
+                pending_requests.len()
+            )));
+        }
+        let preferences: Vec<shortlist::Preference> = positions
+            .iter()
+            .zip(&requests)
+            .zip(&pending_requests)
+            .map(
+                |((&position, &requests), &pending_requests)| shortlist::Preference {
+                    position,
+                    requests,
+                    pending_requests,
+                },
+            )
+            .collect();
+        let columns = shortlist::Columns {
+            worker: slice("worker", &worker)?,
+            rank: slice("rank", &rank)?,
+            load: load_values(&load)?,
+            gpu: slice("gpu", &gpu)?,
+            cpu: slice("cpu", &cpu)?,
+            disk: slice("disk", &disk)?,
+            pending: slice("pending", &pending)?,
+        };
+        let w = shortlist::Weights {
+            in_flight: weights.0,
+            queued_tokens: weights.1,
+            decodes: weights.2,
+        };
+        let ask = shortlist::Ask {
+            prompt_tokens,
+            blocks,
+            block_size,
+        };
+        let (units, outside) = shortlist::load_units(&columns, &preferences, &w, &ask)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok((
+            units.iter().map(|u| u.worker).collect(),
+            units.iter().map(|u| u.rank).collect(),
+            units.iter().map(|u| u.ceiling).collect(),
+            units.iter().map(|u| u.credit).collect(),
+            units.iter().map(|u| u.held).collect(),
+            outside,
+        ))
     }
 
     /// `(running decodes, requests waiting)` over the rows of `load`, summed in row
