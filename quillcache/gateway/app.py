@@ -370,11 +370,14 @@ class Gateway:
             await self.shutdown()
 
     async def _every(self, interval_s: float, job: Any) -> None:
+        name = getattr(job, "__name__", str(job))
+        failures = self.metrics.background_failures.labels(name)  # exported from 0
         while True:
             try:
                 await job()
             except Exception:
-                log.exception("gateway background job %s failed", getattr(job, "__name__", job))
+                failures.inc()
+                log.exception("gateway background job %s failed", name)
             await asyncio.sleep(interval_s)
 
     def _build_parts(self) -> None:

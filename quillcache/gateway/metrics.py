@@ -43,6 +43,13 @@ class GatewayMetrics:
             ["worker"],
             registry=r,
         )
+        self.background_failures = Counter(
+            "quillcache_background_job_failures",
+            "Runs of a periodic gateway job (the policy tick, polls) that raised; the "
+            "log has the traceback.",
+            ["task"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "quillcache_client_disconnects",
             "Requests whose client hung up before the answer ended (upstream dropped).",

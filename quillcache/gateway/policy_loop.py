@@ -38,7 +38,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from quillcache.controlplane import ControlPlane
+from quillcache.controlplane import ControlPlane, UnknownWorkerError
 from quillcache.gateway.actuator import Offload, Warmer
 from quillcache.gateway.config import PolicyConfig
 from quillcache.gateway.lmcache_ctl import LmcacheController
@@ -223,11 +223,14 @@ class PolicyEngine:
             for t in self.store:
                 if t.kind is TargetKind.PIN and self.plane.pinned.longest(t.keys) < len(t.keys):
                     self.store.remove(t.id)
+        known: set[int] = set()
         for state in self.plane.workers():
+            known.add(state.worker)
             self.rates.observe(state.worker, state.stored_blocks, now)
         replicas = await self._replicate(now) if self.hot is not None else []
         if not len(self.store):
             return replicas
+        self._forget_removed(known)
         due = plan(
             self.store,
             holders_of=self.plane.holders,
@@ -241,6 +244,22 @@ class PolicyEngine:
         for warm in due:
             self._send(warm)
         return due + replicas
+
+    def _forget_removed(self, known: set[int]) -> None:
+        """Engines removed since the targets were kept there (`DELETE /admin/workers`,
+        or the fleet's): a session bound to one is bound again by its next turn, and
+        no target is warmed there."""
+        for t in self.store:
+            if t.engine is not None and t.engine not in known:
+                log.info(
+                    "policy: session %r of tenant %r lost its engine %d (removed)",
+                    t.name,
+                    t.tenant,
+                    t.engine,
+                )
+                t.engine = None
+            for gone in [e for e in t.touched_s if e not in known]:
+                del t.touched_s[gone]
 
     async def _hot(self, now: float) -> list[HotCopy]:
         """The hot prefixes this tick. With shared state the replicas share their heat
@@ -320,14 +339,21 @@ class PolicyEngine:
     def _interval_s(self, engine: int) -> float:
         """Without the engine's capacity, what it holds (by the index): the same once it
         is full, less (touches sooner) while it is not."""
-        state = self.plane.worker(engine)
+        try:
+            state = self.plane.worker(engine)
+        except UnknownWorkerError:  # removed since the index named it: never due
+            return math.inf
         size = state.capacity_blocks or state.resident_blocks
         return self.timing.interval_s(size, self.rates.rate(engine))
 
     def _room_blocks(self, engine: int) -> float:
         """The blocks retention may keep on `engine`: its share of the engine's capacity
-        (unbounded while the capacity is not known)."""
-        capacity = self.plane.worker(engine).capacity_blocks
+        (unbounded while the capacity is not known; none on an engine removed since the
+        index named it)."""
+        try:
+            capacity = self.plane.worker(engine).capacity_blocks
+        except UnknownWorkerError:
+            return 0.0
         return self.config.retention_max_engine_share * capacity if capacity else math.inf
 
     def _place(self, target: Target) -> int | None:

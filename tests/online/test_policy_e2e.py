@@ -301,3 +301,32 @@ def test_bad_session_hints_get_a_400_naming_the_limit(stack: Stack) -> None:
         max_tokens=1,
         extra_headers={"x-session-id": "s", "x-session-ttl-s": "30"},
     )
+
+
+def test_removing_a_session_s_engine_leaves_the_policy_working(stack: Stack) -> None:
+    """A session bound to an engine that is then removed (`DELETE /admin/workers`): the
+    policy loop drops the binding and goes on (a new pin is still placed), and no tick
+    fails. Before, every tick raised for the unknown engine until the session expired."""
+    stack.engine()
+    stack.engine()
+    gw = stack.start_gateway(config())
+    acme = openai.OpenAI(base_url=gw.url + "/v1", api_key="k-acme", max_retries=0)
+    admin = stack.admin()
+    raw = acme.completions.with_raw_response.create(
+        model="sim-model",
+        prompt=text("bound session", 12),
+        max_tokens=2,
+        extra_headers={"x-session-id": "s-gone", "x-session-ttl-s": "300"},
+    )
+    bound = int(raw.headers["x-quillcache-worker"])
+    assert admin.delete(f"/admin/workers/{bound}").status_code == 200
+    time.sleep(1.0)  # five policy ticks
+    r = pin(admin, text("pinned after the removal", 8))
+    assert r.status_code == 200
+    wait_for(lambda: holders(admin).get("acme") == [1 - bound], 10.0, "the pin placed")
+    failures = metric(
+        httpx.get(gw.url + "/metrics").text, "quillcache_background_job_failures_total"
+    )
+    assert failures == 0
+    (session,) = admin.get("/admin/sessions").json()["sessions"]
+    assert session["name"] == "s-gone" and session["engine"] is None
