@@ -69,6 +69,8 @@ class FleetLink:
         self._pins: dict[int, npt.NDArray[np.uint64]] = {}  # prefix key -> its chain, applied
         self._pin_owners: dict[int, str] = {}  # prefix key -> owner tenant, as last read
         self._task: asyncio.Task[None] | None = None
+        self._epoch = ""  # the fleet's epoch in Redis when its configuration was last read
+        self.restores = 0  # configurations put back after Redis lost them
         metrics.enable_shared_state()
 
     async def start(self, secret: GatewaySecret) -> None:
@@ -155,6 +157,16 @@ class FleetLink:
         if isinstance(cfg, LocalFallback):
             return
         self._config_read_at = asyncio.get_running_loop().time()
+        epoch = self.state.epoch
+        if self._epoch and not epoch:  # the fleet's meta is gone: wait for a new epoch
+            return
+        if self._epoch and epoch != self._epoch:
+            # Redis lost the fleet's configuration (restarted empty, or flushed) since
+            # this replica last read it: an engine missing now was not removed
+            await self._restore()
+            self._epoch = epoch
+            return  # the configuration is read again at the next poll
+        self._epoch = epoch
         if cfg.version == self._version:
             return
         done = await self._apply_engines(cfg)
@@ -162,6 +174,30 @@ class FleetLink:
         done = await self._apply_pins(cfg) and done
         if done:
             self._version = cfg.version
+
+    async def _restore(self) -> None:
+        """Put back in Redis what this replica knows of the fleet's configuration: the
+        engines added through the fleet that it serves, and its draining flags. (Pins
+        are not put back: their TTLs are the replicas' they were made through.) Every
+        replica does the same; the writes are idempotent."""
+        self.restores += 1
+        put = 0
+        for fid in sorted(self._fleet_engines):
+            worker = self.ids.to_worker.get(fid)
+            w = self._pool.workers.get(worker) if worker is not None else None
+            if w is None:
+                continue
+            spec = w.config.model_dump(exclude_defaults=True)
+            put += _shared(await self.state.add_engine(fid, spec))
+        for fid, worker in sorted(self.ids.to_worker.items()):
+            w = self._pool.workers.get(worker)
+            if w is not None and w.draining:
+                await self.state.set_draining(EngineKey(fid), True)
+        log.warning(
+            "shared state: redis lost the fleet's configuration (epoch changed); this "
+            "replica put back %d engine(s) added through the fleet and its draining flags",
+            put,
+        )
 
     async def _apply_engines(self, cfg: FleetConfig) -> bool:
         done = True
@@ -310,6 +346,7 @@ class FleetLink:
             "config_version": self._version,
             "pins": len(self._pins),
             "fleet_engines": len(self._fleet_engines),
+            "configuration_restores": self.restores,
             "own_bookings": self.routing.in_flight if hasattr(self, "routing") else 0,
         }
 

@@ -483,3 +483,29 @@ def test_a_replica_added_under_load_joins_the_fleet(fleet: Fleet) -> None:
             f.result()
     assert not errors, errors[:3]
     wait_for(lambda: fleet.in_flight() == 0, 5.0, "every booking released")
+
+
+def test_redis_restarted_empty_keeps_the_engines_added_through_the_fleet(fleet: Fleet) -> None:
+    """An engine added through the admin API lives in Redis; Redis restarted without
+    persistence has lost it. The running replicas keep serving it and put it back (it
+    was not removed), so a replica started afterwards finds it too."""
+    e0 = fleet.stack.engine()
+    a, b = fleet.replica(), fleet.replica()
+    e1 = fleet.stack.engine()
+    with fleet.admin(a) as admin:
+        r = admin.post("/admin/workers", json={"url": e1.url})
+        assert r.status_code == 201 and r.json()["shared"] is True
+    wait_for(lambda: e1.url in workers_of(fleet, b), 5.0, "the added engine seen by b")
+    fleet.redis.stop()
+    fleet.redis.start(same_port=True)  # empty: no persistence
+    for r in (a, b):
+        wait_for(
+            functools.partial(lambda r: scrape(r, "quillcache_state_up") == 1, r),
+            5.0,
+            "reconnected",
+        )
+    time.sleep(2.0)  # several polls of the configuration after the restart
+    for r in (a, b):
+        assert set(workers_of(fleet, r)) == {e0.url, e1.url}
+    c = fleet.replica()
+    wait_for(lambda: e1.url in workers_of(fleet, c), 5.0, "the engine put back in redis")
