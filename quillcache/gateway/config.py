@@ -38,6 +38,7 @@ from quillcache.policy.retention import (
     TOUCH_SAFETY,
 )
 from quillcache.policy.targets import RETENTION_MAX_TOKENS, SESSION_MAX_TTL_S
+from quillcache.state import urls as redis_urls
 from quillcache.tokenization.multimodal import MultimodalConfig
 
 
@@ -421,9 +422,12 @@ class GatewayConfig(BaseModel):
     @field_validator("state")
     @classmethod
     def _state(cls, v: str) -> str:
-        if v != "local" and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"state must be 'local' or a redis:// URL, got {v!r}")
-        return v
+        if v == "local":
+            return v
+        try:
+            return redis_urls.checked(v)
+        except ValueError as exc:
+            raise ValueError(f"state must be 'local' or a Redis URL: {exc}") from None
 
     @model_validator(mode="after")
     def _replicas_need_bound_engines(self) -> GatewayConfig:

@@ -39,6 +39,7 @@ from quillcache.gateway.workers import Worker, WorkerPool
 from quillcache.state import EngineKey, FleetConfig, LocalFallback, RedisFleetState
 from quillcache.state.load_store import SharedLoadStore
 from quillcache.state.shortlist import ShortlistPolicy
+from quillcache.state.urls import redacted
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class FleetLink:
             log.warning(
                 "shared state: redis at %s unreachable at start; routing on local state "
                 "until it comes",
-                self.config.state,
+                redacted(self.config.state),
             )
 
     def bind(
@@ -339,7 +340,7 @@ class FleetLink:
     def status(self) -> dict[str, Any]:
         """For /admin/index: this replica's link to the fleet."""
         return {
-            "url": self.config.state,
+            "url": redacted(self.config.state),
             "prefix": self.state.prefix,
             "replica": self.state.replica,
             "redis_in_use": self.state.healthy,

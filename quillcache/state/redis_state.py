@@ -32,7 +32,14 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.backoff import NoBackoff
-from redis.exceptions import BusyLoadingError, NoScriptError, RedisError
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    NoPermissionError,
+    NoScriptError,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
@@ -60,6 +67,7 @@ from quillcache.state.types import (
     StateError,
     StateStats,
 )
+from quillcache.state.urls import redacted
 
 log = logging.getLogger(__name__)
 
@@ -304,6 +312,22 @@ class RedisFleetState:
         except SecretMismatchError:
             await self._client.aclose()
             raise
+        except (AuthenticationError, NoPermissionError) as exc:
+            await self._client.aclose()
+            raise ConfigError(
+                f"redis at {redacted(self.url)} refuses this replica ({type(exc).__name__}: "
+                f"{exc}): give the user and password of the state URL (and its ACL "
+                "rights) that the server expects"
+            ) from None
+        except ResponseError as exc:
+            if "DB index" not in str(exc):
+                self._down("start", exc)
+            else:
+                await self._client.aclose()
+                raise ConfigError(
+                    f"redis at {redacted(self.url)} has no such database ({exc}): use a "
+                    "database number below the server's `databases` setting"
+                ) from None
         except (RedisError, OSError, TimeoutError) as exc:
             self._down("start", exc)
         if background:
@@ -985,7 +1009,7 @@ class RedisFleetState:
             logging.WARNING,
             "shared state: redis at %s unusable during %s (%s: %s); routing on local state "
             "and reconnecting every %.2f s",
-            self.url,
+            redacted(self.url),
             op,
             type(exc).__name__,
             exc,
@@ -1087,7 +1111,7 @@ class RedisFleetState:
         self.stats.reconnects += 1
         log.warning(
             "shared state: redis at %s is back; this replica's %d bookings resynchronised",
-            self.url,
+            redacted(self.url),
             len(self._book),
         )
 
