@@ -308,6 +308,9 @@ def run(args: argparse.Namespace) -> int:
             f"up: --time-scale must be a finite number >= 0, got {args.time_scale}", file=sys.stderr
         )
         return 2
+    if args.admin_token is not None and not args.admin_token.strip():
+        print("up: --admin-token must not be empty (omit it for a random one)", file=sys.stderr)
+        return 2
     # SIGTERM (systemd, `timeout`, CI) must stop the children too: make it unwind like Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
     admin_token = args.admin_token or secrets.token_urlsafe(24)
@@ -316,7 +319,11 @@ def run(args: argparse.Namespace) -> int:
     tmp = None
     if args.workdir:
         workdir = Path(args.workdir)
-        workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            workdir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            print(f"up: cannot use --workdir {workdir}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     else:
         tmp = tempfile.TemporaryDirectory(prefix="quillcache-up-")
         workdir = Path(tmp.name)
@@ -346,10 +353,20 @@ def run(args: argparse.Namespace) -> int:
                 )
                 gateways = [gateway]
             _announce(args, engines, gateways, redis, admin_token)
-            everything = [*engines, *gateways, *([redis] if redis is not None else [])]
-            while all(p.alive() for p in everything):
+            # Redis may go (the replicas fail open to their own views, docs/state.md);
+            # an engine or a gateway ending stops the stack
+            watched = [*engines, *gateways]
+            while all(p.alive() for p in watched):
+                if redis is not None and not redis.alive():
+                    print(
+                        "up: redis exited; the replicas go on, each routing on its own view "
+                        "(restart it on the same port and they share their state again)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    redis = None
                 time.sleep(0.5)
-            dead = [p.name for p in everything if not p.alive()]
+            dead = [p.name for p in watched if not p.alive()]
             print(f"up: {', '.join(dead)} exited; stopping the rest", file=sys.stderr)
             return 1
     except LaunchError as exc:

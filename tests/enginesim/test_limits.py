@@ -41,6 +41,8 @@ def test_a_time_scale_of_zero_is_an_engine_without_waits() -> None:
         ("engine-sim", "--num-gpu-blocks", "0", "engine-sim: num_gpu_blocks must be at least 1"),
         ("up", "--time-scale", "nan", "up: --time-scale must be a finite number"),
         ("up", "--time-scale", "-1", "up: --time-scale must be a finite number"),
+        ("up", "--admin-token", "", "up: --admin-token must not be empty"),
+        ("up", "--workdir", "/proc/no-such-dir", "up: cannot use --workdir /proc/no-such-dir"),
     ],
 )
 def test_the_commands_refuse_them_at_start(command: str, flag: str, value: str, said: str) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import redis as redis_client
 
 from quillcache.up import LaunchError, Proc, launch
 from tests.online.conftest import metric
@@ -422,6 +424,15 @@ def test_up_starts_a_fleet_of_replicas_in_one_command(tmp_path: Path) -> None:
             info = [ln for ln in page.splitlines() if ln.startswith("quillcache_bootstrap_info{")]
             assert len(info) == 1 and f'source="{source}"' in info[0], info
             assert f'outcome="{outcome}"' in info[0] and info[0].endswith(" 1.0"), info
+        # Redis goes: the stack stays up and the replicas serve on their own views
+        port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+        with contextlib.suppress(redis_client.ConnectionError):
+            redis_client.Redis(port=port).shutdown(nosave=True)
+        time.sleep(1.5)
+        assert proc.poll() is None, "up stopped the stack when redis exited"
+        for url in gateways:
+            out = client(url).completions.create(model="sim-model", prompt="no redis", max_tokens=2)
+            assert out.choices[0].text
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=20)
