@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
@@ -229,3 +230,29 @@ def _completion_problem(body: dict[str, Any], chat: bool) -> str | None:
     if "stream" in body and not isinstance(body["stream"], bool):
         return "'stream' must be true or false"
     return None
+
+
+def single_headers(headers: Headers, names: Iterable[str]) -> None:
+    """A 400 naming the header when one of `names` comes more than once with different
+    values (a proxy and the client each adding one): which one counts is not for the
+    gateway to guess. The values are not echoed (a key may be among them)."""
+    for name in names:
+        values = headers.getlist(name)
+        if len(values) > 1 and len({v.strip() for v in values}) > 1:
+            raise ApiError(
+                400,
+                f"the {name} header is given {len(values)} times with different values: "
+                "give it once",
+                code="duplicate_header",
+                param=name,
+            )
+
+
+# a decimal number as a header carries it (no `1_000`, `nan`, `inf` or `0x10`, which
+# Python's `float` would take or half take)
+_HEADER_NUMBER = re.compile(r"\s*[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?\s*")
+
+
+def header_number(text: str) -> float | None:
+    """A header's decimal number, or None when it is not one."""
+    return float(text) if _HEADER_NUMBER.fullmatch(text) else None

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -31,15 +32,24 @@ from quillcache.gateway.httpio import (
     check_prompt_bytes,
     parse_object,
     read_body,
+    single_headers,
     validate_completion,
 )
 from quillcache.gateway.identify import RequestIdentifier
 from quillcache.gateway.outcomes import RequestOutcomes
-from quillcache.gateway.parent_hints import check_parent_headers
+from quillcache.gateway.parent_hints import CLIENT_ID_HEADER, PARENT_HEADER, check_parent_headers
 from quillcache.gateway.policy_loop import PolicyEngine
-from quillcache.gateway.session_hints import SessionHint, read_session_hint
+from quillcache.gateway.session_hints import TTL_HEADER, SessionHint, read_session_hint
 from quillcache.gateway.shared_routing import SharedRouting
-from quillcache.gateway.slo import EXTENSION, SloPolicy, SloRejected, read_hints, read_priority
+from quillcache.gateway.slo import (
+    EXTENSION,
+    TBT_HEADER,
+    TTFT_HEADER,
+    SloPolicy,
+    SloRejected,
+    read_hints,
+    read_priority,
+)
 from quillcache.gateway.slo_queue import SloQueue
 from quillcache.gateway.tenancy import Identity, TenantPolicy
 from quillcache.gateway.workers import GATEWAY_HEADER, Worker, WorkerPool
@@ -131,6 +141,15 @@ class OpenAIEndpoints:
         self.upstream = upstream
         self.peer_of = peer_of
         self.policy = policy  # takes session retention hints
+        # the hints a request gives in headers: each one value at most
+        self._hint_headers = (
+            config.session_header,
+            TTL_HEADER,
+            TTFT_HEADER,
+            TBT_HEADER,
+            CLIENT_ID_HEADER,
+            PARENT_HEADER,
+        )
         # `--state redis`: every decision is booked in the fleet's shared state (None: local)
         self.shared: SharedRouting | None = None
         # clients' SLO hints against the default SLO of the plane's router (gateway/slo.py)
@@ -179,13 +198,13 @@ class OpenAIEndpoints:
         self.outcomes.answered(path, response.status_code)
         return response
 
-    def authenticate(self, headers: Mapping[str, str], peer: str | None) -> str:
-        """The request's tenant ("" = the shared namespace), or a 401/403 ApiError."""
+    def authenticate(self, headers: Headers, peer: str | None) -> str:
+        """The request's tenant ("" = the shared namespace), or a 401/403 ApiError (a
+        400 for a tenant or key header given twice with different values)."""
+        single_headers(headers, ("authorization", self.tenancy.tenant_header))
         return self.tenancy.authenticate(headers, peer)
 
-    async def prepare(
-        self, headers: Mapping[str, str], raw: bytes, chat: bool, tenant: str
-    ) -> Prepared:
+    async def prepare(self, headers: Headers, raw: bytes, chat: bool, tenant: str) -> Prepared:
         """Check the body (`tenant` authenticated already), then tokenize and hash it for
         routing. Shared by both data paths (this ASGI app's and the native relay's)."""
         size = len(raw)
@@ -244,9 +263,7 @@ class OpenAIEndpoints:
     def _hot_tokens(self) -> bool:
         return self.policy is not None and self.policy.wants_tokens
 
-    def prepare_now(
-        self, headers: Mapping[str, str], raw: bytes, chat: bool, tenant: str
-    ) -> Prepared | None:
+    def prepare_now(self, headers: Headers, raw: bytes, chat: bool, tenant: str) -> Prepared | None:
         """`prepare` without awaiting when the gateway tokenizes locally, else None (the
         native relay then decides in a task: one event-loop turn less per request)."""
         if not self.identifier.tokenizes_locally:
@@ -282,7 +299,7 @@ class OpenAIEndpoints:
         return self.slo.priority(priority, tenant)
 
     def _checked(
-        self, headers: Mapping[str, str], raw: bytes, chat: bool, tenant: str
+        self, headers: Headers, raw: bytes, chat: bool, tenant: str
     ) -> tuple[
         dict[str, Any], bytes, frozenset[int] | None, Identity, SLO | None, SessionHint | None
     ]:
@@ -293,6 +310,7 @@ class OpenAIEndpoints:
         body = parse_object(raw)
         validate_completion(body, chat)
         extended = EXTENSION in body or "nvext" in body
+        single_headers(headers, self._hint_headers)
         check_parent_headers(headers)
         retention = read_session_hint(
             headers, body, self.config.session_header, self.config.policy.session_max_ttl_s

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from quillcache.gateway.httpio import ApiError
+from quillcache.gateway.httpio import ApiError, header_number
 
 TTL_HEADER = "x-session-ttl-s"
 EXTENSION = "quillcache"
@@ -44,10 +44,10 @@ def _error(message: str, param: str) -> ApiError:
 
 def _ttl(raw: object, param: str, max_s: float) -> float:
     if isinstance(raw, str) and param == TTL_HEADER:
-        try:
-            raw = float(raw)
-        except ValueError:
-            raise _error(f"{param} must be a number of seconds, got {raw!r}", param) from None
+        number = header_number(raw)
+        if number is None:
+            raise _error(f"{param} must be a number of seconds, got {raw!r}", param)
+        raw = number
     if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
         raise _error(f"{param} must be a number of seconds, got {raw!r}", param)
     if not 0 < raw <= max_s:

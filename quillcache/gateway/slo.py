@@ -35,7 +35,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from quillcache.controlplane.admission import SloMiss
-from quillcache.gateway.httpio import ApiError
+from quillcache.gateway.httpio import ApiError, header_number
 from quillcache.routing import SLO
 
 TTFT_HEADER = "x-slo-ttft-ms"
@@ -78,10 +78,7 @@ def _value(raw: Any, name: str, limit_ms: float) -> float:
     400 naming `name` and the limit."""
     number: float | None = None
     if name.startswith("x-") and isinstance(raw, str):
-        try:
-            number = float(raw.strip())
-        except ValueError:
-            number = None
+        number = header_number(raw)
     elif isinstance(raw, int | float) and not isinstance(raw, bool):
         number = float(raw)
     if number is None or not math.isfinite(number) or not 0 < number <= limit_ms:

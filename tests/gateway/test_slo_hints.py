@@ -22,12 +22,20 @@ hints = st.one_of(st.none(), slos)
 
 
 @given(
-    ttft=st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6)),
+    ttft=st.one_of(
+        st.none(),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.text(max_size=6),
+        st.sampled_from(["1_000", "0x10", " 250 ", "1e3", "nan", "inf", "+5", ".5", "5."]),
+    ),
 )
 def test_header_values_are_checked_against_the_limit(ttft: object) -> None:
     headers = {} if ttft is None else {"x-slo-ttft-ms": str(ttft)}
+    text = str(ttft).strip()
     try:
-        number = float(str(ttft).strip()) if ttft is not None else None
+        # a decimal number only: digits, a point, a sign and an exponent
+        decimal = bool(text) and set(text) <= set("0123456789.+-eE")
+        number = (float(text) if decimal else math.nan) if ttft is not None else None
     except ValueError:
         number = math.nan
     valid = number is None or (math.isfinite(number) and 0 < number <= LIMIT_MS)

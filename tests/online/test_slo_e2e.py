@@ -259,3 +259,36 @@ def test_queue_mode_waits_while_the_slo_can_still_be_met(
             for t in threads:
                 t.join(timeout=120)
         assert not errors, errors
+
+
+def test_a_hint_header_given_twice_with_different_values_is_a_400(stack: Stack) -> None:
+    """Two `x-slo-ttft-ms` (a proxy's and the client's), two session ids or two tenant
+    headers: which one counts is not guessed (it was the first); the same value twice
+    is one value."""
+    stack.engine(extra=["--time-scale", "0"])
+    gw = stack.start_gateway({})
+    body = {"model": "sim-model", "prompt": prompt("twice", 64), "max_tokens": 2}
+    for name, values in [
+        ("x-slo-ttft-ms", ["5", "800"]),
+        ("x-slo-ttft-ms", ["800", "5"]),
+        ("x-session-id", ["a", "b"]),
+        ("x-session-ttl-s", ["30", "60"]),
+        ("x-tenant-id", ["acme", "other"]),
+    ]:
+        r = httpx.post(
+            gw.url + "/v1/completions", json=body, headers=[(name, v) for v in values], timeout=30
+        )
+        assert r.status_code == 400, (name, r.text)
+        error = r.json()["error"]
+        assert error["code"] == "duplicate_header" and error["param"] == name
+    r = httpx.post(
+        gw.url + "/v1/completions",
+        json=body,
+        headers=[("x-slo-ttft-ms", "60000"), ("x-slo-ttft-ms", "60000")],
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    r = httpx.post(
+        gw.url + "/v1/completions", json=body, headers={"x-slo-ttft-ms": "1_000"}, timeout=30
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-slo-ttft-ms"
