@@ -48,6 +48,7 @@ from quillcache.gateway.workers import (
 from quillcache.index.native import NativeIndex
 from quillcache.policy.targets import Target, TargetBudgetError, TargetKind
 from quillcache.routing import Request as RouteRequest
+from quillcache.state import PinRecord
 from quillcache.tokenization.request import TokenizationError
 
 log = logging.getLogger(__name__)
@@ -292,7 +293,8 @@ class AdminApi:
                 )
         out: dict[str, Any] = {"pinned": len(keys), "tokens": target.tokens, "ttl_s": ttl_s}
         if self.fleet is not None:
-            shared = await self.fleet.pin(keys, tenant, ttl_s)
+            record = PinRecord(target.model, target.salt, target.token_ids)
+            shared = await self.fleet.pin(keys, tenant, ttl_s, record)
             if "owner" in shared:
                 raise ApiError(
                     409,

@@ -15,6 +15,7 @@ import contextlib
 import hmac
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from quillcache.gateway.bootstrap import (
     peers_to_try,
 )
 from quillcache.gateway.config import GatewayConfig, WorkerConfig
-from quillcache.gateway.fleet import FleetLink
+from quillcache.gateway.fleet import AdoptedPin, FleetLink
 from quillcache.gateway.identify import RequestIdentifier
 from quillcache.gateway.ingest_http import IngestEndpoint
 from quillcache.gateway.lmcache_ctl import LmcacheController
@@ -67,7 +68,7 @@ from quillcache.gateway.tenancy import TenantPolicy
 from quillcache.gateway.workers import DiscoveryError, EventSourceError, Worker, WorkerPool
 from quillcache.identity import content_keys
 from quillcache.policy.budget import ActuationBudget
-from quillcache.policy.targets import KeyArray
+from quillcache.policy.targets import KeyArray, Target, TargetBudgetError, TargetKind
 from quillcache.routing import Router
 from quillcache.routing.registry import create_router, import_router
 from quillcache.state.warm_claims import WarmClaims
@@ -260,6 +261,7 @@ class Gateway:
         if fleet is not None:
             self.openai.shared = self.outcomes.shared = routing
             self.metrics.add_collector(fleet.collect)
+            fleet.on_pin(self._keep_fleet_pin)
             # what the fleet changed through the admin API before this replica started
             await fleet.poll_once()
             fleet.begin()
@@ -368,6 +370,28 @@ class Gateway:
             yield
         finally:
             await self.shutdown()
+
+    def _keep_fleet_pin(self, pin: AdoptedPin) -> None:
+        """A pin made through another replica: this replica's policy engine keeps it
+        warm too (the fleet's warm claims let one warm request through), so that it
+        outlives the replica it was made through, and counts it against its owner's
+        pin budget as that replica did."""
+        target = Target(
+            kind=TargetKind.PIN,
+            tenant=pin.owner,
+            name=str(pin.prefix_key),
+            keys=pin.keys,
+            token_ids=pin.record.tokens,
+            model=pin.record.model,
+            salt=pin.record.salt,
+            expires_s=time.monotonic() + pin.ttl_left_s,
+        )
+        if self.policy.store.get(target.id) is not None:
+            return
+        try:
+            self.policy.retain(target)
+        except TargetBudgetError as exc:
+            log.warning("shared state: a fleet pin is not kept warm here: %s", exc)
 
     async def _every(self, interval_s: float, job: Any) -> None:
         name = getattr(job, "__name__", str(job))

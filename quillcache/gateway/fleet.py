@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,7 @@ from quillcache.gateway.metrics import GatewayMetrics, shared_state_metrics
 from quillcache.gateway.secret import GatewaySecret
 from quillcache.gateway.shared_routing import EngineIds, SharedRouting, ViewCapture
 from quillcache.gateway.workers import Worker, WorkerPool
-from quillcache.state import EngineKey, FleetConfig, LocalFallback, RedisFleetState
+from quillcache.state import EngineKey, FleetConfig, LocalFallback, PinRecord, RedisFleetState
 from quillcache.state.load_store import SharedLoadStore
 from quillcache.state.shortlist import ShortlistPolicy
 from quillcache.state.urls import redacted
@@ -46,6 +47,17 @@ log = logging.getLogger(__name__)
 # The configuration is read when the version `loads()` reports moved, and at least this
 # often: reading it also expires lapsed pins (which then moves the version).
 CONFIG_EVERY_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class AdoptedPin:
+    """A pin of the fleet, as another replica made it."""
+
+    prefix_key: int
+    keys: npt.NDArray[np.uint64]
+    owner: str
+    record: PinRecord
+    ttl_left_s: float
 
 
 class FleetLink:
@@ -70,6 +82,7 @@ class FleetLink:
         self._pins: dict[int, npt.NDArray[np.uint64]] = {}  # prefix key -> its chain, applied
         self._pin_owners: dict[int, str] = {}  # prefix key -> owner tenant, as last read
         self._task: asyncio.Task[None] | None = None
+        self._on_pin: Callable[[AdoptedPin], None] | None = None
         self._epoch = ""  # the fleet's epoch in Redis when its configuration was last read
         self.restores = 0  # configurations put back after Redis lost them
         metrics.enable_shared_state()
@@ -241,12 +254,34 @@ class FleetLink:
                 keys = np.asarray(chain, dtype=np.uint64)
                 self._plane.pin(keys)
                 self._pins[key] = keys
+            await self._adopt([k for k in new if k in chains], cfg)
             if len(chains) < len(new):  # a chain not written yet: again at the next poll
                 return False
         for key in [k for k in self._pins if k not in cfg.pins]:
             self._plane.unpin(self._pins.pop(key))
         self._pin_owners = dict(cfg.pins)
         return True
+
+    def on_pin(self, adopt: Callable[[AdoptedPin], None]) -> None:
+        """Who keeps the fleet's pins warm on this replica (the policy engine): each pin
+        made through another replica, with what warming it takes and its TTL left."""
+        self._on_pin = adopt
+
+    async def _adopt(self, keys: list[int], cfg: FleetConfig) -> None:
+        """Hand the pins `keys` (new to this replica) to `on_pin`: every replica keeps
+        every pin warm (the fleet's warm claims let one warm request through), so a pin
+        outlives the replica it was made through."""
+        if self._on_pin is None or not keys:
+            return
+        records = await self.state.pin_records(keys)
+        ttls = await self.state.pin_ttls(keys)
+        if isinstance(records, LocalFallback) or isinstance(ttls, LocalFallback):
+            return  # adopted when the pin is next read (a restart, or a new version)
+        for key in keys:
+            record, ttl = records.get(key), ttls.get(key)
+            if record is None or ttl is None:  # made before records, or expired since
+                continue
+            self._on_pin(AdoptedPin(key, self._pins[key], cfg.pins.get(key, ""), record, ttl))
 
     async def pins_elsewhere(self, here: set[int]) -> list[dict[str, Any]]:
         """For `GET /admin/pins`: the fleet's pins whose prefix key is not in `here`
@@ -301,14 +336,18 @@ class FleetLink:
             return False
         return _shared(await self.state.set_draining(EngineKey(fid), draining))
 
-    async def pin(self, keys: npt.NDArray[np.uint64], tenant: str, ttl_s: float) -> dict[str, Any]:
+    async def pin(
+        self, keys: npt.NDArray[np.uint64], tenant: str, ttl_s: float, record: PinRecord
+    ) -> dict[str, Any]:
         """Pin a prompt's blocks on every replica: the prefix (its last key) in Redis
-        with its chain, then here. 409 material when another tenant holds it."""
+        with its chain and what warming it takes (`record`), then here. 409 material
+        when another tenant holds it."""
         if not len(keys):
             return {"pinned": 0, "shared": False}
         last = int(keys[-1])
-        # the chain first: a replica that sees the pin finds the blocks to pin
+        # the chain and record first: a replica that sees the pin finds what to pin
         await self.state.put_pin_chain(last, [int(k) for k in keys])
+        await self.state.put_pin_record(last, record)
         out = await self.state.pin(last, tenant, ttl_s)
         if isinstance(out, LocalFallback):
             self._pin_here(last, keys)

@@ -61,6 +61,7 @@ from quillcache.state.types import (
     LoadWeights,
     LocalFallback,
     OutsideTerms,
+    PinRecord,
     SecretMismatchError,
     Shared,
     SharedLoad,
@@ -694,12 +695,51 @@ class RedisFleetState:
         )
         return LocalFallback(self._why()) if reply is _FAILED else Shared()
 
-    async def drop_pin_chain(self, prefix_key: int) -> Shared | LocalFallback:
-        key = self.base + "pinkeys"
+    async def put_pin_record(self, prefix_key: int, record: PinRecord) -> Shared | LocalFallback:
+        """What warming a pinned prefix takes (its tokens, model and salt), so that every
+        replica keeps it warm, not only the one it was made through."""
+        value = json.dumps({"model": record.model, "salt": record.salt, "tokens": record.tokens})
         reply = await self._run(
-            "unpin", None, ["HDEL", key, _hex(prefix_key)], self.admin_timeout_s
+            "pin",
+            None,
+            ["HSET", self.base + "pinrec", _hex(prefix_key), value],
+            self.admin_timeout_s,
         )
         return LocalFallback(self._why()) if reply is _FAILED else Shared()
+
+    async def pin_records(self, prefix_keys: Sequence[int]) -> dict[int, PinRecord] | LocalFallback:
+        """The records `put_pin_record` stored for these prefixes (those it has)."""
+        if not prefix_keys:
+            return {}
+        reply = await self._run(
+            "config",
+            None,
+            ["HMGET", self.base + "pinrec", *(_hex(k) for k in prefix_keys)],
+            self.admin_timeout_s,
+        )
+        if reply is _FAILED:
+            return LocalFallback(self._why())
+        out: dict[int, PinRecord] = {}
+        for k, v in zip(prefix_keys, reply, strict=True):
+            if not v:
+                continue
+            try:
+                d = json.loads(v)
+                out[k] = PinRecord(str(d["model"]), d["salt"], [int(t) for t in d["tokens"]])
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("shared state: pin %s has a malformed record: %s", _hex(k), exc)
+        return out
+
+    async def drop_pin_chain(self, prefix_key: int) -> Shared | LocalFallback:
+        """The chain and the record of a prefix no longer pinned."""
+        out: Shared | LocalFallback = Shared()
+        for name in ("pinkeys", "pinrec"):
+            reply = await self._run(
+                "unpin", None, ["HDEL", self.base + name, _hex(prefix_key)], self.admin_timeout_s
+            )
+            if reply is _FAILED:
+                out = LocalFallback(self._why())
+        return out
 
     async def pin_chains(self, prefix_keys: Sequence[int]) -> dict[int, list[int]] | LocalFallback:
         """The chains `put_pin_chain` stored for these prefixes (those it has)."""

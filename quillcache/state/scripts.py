@@ -576,7 +576,11 @@ PIN = (
     + r"""
 local PINS, PINX = B .. 'pins', B .. 'pinx'
 local expired = redis.call('ZRANGEBYSCORE', PINX, '-inf', now)
-for _, k in ipairs(expired) do redis.call('HDEL', PINS, k) end
+for _, k in ipairs(expired) do
+  redis.call('HDEL', PINS, k)
+  redis.call('HDEL', B .. 'pinkeys', k)
+  redis.call('HDEL', B .. 'pinrec', k)
+end
 if #expired > 0 then
   redis.call('ZREMRANGEBYSCORE', PINX, '-inf', now)
   redis.call('INCR', B .. 'cfgver')
@@ -626,7 +630,11 @@ CONFIG = (
     + r"""
 local PINS, PINX = B .. 'pins', B .. 'pinx'
 local expired = redis.call('ZRANGEBYSCORE', PINX, '-inf', now)
-for _, k in ipairs(expired) do redis.call('HDEL', PINS, k) end
+for _, k in ipairs(expired) do
+  redis.call('HDEL', PINS, k)
+  redis.call('HDEL', B .. 'pinkeys', k)
+  redis.call('HDEL', B .. 'pinrec', k)
+end
 if #expired > 0 then
   redis.call('ZREMRANGEBYSCORE', PINX, '-inf', now)
   redis.call('INCR', B .. 'cfgver')

@@ -182,6 +182,16 @@ class LocalFallback:
 
 
 @dataclass(frozen=True, slots=True)
+class PinRecord:
+    """What warming a pinned prefix takes: its tokens (whole blocks), the model and the
+    owner's derived salt it is sent with."""
+
+    model: str
+    salt: str | None
+    tokens: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class FleetConfig:
     """What the admin API changed at run time, as the fleet sees it."""
 

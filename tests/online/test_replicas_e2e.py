@@ -324,8 +324,8 @@ def test_admin_changes_reach_every_replica(fleet: Fleet) -> None:
         (mine,) = on_a.get("/admin/pins").json()["pins"]
         (theirs,) = on_b.get("/admin/pins").json()["pins"]
     assert mine["blocks"] == theirs["blocks"] == 6 and mine["owner"] == theirs["owner"]
-    assert theirs["kept_warm_by"] == "another replica"
-    # the TTL left, as Redis counts it, on either replica
+    # b keeps it warm too (it adopted the pin), with the TTL Redis has left for it
+    assert "kept_warm_by" not in theirs and theirs["name"] == mine["name"]
     assert 0 < theirs["ttl_left_s"] <= mine["ttl_left_s"] + 1.0
     assert mine["ttl_left_s"] - theirs["ttl_left_s"] < 5.0
     # b routes around the engine a drained
@@ -520,3 +520,38 @@ def test_redis_restarted_empty_keeps_the_engines_added_through_the_fleet(fleet: 
         assert set(workers_of(fleet, r)) == {e0.url, e1.url}
     c = fleet.replica()
     wait_for(lambda: e1.url in workers_of(fleet, c), 5.0, "the engine put back in redis")
+
+
+def test_a_pin_outlives_the_replica_it_was_made_through(fleet: Fleet) -> None:
+    """Every replica keeps the fleet's pins warm (their tokens are in Redis): after the
+    replica a pin was made through is killed, another one places it again when its
+    holder's cache is reset, and counts it against its owner's pin budget."""
+    fleet.stack.engine()
+    fleet.stack.engine()
+    policy = {"interval_s": 0.2, "touch_min_interval_s": 0.5, "pin_budget_tokens": 200}
+    a, b = fleet.replica(policy=policy), fleet.replica(policy=policy)
+    pinned = {"model": "sim-model", "prompt": prompt("kept", blocks=8)}
+    with fleet.admin(a) as admin:
+        r = admin.post("/admin/pins", json=pinned, headers={"x-tenant-id": "acme"})
+        assert r.status_code == 200, r.text
+    a.popen.kill()
+    a.popen.wait(10)
+
+    def listed() -> list[dict[str, object]]:
+        with fleet.admin(b) as admin:
+            pins: list[dict[str, object]] = admin.get("/admin/pins").json()["pins"]
+            return pins
+
+    wait_for(lambda: len(listed()) == 1 and bool(listed()[0]["holders"]), 10.0, "placed")
+    (pin,) = listed()
+    assert "kept_warm_by" not in pin and pin["owner"] == "acme"
+    holder = pin["holders"][0]  # type: ignore[index]
+    with fleet.admin(b) as admin:
+        r = admin.post(f"/admin/workers/{holder}/reset_prefix_cache")
+        assert r.status_code == 200, r.text
+    wait_for(lambda: bool(listed()[0]["holders"]), 10.0, "placed again by the survivor")
+    # the adopted pin counts against the owner's budget on this replica (128 + 128 > 200)
+    with fleet.admin(b) as admin:
+        more = {"model": "sim-model", "prompt": prompt("more", blocks=8)}
+        r = admin.post("/admin/pins", json=more, headers={"x-tenant-id": "acme"})
+        assert r.status_code == 409 and "pin budget" in r.text, r.text

@@ -17,6 +17,7 @@ from quillcache.state import (
     EngineKey,
     LoadWeights,
     LocalFallback,
+    PinRecord,
     RedisFleetState,
     SecretMismatchError,
     Shared,
@@ -548,6 +549,11 @@ def test_pins_draining_engines_config(redis_server: RedisServer) -> None:
             assert await a.set_draining(EngineKey(3, 1)) == Shared("changed")
             assert await a.set_draining(EngineKey(3, 1)) == Shared("unchanged")
             assert await a.add_engine(12, {"url": "http://127.0.0.1:9"}) == Shared("changed")
+            # what warming it takes, for every replica (a malformed record is skipped)
+            record = PinRecord("m", "salt-1", [1, 2, 3])
+            assert await a.put_pin_record(0xFEED, record) == Shared()
+            assert await a.put_pin_chain(0xFEED, [0xAA, 0xFEED]) == Shared()
+            assert await b.pin_records([0xFEED, 0xBEEF]) == {0xFEED: record}
             # the TTL left, by Redis's clock, as any replica reads it (0xBEEF: not pinned)
             ttls = await b.pin_ttls([0xFEED, 0xBEEF])
             assert not isinstance(ttls, LocalFallback) and set(ttls) == {0xFEED}
@@ -562,6 +568,9 @@ def test_pins_draining_engines_config(redis_server: RedisServer) -> None:
             c2 = await b.config()
             assert not isinstance(c2, LocalFallback) and c2.pins == {} and c2.version > c1.version
             assert await b.pin_ttls([0xFEED]) == {}
+            # a lapsed pin's chain and record go with it
+            assert await b.pin_records([0xFEED]) == {}
+            assert await b.pin_chains([0xFEED]) == {}
             await a.set_draining(EngineKey(3, 1), False)
             await a.remove_engine(12)
             c3 = await b.config()
