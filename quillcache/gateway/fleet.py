@@ -216,9 +216,11 @@ class FleetLink:
     async def _apply_engines(self, cfg: FleetConfig) -> bool:
         done = True
         for fid, spec in cfg.engines.items():
-            self._fleet_engines.add(fid)
             if fid in self.ids.to_worker:
+                # in this replica already (its own configuration, or added here): the
+                # fleet removing it does not remove a configured engine
                 continue
+            self._fleet_engines.add(fid)
             try:
                 w = await self._pool.add(WorkerConfig.model_validate(spec))
             except Exception as exc:  # retried at the next poll
@@ -323,9 +325,12 @@ class FleetLink:
         return _shared(await self.state.add_engine(fid, spec))
 
     async def engine_removed(self, w: Worker) -> bool:
+        """Whether the removal is the fleet's: an engine added through the fleet leaves
+        every replica; one in this replica's own configuration leaves this one only
+        (False: nothing is written)."""
         fid = self.ids.to_fleet.get(w.id)
         self.ids.remove(w.id)
-        if fid is None:
+        if fid is None or fid not in self._fleet_engines:
             return False
         self._fleet_engines.discard(fid)
         return _shared(await self.state.remove_engine(fid))

@@ -336,8 +336,11 @@ def test_admin_changes_reach_every_replica(fleet: Fleet) -> None:
             model="sim-model", prompt=prompt(f"d{i}"), max_tokens=2
         )
         assert names[raw.headers["x-quillcache-worker"]] != e1.url
-    # a replica started later finds the fleet as the admin API left it
+    # a replica started later, configured with the first engines only, finds the fleet
+    # as the admin API left it
+    fleet.stack.engines.remove(e2)
     c = fleet.replica()
+    fleet.stack.engines.append(e2)
     seen = workers_of(fleet, c)
     assert seen[e1.url]["draining"] is True and e2.url in seen and e0.url in seen
     assert pins_of(fleet, c) == 1
@@ -555,3 +558,25 @@ def test_a_pin_outlives_the_replica_it_was_made_through(fleet: Fleet) -> None:
         more = {"model": "sim-model", "prompt": prompt("more", blocks=8)}
         r = admin.post("/admin/pins", json=more, headers={"x-tenant-id": "acme"})
         assert r.status_code == 409 and "pin budget" in r.text, r.text
+
+
+def test_removing_a_configured_engine_is_local_to_its_replica(fleet: Fleet) -> None:
+    """An engine in the replicas' own configuration: removing it through one replica
+    leaves the others serving it (and says `shared: false`), also after it was added
+    back through the fleet and removed again."""
+    e0 = fleet.stack.engine()
+    a, b = fleet.replica(), fleet.replica()
+    with fleet.admin(a) as admin:
+        wid = {w["url"]: w["id"] for w in admin.get("/admin/workers").json()["workers"]}[e0.url]
+        r = admin.delete(f"/admin/workers/{wid}")
+        assert r.status_code == 200 and r.json()["shared"] is False, r.text
+        time.sleep(1.0)  # ten polls of the fleet's configuration
+        assert e0.url in workers_of(fleet, b)
+        r = admin.post("/admin/workers", json={"url": e0.url})  # back, through the fleet
+        assert r.status_code == 201 and r.json()["shared"] is True, r.text
+        time.sleep(1.0)
+        assert list(workers_of(fleet, b)) == [e0.url]
+        r = admin.delete(f"/admin/workers/{r.json()['id']}")
+        assert r.status_code == 200 and r.json()["shared"] is True, r.text
+    time.sleep(1.0)
+    assert e0.url in workers_of(fleet, b), "the fleet removed b's configured engine"
