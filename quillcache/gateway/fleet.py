@@ -36,7 +36,7 @@ from quillcache.gateway.config import GatewayConfig, WorkerConfig
 from quillcache.gateway.metrics import GatewayMetrics, shared_state_metrics
 from quillcache.gateway.secret import GatewaySecret
 from quillcache.gateway.shared_routing import EngineIds, SharedRouting, ViewCapture
-from quillcache.gateway.workers import Worker, WorkerPool
+from quillcache.gateway.workers import DuplicateWorkerError, Worker, WorkerPool
 from quillcache.state import EngineKey, FleetConfig, LocalFallback, PinRecord, RedisFleetState
 from quillcache.state.load_store import SharedLoadStore
 from quillcache.state.shortlist import ShortlistPolicy
@@ -223,6 +223,9 @@ class FleetLink:
             self._fleet_engines.add(fid)
             try:
                 w = await self._pool.add(WorkerConfig.model_validate(spec))
+            except DuplicateWorkerError as exc:  # served here already, under another URL
+                log.info("shared state: fleet engine %s not added: %s", spec.get("url"), exc)
+                continue
             except Exception as exc:  # retried at the next poll
                 done = False
                 log.warning("shared state: cannot add fleet engine %s: %s", spec.get("url"), exc)

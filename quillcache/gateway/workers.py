@@ -327,12 +327,27 @@ class WorkerPool:
 
     async def add(self, cfg: WorkerConfig) -> Worker:
         """Describe and attach an engine; `DuplicateWorkerError` when its URL is already a
-        worker's (checked again after the description: it may have joined meanwhile)."""
+        worker's, or names the same address (`localhost` and `127.0.0.1`): checked
+        again after the description, since it may have joined meanwhile."""
         self._check_new(cfg.url)
+        await self._check_same_address(cfg.url)
         w = await self.describe(self.client, cfg)
         self._check_new(cfg.url)
         self.check_block_size(w)
         return self.attach(w)
+
+    async def _check_same_address(self, url: str) -> None:
+        """`DuplicateWorkerError` when `url` reaches a worker's engine under another
+        spelling: the same scheme, port and path at an address both names resolve to
+        (one engine served as two workers would split its traffic and its cache)."""
+        mine = await _addresses(url)
+        if not mine:
+            return
+        for w in list(self.workers.values()):
+            if mine & await _addresses(w.url):
+                raise DuplicateWorkerError(
+                    f"engine {url} is already worker {w.id} ({w.url}: the same address)"
+                )
 
     def _check_new(self, url: str) -> None:
         same = self.by_url(url)
@@ -657,3 +672,22 @@ class WorkerPool:
                 w.last_metrics_page = result[1]
             if w.id in self.workers:
                 self._merge_engine_load(w)
+
+
+async def _addresses(url: str) -> set[tuple[str, str, int, str]]:
+    """(scheme, IP address, port, path) for each address `url`'s host resolves to;
+    empty when it does not resolve (the description then says why)."""
+    parts = urlsplit(url.rstrip("/"))
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return set()
+    if parts.hostname is None:
+        return set()
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            parts.hostname, port, type=socket.SOCK_STREAM
+        )
+    except OSError:
+        return set()
+    return {(parts.scheme, str(info[4][0]), port, parts.path) for info in infos}

@@ -149,6 +149,12 @@ def test_an_engine_is_one_worker_however_it_joins(tmp_path: Path) -> None:
             again = a.post("/admin/workers", json={"url": up.url})
             assert again.status_code == 409, again.text
             assert "already worker 0" in again.json()["error"]["message"]
+            # the same engine under another spelling of its address, too
+            alias = up.url.replace("127.0.0.1", "localhost")
+            assert alias != up.url
+            again = a.post("/admin/workers", json={"url": alias})
+            assert again.status_code == 409, again.text
+            assert "already worker 0" in again.json()["error"]["message"]
             proc = launch("late", engine_args(port=late[0], kv_ports=(late[1], late[2])), tmp_path)
             stack.procs.append(proc)
             added = a.post("/admin/workers", json={"url": late_url})
