@@ -137,7 +137,13 @@ def admit(request: Request, view: View, decision: Decision, default: SLO | None)
         return decision
     where = f"worker {decision.worker}" + (f" rank {decision.dp_rank}" if decision.dp_rank else "")
     return Decision.reject(
-        f"estimated {miss.bound.upper()} {miss.estimate_s:.3f}s on {where} exceeds the SLO "
-        f"{miss.slo_s:.3f}s",
+        f"estimated {miss.bound.upper()} {_seconds(miss.estimate_s)} on {where} exceeds the "
+        f"SLO {_seconds(miss.slo_s)}",
         est,
     )
+
+
+def _seconds(s: float) -> str:
+    """Seconds to the millisecond, or below 10 ms in milliseconds to three figures (a
+    sub-millisecond SLO is not "0.000s")."""
+    return f"{s:.3f}s" if s >= 0.01 else f"{s * 1000:.3g} ms"

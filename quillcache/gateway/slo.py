@@ -52,11 +52,12 @@ class SloRejected(ApiError):
 
     def __init__(self, miss: SloMiss, reason: str) -> None:
         # `reason` (the admission stage's) names the engine, the estimate and the SLO
-        then = (
-            f"retry after {miss.retry_after_s} s"
-            if miss.waiting_helps
-            else "even with its queue empty the engine would miss it: no wait helps"
-        )
+        if not miss.waiting_helps:
+            then = "even with its queue empty the engine would miss it: no wait helps"
+        elif miss.bound == "tbt":
+            then = "retry once running requests end (their decode batch sets the TBT)"
+        else:
+            then = f"retry after {miss.retry_after_s} s"
         super().__init__(
             429,
             f"request not admitted: {reason}; {then}",
@@ -69,7 +70,12 @@ class SloRejected(ApiError):
 
     def response(self) -> JSONResponse:
         response = super().response()
-        response.headers["retry-after"] = str(self.miss.retry_after_s)
+        if self.miss.waiting_helps:
+            response.headers["retry-after"] = str(self.miss.retry_after_s)
+        else:
+            # the same request misses its SLO on an idle engine: no retry can help.
+            # OpenAI's SDKs obey `x-should-retry` (they retry a 429 by default).
+            response.headers["x-should-retry"] = "false"
         return response
 
 
