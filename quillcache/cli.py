@@ -21,7 +21,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("quillcache.gateway.cli", "run the OpenAI-compatible routing gateway"),
     "secret": ("quillcache.gateway.secret_cli", "show or rotate the gateway secret; hash API keys"),
     "engine-sim": ("quillcache.enginesim.cli", "run a simulated vLLM engine"),
-    "up": ("quillcache.up", "start N simulated engines and a gateway on 127.0.0.1"),
+    "up": (
+        "quillcache.up",
+        "start simulated engines and a gateway (or, with --replicas, gateway replicas "
+        "sharing a redis-server) on 127.0.0.1",
+    ),
     "loadgen": ("quillcache.loadgen.cli", "replay a workload against an OpenAI endpoint"),
 }
 

@@ -280,17 +280,21 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--engines", type=int, default=2, help="how many simulated engines")
+    a("--engines", type=int, default=2, help="how many simulated engines (default: 2)")
     a(
         "--replicas",
         type=int,
         default=1,
-        help="gateway replicas; above 1 they share their state through a redis-server "
-        "started here (it must be installed)",
+        help="gateway replicas (default: 1); above 1 they share their state through a "
+        "redis-server started here (it must be installed)",
     )
-    a("--model", default="sim-model", help="the model name the engines serve")
-    a("--router", default="quillcache", help="the gateway's router (a name or 'pkg.module:Class')")
-    a("--time-scale", type=float, default=1.0, help="engine latency multiplier")
+    a("--model", default="sim-model", help="the model name the engines serve (default: sim-model)")
+    a(
+        "--router",
+        default="quillcache",
+        help="the gateway's router, a name or 'pkg.module:Class' (default: quillcache)",
+    )
+    a("--time-scale", type=float, default=1.0, help="engine latency multiplier (default: 1.0)")
     a(
         "--admin-token",
         default=None,

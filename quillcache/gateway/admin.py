@@ -148,6 +148,10 @@ class AdminApi:
                 shared = await self.fleet.engine_removed(removed)
                 return JSONResponse({"removed": removed.id, "shared": shared})
             return JSONResponse({"removed": removed.id})
+        given = request.path_params["worker_id"]
+        waiting = self.pending.engines.get(int(given)) if given.isdigit() else None
+        if waiting is not None:  # configured, not joined yet: what it waits for
+            return JSONResponse({**waiting.as_dict(), "pending": True})
         return JSONResponse(self._worker_call(request, self.pool.get).as_dict())
 
     async def drain(self, request: Request) -> Response:

@@ -267,7 +267,10 @@ class WorkerPool:
             gateway = GATEWAY_HEADER in listed.headers
             models = None if gateway else listed.json()["data"]
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            raise DiscoveryError(f"engine {cfg.url}: cannot list /v1/models: {exc}") from exc
+            hint = ""
+            if cfg.url.rstrip("/").endswith("/v1"):
+                hint = " (give the engine's base URL, without /v1: the gateway adds it)"
+            raise DiscoveryError(f"engine {cfg.url}: cannot list /v1/models: {exc}{hint}") from exc
         if models is None:
             raise DiscoveryError(
                 f"{cfg.url} is a QuillCache gateway, not an engine: its requests would come "

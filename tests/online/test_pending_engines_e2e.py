@@ -60,6 +60,9 @@ def test_an_engine_down_at_start_is_pending_and_joins_under_its_id(tmp_path: Pat
             [pending] = listed["pending"]
             assert pending["id"] == 0 and pending["url"] == late_url
             assert "cannot list /v1/models" in pending["why"], pending
+            # asked by its id, it is the pending engine (not an unknown worker)
+            one = a.get("/admin/workers/0")
+            assert one.status_code == 200 and one.json() == {**pending, "pending": True}
             assert metric(a.get("/metrics").text, "quillcache_workers_pending") == 1
             ready = http_get(gw.url + "/ready")
             assert ready.status_code == 200, ready.text  # the engine it has is enough
@@ -155,6 +158,9 @@ def test_an_engine_is_one_worker_however_it_joins(tmp_path: Path) -> None:
             again = a.post("/admin/workers", json={"url": alias})
             assert again.status_code == 409, again.text
             assert "already worker 0" in again.json()["error"]["message"]
+            # an OpenAI base URL (with /v1) where the engine's is wanted: says so
+            v1 = a.post("/admin/workers", json={"url": up.url + "/v1"})
+            assert v1.status_code == 400 and "without /v1" in v1.text, v1.text
             proc = launch("late", engine_args(port=late[0], kv_ports=(late[1], late[2])), tmp_path)
             stack.procs.append(proc)
             added = a.post("/admin/workers", json={"url": late_url})
