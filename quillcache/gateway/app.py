@@ -43,7 +43,7 @@ from quillcache.gateway.bootstrap import (
     peers_to_try,
 )
 from quillcache.gateway.config import GatewayConfig, WorkerConfig
-from quillcache.gateway.fleet import AdoptedPin, FleetLink
+from quillcache.gateway.fleet import AdoptedPin, FleetLink, KeptPin
 from quillcache.gateway.identify import RequestIdentifier
 from quillcache.gateway.ingest_http import IngestEndpoint
 from quillcache.gateway.lmcache_ctl import LmcacheController
@@ -71,6 +71,7 @@ from quillcache.policy.budget import ActuationBudget
 from quillcache.policy.targets import KeyArray, Target, TargetBudgetError, TargetKind
 from quillcache.routing import Router
 from quillcache.routing.registry import create_router, import_router
+from quillcache.state import PinRecord
 from quillcache.state.warm_claims import WarmClaims
 from quillcache.tokenization.multimodal import MultimodalPrompts
 from quillcache.tokenization.request import RequestTokenizer
@@ -262,6 +263,7 @@ class Gateway:
             self.openai.shared = self.outcomes.shared = routing
             self.metrics.add_collector(fleet.collect)
             fleet.on_pin(self._keep_fleet_pin)
+            fleet.pins_from(self._kept_pins)
             # what the fleet changed through the admin API before this replica started
             await fleet.poll_once()
             fleet.begin()
@@ -392,6 +394,15 @@ class Gateway:
             self.policy.retain(target)
         except TargetBudgetError as exc:
             log.warning("shared state: a fleet pin is not kept warm here: %s", exc)
+
+    def _kept_pins(self) -> list[KeptPin]:
+        """The pins the policy engine keeps, for the fleet to put back in Redis."""
+        now = time.monotonic()
+        return [
+            (t.keys, t.tenant, t.expires_s - now, PinRecord(t.model, t.salt, t.token_ids))
+            for t in self.policy.store
+            if t.kind is TargetKind.PIN and t.expires_s > now
+        ]
 
     async def _every(self, interval_s: float, job: Any) -> None:
         name = getattr(job, "__name__", str(job))

@@ -60,6 +60,10 @@ class AdoptedPin:
     ttl_left_s: float
 
 
+#: A pin a replica keeps: its keys, owner tenant, TTL left (s) and what warming it takes.
+KeptPin = tuple[npt.NDArray[np.uint64], str, float, PinRecord]
+
+
 class FleetLink:
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics) -> None:
         self.config = config
@@ -83,6 +87,7 @@ class FleetLink:
         self._pin_owners: dict[int, str] = {}  # prefix key -> owner tenant, as last read
         self._task: asyncio.Task[None] | None = None
         self._on_pin: Callable[[AdoptedPin], None] | None = None
+        self._kept_pins: Callable[[], list[KeptPin]] = list
         self._epoch = ""  # the fleet's epoch in Redis when its configuration was last read
         self.restores = 0  # configurations put back after Redis lost them
         metrics.enable_shared_state()
@@ -191,10 +196,15 @@ class FleetLink:
 
     async def _restore(self) -> None:
         """Put back in Redis what this replica knows of the fleet's configuration: the
-        engines added through the fleet that it serves, and its draining flags. (Pins
-        are not put back: their TTLs are the replicas' they were made through.) Every
-        replica does the same; the writes are idempotent."""
+        engines added through the fleet that it serves, its draining flags, and the pins
+        its policy engine keeps (every replica keeps every pin it read, with its TTL
+        left: `pins_from`). Every replica does the same; the writes are idempotent (a
+        pin's owner re-pinning it)."""
         self.restores += 1
+        pins = 0
+        for keys, owner, ttl_s, record in self._kept_pins():
+            if ttl_s > 0 and (await self.pin(keys, owner, ttl_s, record)).get("shared"):
+                pins += 1
         put = 0
         for fid in sorted(self._fleet_engines):
             worker = self.ids.to_worker.get(fid)
@@ -209,8 +219,10 @@ class FleetLink:
                 await self.state.set_draining(EngineKey(fid), True)
         log.warning(
             "shared state: redis lost the fleet's configuration (epoch changed); this "
-            "replica put back %d engine(s) added through the fleet and its draining flags",
+            "replica put back %d engine(s) added through the fleet, its draining flags and "
+            "%d pin(s)",
             put,
+            pins,
         )
 
     async def _apply_engines(self, cfg: FleetConfig) -> bool:
@@ -266,6 +278,11 @@ class FleetLink:
             self._plane.unpin(self._pins.pop(key))
         self._pin_owners = dict(cfg.pins)
         return True
+
+    def pins_from(self, kept: Callable[[], list[KeptPin]]) -> None:
+        """The pins this replica's policy engine keeps (keys, owner, TTL left, record):
+        what it puts back when Redis lost the fleet's configuration."""
+        self._kept_pins = kept
 
     def on_pin(self, adopt: Callable[[AdoptedPin], None]) -> None:
         """Who keeps the fleet's pins warm on this replica (the policy engine): each pin

@@ -500,16 +500,20 @@ def test_a_replica_added_under_load_joins_the_fleet(fleet: Fleet) -> None:
 
 
 def test_redis_restarted_empty_keeps_the_engines_added_through_the_fleet(fleet: Fleet) -> None:
-    """An engine added through the admin API lives in Redis; Redis restarted without
-    persistence has lost it. The running replicas keep serving it and put it back (it
-    was not removed), so a replica started afterwards finds it too."""
+    """An engine added and a prefix pinned through the admin API live in Redis; Redis
+    restarted without persistence has lost them. The running replicas keep serving the
+    engine and the pin and put both back (neither was removed), so a replica started
+    afterwards finds them too."""
     e0 = fleet.stack.engine()
     a, b = fleet.replica(), fleet.replica()
     e1 = fleet.stack.engine()
     with fleet.admin(a) as admin:
         r = admin.post("/admin/workers", json={"url": e1.url})
         assert r.status_code == 201 and r.json()["shared"] is True
+        r = admin.post("/admin/pins", json={"model": "sim-model", "prompt": prompt("kept")})
+        assert r.status_code == 200 and r.json()["shared"] is True
     wait_for(lambda: e1.url in workers_of(fleet, b), 5.0, "the added engine seen by b")
+    wait_for(lambda: pins_of(fleet, b) == 1, 5.0, "the pin seen by b")
     fleet.redis.stop()
     fleet.redis.start(same_port=True)  # empty: no persistence
     for r in (a, b):
@@ -523,6 +527,9 @@ def test_redis_restarted_empty_keeps_the_engines_added_through_the_fleet(fleet: 
         assert set(workers_of(fleet, r)) == {e0.url, e1.url}
     c = fleet.replica()
     wait_for(lambda: e1.url in workers_of(fleet, c), 5.0, "the engine put back in redis")
+    wait_for(lambda: pins_of(fleet, c) == 1, 5.0, "the pin put back in redis")
+    for r in (a, b):
+        assert pins_of(fleet, r) == 1
 
 
 def test_a_pin_outlives_the_replica_it_was_made_through(fleet: Fleet) -> None:
