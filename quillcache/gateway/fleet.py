@@ -307,10 +307,11 @@ class FleetLink:
 
     async def pins_elsewhere(self, here: set[int]) -> list[dict[str, Any]]:
         """For `GET /admin/pins`: the fleet's pins whose prefix key is not in `here`
-        (the pins this replica keeps warm): made through another replica, which keeps
-        their tokens and warms them; this one prefers their holders all the same. Their
-        `ttl_left_s` is Redis's (None when Redis cannot be asked now); a pin that
-        expired since the last poll is not listed."""
+        (the pins this replica keeps warm): ones it has not taken (Redis was down when
+        it read them, or they carry no record), which the replica they were made through
+        warms; this one prefers their holders all the same. Their `ttl_left_s` is
+        Redis's (None when Redis cannot be asked now); a pin that expired since the last
+        poll is not listed."""
         theirs = sorted((k, keys) for k, keys in self._pins.items() if k not in here)
         got = await self.state.pin_ttls([k for k, _ in theirs])
         ttls: dict[int, float | None] = (
