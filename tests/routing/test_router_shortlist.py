@@ -204,7 +204,7 @@ def shortlist_cases(draw: st.DrawFn) -> tuple[Request, View, np.ndarray, np.ndar
 
 
 @settings(max_examples=300, deadline=None)
-@given(case=shortlist_cases(), size=st.integers(1, 6))
+@given(case=shortlist_cases(), size=st.integers(0, 6))
 def test_the_native_shortlist_is_the_reference_bit_for_bit(
     case: tuple[Request, View, np.ndarray, np.ndarray | None, int], size: int
 ) -> None:

@@ -111,7 +111,8 @@ pub fn cost_preferences(
     } else {
         f64::INFINITY
     };
-    let take = size.min(n);
+    // the decision's row always leads (a size of 0 lists it alone, as the reference)
+    let take = size.min(n).max(1);
     let mut order = Vec::with_capacity(take);
     order.push(position);
     order.extend(
@@ -356,6 +357,15 @@ mod tests {
             load_units(&columns, &bad, &w, &ask),
             Err(ShortlistError::Position(2, 2))
         );
+    }
+
+    #[test]
+    fn a_size_of_zero_or_one_lists_the_decision_alone() {
+        for size in [0, 1] {
+            let got =
+                cost_preferences(&params(), &[0.5, 0.2], None, &held(2), 0, size, &ASK).unwrap();
+            assert_eq!(got.iter().map(|p| p.position).collect::<Vec<_>>(), vec![0]);
+        }
     }
 
     #[test]
