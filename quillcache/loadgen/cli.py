@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -60,8 +63,9 @@ def run(args: argparse.Namespace) -> int:
     if len(names) not in (0, len(args.url)):
         print("loadgen: give one --name per --url", file=sys.stderr)
         return 2
-    if args.concurrency < 1:
-        print("loadgen: --concurrency must be at least 1", file=sys.stderr)
+    problem = _check_numbers(args) or _check_output(args.json, names or args.url)
+    if problem:
+        print(f"loadgen: {problem}", file=sys.stderr)
         return 2
     try:
         total = args.requests + args.warmup
@@ -119,6 +123,51 @@ def run(args: argparse.Namespace) -> int:
         stream = "non-streaming" if args.no_stream else "streaming"
         console.print(render_table(results, f"loadgen: {len(measured)} requests, {mode}, {stream}"))
     return 1 if any(r["ok"] == 0 for r in results.values()) else 0
+
+
+def _check_numbers(args: argparse.Namespace) -> str | None:
+    """What is wrong with the run's numbers, or None (each names its flag and limit)."""
+    if args.concurrency < 1:
+        return "--concurrency must be at least 1"
+    if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
+        return f"--rate must be a finite number of requests/s > 0, got {args.rate}"
+    if args.warmup < 0:
+        return f"--warmup must be >= 0, got {args.warmup}"
+    if args.max_tokens < 1:
+        return f"--max-tokens must be at least 1, got {args.max_tokens}"
+    if not (math.isfinite(args.trace_time_scale) and args.trace_time_scale > 0):
+        return f"--trace-time-scale must be a finite number > 0, got {args.trace_time_scale}"
+    for flag, value in (
+        ("--prefix-chars", args.prefix_chars),
+        ("--suffix-chars", args.suffix_chars),
+        ("--trace-block-chars", args.trace_block_chars),
+    ):
+        if value < 1:
+            return f"{flag} must be at least 1, got {value}"
+    if args.trace and args.requests < 1:
+        return f"--requests must be at least 1, got {args.requests}"
+    return None
+
+
+def _check_output(path: str | None, names: list[str]) -> str | None:
+    """A --json that cannot be written, refused before the run (not after it), and
+    labels that would overwrite each other's results."""
+    if len(set(names)) < len(names):
+        return "two targets have the same label: give each --url (or --name) once"
+    if path is None or path == "-":
+        return None
+    if not path:
+        return "--json needs a path ('-' for stdout)"
+    target = Path(path)
+    if target.is_dir():
+        return f"--json {path} is a directory"
+    if not target.parent.is_dir():
+        return f"--json {path}: the directory {target.parent} does not exist"
+    if not os.access(target.parent, os.W_OK) or (
+        target.exists() and not os.access(target, os.W_OK)
+    ):
+        return f"--json {path} cannot be written"
+    return None
 
 
 def _advance(progress: Any, task: Any, sample: object) -> None:

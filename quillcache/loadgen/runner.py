@@ -135,6 +135,12 @@ async def one_request(client: aiohttp.ClientSession, cfg: RunConfig, req: LoadRe
         sample.error = f"{type(exc).__name__}: {exc}"[:200]
         sample.e2e_s = time.perf_counter() - start
         return sample
+    except (AttributeError, TypeError, KeyError, IndexError) as exc:
+        # JSON of another shape than OpenAI's (a list, a choice that is not an object):
+        # this request failed, the run goes on
+        sample.error = f"malformed answer: {type(exc).__name__}: {exc}"[:200]
+        sample.e2e_s = time.perf_counter() - start
+        return sample
 
 
 async def run_load(

@@ -10,6 +10,7 @@ for any tokenizer that splits text the same way each time.
 from __future__ import annotations
 
 import json
+import math
 import random
 import string
 from dataclasses import dataclass
@@ -67,23 +68,31 @@ def mooncake_trace(
 ) -> list[LoadRequest]:
     """Requests of a Mooncake-format trace (timestamps in ms, scaled by `time_scale`)."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"trace {path} is a directory, not a JSONL file")
     if not path.is_file():
         raise ConfigError(f"trace {path} does not exist")
     chunks: dict[int, str] = {}
     out: list[LoadRequest] = []
-    with path.open() as f:
-        for line_no, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
             if requests is not None and len(out) >= requests:
                 break
-            if not line.strip():
+            if not raw.strip():
                 continue
             try:
-                rec = json.loads(line)
+                rec = json.loads(raw.decode("utf-8"))
                 ids = [int(h) for h in rec["hash_ids"]]
                 ts = float(rec.get("timestamp", 0)) / 1000.0
                 out_len = int(rec.get("output_length", max_tokens))
-            except (ValueError, KeyError, TypeError) as exc:
+            except (ValueError, KeyError, TypeError) as exc:  # UnicodeDecodeError included
                 raise ConfigError(f"trace {path}:{line_no}: not a Mooncake record: {exc}") from exc
+            if not ids:
+                raise ConfigError(f"trace {path}:{line_no}: a record without hash_ids")
+            if not (math.isfinite(ts) and ts >= 0):
+                raise ConfigError(
+                    f"trace {path}:{line_no}: timestamp must be a finite number of ms >= 0"
+                )
             parts = []
             for h in ids:
                 if h not in chunks:
@@ -92,4 +101,6 @@ def mooncake_trace(
             out.append(
                 LoadRequest("".join(parts), max(1, min(out_len, max_tokens)), ts * time_scale)
             )
+    if not out:
+        raise ConfigError(f"trace {path} has no records")
     return out
