@@ -43,7 +43,7 @@ from quillcache.tokenization.multimodal import MultimodalConfig
 
 
 class WorkerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     url: str = Field(description="base URL of the engine's HTTP server")
     kv_endpoint: str | None = Field(
@@ -84,7 +84,7 @@ class ApiKeyConfig(BaseModel):
     (`quillcache secret hash-key`). A plain `key` (or a bare string in `api_keys`) is
     accepted too and hashed at load, for keys given on the command line."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     sha256: str | None = Field(default=None, description="hex SHA-256 of the key")
     key: str | None = Field(default=None, description="the key itself (prefer sha256)")
@@ -118,7 +118,7 @@ class ApiKeyConfig(BaseModel):
 class ReplicationSettings(BaseModel):
     """Hot-prefix replication in the gateway (docs/policy.md, Replication)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = Field(
         default=False,
@@ -162,7 +162,7 @@ class PolicyConfig(BaseModel):
     """The policy engine (docs/policy.md): pins, session retention, and the budget of
     the warm requests it sends engines."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     interval_s: float = Field(default=1.0, gt=0, le=60, description="how often it decides")
     pin_default_ttl_s: float = Field(
@@ -239,7 +239,7 @@ class PolicyConfig(BaseModel):
 
 
 class GatewayConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -305,7 +305,7 @@ class GatewayConfig(BaseModel):
         "stream ends with an SSE error (a whole answer: a 502) and the engine is marked down",
     )
     max_connections: int = Field(default=1024, ge=1)
-    max_body_bytes: int = Field(default=32 << 20, ge=1024)
+    max_body_bytes: int = Field(default=32 << 20, ge=1024, le=1 << 40)
     max_prompt_bytes: int = Field(
         default=4 << 20,
         ge=1024,
@@ -479,7 +479,10 @@ def _check_networks(values: list[str]) -> list[str]:
 def _read_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text: {exc}") from None
     try:
         if path.suffix == ".toml":
             data: Any = tomllib.loads(text)

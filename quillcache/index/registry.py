@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
-from quillcache.errors import QuillCacheError, UnknownBackendError
+from quillcache.errors import ConfigError, QuillCacheError, UnknownBackendError
 from quillcache.index.protocol import IndexBackend
 
 ENTRY_POINT_GROUP = "quillcache.index_backends"
@@ -97,4 +97,9 @@ def create_backend(name: str, **options: Any) -> IndexBackend:
     why = backend.unavailable()
     if why is not None:
         raise BackendUnavailableError(f"index backend {name!r} is unavailable: {why}")
-    return backend.factory(**options)
+    try:
+        return backend.factory(**options)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:  # an option of the wrong name, type or value
+        raise ConfigError(f"index backend {name!r} options {options!r}: {exc}") from None

@@ -164,7 +164,12 @@ def create_router(name: str, **options: Any) -> Router:
     except KeyError:
         known = ", ".join(available_routers()) or "none"
         raise UnknownRouterError(f"unknown router {name!r}; known: {known}") from None
-    built = factory(**options)
+    try:
+        built = factory(**options)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:  # an option of the wrong type or value
+        raise ConfigError(f"router {name!r} options {options!r}: {exc}") from None
     if slo_values:
         set_default_slo(
             built, SLO(ttft_s=slo_values.get("ttft_slo_s"), tbt_s=slo_values.get("tbt_slo_s"))
