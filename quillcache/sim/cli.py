@@ -361,11 +361,22 @@ def _check_run_numbers(args: argparse.Namespace) -> None:
         raise ConfigError(f"--time-scale must be a positive finite number, got {args.time_scale}")
     if args.rate is not None and not (0 < args.rate < math.inf):
         raise ConfigError(f"--rate must be a positive finite number, got {args.rate}")
-    for flag, target in (("--json", args.json), ("--plot", args.plot)):
-        if target is not None and target != "-" and not Path(target).parent.is_dir():
-            raise ConfigError(
-                f"{flag} {target}: the directory {Path(target).parent} does not exist"
-            )
+    check_output_paths(args.json, args.plot)
+
+
+def check_output_paths(json_path: str | None, plot_path: str | None) -> None:
+    """ConfigError for a --json or --plot that cannot be written, before the run (after
+    it, the results would be lost)."""
+    from quillcache.errors import ConfigError
+
+    for flag, target in (("--json", json_path), ("--plot", plot_path)):
+        if target is None or target == "-":
+            continue
+        where = Path(target)
+        if where.is_dir():
+            raise ConfigError(f"{flag} {target} is a directory")
+        if not where.parent.is_dir():
+            raise ConfigError(f"{flag} {target}: the directory {where.parent} does not exist")
 
 
 def _workload(args: argparse.Namespace) -> Any:

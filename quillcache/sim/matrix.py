@@ -350,6 +350,8 @@ def _seeds(src: _Source, value: Any) -> list[int]:
     ):
         if len(set(value)) != len(value):
             raise src.error("seeds", "a seed is listed twice")
+        if min(value) < 0 or max(value) >= 2**64:
+            raise src.error("seeds", "seeds must be whole numbers from 0 to 2**64 - 1")
         return list(value)
     raise src.error("seeds", "must be a count (3: seeds 0, 1, 2) or a list of whole numbers")
 
@@ -369,7 +371,7 @@ def _workload(src: _Source, path: str, name: str, table: Any) -> WorkloadSpec:
             raise src.error(f"{path}.limit", f"must be a positive whole number, got {limit!r}")
         return WorkloadSpec(name, trace=trace, block_size=bs, limit=limit)
     gen = t["generator"]
-    if gen not in GENERATORS:
+    if not isinstance(gen, str) or gen not in GENERATORS:
         raise src.error(
             f"{path}.generator", f"unknown generator {gen!r}; known: {', '.join(GENERATORS)}"
         )
@@ -407,7 +409,7 @@ def _setup(src: _Source, path: str, name: str, table: Any) -> SetupSpec:
     t = _table(src, path, table)
     _known(src, f"{path}.", t, {"base", "cost"})
     base = t.get("base")
-    if base not in SETUPS:
+    if not isinstance(base, str) or base not in SETUPS:
         raise src.error(f"{path}.base", f"unknown setup {base!r}; known: {', '.join(SETUPS)}")
     cost = tuple(_flat("", _table(src, f"{path}.cost", t.get("cost", {}))))
     spec = SetupSpec(name, base, cost)
@@ -437,7 +439,7 @@ def _names(src: _Source, path: str, value: Any, known: dict[str, Any], what: str
     if not isinstance(value, list) or not value:
         raise src.error(path, f"must be a non-empty list of {what} names")
     for v in value:
-        if v not in known:
+        if not isinstance(v, str) or v not in known:
             raise src.error(path, f"unknown {what} {v!r}; known: {', '.join(sorted(known))}")
     return list(value)
 
@@ -468,6 +470,10 @@ def _axes(
     ]
 
 
+#: How many times slower than the setup's GPU an engine may be made (`slow_workers`).
+MAX_SLOW_FACTOR = 1000.0
+
+
 def _worker_table(
     src: _Source, path: str, value: Any, engines: int, what: str
 ) -> tuple[tuple[int, float], ...]:
@@ -484,8 +490,11 @@ def _worker_table(
             isinstance(v, bool)
             or not isinstance(v, int if what == "slots" else (int, float))
             or not (v > 0 if what in ("factor", "slots") else v >= 0)
+            or not math.isfinite(v)
+            or (what == "factor" and v > MAX_SLOW_FACTOR)
         ):
-            raise src.error(f"{path}.{k}", f"{v!r} is not a valid {what}")
+            limit = f" (at most {MAX_SLOW_FACTOR:g})" if what == "factor" else ""
+            raise src.error(f"{path}.{k}", f"{v!r} is not a valid {what}{limit}")
         out.append((w, float(v)))
     return tuple(sorted(out))
 
@@ -521,12 +530,12 @@ def _cell(
             raise src.error(f"{path}.{k}", "missing")
     if not isinstance(t["name"], str) or not t["name"]:
         raise src.error(f"{path}.name", "must be a non-empty string")
-    if t["workload"] not in workloads:
+    if not isinstance(t["workload"], str) or t["workload"] not in workloads:
         raise src.error(
             f"{path}.workload",
             f"unknown workload {t['workload']!r}; known: {', '.join(sorted(workloads))}",
         )
-    if t["setup"] not in setups:
+    if not isinstance(t["setup"], str) or t["setup"] not in setups:
         raise src.error(
             f"{path}.setup", f"unknown setup {t['setup']!r}; known: {', '.join(sorted(setups))}"
         )

@@ -82,11 +82,12 @@ class ProgressLines:
 def run(args: argparse.Namespace, err: Any) -> int:
     from rich.progress import Progress
 
-    from quillcache.sim.cli import usable_cpus
+    from quillcache.sim.cli import check_output_paths, usable_cpus
     from quillcache.sim.matrix import execute, load_grid, results_json, tasks_of
     from quillcache.sim.matrix_checkpoint import CHECKPOINT_NAME, Checkpoint
     from quillcache.sim.matrix_report import heatmap, page
 
+    check_output_paths(args.json, args.plot)
     grid = load_grid(args.matrix)
     jobs = args.jobs or usable_cpus()
     out = Path(args.out or f"matrix-{grid.name}")

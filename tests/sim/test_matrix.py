@@ -133,6 +133,32 @@ def _matrix(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
             '[[cells]]\nname = "b"\nworkload = "sglang-gsp"\nsetup = "bs48"\nengines = 2\n',
             "line 19: cells[1].setup: cell 'b': setup 'bs48' sets engine.block_size 48",
         ),
+        # entries of the wrong type are named, not a TypeError
+        (
+            '[axes]\nworkloads = [["tiny"]]\nsetups = ["llama-8b-a100"]\nengines = [2]\n',
+            "axes.workloads: unknown workload ['tiny']",
+        ),
+        (
+            '[axes]\nworkloads = ["shared-prefix"]\nsetups = [{a = 1}]\nengines = [2]\n',
+            "axes.setups: unknown setup {'a': 1}",
+        ),
+        (
+            '[[cells]]\nname = "a"\nworkload = ["x"]\nsetup = "llama-8b-a100"\nengines = 2\n',
+            "cells[0].workload: unknown workload ['x']",
+        ),
+        ('[setups.s]\nbase = ["x"]\n', "setups.s.base: unknown setup ['x']"),
+        ('[workloads.x]\ngenerator = ["shared-prefix"]\n', "workloads.x.generator: unknown"),
+        ("seeds = [-1]\n", "seeds: seeds must be whole numbers from 0"),
+        (
+            '[[cells]]\nname = "a"\nworkload = "shared-prefix"\nsetup = "llama-8b-a100"\n'
+            "engines = 4\nslow_workers = { 0 = inf }\n",
+            "cells[0].slow_workers.0: inf is not a valid factor (at most 1000)",
+        ),
+        (
+            '[[cells]]\nname = "a"\nworkload = "shared-prefix"\nsetup = "llama-8b-a100"\n'
+            "engines = 4\nslow_workers = { 0 = 1e308 }\n",
+            "is not a valid factor (at most 1000)",
+        ),
     ],
 )
 def test_grid_errors_name_the_key_and_line(text: str, expected: str) -> None:
@@ -420,3 +446,16 @@ def test_a_trace_cell_runs_a_seed_free_router_once(tmp_path: Path) -> None:
         _STATE.clear()
     copied = {k: v for k, v in own[2].items() if k != "same_run_as_seed"}
     assert copied == direct
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_matrix_outputs_that_cannot_be_written_are_refused_before_the_runs(
+    flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from quillcache.cli import main
+
+    target = "/proc/no-such-dir/out." + ("json" if flag == "--json" else "png")
+    code = main(["simulate", "--matrix", "quick", "--out", str(tmp_path / "o"), flag, target])
+    assert code == 2
+    said = " ".join(capsys.readouterr().err.split())  # (rich wraps long lines)
+    assert f"{flag} {target}: the directory /proc/no-such-dir does not exist" in said
