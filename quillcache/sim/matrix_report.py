@@ -110,6 +110,10 @@ def page(
                 f"| {c['name']} | {m} TTFT | {v['winner']} | {_s(v.get('best_s'))} | "
                 f"{_s(v.get('own_s'))} | {'-' if pct is None else f'{pct:+.1f} %'} |"
             )
+    elif own not in meta["routers"]:
+        lines.append(f"Not judged: `{own}` is not among this grid's routers.")
+    elif not [c for c in cells if not c.get("failed")]:
+        lines.append("Not judged: no cell has results.")
     else:
         lines.append(f"None: `{own}` is best or within the winner's spread in every cell.")
     failed = [c for c in cells if c.get("failed")]

@@ -459,3 +459,13 @@ def test_matrix_outputs_that_cannot_be_written_are_refused_before_the_runs(
     assert code == 2
     said = " ".join(capsys.readouterr().err.split())  # (rich wraps long lines)
     assert f"{flag} {target}: the directory /proc/no-such-dir does not exist" in said
+
+
+def test_a_grid_without_quillcache_does_not_claim_it_wins(tmp_path: Path) -> None:
+    grid = TINY.replace('["quillcache", "round-robin"]', '["round-robin", "least-loaded"]')
+    (tmp_path / "g.toml").write_text(grid.replace("seeds = 2", "seeds = 1"))
+    proc = _matrix("--matrix", "g.toml", "--out", "o", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "o" / "matrix.md").read_text()
+    assert "Not judged: `quillcache` is not among this grid's routers." in text
+    assert "is best or within the winner's spread in every cell" not in text
