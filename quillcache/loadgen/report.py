@@ -28,6 +28,8 @@ def summarize(samples: Sequence[Sample], wall_s: float) -> dict[str, Any]:
         "ok": len(ok),
         "errors": sum(errors.values()),
         "error_kinds": dict(errors),
+        # the first whole message of each kind: why, not only how many
+        "error_examples": _examples(samples),
         "wall_s": wall_s,
         "req_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
         "output_tok_per_s": sum(s.output_tokens for s in ok) / wall_s if wall_s > 0 else 0.0,
@@ -60,6 +62,14 @@ _ROWS = [
 ]
 
 
+def _examples(samples: Sequence[Sample]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for s in samples:
+        if not s.ok:
+            out.setdefault(s.error.split(":")[0], s.error)
+    return out
+
+
 def render_table(results: dict[str, dict[str, Any]], title: str = "loadgen") -> Any:
     """A rich Table, one column per target, plus `+ vs <first>` for latency rows."""
     from rich.table import Table
@@ -86,4 +96,9 @@ def render_table(results: dict[str, dict[str, Any]], title: str = "loadgen") -> 
                 else:
                     cells.append("")
         table.add_row(label, *cells)
+    for name in names:  # why requests failed, one line per kind
+        for kind, example in results[name].get("error_examples", {}).items():
+            n = results[name]["error_kinds"].get(kind, 0)
+            cells = [example[:120] if other == name else "" for other in names]
+            table.add_row(f"error ({n}x)", *cells, *([""] * (len(names) - 1)))
     return table

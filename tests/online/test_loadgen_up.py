@@ -141,6 +141,7 @@ def test_loadgen_counts_errors() -> None:
     bad = [Sample(ok=False, error="HTTP 500: boom"), Sample(ok=True, ttft_s=0.1, e2e_s=0.2)]
     s = summarize(bad, 1.0)
     assert s["errors"] == 1 and s["error_kinds"] == {"HTTP 500": 1} and s["ok"] == 1
+    assert s["error_examples"] == {"HTTP 500": "HTTP 500: boom"}  # why, not only how many
 
 
 def test_mooncake_trace_prompts_share_text_where_ids_are_shared(tmp_path: Path) -> None:
