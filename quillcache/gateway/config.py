@@ -18,6 +18,7 @@ import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -76,6 +77,13 @@ class WorkerConfig(BaseModel):
     def _http(cls, v: str) -> str:
         if not v.startswith(("http://", "https://")):
             raise ValueError(f"worker url must start with http:// or https://, got {v!r}")
+        parts = urlsplit(v)
+        try:
+            parts.port  # noqa: B018 (parses it: a port that is not a number raises)
+        except ValueError:
+            raise ValueError(f"worker url {v!r}: the port is not a number up to 65535") from None
+        if not parts.hostname or any(c.isspace() for c in v):
+            raise ValueError(f"worker url {v!r} has no valid host name or address")
         return v.rstrip("/")
 
 
@@ -428,6 +436,15 @@ class GatewayConfig(BaseModel):
             return redis_urls.checked(v)
         except ValueError as exc:
             raise ValueError(f"state must be 'local' or a Redis URL: {exc}") from None
+
+    @model_validator(mode="after")
+    def _each_worker_once(self) -> GatewayConfig:
+        seen: set[str] = set()
+        for w in self.workers:
+            if w.url in seen:
+                raise ValueError(f"workers lists {w.url} twice: one engine is one worker")
+            seen.add(w.url)
+        return self
 
     @model_validator(mode="after")
     def _replicas_need_bound_engines(self) -> GatewayConfig:

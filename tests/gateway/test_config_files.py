@@ -57,3 +57,23 @@ def test_the_gateway_command_exits_2_with_the_message(tmp_path: Path) -> None:
     )
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and "options {'bogus': 1}" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("workers", "said"),
+    [
+        ([{"url": "http://"}], "has no valid host"),
+        ([{"url": "http://foo bar:80"}], "has no valid host"),
+        ([{"url": "http://127.0.0.1:notaport"}], "the port is not a number"),
+        ([{"url": "http://127.0.0.1:8000"}, {"url": "http://127.0.0.1:8000/"}], "twice"),
+    ],
+)
+def test_worker_urls_that_cannot_be_one_engine_each_are_refused(
+    tmp_path: Path, workers: list[dict[str, str]], said: str
+) -> None:
+    import json
+
+    path = tmp_path / "gateway.json"
+    path.write_text(json.dumps({"workers": workers}))
+    with pytest.raises(ConfigError, match=said):
+        load_config(path)
