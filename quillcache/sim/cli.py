@@ -740,6 +740,13 @@ def _replica_options(args: argparse.Namespace) -> tuple[list[int], list[str], st
         except ValueError:
             raise ConfigError(f"--replicas: {part.strip()!r} is not a whole number") from None
     states = (args.replica_state or "shared").split(",")
+    listed = (
+        ("--replicas", args.replicas, counts),
+        ("--replica-state", args.replica_state, [st.strip() for st in states]),
+    )
+    for flag, given, values in listed:
+        if len(set(values)) < len(values):
+            raise ConfigError(f"{flag} {given}: a value is listed twice")
     lb = args.lb or "round-robin"
     scrape = 1.0 if args.scrape_interval is None else args.scrape_interval
     for n in counts:

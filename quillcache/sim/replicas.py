@@ -60,6 +60,10 @@ REPLICA_STATES: tuple[str, ...] = ("shared", "private", "approximate")
 LB_POLICIES: tuple[str, ...] = ("round-robin", "random")
 
 
+#: The most gateway replicas a simulated fleet has (each runs its own control plane).
+MAX_REPLICAS = 1024
+
+
 @dataclass(frozen=True)
 class ReplicaConfig:
     """How many replicas, what they share, how requests reach them."""
@@ -72,8 +76,8 @@ class ReplicaConfig:
     scrape_interval_s: float = 1.0
 
     def check(self) -> None:
-        if self.replicas < 1:
-            raise ConfigError(f"--replicas must be >= 1, got {self.replicas}")
+        if not 1 <= self.replicas <= MAX_REPLICAS:
+            raise ConfigError(f"--replicas must be from 1 to {MAX_REPLICAS}, got {self.replicas}")
         if self.state not in REPLICA_STATES:
             raise ConfigError(
                 f"unknown replica state {self.state!r}; known: {', '.join(REPLICA_STATES)}"

@@ -133,8 +133,9 @@ def test_approximate_replicas_ingest_no_engine_events_but_learn_residency() -> N
 @pytest.mark.parametrize(
     "config, needle",
     [
-        (ReplicaConfig(0), "--replicas must be >= 1"),
-        (ReplicaConfig(-3), "--replicas must be >= 1"),
+        (ReplicaConfig(0), "--replicas must be from 1 to 1024"),
+        (ReplicaConfig(-3), "--replicas must be from 1 to 1024"),
+        (ReplicaConfig(100_000), "--replicas must be from 1 to 1024, got 100000"),
         (ReplicaConfig(2, "psychic"), "unknown replica state 'psychic'"),
         (ReplicaConfig(2, "shared", "least-busy"), "unknown load balancer 'least-busy'"),
         (ReplicaConfig(2, "shared", "random", 0.0), "scrape interval must be positive"),
@@ -272,7 +273,10 @@ def test_cli_without_replicas_has_no_replica_fields() -> None:
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--replicas", "0"], "--replicas must be >= 1"),
+        (["--replicas", "0"], "--replicas must be from 1 to 1024, got 0"),
+        (["--replicas", "100000"], "--replicas must be from 1 to 1024, got 100000"),
+        (["--replicas", "2,2"], "--replicas 2,2: a value is listed twice"),
+        (["--replicas", "2", "--replica-state", "shared,shared"], "a value is listed twice"),
         (["--replicas", "two"], "is not a whole number"),
         (["--replicas", "2", "--replica-state", "gossip"], "unknown replica state 'gossip'"),
         (["--replicas", "2", "--lb", "hash"], "unknown load balancer 'hash'"),
